@@ -1,0 +1,12 @@
+"""quantzoo.formats: the format registry.
+
+    names()         registered format names, weight formats first
+    get(name)       the Format instance (KeyError listing the known names otherwise)
+
+Each module below registers its classes on import (gguf-py style, `class X(Format, name=...)`).
+"""
+from .base import Format, as_float_matrix, get, names, weight_formats
+from .tensor import QuantizedTensor
+from . import awq, gguf_blocks, fp16  # noqa: F401  (registration)
+
+__all__ = ["Format", "QuantizedTensor", "get", "names", "weight_formats", "as_float_matrix"]

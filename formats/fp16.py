@@ -1,0 +1,31 @@
+"""fp16: the unquantized baseline every format is compared with (cuBLAS on GPU)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Format, as_float_matrix
+from .tensor import QuantizedTensor
+
+
+class FP16(Format, name="fp16"):
+    kind = "baseline"
+    block_size, bytes_per_block = 1, 2
+    kernels = "fp16"
+    nmse_ceiling = 1e-6
+    gguf_type = "F16"
+
+    def quantize(self, w, **opts) -> QuantizedTensor:
+        if opts:
+            raise TypeError(f"fp16.quantize: unexpected options {sorted(opts)}")
+        w = as_float_matrix(w)
+        if np.abs(w).max(initial=0) > 65504:
+            raise ValueError("fp16.quantize: values beyond +-65504 overflow fp16")
+        return QuantizedTensor("fp16", tuple(w.shape), w.astype(np.float16))
+
+    def dequantize(self, qt) -> np.ndarray:
+        return qt.numpy().data.astype(np.float32)
+
+    def emulate(self, x, qt, return_bound=False):
+        from quantzoo.reference import awq_fp16
+
+        return awq_fp16.fp16_matmul(x, self.dequantize(qt), return_bound=return_bound)

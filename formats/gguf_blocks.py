@@ -1,0 +1,242 @@
+"""llama.cpp's 32-element block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights, Q8_1 activations.
+
+Storage is bit-identical to a .gguf tensor: a weight (N, K) is uint8 (N, K/32 * bytes), each
+row a run of blocks laid out as ggml-common.h declares them:
+
+    Q4_0  18 B  half d;          u8 qs[16]            w = (q - 8) * d        q in 0..15
+    Q4_1  20 B  half d, m;       u8 qs[16]            w = q * d + m          q in 0..15
+    Q5_0  22 B  half d; u8 qh[4]; u8 qs[16]           w = (q - 16) * d       q in 0..31
+    Q5_1  24 B  half d, m; u8 qh[4]; u8 qs[16]        w = q * d + m          q in 0..31
+    Q8_0  34 B  half d;          i8 qs[32]            w = q * d              q in -127..127
+    Q8_1  36 B  half d, s;       i8 qs[32]            x = q * d, s = sum(x)  (CUDA activation block)
+
+Nibbles: element j of a block is the low nibble of qs[j], element j+16 the high one. Q5's fifth
+bit of element j is bit j of the little-endian uint32 qh.
+
+The quantizers follow llama.cpp's reference (ggml-quants.c) as gguf-py reproduces it in numpy:
+every intermediate in float32, d rounded to half only when stored, so our bytes equal
+`gguf.quants.quantize` (the tests hold us to it). We own the codec instead of calling gguf-py
+because the kernels' reference needs the integer fields (q, d, m), which gguf-py never exposes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Format, as_float_matrix
+from .tensor import QuantizedTensor
+
+QK = 32  # elements per block, every format here
+
+
+def roundf(v: np.ndarray) -> np.ndarray:
+    """C roundf: halves away from zero (numpy's np.round goes to even). Exact in float64."""
+    v = np.asarray(v, dtype=np.float64)
+    return np.sign(v) * np.floor(np.abs(v) + 0.5)
+
+
+def _safe_inverse(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def _split_blocks(w: np.ndarray, what: str) -> np.ndarray:
+    n, k = w.shape
+    if k % QK:
+        raise ValueError(f"{what}: in_features K={k} is not a multiple of the block size {QK}")
+    return w.reshape(n, k // QK, QK)
+
+
+class GGUFBlockFormat(Format):
+    """Shared codec of the block formats; subclasses set the bit width and the layout."""
+
+    block_size = QK
+    bits = 4            # bits per quantized element
+    has_min = False     # Q4_1 / Q5_1 store m (the block minimum)
+    offset = 0          # Q4_0: 8, Q5_0: 16 (q is stored unsigned, value uses q - offset)
+    kernels = "gguf"
+
+    # ---- field layout --------------------------------------------------------------
+    def unpack(self, data: np.ndarray) -> dict:
+        """uint8 (N, nb*bytes) -> {d: f16 (N, nb), m: f16 | None, q: int16 (N, nb, 32)}."""
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        n = data.shape[0]
+        blk = data.reshape(n, -1, self.bytes_per_block)
+        d = blk[..., 0:2].copy().view(np.float16)[..., 0]
+        pos = 2
+        m = None
+        if self.has_min:
+            m = blk[..., 2:4].copy().view(np.float16)[..., 0]
+            pos = 4
+        if self.bits == 8:
+            q = blk[..., pos:pos + QK].view(np.int8).astype(np.int16)
+            return {"d": d, "m": m, "q": q}
+        qh = None
+        if self.bits == 5:
+            qh = blk[..., pos:pos + 4].copy().view("<u4")[..., 0]
+            pos += 4
+        qs = blk[..., pos:pos + 16]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+        if qh is not None:
+            hi = (qh[..., None] >> np.arange(QK, dtype=np.uint32)) & 1
+            q |= (hi.astype(np.int16) << 4)
+        return {"d": d, "m": m, "q": q}
+
+    def pack(self, d: np.ndarray, q: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+        """Inverse of unpack: d (N, nb) half-representable, q (N, nb, 32) ints -> uint8 rows."""
+        n, nb = d.shape
+        parts = [d.astype(np.float16)[..., None].view(np.uint8)]
+        if self.has_min:
+            parts.append(m.astype(np.float16)[..., None].view(np.uint8))
+        if self.bits == 8:
+            parts.append(q.astype(np.int8).view(np.uint8))
+        else:
+            qu = q.astype(np.uint32)
+            if self.bits == 5:
+                qh = ((qu >> 4) & 1) << np.arange(QK, dtype=np.uint32)
+                parts.append(qh.sum(axis=-1, dtype=np.uint32).astype("<u4")[..., None].view(np.uint8))
+            lo = (qu & 0x0F).astype(np.uint8)
+            parts.append(lo[..., :16] | (lo[..., 16:] << 4))
+        blk = np.concatenate(parts, axis=-1)
+        assert blk.shape[-1] == self.bytes_per_block
+        return blk.reshape(n, nb * self.bytes_per_block)
+
+    # ---- codec ---------------------------------------------------------------------
+    def quantize_fields(self, blocks: np.ndarray) -> dict:
+        """float32 blocks (..., 32) -> fields, llama.cpp reference arithmetic."""
+        levels = (1 << self.bits) - 1
+        if self.has_min:  # asymmetric: q = trunc((x - min) / d + 0.5)
+            lo = blocks.min(axis=-1, keepdims=True)
+            hi = blocks.max(axis=-1, keepdims=True)
+            d = (hi - lo) / np.float32(levels)
+            q = np.trunc((blocks - lo) * _safe_inverse(d) + np.float32(0.5))
+            return {"d": d[..., 0], "m": lo[..., 0], "q": np.clip(q, 0, levels).astype(np.int16)}
+        if self.bits == 8:  # Q8_0: q = roundf(x * (127 / amax))
+            d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+            q = roundf(blocks * _safe_inverse(d))
+            return {"d": d[..., 0], "m": None, "q": q.astype(np.int16)}
+        # symmetric with a signed scale: the largest-magnitude element maps to q = 0 exactly
+        imax = np.abs(blocks).argmax(axis=-1)[..., None]
+        vmax = np.take_along_axis(blocks, imax, axis=-1)
+        d = vmax / np.float32(-self.offset)
+        q = np.trunc(blocks * _safe_inverse(d) + np.float32(self.offset + 0.5))
+        return {"d": d[..., 0], "m": None, "q": np.clip(q, 0, levels).astype(np.int16)}
+
+    def quantize(self, w, **opts) -> QuantizedTensor:
+        if opts:
+            raise TypeError(f"{self.name}.quantize: unexpected options {sorted(opts)}")
+        w = as_float_matrix(w)
+        f = self.quantize_fields(_split_blocks(w, f"{self.name}.quantize"))
+        return QuantizedTensor(self.name, tuple(w.shape), self.pack(f["d"], f["q"], f["m"]))
+
+    def from_bytes(self, data: np.ndarray, shape) -> QuantizedTensor:
+        """Wrap raw GGUF block bytes (e.g. a tensor read by gguf.GGUFReader) without copying."""
+        n, k = (int(s) for s in shape)
+        if k % QK:
+            raise ValueError(f"{self.name}: in_features K={k} is not a multiple of {QK}")
+        want = (n, k // QK * self.bytes_per_block)
+        data = np.asarray(data, dtype=np.uint8)
+        if data.size != want[0] * want[1]:
+            raise ValueError(f"{self.name}: {data.size} bytes given, a ({n}, {k}) tensor needs {want[0] * want[1]}")
+        return QuantizedTensor(self.name, (n, k), data.reshape(want))
+
+    def values(self, f: dict) -> np.ndarray:
+        """Fields -> float32 (..., 32), the same float ops as gguf-py's dequantize."""
+        d = f["d"].astype(np.float32)[..., None]
+        if self.has_min:
+            return d * f["q"].astype(np.float32) + f["m"].astype(np.float32)[..., None]
+        return d * (f["q"] - self.offset).astype(np.float32)
+
+    def dequantize(self, qt: QuantizedTensor) -> np.ndarray:
+        qt = qt.numpy()
+        n, k = qt.shape
+        return self.values(self.unpack(qt.data)).reshape(n, k)
+
+    def emulate(self, x, qt, return_bound=False):
+        from quantzoo.reference import gguf_dot
+
+        return gguf_dot.emulate_matmul(x, qt, return_bound=return_bound)
+
+    # The per-block dot product the kernels compute, in fp32 (DESIGN.md §3):
+    # sumi = sum q_w * q_a (int32, DP4A), q_w unsigned for Q4/Q5 (the offset goes through s_a).
+    def block_dot(self, sumi, dw, mw, da, sa):
+        raise NotImplementedError
+
+
+class Q4_0(GGUFBlockFormat, name="q4_0"):
+    bits, offset, bytes_per_block, gguf_type, nmse_ceiling = 4, 8, 18, "Q4_0", 0.0089
+
+    def block_dot(self, sumi, dw, mw, da, sa):
+        return dw * (da * sumi - np.float32(8) * sa)
+
+
+class Q4_1(GGUFBlockFormat, name="q4_1"):
+    bits, has_min, bytes_per_block, gguf_type, nmse_ceiling = 4, True, 20, "Q4_1", 0.0092
+
+    def block_dot(self, sumi, dw, mw, da, sa):
+        return (dw * da) * sumi + mw * sa
+
+
+class Q5_0(GGUFBlockFormat, name="q5_0"):
+    bits, offset, bytes_per_block, gguf_type, nmse_ceiling = 5, 16, 22, "Q5_0", 0.0045
+
+    def block_dot(self, sumi, dw, mw, da, sa):
+        return dw * (da * sumi - np.float32(16) * sa)
+
+
+class Q5_1(GGUFBlockFormat, name="q5_1"):
+    bits, has_min, bytes_per_block, gguf_type, nmse_ceiling = 5, True, 24, "Q5_1", 0.0048
+
+    def block_dot(self, sumi, dw, mw, da, sa):
+        return (dw * da) * sumi + mw * sa
+
+
+class Q8_0(GGUFBlockFormat, name="q8_0"):
+    bits, bytes_per_block, gguf_type, nmse_ceiling = 8, 34, "Q8_0", 0.0002
+
+    def block_dot(self, sumi, dw, mw, da, sa):
+        return (dw * da) * sumi
+
+
+def butterfly_sum(v: np.ndarray) -> np.ndarray:
+    """Sum over the last axis (32) in the order of a warp's xor-shuffle reduction, in fp32.
+
+    Step `off` adds lane i and lane i^off (16, 8, 4, 2, 1); fp32 addition is commutative, so
+    every lane ends with the same value and a CUDA warp reduction gives this sum bit for bit.
+    """
+    v = v.astype(np.float32)
+    lanes = np.arange(v.shape[-1])
+    off = v.shape[-1] // 2
+    while off:
+        v = v + v[..., lanes ^ off]
+        off //= 2
+    return v[..., 0]
+
+
+class Q8_1(GGUFBlockFormat, name="q8_1"):
+    """Activation blocks as llama.cpp's CUDA quantize_q8_1 makes them.
+
+    d = amax / 127 (fp32), q = roundf(x / d) (a true fp32 division; q = 0 when amax = 0),
+    s = sum of the original x over the block, summed in warp-butterfly order (butterfly_sum),
+    then d and s rounded to half. The legacy CPU block (fp32 d and d*sum(q), 40 bytes in
+    gguf-py's size table) is a different thing; the 36-byte size here is the CUDA one.
+    """
+
+    kind = "activation"
+    # has_min: the second half of the header (here s) sits where Q4_1 keeps m; same packing.
+    bits, has_min, bytes_per_block, kernels, nmse_ceiling = 8, True, 36, "gguf", 0.0
+    gguf_type = None  # never stored in a .gguf file
+
+    def quantize_fields(self, blocks):
+        blocks = blocks.astype(np.float32)
+        amax = np.abs(blocks).max(axis=-1)
+        d = amax / np.float32(127)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = blocks / d[..., None]  # fp32 division, correctly rounded like CUDA's '/'
+        q = np.where(amax[..., None] == 0, 0, roundf(ratio)).astype(np.int16)
+        return {"d": d, "m": butterfly_sum(blocks), "q": q}
+
+    def values(self, f):
+        return f["d"].astype(np.float32)[..., None] * f["q"].astype(np.float32)
+
+    def emulate(self, x, qt, return_bound=False):
+        raise TypeError("q8_1 is an activation format: quantize activations with it, not weights")

@@ -1,0 +1,35 @@
+"""The `quantzoo` command line: one module per subcommand in quantzoo/commands/.
+
+Each module there defines `register(subparsers)`, adding its parser and setting `func`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from . import commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quantzoo",
+                                description="quantized-matmul kernels, references and a Qwen3 runner")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
+        importlib.import_module(f"{commands.__name__}.{info.name}").register(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError, NotImplementedError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"quantzoo {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `quantzoo` CLI, discovered by quantzoo.cli (each defines register())."""

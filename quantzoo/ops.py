@@ -1,0 +1,54 @@
+"""Dispatch: y = x @ W.T for a QuantizedTensor W, by device and then (in the kernel modules) by M.
+
+CPU (numpy, or torch on CPU) runs the reference: by default the bit-faithful emulation of what
+the GPU kernel computes (reference/), or with mode="dequant" a float32 matmul on the
+dequantized weight. CUDA (torch fp16 on a GPU, weight moved there with qt.to("cuda")) runs the
+format's kernels, quantzoo.kernels.<fmt.kernels>.matmul.
+"""
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+MODES = ("emulate", "dequant")
+
+
+def _same_device(a: str, b: str) -> bool:
+    norm = lambda d: "cuda:0" if d == "cuda" else d  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def kernels_for(fmt):
+    """The kernel module of a format (quantzoo.kernels.<name>), or a clear error."""
+    if fmt.kernels is None:
+        raise NotImplementedError(f"format {fmt.name!r} has no GPU kernels")
+    return importlib.import_module(f"quantzoo.kernels.{fmt.kernels}")
+
+
+def matmul(x, qt, *, mode: str = "emulate"):
+    """y = x @ W.T; x (..., K) torch or numpy; same kind of array out (torch keeps x's dtype)."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: choose one of {MODES}")
+    n, k = qt.shape
+    shape = tuple(x.shape)
+    if len(shape) < 1 or shape[-1] != k:
+        raise ValueError(f"x: last dimension is {shape[-1] if shape else None}, the {qt.format} "
+                         f"weight {qt.shape} expects K={k}")
+    is_torch = hasattr(x, "detach")
+    xdev = str(x.device) if is_torch else "cpu"
+    if not _same_device(xdev, qt.device):
+        raise ValueError(f"x is on {xdev} but the {qt.format} weight is on {qt.device}; "
+                         "move one with qt.to(device) or x.to(device)")
+    if xdev != "cpu":
+        return kernels_for(qt.fmt).matmul(x, qt)
+    xn = x.detach().float().numpy() if is_torch else np.asarray(x, dtype=np.float32)
+    if mode == "emulate":
+        y = qt.fmt.emulate(xn, qt)
+    else:
+        y = (xn.reshape(-1, k) @ qt.fmt.dequantize(qt).T).reshape(*shape[:-1], n)
+    if is_torch:
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(y)).to(x.dtype)
+    return y

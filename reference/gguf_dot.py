@@ -1,0 +1,77 @@
+"""What the GGUF kernels compute: Q8_1 activations, int32 block dots, fp32 scale math.
+
+For activations x (M, K) and a weight in a block format (N, K):
+  1. x -> Q8_1 per 32-block: q_a int8, d_a and s_a (half), exactly as the CUDA quantize_q8_1
+     kernel makes them (formats.gguf_blocks.Q8_1: fp32 division, roundf, butterfly sum).
+  2. per (m, n, block): sumi = sum_j q_w[j] * q_a[j], exact in int32 (DP4A). Q4/Q5 weights
+     enter unsigned (0..15 / 0..31); their offset goes through s_a in the formula.
+  3. per block, in fp32, the format's block_dot (Q4_0: d_w * (d_a * sumi - 8 * s_a), ...).
+  4. y[m, n] = sum over blocks of those terms, accumulated in fp32 by the kernel.
+
+Steps 1-3 are bit-exact here. Step 4's order differs between kernels (warp shuffles, split K),
+so this sums in float64 and returns, when asked, a per-output bound on any fp32 summation
+order: |y_kernel - y| <= (n_blocks + 4) * 2^-24 * sum_b |term pieces|, the pieces being the
+magnitudes that enter each term (|d_w| * (|d_a * sumi| + |offset * s_a|) + |m_w * s_a|).
+
+sumi is computed as a float32 matrix product: |sum| <= 32 * 127 * 31 < 2^24, so every
+partial sum is an exact integer in float32 and BLAS gives the int32 result.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+EPS32 = 2.0 ** -24
+
+
+def quantize_activations(x: np.ndarray) -> dict:
+    """x float (M, K) -> Q8_1 fields {d: f16 (M, nb), m: s f16 (M, nb), q: int (M, nb, 32)}."""
+    from quantzoo.formats import get
+
+    q81 = get("q8_1")
+    x = np.asarray(x, dtype=np.float32)
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"activations: K={k} is not a multiple of 32")
+    f = q81.quantize_fields(x.reshape(m, k // 32, 32))
+    with np.errstate(over="ignore"):
+        return {"d": f["d"].astype(np.float16), "m": f["m"].astype(np.float16), "q": f["q"]}
+
+
+def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24):
+    fmt = qt.fmt
+    x = np.asarray(x, dtype=np.float32)
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    n, k = qt.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features, the weight expects K={k}")
+    a = quantize_activations(x)
+    w = fmt.unpack(qt.numpy().data)
+    nb = k // 32
+    qa = np.ascontiguousarray(a["q"].astype(np.float32).transpose(1, 0, 2))   # (nb, M, 32)
+    da, sa = a["d"].astype(np.float32), a["m"].astype(np.float32)             # (M, nb)
+    dw = w["d"].astype(np.float32)                                             # (N, nb)
+    mw = w["m"].astype(np.float32) if w["m"] is not None else np.zeros_like(dw)
+    qw = w["q"].astype(np.float32)                                             # (N, nb, 32)
+    off = np.float32(getattr(fmt, "offset", 0))
+
+    mrows = x.shape[0]
+    y = np.empty((mrows, n), dtype=np.float64)
+    bound = np.empty((mrows, n), dtype=np.float64) if return_bound else None
+    step = max(1, chunk_elems // max(1, mrows * nb))
+    for c0 in range(0, n, step):
+        c1 = min(n, c0 + step)
+        qwc = np.ascontiguousarray(qw[c0:c1].transpose(1, 2, 0))               # (nb, 32, n')
+        sumi = np.matmul(qa, qwc).transpose(1, 2, 0)                           # (M, n', nb)
+        dwc, mwc = dw[None, c0:c1], mw[None, c0:c1]
+        dac, sac = da[:, None, :], sa[:, None, :]
+        with np.errstate(over="ignore", invalid="ignore"):
+            term = fmt.block_dot(sumi, dwc, mwc, dac, sac).astype(np.float32)
+        y[:, c0:c1] = term.sum(axis=-1, dtype=np.float64)
+        if return_bound:
+            pieces = np.abs(dwc) * (np.abs(dac * sumi) + off * np.abs(sac)) + np.abs(mwc * sac)
+            bound[:, c0:c1] = (nb + 4) * EPS32 * pieces.sum(axis=-1, dtype=np.float64)
+    y32 = y.astype(np.float32).reshape(*lead, n)
+    if return_bound:
+        return y32, bound.reshape(*lead, n)
+    return y32
