@@ -1,0 +1,1 @@
+"""Benchmarks: `quantzoo bench kernels` and `quantzoo bench model`."""

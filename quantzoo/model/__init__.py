@@ -1,0 +1,1 @@
+"""The Qwen3 / llama runner: config, loaders, forward, generate."""
