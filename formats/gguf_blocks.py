@@ -125,7 +125,17 @@ class GGUFBlockFormat(Format):
         if opts:
             raise TypeError(f"{self.name}.quantize: unexpected options {sorted(opts)}")
         w = as_float_matrix(w)
-        f = self.quantize_fields(_split_blocks(w, f"{self.name}.quantize"))
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported just below
+            f = self.quantize_fields(_split_blocks(w, f"{self.name}.quantize"))
+        for key in ("d", "m"):  # the half fields must hold the block's scale and minimum/sum
+            if f[key] is None:
+                continue
+            with np.errstate(over="ignore"):
+                bad = ~np.isfinite(f[key].astype(np.float16))
+            if bad.any():
+                r, b = (int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(f"{self.name}.quantize: row {r}, block {b}: field {key}="
+                                 f"{float(f[key][r, b]):.6g} overflows fp16 (|value| > 65504)")
         return QuantizedTensor(self.name, tuple(w.shape), self.pack(f["d"], f["q"], f["m"]))
 
     def from_bytes(self, data: np.ndarray, shape) -> QuantizedTensor:

@@ -1,0 +1,79 @@
+"""AWQ codec: the interleaved nibble layout on hand-built values, pack/unpack, dequant, errors."""
+import numpy as np
+import pytest
+
+from quantzoo.formats import get
+from quantzoo.formats.awq import pack_int4, unpack_int4
+
+AWQ = get("awq")
+
+
+def test_layout_on_hand_built_values():
+    # Columns 0..7 hold values 1..8. Slot j of the int32 must hold column ORDER[j],
+    # ORDER = [0, 2, 4, 6, 1, 3, 5, 7]: slots 0..7 = 1, 3, 5, 7, 2, 4, 6, 8 -> 0x86427531.
+    q = np.arange(1, 9, dtype=np.uint8)[None]
+    word = pack_int4(q)
+    assert word.dtype == np.int32 and word.shape == (1, 1)
+    assert int(word.view(np.uint32)[0, 0]) == 0x86427531
+    assert unpack_int4(word).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    # And each slot alone: a single nonzero column lands at shift 4 * REVERSE[col].
+    reverse = [0, 4, 1, 5, 2, 6, 3, 7]
+    for col in range(8):
+        q = np.zeros((1, 16), np.uint8)
+        q[0, 8 + col] = 0xF
+        w = pack_int4(q).view(np.uint32)
+        assert int(w[0, 0]) == 0 and int(w[0, 1]) == 0xF << (4 * reverse[col])
+
+
+def test_pack_unpack_identity(rng):
+    q = rng.integers(0, 16, (64, 96), dtype=np.uint8)
+    assert np.array_equal(unpack_int4(pack_int4(q)), q)
+    words = rng.integers(-2**31, 2**31, (8, 5), dtype=np.int64).astype(np.int32)
+    assert np.array_equal(pack_int4(unpack_int4(words)), words)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantize_layout_and_dequant(group_size, rng):
+    n, k = 40, 256
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    qt = AWQ.quantize(w, group_size=group_size)
+    d = qt.data
+    assert d["qweight"].dtype == np.int32 and d["qweight"].shape == (k, n // 8)
+    assert d["qzeros"].dtype == np.int32 and d["qzeros"].shape == (k // group_size, n // 8)
+    assert d["scales"].dtype == np.float16 and d["scales"].shape == (k // group_size, n)
+    f = AWQ.fields(qt)
+    deq = AWQ.dequantize(qt)
+    # dequant = (q - z) * s, element by element on a sample of positions
+    for _ in range(200):
+        i, j = rng.integers(0, n), rng.integers(0, k)
+        g = j // group_size
+        expect = (float(f["q"][j, i]) - float(f["z"][g, i])) * float(f["s"][g, i])
+        assert deq[i, j] == np.float32(expect)
+    # round to nearest: an unclipped weight (0 < q < 15) lies within half a step of its
+    # dequantized value; a clipped one (z rounded too) within one step
+    step = f["s"].astype(np.float32).repeat(group_size, axis=0).T
+    err = np.abs(deq - w)
+    inner = (f["q"].T > 0) & (f["q"].T < 15)
+    assert np.all(err[inner] <= 0.5 * step[inner] * 1.001)
+    assert np.all(err <= step * 1.001)
+
+
+def test_from_arrays_checks_shapes(rng):
+    qt = AWQ.quantize(rng.standard_normal((16, 128)).astype(np.float32), group_size=64)
+    d = qt.data
+    again = AWQ.from_arrays(d["qweight"], d["qzeros"], d["scales"])
+    assert again.group_size == 64 and again.shape == (16, 128)
+    with pytest.raises(ValueError, match="scales"):
+        AWQ.from_arrays(d["qweight"], d["qzeros"], d["scales"].astype(np.float32), 64)
+    with pytest.raises(ValueError, match="qzeros"):
+        AWQ.from_arrays(d["qweight"], d["qzeros"][:1], d["scales"], 64)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        AWQ.quantize(np.zeros((12, 128), np.float32))
+    with pytest.raises(ValueError, match="not a multiple of group_size=128"):
+        AWQ.quantize(np.zeros((16, 576), np.float32))
+    with pytest.raises(ValueError, match="group_size=100"):
+        AWQ.quantize(np.zeros((16, 200), np.float32), group_size=100)
+    AWQ.quantize(np.zeros((16, 576), np.float32), group_size=64)   # 576 = 9 * 64 is fine

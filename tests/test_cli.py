@@ -1,0 +1,28 @@
+"""The CLI entry point and what `quantzoo formats` prints."""
+import re
+import subprocess
+import sys
+
+from quantzoo.formats import get, names
+
+
+def test_formats_table():
+    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "formats"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
+            if line.startswith("|") and not line.startswith("|--")}
+    for name in names():
+        assert name in rows, name
+        cells = [c.strip() for c in rows[name].split("|")[1:-1]]
+        assert float(cells[2]) == round(get(name).bits_per_weight, 3) or \
+            abs(float(cells[2]) - get(name).bits_per_weight) < 1e-3
+        if get(name).kind == "weight":
+            nmse_w, nmse_k = float(cells[6]), float(cells[7])
+            assert 0 < nmse_w <= nmse_k * 1.02 and nmse_k < 100 * get(name).nmse_ceiling
+
+
+def test_unknown_command_is_a_usage_error():
+    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "nope"], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and re.search(r"invalid choice", out.stderr)

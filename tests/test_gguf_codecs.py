@@ -1,0 +1,81 @@
+"""GGUF block codecs against the outside oracle gguf-py: identical bytes, identical floats."""
+import gguf
+import numpy as np
+import pytest
+
+from quantzoo.formats import get, names
+
+GGUF = [n for n in names() if get(n).gguf_type and get(n).kind == "weight"]
+
+
+def _cases(rng):
+    n, k = 12, 256
+    t = rng.standard_t(3, (n, k)).astype(np.float32)
+    huge = rng.uniform(-1, 1, (n, k)).astype(np.float32)
+    huge *= np.float32(6e4) / np.abs(huge).max()             # largest magnitude exactly 6e4
+    mixed = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    mixed[:, :32] = 0                                        # an all-zero block per row
+    mixed[:, 32:64] = 1.5                                    # a constant block per row
+    mixed[:, 64:96] = -0.25
+    return {
+        "gaussian": (rng.standard_normal((n, k)) * 0.02).astype(np.float32),
+        "student_t3": t,
+        "zeros": np.zeros((n, k), np.float32),
+        "mixed_zero_constant": mixed,
+        "tiny_1e-8": (rng.standard_normal((n, k)) * 1e-8).astype(np.float32),
+        "huge_6e4": huge,
+    }
+
+
+@pytest.mark.parametrize("name", GGUF)
+def test_bytes_and_floats_equal_gguf_py(name, rng):
+    fmt = get(name)
+    qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
+    for case, w in _cases(rng).items():
+        ours = fmt.quantize(w)
+        theirs = gguf.quants.quantize(w, qtype)
+        assert ours.data.dtype == np.uint8 and ours.data.shape == theirs.shape, case
+        assert np.array_equal(ours.data, theirs), f"{name}/{case}: bytes differ from gguf-py"
+        a = fmt.dequantize(ours)
+        b = gguf.quants.dequantize(theirs, qtype)
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{name}/{case}: floats differ"
+
+
+@pytest.mark.parametrize("name", GGUF)
+def test_dequantize_arbitrary_file_bytes(name, rng):
+    """Decode random (finite-scale) block bytes as a .gguf file might hold them, vs gguf-py."""
+    fmt = get(name)
+    qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
+    nb = 8
+    raw = rng.integers(0, 256, (5, nb * fmt.bytes_per_block), dtype=np.uint8)
+    blk = raw.reshape(5, nb, fmt.bytes_per_block)
+    halves = 2 if fmt.has_min else 1
+    blk[..., : 2 * halves] = rng.standard_normal((5, nb, halves)).astype(np.float16).view(np.uint8)
+    qt = fmt.from_bytes(raw, (5, nb * 32))
+    a = fmt.dequantize(qt)
+    b = gguf.quants.dequantize(raw, qtype)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    f = fmt.unpack(raw)                                # and the field codec is lossless
+    assert np.array_equal(fmt.pack(f["d"], f["q"], f["m"]), raw)
+
+
+@pytest.mark.parametrize("name", GGUF)
+def test_field_ranges(name, rng):
+    fmt = get(name)
+    f = fmt.unpack(fmt.quantize(rng.standard_t(3, (4, 512)).astype(np.float32)).data)
+    lo, hi = (-127, 127) if fmt.bits == 8 else (0, (1 << fmt.bits) - 1)
+    assert f["q"].min() >= lo and f["q"].max() <= hi
+    assert f["q"].shape == (4, 16, 32) and f["d"].shape == (4, 16)
+
+
+@pytest.mark.parametrize("name", GGUF)
+def test_errors_name_the_problem(name):
+    fmt = get(name)
+    with pytest.raises(ValueError, match="multiple of the block size 32"):
+        fmt.quantize(np.zeros((4, 48), np.float32))
+    with pytest.raises(ValueError, match="bytes given"):
+        fmt.from_bytes(np.zeros(10, np.uint8), (4, 64))
+    with pytest.raises(ValueError, match="overflows fp16"):
+        w = np.zeros((2, 64), np.float32)
+        w[1, 40], w[1, 41] = 3e38, -3e38
+        fmt.quantize(w)

@@ -1,0 +1,50 @@
+"""quantzoo.ops.matmul and QuantLinear on CPU: they run the reference, numpy or torch in/out."""
+import numpy as np
+import pytest
+import torch
+
+import quantzoo as qz
+from quantzoo.formats import get, names
+
+STORED = [n for n in names() if get(n).kind != "activation"]
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_matmul_numpy_and_torch(name, rng):
+    fmt = get(name)
+    n, k = 48, 256
+    qt = fmt.quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32))
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    y = qz.ops.matmul(x, qt)
+    assert isinstance(y, np.ndarray) and y.shape == (2, 3, n)
+    assert np.array_equal(y, fmt.emulate(x.reshape(6, k), qt).reshape(2, 3, n))
+    yt = qz.ops.matmul(torch.from_numpy(x).to(torch.float64), qt)
+    assert yt.dtype == torch.float64 and torch.equal(yt.float(), torch.from_numpy(y))
+    yd = qz.ops.matmul(x, qt, mode="dequant")
+    ref = x.astype(np.float64) @ fmt.dequantize(qt).T.astype(np.float64)
+    assert np.allclose(yd, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_errors(rng):
+    qt = get("q4_0").quantize(np.zeros((8, 64), np.float32))
+    with pytest.raises(ValueError, match="expects K=64"):
+        qz.ops.matmul(np.zeros((2, 32), np.float32), qt)
+    with pytest.raises(ValueError, match="mode="):
+        qz.ops.matmul(np.zeros((2, 64), np.float32), qt, mode="fast")
+    meta_qt = qt.to("meta")                      # a weight that is not on the CPU
+    with pytest.raises(ValueError, match="is on cpu but the q4_0 weight is on meta"):
+        qz.ops.matmul(np.zeros((2, 64), np.float32), meta_qt)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "awq"])
+def test_quant_linear(name, rng):
+    lin = torch.nn.Linear(256, 64, bias=True)
+    ql = qz.QuantLinear.from_linear(lin, name)
+    x = torch.randn(5, 256)
+    y = ql(x)
+    qt = ql.qt
+    assert torch.allclose(y, torch.from_numpy(qt.fmt.emulate(x.numpy(), qt)) + lin.bias, atol=1e-6)
+    ref = lin(x)
+    # quantized, but close: 4-bit RTN on uniform weights costs ~7 % (step/sqrt(12) per weight)
+    assert ((y - ref).norm() / ref.norm()).item() < 0.1
+    assert "format=" + name in repr(ql)

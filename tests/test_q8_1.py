@@ -1,0 +1,75 @@
+"""Q8_1 activation blocks (CUDA convention) against a straightforward per-element computation."""
+import math
+
+import numpy as np
+import pytest
+
+from quantzoo.formats import get
+from quantzoo.formats.gguf_blocks import butterfly_sum
+
+Q81 = get("q8_1")
+
+
+def c_roundf(v: float) -> int:
+    """C roundf, written out: halves away from zero."""
+    return int(math.copysign(math.floor(abs(v) + 0.5), v))
+
+
+def straightforward(block: np.ndarray):
+    """One 32-block the obvious way: fp32 amax/127, fp32 x/d, roundf, exact sum of the floats."""
+    amax = max(abs(float(v)) for v in block)
+    d = np.float32(amax) / np.float32(127)
+    q = [0 if amax == 0 else c_roundf(float(np.float32(v) / d)) for v in block]
+    return d, q, math.fsum(float(v) for v in block)
+
+
+def half_ulp(v: float) -> float:
+    return float(np.spacing(np.float16(abs(v)))) / 2 if v else float(np.spacing(np.float16(0)))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 40.0])
+def test_against_straightforward(scale, rng):
+    x = (rng.standard_normal((6, 256)) * scale).astype(np.float32)
+    x[2, 32:64] = 0                                            # an all-zero block
+    qt = Q81.quantize(x)
+    assert qt.data.shape == (6, 8 * 36)
+    f = Q81.unpack(qt.data)
+    for r in range(6):
+        for b in range(8):
+            d, q, s = straightforward(x[r, 32 * b: 32 * b + 32])
+            assert f["d"][r, b] == np.float16(d)
+            assert f["q"][r, b].tolist() == q
+            # s is a float sum: ours is summed in warp-butterfly order, the exact sum differs by
+            # fp32 rounding (plus the half rounding both share): one half ulp covers it.
+            assert abs(float(f["m"][r, b]) - s) <= half_ulp(s), (r, b)
+    # Dequantized values: q * d_half - x = q (d_half - d) + (q d - x), so within half an fp32
+    # step plus 127 times the half rounding of d (large when d is subnormal in fp16).
+    xq = Q81.dequantize(qt).astype(np.float64)
+    d32 = (np.abs(x).reshape(6, 8, 32).max(-1) / np.float32(127)).astype(np.float64)
+    dh = f["d"].astype(np.float64)
+    bound = 0.5 * d32 * (1 + 2 ** -20) + 127 * np.abs(dh - d32)
+    assert np.all(np.abs(xq - x).reshape(6, 8, 32) <= bound[..., None])
+
+
+def test_halves_round_away_from_zero():
+    block = np.zeros(32, np.float32)
+    block[0] = 127.0                          # amax 127 -> d = 1 exactly
+    block[1:5] = [2.5, -2.5, 0.5, -0.5]       # numpy's round-half-even would give 2, -2, 0, -0
+    f = Q81.unpack(Q81.quantize(block[None]).data)
+    assert f["q"][0, 0, :5].tolist() == [127, 3, -3, 1, -1]
+    assert float(f["d"][0, 0]) == 1.0
+
+
+def test_butterfly_order_is_the_xor_tree():
+    """The emulated order is lane i + lane i^16, then ^8, ^4, ^2, ^1 — spelled out by hand here."""
+    rng = np.random.default_rng(7)
+    v = (rng.standard_normal(32) * 1e4).astype(np.float32)
+    cur = list(v)
+    for off in (16, 8, 4, 2, 1):
+        cur = [np.float32(cur[i] + cur[i ^ off]) for i in range(32)]
+    assert butterfly_sum(v[None])[0] == cur[0]
+
+
+def test_activation_format_is_not_a_weight():
+    with pytest.raises(TypeError, match="activation"):
+        Q81.emulate(np.zeros((1, 32), np.float32), Q81.quantize(np.zeros((1, 32), np.float32)))

@@ -1,0 +1,96 @@
+"""References: the kernel emulations against independent float64 math, and NMSE ceilings."""
+import numpy as np
+import pytest
+
+from quantzoo import reference, workload
+from quantzoo.formats import get, names, weight_formats
+
+GGUF = [n for n in names() if get(n).kind == "weight" and get(n).gguf_type]
+WEIGHTS = [f.name for f in weight_formats()]
+
+
+def _gguf_pieces(x, qt):
+    """float64 pieces from the codecs alone: dequantized Q8_1 x, dequantized W, block terms."""
+    fmt = qt.fmt
+    m, k = x.shape
+    a = get("q8_1").unpack(get("q8_1").quantize(x).data)
+    xq = (a["d"].astype(np.float64)[..., None] * a["q"]).reshape(m, k)
+    s = a["m"].astype(np.float64)                                        # (M, nb)
+    f = fmt.unpack(qt.data)
+    coef = -float(fmt.offset) * f["d"].astype(np.float64)               # (N, nb)
+    if f["m"] is not None:
+        coef = coef + f["m"].astype(np.float64)
+    return xq, s, coef
+
+
+@pytest.mark.parametrize("name", GGUF)
+@pytest.mark.parametrize("xscale", [1.0, 1e-3, 30.0])
+def test_gguf_emulation_is_q8_1_times_dequantized_weight(name, xscale, rng):
+    """emulate = sum_b [ xq_b . w_b + coef_b (s_b - sum xq_b) ]: the integer path (unsigned q,
+    sumi, per-format formula) equals float64 math on dequantized values, to fp32 rounding."""
+    fmt = get(name)
+    m, n, k = 7, 40, 320                                  # K = 10 blocks, nothing a tile multiple
+    w = rng.standard_t(4, (n, k)).astype(np.float32) * 0.02
+    x = (rng.standard_normal((m, k)) * xscale).astype(np.float32)
+    x[3] = 0                                              # a zero row gives exactly zero
+    qt = fmt.quantize(w)
+    y, bound = fmt.emulate(x, qt, return_bound=True)
+    assert y.dtype == np.float32 and y.shape == (m, n)
+    xq, s, coef = _gguf_pieces(x, qt)
+    wd = fmt.dequantize(qt).astype(np.float64)
+    nb = k // 32
+    ind = xq @ wd.T + np.einsum("mb,nb->mn", s - xq.reshape(m, nb, 32).sum(-1), coef)
+    assert np.all(np.abs(y - ind) <= bound + 1e-12 * np.abs(ind)), np.abs(y - ind).max()
+    assert np.all(y[3] == 0)
+    # and against float64 with the original activations: only Q8_1's rounding separates them.
+    # With w_j = d q_j + coef (q unsigned as stored): y - exact = sum_j d q_j (xq_j - x_j)
+    # + coef (s - sum_j x_j), each term bounded from the fields.
+    exact = x.astype(np.float64) @ wd.T
+    sum_x = x.astype(np.float64).reshape(m, nb, 32).sum(-1)
+    f = fmt.unpack(qt.data)
+    dq = np.abs(f["d"].astype(np.float64)[..., None] * f["q"])              # (N, nb, 32)
+    q81 = np.abs(x - xq).reshape(m, 1, nb, 32) * dq.reshape(1, n, nb, 32)
+    allow = q81.sum((-1, -2)) + np.einsum("mb,nb->mn", np.abs(s - sum_x), np.abs(coef)) + bound
+    assert np.all(np.abs(y - exact) <= allow * (1 + 1e-6) + 1e-30)
+
+
+@pytest.mark.parametrize("name", ["awq", "fp16"])
+def test_fp16_emulation_against_float64(name, rng):
+    fmt = get(name)
+    m, n, k = 5, 24, 384
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 3
+    qt = fmt.quantize(w, group_size=64) if name == "awq" else fmt.quantize(w)
+    y, bound = fmt.emulate(x, qt, return_bound=True)
+    x16 = x.astype(np.float16).astype(np.float64)
+    wd = fmt.dequantize(qt).astype(np.float64)            # exact (q - z) * s in fp32
+    ref = x16 @ wd.T
+    # the kernel rounds each weight to fp16 (half an ulp, 2^-11 relative) and sums in fp32
+    allow = bound + (np.abs(x16) @ np.abs(wd).T) * 2.0 ** -11
+    assert np.all(np.abs(y - ref) <= allow)
+    assert reference.nmse(y, ref) < 1e-6
+
+
+@pytest.mark.parametrize("name", WEIGHTS)
+def test_nmse_under_ceiling(name, rng):
+    """Standard workload (W ~ N(0, 0.02^2) 1024x4096, x ~ N(0,1), M=64), fresh seed each run."""
+    fmt = get(name)
+    std = dict(workload.STANDARD, seed=int(rng.integers(2**31)))
+    x, w, y_exact = workload.gaussian(**std)
+    y = fmt.emulate(x, fmt.quantize(w))
+    err = reference.nmse(y, y_exact)
+    print(f"{name}: NMSE {100 * err:.4f} % (ceiling {100 * fmt.nmse_ceiling:.2f} %)")
+    assert 0 < err < fmt.nmse_ceiling
+    # the emulated kernel is never better than its weights alone (Q8_1 only adds error)
+    assert err >= 0.98 * reference.nmse(reference.matmul_exact(x, fmt.quantize(w)), y_exact)
+
+
+def test_nmse_detects_a_broken_codec(rng):
+    """Guard against a test that cannot fail: a one-nibble shift in Q4_0 blows the ceiling."""
+    fmt = get("q4_0")
+    x, w, y_exact = workload.gaussian(m=16, k=1024, n=256, seed=int(rng.integers(2**31)))
+    qt = fmt.quantize(w)
+    blk = qt.data.reshape(256, -1, 18).copy()
+    blk[..., 2:] = (blk[..., 2:] << 1) | (blk[..., 2:] >> 7)             # corrupt the nibbles
+    broken = fmt.from_bytes(blk.reshape(256, -1), (256, 1024))
+    assert reference.nmse(fmt.emulate(x, broken), y_exact) > 10 * fmt.nmse_ceiling

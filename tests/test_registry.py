@@ -1,0 +1,69 @@
+"""The registry: names, lookup errors, kinds, sizes — checked against the stored bytes."""
+import numpy as np
+import pytest
+
+import quantzoo as qz
+from quantzoo.formats import get, names
+
+STORED = [n for n in names() if get(n).kind != "activation"]
+
+
+def test_names_and_kinds():
+    assert {"awq", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", "fp16"} <= set(names())
+    assert get("q8_1").kind == "activation"
+    assert get("fp16").kind == "baseline"
+    assert {f.name for f in qz.formats.weight_formats()} == {
+        n for n in names() if get(n).kind == "weight"}
+
+
+def test_unknown_name_lists_the_known():
+    with pytest.raises(KeyError) as e:
+        get("q3_k")
+    msg = str(e.value)
+    assert "q3_k" in msg and all(n in msg for n in names())
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_bits_per_weight_is_what_storage_takes(name, rng):
+    """bits_per_weight (metadata counted) equals 8 * stored bytes / elements at default options."""
+    fmt = get(name)
+    n, k = 64, 512
+    qt = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    assert qt.shape == (n, k) and qt.format == name
+    assert qt.nbytes == fmt.nbytes((n, k))
+    assert fmt.bits_per_weight == pytest.approx(8 * qt.nbytes / (n * k))
+    w = fmt.dequantize(qt)
+    assert w.dtype == np.float32 and w.shape == (n, k)
+
+
+def test_known_bit_widths():
+    """Independent figures: llama.cpp's block sizes and AWQ g128 with fp16 scales + 4-bit zeros."""
+    expect = {"q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "q8_0": 8.5, "q8_1": 9.0,
+              "awq": 4 + 20 / 128, "fp16": 16.0}
+    for name, bits in expect.items():
+        assert get(name).bits_per_weight == pytest.approx(bits), name
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_quantize_rejects_non_finite(name):
+    w = np.zeros((8, 128), np.float32)
+    for bad in (np.nan, np.inf, -np.inf):
+        w[3, 70] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            get(name).quantize(w)
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_quantize_rejects_bad_rank(name):
+    with pytest.raises(ValueError, match="2-D"):
+        get(name).quantize(np.zeros(128, np.float32))
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_to_cpu_round_trip_keeps_storage(name, rng):
+    fmt = get(name)
+    qt = fmt.quantize(rng.standard_normal((16, 256)).astype(np.float32))
+    back = qt.to("cpu")
+    assert back.device == "cpu"
+    for key, arr in qt.arrays().items():
+        assert np.array_equal(arr, back.arrays()[key])
