@@ -1,0 +1,370 @@
+"""`quantzoo bench kernels`: every weight format's matmul against cuBLAS fp16 and the GPU's limits.
+
+For each format in the registry with kind "weight" (plus the fp16 baseline, cuBLAS through
+torch) x each Qwen3-8B linear shape K->N (in -> out features) x each M (rows of activations):
+
+    y = quantzoo.ops.matmul(x, qt)       x: (M, K) fp16 on CUDA, qt: (N, K) weight on CUDA
+
+timed as in quantzoo.bench.timing (CUDA graph of back-to-back launches over rotated weight
+copies, median of the replays, warm-up excluded). Per row:
+
+    median_us           median time of one launch
+    tflops              2*M*N*K / time
+    weight_tbps         bytes of the stored weight (scales, zeros, mins counted) / time
+    pct_copy_bw         (weight + x + y bytes) / time as % of the copy bandwidth measured here
+    pct_cublas_tflops   tflops as % of cuBLAS fp16 on a large square product measured here
+    pct_roofline        the time the two ceilings allow, max(bytes / copy_bw, flops / cuBLAS),
+                        as % of the measured time (100 % = at the roofline)
+    x_cublas            cuBLAS fp16's time on the same shape and M / this time (>1 = faster)
+    path                what the format's dispatch chose (kernels.<mod>.choose_path(m, qt))
+    nmse                ||y - x @ W.T||^2 / ||x @ W.T||^2 against the unquantized fp32 W: a
+                        sanity check that the kernel timed is computing the right thing
+
+Weights are seeded Gaussian (sigma 0.02, never zeros, which can run faster than real data).
+A format whose kernel module is missing or fails is recorded with status "missing"/"error"
+and the bench goes on. Output: JSON (machine info, ceilings, settings, rows) and CSV (rows).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+# (K, N, which Qwen3-8B linears have this shape, how many per decoder layer)
+QWEN3_8B_SHAPES = [
+    (4096, 4096, "q_proj, o_proj", 2),
+    (4096, 1024, "k_proj, v_proj", 2),
+    (4096, 12288, "gate_proj, up_proj", 2),
+    (12288, 4096, "down_proj", 1),
+]
+M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+QUICK_M = [1, 16, 512]
+BASELINE = "fp16"
+SIGMA = 0.02
+
+CSV_FIELDS = ["format", "k", "n", "m", "status", "path", "median_us", "p10_us", "p90_us",
+              "tflops", "weight_bytes", "weight_tbps", "pct_copy_bw", "pct_cublas_tflops",
+              "pct_roofline", "roofline_us", "x_cublas", "nmse", "timing", "copies", "inner",
+              "reps", "error"]
+
+
+def shape_key(k: int, n: int) -> str:
+    return f"{k}->{n}"
+
+
+def parse_shape(s: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in s.replace("x", ",").split(","))
+    except ValueError:
+        raise ValueError(f"--shape {s!r}: expected K,N (in_features,out_features), e.g. 4096,11008") from None
+    if k <= 0 or n <= 0:
+        raise ValueError(f"--shape {s!r}: K and N must be positive")
+    return k, n
+
+
+def parse_m(s: str) -> list[int]:
+    try:
+        ms = [int(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--m {s!r}: expected comma-separated positive integers, e.g. 1,16,512") from None
+    if not ms or min(ms) <= 0:
+        raise ValueError(f"--m {s!r}: expected comma-separated positive integers")
+    return ms
+
+
+def bench_formats(only: list[str] | None = None) -> list[str]:
+    """Registry weight formats (kind == "weight") and the fp16 baseline, or the chosen subset."""
+    from quantzoo import formats
+
+    names = [f.name for f in formats.weight_formats()] + [BASELINE]
+    if only:
+        for o in only:
+            formats.get(o)  # KeyError listing the known names
+            if o not in names:
+                raise ValueError(f"--formats: {o!r} is an activation format, not a weight format")
+        names = [n for n in names if n in only]
+    return names
+
+
+def gaussian_weight(k: int, n: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng([seed, k, n])
+    return (rng.standard_normal((n, k), dtype=np.float32) * SIGMA).astype(np.float32)
+
+
+def _quantize_job(args):
+    name, k, n, seed = args
+    from quantzoo import formats
+
+    t0 = time.time()
+    try:
+        qt = formats.get(name).quantize(gaussian_weight(k, n, seed))
+        return name, k, n, qt, None, time.time() - t0
+    except Exception as e:  # noqa: BLE001 - a format that cannot store this shape is reported
+        return name, k, n, None, f"{type(e).__name__}: {e}", time.time() - t0
+
+
+def quantize_all(names, shapes, seed: int, workers: int | None = None) -> dict:
+    """{(name, k, n): (qt or None, error or None)}; in parallel processes (numpy codecs are
+    single-threaded and a full bench quantizes ~0.8 G weights)."""
+    jobs = [(name, k, n, seed) for (k, n) in shapes for name in names]
+    workers = workers if workers is not None else min(len(jobs), os.cpu_count() or 1, 16)
+    results = []
+    if workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        import torch
+
+        # fork is cheap, but not after CUDA has been initialised in this process
+        ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+        # the biggest jobs first so the pool finishes together
+        jobs.sort(key=lambda j: -j[1] * j[2])
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+            results = list(ex.map(_quantize_job, jobs))
+    else:
+        results = [_quantize_job(j) for j in jobs]
+    return {(name, k, n): (qt, err) for name, k, n, qt, err, _ in results}
+
+
+def clone_qt(qt):
+    """A second copy of a CUDA QuantizedTensor's storage (same layout, new memory)."""
+    data = {k: v.clone() for k, v in qt.data.items()} if isinstance(qt.data, dict) else qt.data.clone()
+    return dataclasses.replace(qt, data=data)
+
+
+def kernel_module(name: str):
+    """(module, None) or (None, why it is missing)."""
+    from quantzoo import formats, ops
+
+    try:
+        return ops.kernels_for(formats.get(name)), None
+    except (ImportError, NotImplementedError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def choose_path(mod, m: int, qt) -> str | None:
+    if mod is None:
+        return None
+    f = getattr(mod, "choose_path", None)
+    if f is None:
+        return "cublas" if qt.format == BASELINE else None
+    try:
+        return str(f(m, qt))
+    except Exception as e:  # noqa: BLE001
+        return f"? ({type(e).__name__})"
+
+
+def metrics(rec: dict, ceil: dict) -> dict:
+    """Derived columns of a timed row (pure arithmetic; tested on CPU)."""
+    m, k, n = rec["m"], rec["k"], rec["n"]
+    t = rec["median_us"] * 1e-6
+    flops = 2.0 * m * n * k
+    min_bytes = rec["weight_bytes"] + 2 * m * k + 2 * m * n  # fp16 x in, fp16 y out
+    copy_bps = ceil["copy_tbps"] * 1e12
+    peak = ceil["cublas_fp16_tflops"] * 1e12
+    roof = max(min_bytes / copy_bps, flops / peak)
+    return {"tflops": flops / t / 1e12, "weight_tbps": rec["weight_bytes"] / t / 1e12,
+            "pct_copy_bw": 100.0 * min_bytes / t / copy_bps,
+            "pct_cublas_tflops": 100.0 * flops / t / peak,
+            "roofline_us": roof * 1e6, "pct_roofline": 100.0 * roof / t}
+
+
+def add_x_cublas(rows: list[dict]) -> None:
+    base = {(r["k"], r["n"], r["m"]): r["median_us"] for r in rows
+            if r["format"] == BASELINE and r["status"] == "ok"}
+    for r in rows:
+        b = base.get((r["k"], r["n"], r["m"]))
+        r["x_cublas"] = (b / r["median_us"]) if (b and r["status"] == "ok") else None
+
+
+def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_graph: bool = True,
+              workers: int | None = None, log=print) -> dict:
+    import torch
+
+    from quantzoo import ops
+
+    from . import timing
+
+    if not torch.cuda.is_available():
+        raise ValueError("quantzoo bench kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
+    t_start = time.time()
+    log(f"quantizing {len(names)} formats x {len(shapes)} shapes (seeded Gaussian, sigma {SIGMA}) ...")
+    qts = quantize_all(names, shapes, seed, workers)
+    log(f"  done in {time.time() - t_start:.1f} s")
+
+    machine = timing.machine_info()
+    log(f"measuring ceilings on {machine.get('gpu')} ...")
+    ceil = timing.ceilings()
+    log(f"  copy {ceil['copy_tbps']:.3f} TB/s (read+write), cuBLAS fp16 {ceil['cublas_size']}^3 "
+        f"{ceil['cublas_fp16_tflops']:.1f} TFLOP/s")
+    l2 = timing.l2_cache_bytes()
+    mods = {name: kernel_module(name) for name in names}
+    rows = []
+    gen = torch.Generator(device="cuda")
+    for (k, n) in shapes:
+        w_ref = torch.from_numpy(gaussian_weight(k, n, seed)).cuda()
+        xs = {}
+        for m in ms:
+            gen.manual_seed(seed * 1000003 + m)
+            xs[m] = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
+        for name in names:
+            mod, missing = mods[name]
+            qt_cpu, qerr = qts[(name, k, n)]
+            base = {"format": name, "k": k, "n": n}
+            if missing or qerr:
+                for m in ms:
+                    rows.append(dict(base, m=m, status="missing" if missing else "error",
+                                     error=missing or f"quantize: {qerr}"))
+                log(f"  {name:6s} {shape_key(k, n):>11s}: {'missing' if missing else 'error'} "
+                    f"({missing or qerr})")
+                continue
+            copies = []
+            try:
+                first = qt_cpu.to("cuda")
+                ncopy = timing.rotation_copies(first.nbytes, l2_bytes=l2)
+                copies = [first] + [clone_qt(first) for _ in range(ncopy - 1)]
+            except Exception as e:  # noqa: BLE001
+                for m in ms:
+                    rows.append(dict(base, m=m, status="error", error=f"to(cuda): {type(e).__name__}: {e}"))
+                continue
+            line = []
+            for m in ms:
+                x = xs[m]
+                rec = dict(base, m=m, weight_bytes=first.nbytes, path=choose_path(mod, m, first))
+                try:
+                    y = ops.matmul(x, first)
+                    torch.cuda.synchronize()
+                    y_ref = x.float() @ w_ref.T
+                    rec["nmse"] = float(((y.float() - y_ref) ** 2).sum() / (y_ref ** 2).sum())
+                    del y, y_ref
+                    rec.update(timing.benchmark(lambda i: ops.matmul(x, copies[i]), copies=len(copies),
+                                                target_s=target_s, use_graph=use_graph))
+                    rec["status"] = "ok"
+                    rec.update(metrics(rec, ceil))
+                    line.append(f"M={m}:{rec['median_us']:.1f}us")
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+                    line.append(f"M={m}:error")
+                rows.append(rec)
+            log(f"  {name:6s} {shape_key(k, n):>11s} x{len(copies):<3d} " + " ".join(line))
+            del copies, first
+            torch.cuda.empty_cache()
+        del w_ref, xs
+        torch.cuda.empty_cache()
+    add_x_cublas(rows)
+    ceil_end = timing.ceilings(reps=10)
+    return {
+        "kind": "quantzoo-bench-kernels", "version": 1,
+        "machine": machine,
+        "ceilings": ceil, "ceilings_end": ceil_end,
+        "settings": {"shapes": [list(s) for s in shapes], "m": list(ms), "formats": list(names),
+                     "seed": seed, "sigma": SIGMA, "target_s": target_s, "graph": use_graph,
+                     "l2_bytes": l2, "rotation": "copies x weight bytes >= 4 x L2",
+                     "qwen3_8b_layer": [[k, n, what, c] for k, n, what, c in QWEN3_8B_SHAPES],
+                     "wall_s": round(time.time() - t_start, 1)},
+        "results": rows,
+    }
+
+
+def write_outputs(res: dict, out_dir: str, stem: str = "bench-kernels") -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    jpath = os.path.join(out_dir, f"{stem}.json")
+    cpath = os.path.join(out_dir, f"{stem}.csv")
+    with open(jpath, "w") as f:
+        json.dump(res, f, indent=1, allow_nan=False, default=_json_default)
+    with open(cpath, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in res["results"]:
+            w.writerow({k: _fmt_csv(r.get(k)) for k in CSV_FIELDS})
+    return jpath, cpath
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"cannot store {type(o).__name__} in JSON")
+
+
+def _fmt_csv(v):
+    if isinstance(v, float):
+        return f"{v:.6g}" if math.isfinite(v) else ""
+    return "" if v is None else v
+
+
+def summary_table(res: dict, tablefmt: str = "github") -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for r in res["results"]:
+        if r["status"] != "ok":
+            rows.append([r["format"], shape_key(r["k"], r["n"]), r["m"], r["status"], "", "", "", "",
+                         "", "", (r.get("error") or "")[:60]])
+            continue
+        rows.append([r["format"], shape_key(r["k"], r["n"]), r["m"], r.get("path") or "",
+                     f"{r['median_us']:.2f}", f"{r['tflops']:.1f}", f"{r['weight_tbps']:.2f}",
+                     f"{r['pct_copy_bw']:.0f}", f"{r['pct_cublas_tflops']:.1f}",
+                     "" if r.get("x_cublas") is None else f"{r['x_cublas']:.2f}",
+                     f"{r['nmse']:.2e}" if r.get("nmse") is not None else ""])
+    return tabulate(rows, headers=["format", "K->N", "M", "path", "median us", "TFLOP/s",
+                                   "weight TB/s", "% copy BW", "% cuBLAS", "x cuBLAS", "NMSE"],
+                    tablefmt=tablefmt, disable_numparse=True)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--shape", action="append", default=[], metavar="K,N",
+                   help="extra linear shape in_features,out_features (repeatable)")
+    p.add_argument("--only-shapes", action="store_true",
+                   help="bench only the --shape shapes, not the Qwen3-8B ones")
+    p.add_argument("--m", type=parse_m, default=None, metavar="M1,M2,...",
+                   help=f"activation rows to bench (default {','.join(map(str, M_VALUES))})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"M in {QUICK_M} and a shorter timing target (a few dozen rows)")
+    p.add_argument("--formats", default=None, metavar="A,B",
+                   help="subset of weight formats (default: every registry weight format + fp16)")
+    p.add_argument("--out", default=".", metavar="DIR",
+                   help="where bench-kernels.json and bench-kernels.csv go (default: .)")
+    p.add_argument("--target-ms", type=float, default=None,
+                   help="GPU time spent timing each row, ms (default 30, 10 with --quick)")
+    p.add_argument("--no-graph", action="store_true", help="time eager launches, not graph replays")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=None, help="processes for quantizing (default: cores)")
+
+
+def run(args) -> int:
+    shapes = [] if args.only_shapes else [(k, n) for k, n, _, _ in QWEN3_8B_SHAPES]
+    for s in args.shape:
+        ks = parse_shape(s)
+        if ks not in shapes:
+            shapes.append(ks)
+    if not shapes:
+        raise ValueError("--only-shapes given without any --shape K,N")
+    ms = args.m or (QUICK_M if args.quick else M_VALUES)
+    names = bench_formats([s.strip() for s in args.formats.split(",")] if args.formats else None)
+    target = (args.target_ms or (10.0 if args.quick else 30.0)) * 1e-3
+
+    def log(s):
+        print(s, flush=True)
+
+    res = run_bench(shapes=shapes, ms=ms, names=names, seed=args.seed, target_s=target,
+                    use_graph=not args.no_graph, workers=args.workers, log=log)
+    res["settings"]["quick"] = bool(args.quick)
+    jpath, cpath = write_outputs(res, args.out)
+    print(summary_table(res))
+    c = res["ceilings"]
+    print(f"\nceilings: copy {c['copy_tbps']:.3f} TB/s, cuBLAS fp16 {c['cublas_fp16_tflops']:.1f} TFLOP/s; "
+          f"wrote {jpath} and {cpath}", file=sys.stderr)
+    bad = [r for r in res["results"] if r["status"] == "error"]
+    if bad:
+        print(f"{len(bad)} rows failed (status 'error' in the JSON)", file=sys.stderr)
+    return 0
