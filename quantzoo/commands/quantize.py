@@ -1,0 +1,33 @@
+"""`quantzoo quantize SRC DST --format F`: the same weights into every format.
+
+SRC: an HF model directory (fp16/bf16/fp32, or AWQ: dequantized first), a .gguf file
+(dequantized) or a KuiperLLama .bin. DST: a directory (HF AWQ checkpoint, or plain fp16), a
+.gguf file (llama.cpp block formats, or F16), or a .bin (KuiperLLama AWQ).
+"""
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    from quantzoo.model.export import FORMATS
+
+    p = sub.add_parser("quantize", help="convert a model to an HF AWQ dir, a GGUF file or a KuiperLLama .bin",
+                       description=__doc__)
+    p.add_argument("src", metavar="SRC", help="HF model directory, .gguf file or KuiperLLama .bin")
+    p.add_argument("dst", metavar="DST", help="output: directory (awq, fp16), .gguf (q4_0..q8_0, fp16), .bin (awq)")
+    p.add_argument("--format", required=True, choices=FORMATS, help="weight format of the linears")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="AWQ group size along in_features: 32, 64 or 128 (default 128)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import os
+
+    from quantzoo.model.export import export
+
+    out = export(args.src, args.dst, args.format, group_size=args.group_size, progress=not args.quiet)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else os.path.getsize(out)
+    print(f"wrote {out} ({args.format}{f', group {args.group_size}' if args.format == 'awq' else ''}, "
+          f"{size / 2**20:.1f} MiB)")
+    return 0

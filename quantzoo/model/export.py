@@ -1,0 +1,398 @@
+"""Write a model in another format: HF AWQ directory, GGUF file, or KuiperLLama AWQ .bin.
+
+    export(src, dst, fmt, group_size=128)      # what `quantzoo quantize` runs
+
+Source: an HF directory (fp16/bf16/fp32, or AWQ: dequantized) or a .gguf file (dequantized to
+float by the runner's GGUF loader, Q/K rows back in HF order). Every weight passes through
+float32 and is quantized by the registry's codec (`quantzoo.formats.get(fmt).quantize`), so
+the same weights reach every format and can be compared.
+
+Destinations, by the name of DST and --format:
+  DST directory, awq     HF AWQ checkpoint as AutoAWQ writes it and vLLM/transformers read it:
+                         decoder linears as `<module>.qweight/.qzeros/.scales`, embeddings,
+                         norms and lm_head in fp16, config.json with quantization_config
+                         {quant_method awq, bits 4, group_size, zero_point true, version gemm},
+                         tokenizer files alongside.
+  DST directory, fp16    a plain fp16 HF checkpoint (the baseline for comparisons).
+  DST .gguf, q4_0..q8_0  GGUF written by gguf-py's GGUFWriter with llama.cpp's arch keys and
+  (or fp16)              tensor names; every 2-D weight (embeddings included) in the chosen
+                         type, 1-D norms in F32 as llama.cpp's converter stores them. llama-arch
+                         Q and K rows get the converter's permutation (pairs for "normal" RoPE);
+                         qwen3 is not permuted. Tokenizer metadata: copied from a GGUF source, or
+                         built from tokenizer.json the way llama.cpp's converter does for BPE.
+  DST .bin, awq          KuiperLLama's "ak48" AWQ file (quantzoo/model/kuiper.py).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .hf_loader import LINEARS, to_numpy_float
+
+FORMATS = ("awq", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
+
+
+@dataclass
+class Source:
+    """A model read for export: config, float32 weights (HF names, HF Q/K order), origin."""
+    path: Path
+    config: object                                  # ModelConfig
+    weights: dict                                   # name -> float32 ndarray (lazy ok)
+    hf_config: dict | None = None                   # config.json of an HF source
+    tokenizer: object | None = None                 # runner Tokenizer
+    gguf_meta: list = field(default_factory=list)   # [(key, value, types)] tokenizer.* of a GGUF source
+    generation_config: dict = field(default_factory=dict)
+
+    def tensor(self, name: str) -> np.ndarray:
+        return to_numpy_float(self.weights[name])
+
+
+def read_source(src, progress: bool = True) -> Source:
+    src = Path(src)
+    if src.is_dir():
+        from .hf_loader import load_hf
+
+        config, weights, tok, gen = load_hf(src, progress=progress)
+        with open(src / "config.json", encoding="utf-8") as f:
+            hf_cfg = json.load(f)
+        return Source(src, config, weights, hf_config=hf_cfg, tokenizer=tok, generation_config=gen)
+    if not src.exists():
+        raise FileNotFoundError(f"{src}: no such file or directory")
+    if src.suffix == ".gguf":
+        from .gguf_loader import load_gguf
+
+        config, weights, tok = load_gguf(str(src))
+        return Source(src, config, weights, tokenizer=tok, gguf_meta=_gguf_tokenizer_fields(src))
+    if src.suffix == ".bin":
+        from .kuiper import load_kuiper
+
+        config, weights, tok = load_kuiper(src)
+        return Source(src, config, weights, tokenizer=tok)
+    raise ValueError(f"SRC={src}: expected an HF model directory, a .gguf file or a KuiperLLama .bin")
+
+
+def _gguf_tokenizer_fields(path: Path) -> list:
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    out = []
+    for name, f in r.fields.items():
+        if name.startswith("tokenizer."):
+            out.append((name, f.contents(), list(f.types)))
+    return out
+
+
+def linear_modules(config) -> list[str]:
+    return [f"model.layers.{i}.{l}" for i in range(config.num_layers) for l in LINEARS]
+
+
+def check_group_size(config, group_size: int, modules=None) -> None:
+    """Every quantized linear must split into whole groups; suggest a group that works."""
+    from quantzoo.formats.awq import GROUP_SIZES
+
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"--group-size {group_size} is not supported; choose one of {GROUP_SIZES}")
+    shapes = config.expected_shapes()
+    bad = []
+    for m in modules or linear_modules(config):
+        n, k = shapes[m + ".weight"]
+        if n % 8:
+            raise ValueError(f"{m}: out_features={n} is not a multiple of 8; AWQ packs 8 outputs per int32")
+        if k % group_size:
+            bad.append((m, k))
+    if bad:
+        ks = {shapes[m + ".weight"][1] for m in modules or linear_modules(config)}
+        ok = [g for g in sorted(GROUP_SIZES, reverse=True) if all(k % g == 0 for k in ks)]
+        hint = f"use --group-size {ok[0]}" if ok else f"no AWQ group size {GROUP_SIZES} divides them"
+        m, k = bad[0]
+        raise ValueError(f"--group-size {group_size} does not divide in_features={k} of {m} "
+                         f"({len(bad)} linears affected); {hint}")
+
+
+def _fp16(w: np.ndarray, name: str) -> np.ndarray:
+    if np.abs(w).max(initial=0) > 65504:
+        raise ValueError(f"{name}: values beyond +-65504 do not fit fp16")
+    return w.astype(np.float16)
+
+
+# ---------------------------------------------------------------------------------------
+# HF directories
+# ---------------------------------------------------------------------------------------
+def hf_config_dict(src: Source, dtype: str = "float16") -> dict:
+    """config.json for the destination: the source's own (quantization removed), else built."""
+    c = src.config
+    if src.hf_config is not None:
+        cfg = {k: v for k, v in src.hf_config.items() if k != "quantization_config"}
+    else:
+        arch, model_type = HF_ARCH[c.arch]
+        cfg = {"architectures": [arch], "model_type": model_type, "vocab_size": c.vocab_size,
+               "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+               "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+               "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+               "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+               "max_position_embeddings": c.max_position, "tie_word_embeddings": c.tie_word_embeddings,
+               "hidden_act": "silu", "attention_bias": False,
+               "bos_token_id": c.bos_token_id,
+               "eos_token_id": (c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids or None)}
+    cfg["torch_dtype"] = dtype
+    return cfg
+
+
+def _write_tokenizer_files(src: Source, dst: Path) -> None:
+    if src.hf_config is not None:
+        for name in TOKENIZER_FILES:
+            if (src.path / name).exists():
+                shutil.copyfile(src.path / name, dst / name)
+        return
+    tok = src.tokenizer
+    if tok is None:
+        return
+    (dst / "tokenizer.json").write_text(tok.tok.to_str(), encoding="utf-8")
+    tc = {"bos_token": tok.bos_token or None, "eos_token": tok.eos_token or None,
+          "add_bos_token": bool(tok.add_bos), "clean_up_tokenization_spaces": False}
+    if tok.chat_template:
+        tc["chat_template"] = tok.chat_template
+    (dst / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False), encoding="utf-8")
+    gen = {"eos_token_id": tok.eos_token_ids or None, "bos_token_id": tok.bos_token_id}
+    (dst / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
+
+
+def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, progress=True) -> Path:
+    """HF directory: AWQ (AutoAWQ's layout) or plain fp16."""
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    from quantzoo.formats import get
+
+    dst = Path(dst)
+    c = src.config
+    if fmt == "awq":
+        check_group_size(c, group_size)
+    dst.mkdir(parents=True, exist_ok=True)
+    quantized = set(linear_modules(c)) if fmt == "awq" else set()
+    tensors = {}
+    names = list(c.expected_shapes())
+    for name in tqdm(names, desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
+        module = name[: -len(".weight")]
+        w = src.tensor(name)
+        if module in quantized:
+            qt = get("awq").quantize(w, group_size=group_size)
+            for key in ("qweight", "qzeros", "scales"):
+                tensors[f"{module}.{key}"] = np.ascontiguousarray(qt.data[key])
+        else:
+            tensors[name] = _fp16(w, name)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf_config_dict(src)
+    if fmt == "awq":
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                      "zero_point": True, "version": "gemm",
+                                      "modules_to_not_convert": None}
+    _write_tokenizer_files(src, dst)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    return dst
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF
+# ---------------------------------------------------------------------------------------
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    parts = hf_name.split(".")   # model.layers.{i}.<module...>.weight
+    i, module = parts[2], ".".join(parts[3:-1])
+    return f"blk.{i}.{GGUF_LAYER_NAMES[module]}.weight"
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter reorders each head's rows from rotate-half (HF) order to
+    interleaved pairs: row r of the first half and row r of the second half become rows 2r,
+    2r+1. llama.cpp's "normal" RoPE then rotates adjacent pairs, which is the same rotation."""
+    n = w.shape[0]
+    return w.reshape(n_head, 2, n // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    n = w.shape[0]
+    return w.reshape(n_head, n // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def detect_pre_tokenizer(tokenizer_json: Path) -> str:
+    """Which llama.cpp `tokenizer.ggml.pre` name splits text as this tokenizer.json does.
+
+    llama.cpp's converter hashes the token ids of a probe text; we compare the pre-tokenizer's
+    own splits of a probe text with each split the runner knows, which needs no table of
+    hashes and cannot silently pick a near miss.
+    """
+    from tokenizers import Tokenizer as HFTok
+
+    from .tokenizer import PRE_TOKENIZERS
+
+    tok = HFTok.from_file(str(tokenizer_json))
+    probe = ("Hello, world! It's 12345 o'clock (really)\n\n  indented\tTAB I'M fine"
+             " ÄÖÜ ñ 3.14 ...!! don't \r\n end")
+    if tok.pre_tokenizer is None:
+        raise ValueError(f"{tokenizer_json}: no pre_tokenizer; only byte-level BPE tokenizers export to GGUF")
+    mine = [s for s, _ in tok.pre_tokenizer.pre_tokenize_str(probe)]
+    for name in ("qwen2", "llama-bpe", "smollm", "gpt-2"):
+        make, _ = PRE_TOKENIZERS[name]
+        if [s for s, _ in make().pre_tokenize_str(probe)] == mine:
+            return name
+    raise ValueError(f"{tokenizer_json}: its pre-tokenizer matches none of the splits the runner knows "
+                     f"({', '.join(PRE_TOKENIZERS)}); cannot set tokenizer.ggml.pre")
+
+
+def add_hf_tokenizer(writer, src: Source) -> None:
+    """tokenizer.ggml.* from an HF tokenizer.json, as llama.cpp's converter does for BPE."""
+    import gguf
+
+    tj = src.path / "tokenizer.json"
+    if not tj.exists():
+        return
+    data = json.loads(tj.read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    if model.get("type") != "BPE":
+        raise ValueError(f"{tj}: tokenizer model {model.get('type')!r}; only BPE exports to GGUF")
+    vocab = dict(model["vocab"])
+    added = {t["content"]: t for t in data.get("added_tokens", [])}
+    for t in added.values():
+        vocab[t["content"]] = t["id"]
+    n_vocab = src.config.vocab_size
+    if max(vocab.values()) >= n_vocab:
+        raise ValueError(f"{tj}: token id {max(vocab.values())} >= the model's vocab_size {n_vocab}")
+    rev = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i not in rev:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        t = rev[i]
+        if t in added:
+            types.append(gguf.TokenType.CONTROL if added[t].get("special") else gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+        tokens.append(t)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(detect_pre_tokenizer(tj))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    # merges, special ids (bos/eos/pad/unk from tokenizer_config + config), add_bos, template
+    special = gguf.SpecialVocab(src.path, load_merges=True, n_vocab=n_vocab)
+    special.add_to_gguf(writer, quiet=True)
+
+
+def add_gguf_tokenizer(writer, src: Source) -> None:
+    import gguf
+
+    for key, value, types in src.gguf_meta:
+        sub = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, types[0], sub_type=sub)
+
+
+def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
+    import gguf
+    from tqdm import tqdm
+
+    from quantzoo.formats import get
+
+    c = src.config
+    qfmt = get(fmt)
+    qtype = getattr(gguf.GGMLQuantizationType, qfmt.gguf_type)
+    file_type = {"q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0",
+                 "q5_1": "MOSTLY_Q5_1", "q8_0": "MOSTLY_Q8_0", "fp16": "MOSTLY_F16"}[fmt]
+    shapes = c.expected_shapes()
+    for name, shape in shapes.items():
+        if len(shape) == 2 and fmt != "fp16" and shape[1] % 32:
+            raise ValueError(f"{name}: in_features={shape[1]} is not a multiple of 32, the {fmt} block size")
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(dst), c.arch)
+    w.add_name(src.path.stem if src.path.suffix else src.path.name)
+    w.add_context_length(c.max_position)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(float(c.rope_theta))
+    w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+    if c.arch == "llama":
+        w.add_rope_dimension_count(c.head_dim)
+        w.add_vocab_size(c.vocab_size)
+    w.add_file_type(getattr(gguf.LlamaFileType, file_type))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if src.gguf_meta:
+        add_gguf_tokenizer(w, src)
+    elif src.hf_config is not None:
+        add_hf_tokenizer(w, src)
+
+    for name in tqdm(list(shapes), desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
+        t = src.tensor(name)
+        if c.arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+            t = llama_permute(t, c.num_heads)
+        elif c.arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+            t = llama_permute(t, c.num_kv_heads)
+        if t.ndim == 1:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(t, dtype=np.float32))
+        elif fmt == "fp16":
+            w.add_tensor(gguf_name(name), _fp16(t, name))
+        else:
+            qt = qfmt.quantize(t)
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(qt.data), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+# ---------------------------------------------------------------------------------------
+def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> Path:
+    """Read SRC (HF dir, .gguf or .bin) and write DST in `fmt`; returns the written path."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}: choose one of {FORMATS}")
+    dst = Path(dst)
+    if Path(src).resolve() == dst.resolve():
+        raise ValueError(f"DST={dst} is the source itself; write somewhere else")
+    kind = "gguf" if dst.suffix == ".gguf" else "bin" if dst.suffix == ".bin" else "dir"
+    if kind == "gguf" and fmt == "awq":
+        raise ValueError("--format awq: a .gguf file cannot hold AWQ weights; give DST as a directory "
+                         "(HF AWQ checkpoint) or a .bin file (KuiperLLama)")
+    if kind == "dir" and fmt not in ("awq", "fp16"):
+        raise ValueError(f"--format {fmt}: llama.cpp formats are written as GGUF; give DST a .gguf name")
+    if kind == "bin" and fmt != "awq":
+        raise ValueError(f"--format {fmt}: a KuiperLLama .bin holds AWQ weights only (--format awq)")
+    if kind == "dir" and dst.exists() and not dst.is_dir():
+        raise ValueError(f"DST={dst} exists and is not a directory")
+    src_m = read_source(src, progress=progress)
+    if kind == "gguf":
+        return write_gguf(src_m, dst, fmt, progress=progress)
+    if kind == "bin":
+        from .kuiper import write_kuiper
+
+        return write_kuiper(src_m, dst, group_size=group_size, progress=progress)
+    return write_hf(src_m, dst, fmt, group_size=group_size, progress=progress)

@@ -1,0 +1,325 @@
+"""Load a Hugging Face model directory: AWQ ("gemm") checkpoints or plain fp16/bf16/fp32 ones.
+
+    load_hf(path) -> (ModelConfig, weights, Tokenizer | None, generation_config: dict)
+
+What is read, in order, and checked before any tensor is used:
+  config.json               architectures Qwen3ForCausalLM / LlamaForCausalLM, the dims, and
+                            `quantization_config` (DESIGN.md §3: quant_method awq, bits 4,
+                            version gemm, zero_point true; group_size; extra keys ignored;
+                            `modules_to_not_convert` honoured).
+  *.safetensors             through the `safetensors` package (memory-mapped); sharded
+                            checkpoints through model.safetensors.index.json. Every expected
+                            tensor is located, its shape and dtype compared with the config.
+  tokenizer.json            through the runner's Tokenizer (the `tokenizers` package), with
+                            tokenizer_config.json (special tokens, chat template).
+  generation_config.json    when present (eos ids, sampling defaults).
+
+Weights come back under their HF names (see quantzoo/model/config.py): AWQ linears as
+QuantizedTensor("awq") built by the registry from qweight/qzeros/scales; everything else as
+torch tensors in the dtype the file stores (fp16/bf16/fp32), the model casts them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------
+def parse_quantization_config(qc: dict | None, where: str = "config.json") -> dict | None:
+    """Validate an HF `quantization_config`; returns {group_size, modules_to_not_convert}.
+
+    Only what our AWQ kernels compute is accepted; anything else is one clear error naming
+    the field. Keys we do not use are ignored.
+    """
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where}: quantization_config must be an object, got {type(qc).__name__}")
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "awq":
+        raise ValueError(f"{where}: quantization_config.quant_method={qc.get('quant_method')!r} is not "
+                         "supported; only 'awq' checkpoints (or unquantized ones) load")
+    want = {"bits": 4, "version": "gemm", "zero_point": True}
+    # AutoAWQ writes "w_bit"/"q_group_size" in quant_config.json; HF configs use bits/group_size.
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{where}: quantization_config.bits={bits!r} is not supported; "
+                         "the AWQ kernels are 4-bit (bits: 4)")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != want["version"]:
+        raise ValueError(f"{where}: quantization_config.version={qc.get('version')!r} is not supported; "
+                         "only the 'gemm' packing (the layout of HF AWQ checkpoints) loads")
+    zp = qc.get("zero_point", True)
+    if zp is not True:
+        raise ValueError(f"{where}: quantization_config.zero_point={zp!r} is not supported; "
+                         "the AWQ format here has zero points (zero_point: true)")
+    g = qc.get("group_size", qc.get("q_group_size"))
+    from quantzoo.formats.awq import GROUP_SIZES
+
+    if g not in GROUP_SIZES:
+        raise ValueError(f"{where}: quantization_config.group_size={g!r} is not supported; "
+                         f"choose one of {GROUP_SIZES}")
+    skip = qc.get("modules_to_not_convert") or []
+    if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+        raise ValueError(f"{where}: quantization_config.modules_to_not_convert must be a list of "
+                         f"module names or null, got {skip!r}")
+    return {"group_size": int(g), "modules_to_not_convert": list(skip)}
+
+
+def _rope_theta(cfg: dict, where: str) -> float:
+    rp = cfg.get("rope_parameters") or {}
+    rs = cfg.get("rope_scaling")
+    for block, key in ((rp, "rope_parameters"), (rs, "rope_scaling")):
+        if isinstance(block, dict):
+            rtype = block.get("rope_type", block.get("type", "default"))
+            if rtype not in (None, "default"):
+                raise ValueError(f"{where}: {key}.rope_type={rtype!r} is not supported "
+                                 "(only plain RoPE, rope_type 'default')")
+    theta = cfg.get("rope_theta", rp.get("rope_theta") if isinstance(rp, dict) else None)
+    return float(theta if theta is not None else 10000.0)
+
+
+def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json"):
+    """config.json dict -> (ModelConfig, quantization dict | None)."""
+    from .config import ModelConfig
+
+    archs = cfg.get("architectures") or []
+    arch = next((ARCHS[a] for a in archs if a in ARCHS), None)
+    if arch is None:
+        raise ValueError(f"{where}: architectures={archs!r} is not supported; "
+                         f"expected one of {sorted(ARCHS)}")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ValueError(f"{where}: {key}=true is not supported (the runner has no biases)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act={cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
+
+    def need(key):
+        if key not in cfg:
+            raise ValueError(f"{where}: missing key {key!r}")
+        v = cfg[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{where}: {key}={v!r} must be a positive integer")
+        return v
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
+                         f"num_key_value_heads={kv}")
+    head_dim = cfg.get("head_dim") or hidden // heads
+    gen = generation_config or {}
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else [int(e) for e in eos])
+    bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
+    config = ModelConfig(
+        arch=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
+        intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=int(kv), head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg, where),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=(arch == "qwen3"), bos_token_id=bos, eos_token_ids=eos_ids)
+    quant = parse_quantization_config(cfg.get("quantization_config"), where)
+    return config, quant
+
+
+def expected_tensors(config) -> dict[str, tuple]:
+    """HF tensor name -> logical shape, every tensor the runner needs (linears in (out, in))."""
+    return config.expected_shapes()
+
+
+def is_linear(name: str) -> bool:
+    return name == "lm_head.weight" or any(name.endswith(l + ".weight") for l in LINEARS)
+
+
+def not_converted(module: str, skip: list[str]) -> bool:
+    """AutoAWQ's rule: a module is left unquantized when any listed name is a substring of it."""
+    return any(s in module for s in skip)
+
+
+# ---------------------------------------------------------------------------------------
+# safetensors
+# ---------------------------------------------------------------------------------------
+class _Shards:
+    """name -> (file, safe_open handle), over one file, many, or an index's weight_map."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        self.where: dict[str, Path] = {}
+        self.handles = {}
+        if index.exists():
+            wm = _read_json(index, "the shard index").get("weight_map")
+            if not isinstance(wm, dict):
+                raise ValueError(f"{index}: no 'weight_map' object")
+            files = sorted({path / f for f in wm.values()})
+            for f in files:
+                if not f.exists():
+                    raise FileNotFoundError(f"{index} names shard {f.name}, which does not exist in {path}")
+            self.where = {k: path / v for k, v in wm.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{path}: no *.safetensors files (and no model.safetensors.index.json)")
+        self.files = files
+        for f in files:
+            try:
+                self.handles[f] = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+        self.present = {f: set(h.keys()) for f, h in self.handles.items()}
+        if not self.where:
+            for f, keys in self.present.items():
+                for k in keys:
+                    self.where.setdefault(k, f)
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def file_of(self, name: str) -> Path:
+        return self.where[name]
+
+    def meta(self, name: str):
+        """(shape, dtype name) without reading the data."""
+        f = self.where[name]
+        if name not in self.present[f]:
+            raise ValueError(f"{f}: tensor {name!r} is missing from this shard "
+                             "(model.safetensors.index.json maps it here)")
+        sl = self.handles[f].get_slice(name)
+        dtype = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "I32": "int32",
+                 "F64": "float64", "I64": "int64", "U8": "uint8", "I8": "int8"}.get(sl.get_dtype(), sl.get_dtype())
+        return tuple(sl.get_shape()), dtype
+
+    def get(self, name: str):
+        return self.handles[self.where[name]].get_tensor(name)
+
+    def missing(self, name: str) -> ValueError:
+        files = ", ".join(f.name for f in self.files)
+        return ValueError(f"{self.path}: tensor {name!r} is in none of the checkpoint files ({files})")
+
+
+# ---------------------------------------------------------------------------------------
+# the loader
+# ---------------------------------------------------------------------------------------
+def load_tokenizer(path: Path):
+    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) -> Tokenizer, or None."""
+    tj = path / "tokenizer.json"
+    if not tj.exists():
+        return None
+    from .tokenizer import Tokenizer
+
+    tc = _read_json(path / "tokenizer_config.json", "tokenizer_config.json") \
+        if (path / "tokenizer_config.json").exists() else {}
+    jinja = path / "chat_template.jinja"
+    if "chat_template" not in tc and jinja.exists():
+        tc["chat_template"] = jinja.read_text(encoding="utf-8")
+    return Tokenizer.from_tokenizer_json(str(tj), tc)
+
+
+def load_hf(path, progress: bool = True):
+    """HF directory -> (ModelConfig, weights, Tokenizer | None, generation_config dict)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a directory (an HF model directory has config.json)")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path}: no config.json")
+    cfg = _read_json(cfg_file, "config.json")
+    gen_file = path / "generation_config.json"
+    gen = _read_json(gen_file, "generation_config.json") if gen_file.exists() else {}
+    config, quant = parse_config(cfg, gen, where=str(cfg_file))
+    shards = _Shards(path)
+
+    # Plan every tensor (name, kind, expected shapes) and check shapes/dtypes before reading.
+    plan = []  # (name, "awq" | "float", meta)
+    for name, shape in expected_tensors(config).items():
+        module = name[: -len(".weight")]
+        awq_names = [f"{module}.{s}" for s in AWQ_SUFFIXES]
+        quantized = (quant is not None and is_linear(name) and name != "lm_head.weight"
+                     and not not_converted(module, quant["modules_to_not_convert"]))
+        if quant is not None and is_linear(name) and shards.has(awq_names[0]):
+            quantized = True  # e.g. a quantized lm_head: take what the checkpoint has
+        if quantized:
+            for a in awq_names:
+                if not shards.has(a):
+                    raise shards.missing(a)
+            _check_awq(shards, module, shape, quant["group_size"])
+            plan.append((name, "awq", awq_names))
+        else:
+            if not shards.has(name):
+                raise shards.missing(name)
+            got, dtype = shards.meta(name)
+            if got != shape:
+                raise ValueError(f"{shards.file_of(name)}: tensor {name!r} has shape {list(got)}, "
+                                 f"config.json implies {list(shape)}")
+            if dtype not in FLOAT_DTYPES:
+                raise ValueError(f"{shards.file_of(name)}: tensor {name!r} has dtype {dtype}; "
+                                 f"expected one of {FLOAT_DTYPES}")
+            plan.append((name, "float", None))
+
+    from quantzoo.formats import get
+
+    awq = get("awq")
+    weights = {}
+    from tqdm import tqdm
+
+    for name, kind, extra in tqdm(plan, desc=f"loading {path.name}", unit="tensor",
+                                  disable=not progress, leave=False):
+        if kind == "awq":
+            qw, qz, sc = (shards.get(a).numpy() for a in extra)
+            weights[name] = awq.from_arrays(qw, qz, sc, quant["group_size"])
+        else:
+            weights[name] = shards.get(name)
+    return config, weights, load_tokenizer(path), gen
+
+
+def _check_awq(shards: _Shards, module: str, shape, group_size: int) -> None:
+    n, k = shape
+    want = {"qweight": ((k, n // 8), "int32"), "qzeros": ((k // group_size, n // 8), "int32"),
+            "scales": ((k // group_size, n), "float16")}
+    if n % 8 or k % group_size:
+        raise ValueError(f"{module}: shape (out={n}, in={k}) does not fit AWQ group_size={group_size} "
+                         "(in % group_size and out % 8 must be 0)")
+    for s, (shp, dt) in want.items():
+        got, dtype = shards.meta(f"{module}.{s}")
+        if got != shp or dtype != dt:
+            raise ValueError(f"{shards.file_of(module + '.' + s)}: tensor {module}.{s} is "
+                             f"{dtype}{list(got)}, expected {dt}{list(shp)} for out={n}, in={k}, "
+                             f"group_size={group_size}")
+
+
+def to_numpy_float(t) -> np.ndarray:
+    """A float tensor (any float dtype, torch or numpy) or QuantizedTensor -> float32 numpy."""
+    from quantzoo.formats import QuantizedTensor
+
+    if isinstance(t, QuantizedTensor):
+        return t.dequantize().astype(np.float32, copy=False)
+    if hasattr(t, "detach"):
+        return t.detach().float().cpu().numpy()
+    return np.asarray(t, dtype=np.float32)
+
+
+__all__ = ["load_hf", "parse_config", "parse_quantization_config", "expected_tensors",
+           "load_tokenizer", "to_numpy_float", "ARCHS", "LINEARS"]
+

@@ -1,0 +1,180 @@
+"""KuiperLLama's Qwen3 AWQ `.bin` ("ak48", seed 000 §8.1): import and export.
+
+Layout (little endian, no alignment between header fields):
+
+    offset  size  field
+    0x00    u32   magic 0x616b3438 ("ak48")
+    0x04    i32   version 5
+    0x08    7xi32 dim, hidden_dim (FFN intermediate), n_layers, n_heads, n_kv_heads,
+                  vocab_size, max_seq_len
+    0x24    u8    shared_classifier (1: lm_head tied to the embeddings)
+    0x25    i32   head_dim
+    0x29    i32   group_size
+    ...     zero padding up to 256 bytes
+
+    region A (fp16): input_layernorm x L, post_attention_layernorm x L, model.norm,
+                     embed_tokens [vocab, dim]
+    region B (AWQ):  for each of q, k, v, o, gate (w1), down (w2), up (w3), all L layers in
+                     turn: qweight int32 [in, out/8], qzeros int32 [in/G, out/8],
+                     scales fp16 [in/G, out]  (the HF "gemm" layout, DESIGN.md §3)
+    region C (fp16): lm_head [vocab, dim] unless shared, q_norm x L, k_norm x L (head_dim each)
+
+The seed's header example shows 14336 for hidden_dim (Llama-3's); Qwen3-8B's is 12288: every
+dim is read from the file, and the file's size must equal what the header implies.
+The header carries neither rope_theta nor rms_norm_eps: the engine hard-codes Qwen3's
+(1e6 and 1e-6), and so do we unless told otherwise. A tokenizer.json beside the file (the HF
+model directory the .bin was exported from) is loaded when present.
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 0x616B3438
+VERSION = 5
+HEADER_BYTES = 256
+_HEAD = struct.Struct("<Ii7iBii")          # 45 bytes, packed like the exporter's struct.pack calls
+# region B order: (HF module, KuiperLLama name)
+B_ORDER = (("self_attn.q_proj", "wq"), ("self_attn.k_proj", "wk"), ("self_attn.v_proj", "wv"),
+           ("self_attn.o_proj", "wo"), ("mlp.gate_proj", "w1"), ("mlp.down_proj", "w2"),
+           ("mlp.up_proj", "w3"))
+DEFAULT_ROPE_THETA = 1e6
+DEFAULT_RMS_EPS = 1e-6
+
+
+def _layout(config, group_size: int):
+    """[(name, kind, shape, dtype)] in file order; kind 'f16' or the AWQ field name."""
+    c, L, g = config, config.num_layers, group_size
+    h, v = c.hidden_size, c.vocab_size
+    items = []
+    for i in range(L):
+        items.append((f"model.layers.{i}.input_layernorm.weight", (h,), np.float16))
+    for i in range(L):
+        items.append((f"model.layers.{i}.post_attention_layernorm.weight", (h,), np.float16))
+    items.append(("model.norm.weight", (h,), np.float16))
+    items.append(("model.embed_tokens.weight", (v, h), np.float16))
+    shapes = c.expected_shapes()
+    for module, _ in B_ORDER:
+        for i in range(L):
+            m = f"model.layers.{i}.{module}"
+            n, k = shapes[m + ".weight"]
+            items.append((m + ".qweight", (k, n // 8), np.int32))
+            items.append((m + ".qzeros", (k // g, n // 8), np.int32))
+            items.append((m + ".scales", (k // g, n), np.float16))
+    if not c.tie_word_embeddings:
+        items.append(("lm_head.weight", (v, h), np.float16))
+    for i in range(L):
+        items.append((f"model.layers.{i}.self_attn.q_norm.weight", (c.head_dim,), np.float16))
+    for i in range(L):
+        items.append((f"model.layers.{i}.self_attn.k_norm.weight", (c.head_dim,), np.float16))
+    return items
+
+
+def read_header(path) -> dict:
+    path = Path(path)
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES:
+        raise ValueError(f"{path}: {len(raw)} bytes, shorter than the 256-byte KuiperLLama header")
+    (magic, version, dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab, max_seq, shared,
+     head_dim, group_size) = _HEAD.unpack_from(raw)
+    if magic != MAGIC:
+        raise ValueError(f"{path}: magic 0x{magic:08x} is not KuiperLLama's AWQ 0x{MAGIC:08x} ('ak48')")
+    if version != VERSION:
+        raise ValueError(f"{path}: header version {version}; only version {VERSION} (AWQ INT4) is supported")
+    return dict(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads,
+                n_kv_heads=n_kv_heads, vocab_size=vocab, max_seq_len=max_seq,
+                shared_classifier=bool(shared), head_dim=head_dim, group_size=group_size)
+
+
+def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: float = DEFAULT_RMS_EPS,
+                eos_token_ids=None):
+    """.bin -> (ModelConfig, weights, Tokenizer | None); arrays are copy-on-write memory maps."""
+    from quantzoo.formats import get
+    from quantzoo.formats.awq import GROUP_SIZES
+
+    from .config import ModelConfig
+    from .hf_loader import load_tokenizer
+
+    path = Path(path)
+    hd = read_header(path)
+    if hd["group_size"] not in GROUP_SIZES:
+        raise ValueError(f"{path}: header group_size={hd['group_size']}; supported {GROUP_SIZES}")
+    try:
+        config = ModelConfig(
+            arch="qwen3", vocab_size=hd["vocab_size"], hidden_size=hd["dim"],
+            intermediate_size=hd["hidden_dim"], num_layers=hd["n_layers"], num_heads=hd["n_heads"],
+            num_kv_heads=hd["n_kv_heads"], head_dim=hd["head_dim"], rms_norm_eps=rms_norm_eps,
+            rope_theta=rope_theta, max_position=hd["max_seq_len"],
+            tie_word_embeddings=hd["shared_classifier"], qk_norm=True, bos_token_id=None,
+            eos_token_ids=list(eos_token_ids or []))
+    except ValueError as e:
+        raise ValueError(f"{path}: header: {e}") from None
+    items = _layout(config, hd["group_size"])
+    need = HEADER_BYTES + sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in items)
+    size = path.stat().st_size
+    if size != need:
+        raise ValueError(f"{path}: {size} bytes, but the header (dim={hd['dim']}, hidden_dim="
+                         f"{hd['hidden_dim']}, layers={hd['n_layers']}, vocab={hd['vocab_size']}, "
+                         f"group_size={hd['group_size']}) implies {need}: "
+                         f"{'truncated' if size < need else 'trailing bytes'}")
+    mm = np.memmap(path, dtype=np.uint8, mode="c")
+    raw, off = {}, HEADER_BYTES
+    for name, shape, dtype in items:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw[name] = mm[off:off + nbytes].view(dtype).reshape(shape)
+        off += nbytes
+    import torch
+
+    awq = get("awq")
+    weights = {}
+    for name, shape, dtype in items:
+        if name.endswith(".qweight"):
+            m = name[: -len(".qweight")]
+            weights[m + ".weight"] = awq.from_arrays(raw[m + ".qweight"], raw[m + ".qzeros"],
+                                                      raw[m + ".scales"], hd["group_size"])
+        elif name.endswith(".weight"):
+            weights[name] = torch.from_numpy(raw[name])
+    tok = load_tokenizer(path.parent)
+    if tok is not None and not config.eos_token_ids:
+        config.eos_token_ids = list(tok.eos_token_ids)
+    return config, weights, tok
+
+
+def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path:
+    """Source (export.Source) -> .bin; AWQ linears quantized by the registry's codec."""
+    from tqdm import tqdm
+
+    from quantzoo.formats import get
+
+    from .export import _fp16, check_group_size
+
+    c = src.config
+    if c.arch != "qwen3" or not c.qk_norm:
+        raise ValueError(f"KuiperLLama's ak48 .bin is a Qwen3 format (q_norm/k_norm regions); "
+                         f"the source is arch {c.arch!r}")
+    check_group_size(c, group_size)
+    items = _layout(c, group_size)
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    awq = get("awq")
+    header = _HEAD.pack(MAGIC, VERSION, c.hidden_size, c.intermediate_size, c.num_layers,
+                        c.num_heads, c.num_kv_heads, c.vocab_size, c.max_position,
+                        int(c.tie_word_embeddings), c.head_dim, group_size)
+    with open(dst, "wb") as f:
+        f.write(header + b"\0" * (HEADER_BYTES - len(header)))
+        cache = {}
+        for name, shape, dtype in tqdm(items, desc=f"writing {dst.name}", unit="tensor",
+                                       disable=not progress, leave=False):
+            if name.endswith((".qweight", ".qzeros", ".scales")):
+                m, key = name.rsplit(".", 1)
+                if m not in cache:
+                    cache = {m: awq.quantize(src.tensor(m + ".weight"), group_size=group_size).data}
+                arr = cache[m][key]
+            else:
+                arr = _fp16(src.tensor(name), name)
+            assert arr.shape == shape and arr.dtype == dtype, (name, arr.shape, arr.dtype)
+            f.write(np.ascontiguousarray(arr).tobytes())
+    return dst
