@@ -1,0 +1,151 @@
+"""Token generation: prefill the prompt once, then one decode step per new token.
+
+Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then top-k (keep
+the k largest), then top-p (keep the smallest set of tokens whose probability reaches p,
+always at least one), then a draw from a seeded torch.Generator on the CPU, so a seed gives
+the same text on CPU and GPU up to the logits themselves.
+
+Stopping: an end-of-generation id (tokenizer.eos_token_ids, or `eos_token_ids=`) or a stop
+string in the decoded text. Streaming: `stream(text)` receives the new text as it becomes
+final: bytes of an unfinished UTF-8 character, and any tail that could still grow into a stop
+string, are held back until they resolve.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Generation:
+    tokens: list[int]                 # new ids (the stop id included when one ended it)
+    text: str = ""                    # decoded new text, cut before a stop string
+    stop_reason: str = "length"       # "length" | "eos" | "stop"
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0             # time of the decode steps after the first new token
+    decode_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> int:
+    """One token id from a (V,) logits vector."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"sampling: temperature={temperature} must be >= 0, top_k={top_k} >= 0, "
+                         f"top_p={top_p} in (0, 1]")
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    lg = logits.float().cpu() / temperature
+    if top_k and top_k < lg.numel():
+        kth = torch.topk(lg, top_k).values[-1]
+        lg = lg.masked_fill(lg < kth, float("-inf"))
+    if top_p < 1.0:
+        srt, idx = torch.sort(lg, descending=True)
+        cum = torch.softmax(srt, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(srt, dim=-1) >= top_p   # mass before this token already >= p
+        lg[idx[drop]] = float("-inf")
+    probs = torch.softmax(lg, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _sync(model):
+    if model.is_cuda:
+        torch.cuda.synchronize(model.device)
+
+
+def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, stop=None, stream=None,
+             eos_token_ids=None) -> Generation:
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("ids: the prompt is empty (generation needs at least one token)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    tok = model.tokenizer
+    if eos_token_ids is None:
+        eos_token_ids = list(tok.eos_token_ids) if tok is not None else list(model.config.eos_token_ids)
+    eos = set(int(i) for i in eos_token_ids)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if (stops or stream) and tok is None:
+        raise ValueError("stop strings and streaming need a tokenizer; this model has none")
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    need = len(ids) + max_new_tokens
+    if model.k_cache is None or model.k_cache.shape[3] < need:
+        model.setup_cache(min(model.config.max_position, max(256, -(-need // 256) * 256)))
+    if model.use_graph and model._graph is None:
+        with torch.inference_mode():
+            model._capture()   # once per cache size, outside the timed region
+
+    out = Generation(tokens=[], prompt_tokens=len(ids))
+    emitted = 0  # characters of text already streamed
+
+    def flush(final: bool) -> bool:
+        """Decode, cut at a stop string, stream what is final; True when a stop string hit."""
+        nonlocal emitted
+        if tok is None:
+            return False
+        text = tok.decode([t for t in out.tokens if t not in eos])
+        hit = False
+        for s in stops:
+            j = text.find(s)
+            if j >= 0:
+                text, hit = text[:j], True
+        out.text = text
+        safe = len(text)
+        if not final and not hit:
+            if text.endswith("\ufffd"):           # an unfinished UTF-8 character
+                safe = len(text.rstrip("\ufffd"))
+            for s in stops:                       # a tail that may become a stop string
+                for n in range(min(len(s) - 1, safe), 0, -1):
+                    if text[:safe].endswith(s[:n]):
+                        safe -= n
+                        break
+        if stream is not None and safe > emitted:
+            stream(text[emitted:safe])
+            emitted = safe
+        return hit
+
+    if max_new_tokens == 0:
+        return out
+    _sync(model)
+    t0 = time.perf_counter()
+    logits = model.prefill(ids)
+    nxt = sample(logits, temperature, top_k, top_p, gen)
+    _sync(model)
+    out.prefill_s = time.perf_counter() - t0
+    pos = len(ids)
+    t1 = None
+    while True:
+        out.tokens.append(nxt)
+        if nxt in eos:
+            out.stop_reason = "eos"
+            break
+        if flush(final=False):
+            out.stop_reason = "stop"
+            break
+        if len(out.tokens) >= max_new_tokens:
+            break
+        if t1 is None:
+            _sync(model)
+            t1 = time.perf_counter()   # decode timing starts after the first new token
+        logits = model.decode_step(nxt, pos)
+        nxt = sample(logits, temperature, top_k, top_p, gen)
+        pos += 1
+        out.decode_tokens += 1
+    if t1 is not None:
+        _sync(model)
+        out.decode_s = time.perf_counter() - t1
+    if out.stop_reason != "stop":
+        flush(final=True)
+    return out

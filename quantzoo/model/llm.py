@@ -1,0 +1,342 @@
+"""The Qwen3 / llama decoder in torch: one short file, in the spirit of gpt-fast.
+
+    h = embed(ids)
+    per layer:  h += o_proj(attn(rope(qk_norm(q_proj(rms(h)))), rope(qk_norm(k_proj(..))), v_proj(..)))
+                h += down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
+    logits = lm_head(rms(h))                 (lm_head = embed_tokens when tied)
+
+Norms, RoPE, attention (torch SDPA with GQA) and SwiGLU are torch; every quantized linear is a
+`QuantizedTensor` applied through `quantzoo.ops.matmul`, so the registry picks the kernel.
+
+RoPE is rotate-half (NeoX): dims i and i + head_dim/2 form a pair. Loaders hand Q/K rows in
+that (HF) order; llama-arch GGUF files store them permuted for llama.cpp's adjacent-pair
+rotation and the GGUF loader undoes it (gguf_loader.unpermute_qk).
+
+The KV cache is preallocated (max_seq positions). A forward takes a run of tokens at positions
+pos0..pos0+T-1: the prompt in one batched prefill, then one token per decode step. On CUDA the
+decode step is captured once in a CUDA graph: the token and its position live in static
+buffers, the causal mask is computed on the GPU from the position, so a replay does no Python
+work per layer (an eager step costs ~16 us of launch overhead per kernel).
+
+Precision: CPU runs float32 (matching HF transformers on the dequantized weights); CUDA runs
+float16 activations (what the kernels take), norms and RoPE tables in float32.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..formats import QuantizedTensor
+from .config import ModelConfig
+
+MATMUL_MODES = ("cached", "dequant", "emulate")
+
+
+class Linear:
+    """y = x @ W.T for one weight: a float tensor (torch F.linear) or a QuantizedTensor (ops).
+
+    CPU, mode "cached" (default): the QuantizedTensor is dequantized once (fmt.dequantize) and
+    kept in float32, i.e. ops.matmul(mode="dequant") without redoing the dequantization per
+    call; "dequant" / "emulate" call ops.matmul every time ("emulate" = what the GPU kernel
+    computes, Q8_1 activations included). CUDA: ops.matmul on the CUDA tensor, i.e. the
+    format's kernel; when the format has no kernel module yet, the weight is dequantized to
+    fp16 once and cuBLAS runs it (`fallback` says so).
+    """
+
+    def __init__(self, w, device: str, dtype, mode: str = "cached"):
+        self.qt = None
+        self.w = None
+        self.fallback = None
+        self.format = "f32" if not isinstance(w, QuantizedTensor) else w.format
+        if not isinstance(w, QuantizedTensor):
+            self.format = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(
+                getattr(w, "dtype", None), "f32")
+            self.w = torch.as_tensor(w).to(device=device, dtype=dtype)
+            self.shape = tuple(self.w.shape)
+            return
+        self.shape = tuple(w.shape)
+        if device == "cpu":
+            if mode == "cached":
+                self.w = torch.from_numpy(np.ascontiguousarray(w.dequantize(), dtype=np.float32))
+            else:
+                self.qt, self.mode = w.numpy(), mode
+            return
+        try:
+            mod = ops.kernels_for(w.fmt)
+            if not hasattr(mod, "matmul"):
+                raise ImportError(f"quantzoo.kernels.{w.fmt.kernels} has no matmul")
+        except (ImportError, NotImplementedError) as e:
+            self.fallback = f"{w.format}: no CUDA kernel ({e}); dequantized to fp16 + cuBLAS"
+            self.w = torch.from_numpy(w.dequantize()).to(device=device, dtype=dtype)
+            return
+        self.qt, self.mode = (w if w.device != "cpu" else w.to(device)), "emulate"
+
+    def __call__(self, x):
+        if self.w is not None:
+            return F.linear(x, self.w)
+        return ops.matmul(x, self.qt, mode=self.mode)
+
+    @property
+    def nbytes(self) -> int:
+        if self.qt is not None:
+            return self.qt.nbytes
+        return self.w.numel() * self.w.element_size()
+
+
+class Embedding:
+    """Row lookup; a quantized table is dequantized per looked-up row on CPU, once on CUDA."""
+
+    def __init__(self, w, device, dtype):
+        self.qt = None
+        if isinstance(w, QuantizedTensor):
+            self.format = w.format
+            if device == "cpu":
+                self.qt = w.numpy()
+                self.table = None
+                return
+            w = torch.from_numpy(w.dequantize())
+        else:
+            self.format = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(w.dtype, "f32")
+        self.table = torch.as_tensor(w).to(device=device, dtype=dtype)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return F.embedding(ids, self.table)
+        flat = ids.reshape(-1).cpu().numpy()
+        rows = QuantizedTensor(self.qt.format, (len(flat), self.qt.shape[1]), self.qt.data[flat],
+                               self.qt.params)
+        return torch.from_numpy(rows.dequantize()).reshape(*ids.shape, -1)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, max_seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (max_seq, head_dim) in float32, HF's layout (the half-table repeated)."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    f = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, T, hd); cos/sin (T, hd) float32. Rotate-half: pairs (i, i + hd/2)."""
+    h = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+class Layer:
+    def __init__(self, cfg, w, i, device, dtype, mode):
+        p = f"model.layers.{i}."
+        L = lambda n: Linear(w[p + n + ".weight"], device, dtype, mode)  # noqa: E731
+        V = lambda n: torch.as_tensor(w[p + n + ".weight"]).to(device=device, dtype=dtype)  # noqa
+        self.q, self.k, self.v, self.o = (L("self_attn.q_proj"), L("self_attn.k_proj"),
+                                          L("self_attn.v_proj"), L("self_attn.o_proj"))
+        self.gate, self.up, self.down = L("mlp.gate_proj"), L("mlp.up_proj"), L("mlp.down_proj")
+        self.attn_norm, self.mlp_norm = V("input_layernorm"), V("post_attention_layernorm")
+        self.q_norm = V("self_attn.q_norm") if cfg.qk_norm else None
+        self.k_norm = V("self_attn.k_norm") if cfg.qk_norm else None
+
+    def linears(self):
+        return {"q_proj": self.q, "k_proj": self.k, "v_proj": self.v, "o_proj": self.o,
+                "gate_proj": self.gate, "up_proj": self.up, "down_proj": self.down}
+
+
+class Model:
+    """What load_model returns: config, tokenizer, logits(), generate()."""
+
+    def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu",
+                 max_seq: int | None = None, matmul_mode: str = "cached", cuda_graph: bool = True,
+                 dtype=None, progress: bool = False):
+        if matmul_mode not in MATMUL_MODES:
+            raise ValueError(f"matmul_mode={matmul_mode!r}: choose one of {MATMUL_MODES}")
+        device = str(torch.device(device))
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: torch sees no CUDA GPU here")
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+        self.config, self.tokenizer, self.device = config, tokenizer, device
+        self.is_cuda = device.startswith("cuda")
+        self.dtype = dtype or (torch.float16 if self.is_cuda else torch.float32)
+        self.matmul_mode = matmul_mode
+        self.use_graph = cuda_graph and self.is_cuda
+        cfg = config
+        missing = [n for n in cfg.expected_shapes() if n not in weights]
+        if missing:
+            raise ValueError(f"weights: missing {missing[0]!r}" +
+                             (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        self.embed = Embedding(weights["model.embed_tokens.weight"], device, self.dtype)
+        it = range(cfg.num_layers)
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(it, desc=f"placing layers on {device}", unit="layer", leave=False)
+        self.layers = [Layer(cfg, weights, i, device, self.dtype, matmul_mode) for i in it]
+        self.norm = torch.as_tensor(weights["model.norm.weight"]).to(device=device, dtype=self.dtype)
+        head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = Linear(head, device, self.dtype, matmul_mode)
+        self.max_seq = int(min(max_seq or cfg.max_position, cfg.max_position))
+        self.formats = self._formats()
+        self.fallbacks = sorted({ln.fallback for ln in self._all_linears() if ln.fallback})
+        self._cache_len = 0
+        self.k_cache = self.v_cache = None
+        self._graph = None
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def _all_linears(self):
+        for lay in self.layers:
+            yield from lay.linears().values()
+        yield self.lm_head
+
+    def _formats(self) -> dict:
+        kinds: dict[str, list] = {}
+        for lay in self.layers:
+            for k, ln in lay.linears().items():
+                kinds.setdefault(k, [])
+                if ln.format not in kinds[k]:
+                    kinds[k].append(ln.format)
+        out = {"embed_tokens": self.embed.format}
+        out.update({k: "/".join(v) for k, v in kinds.items()})
+        out["lm_head"] = self.lm_head.format + (" (tied to embed_tokens)" if self.config.tie_word_embeddings else "")
+        out["norms"] = {torch.float16: "f16", torch.float32: "f32"}.get(self.dtype, str(self.dtype))
+        return out
+
+    def weight_bytes(self, include_embedding: bool = False) -> int:
+        n = sum(ln.nbytes for ln in self._all_linears())
+        if include_embedding and self.embed.table is not None:
+            n += self.embed.table.numel() * self.embed.table.element_size()
+        return n
+
+    # ---- KV cache ---------------------------------------------------------------------------
+    def setup_cache(self, max_seq: int | None = None):
+        """(Re)allocate the KV cache for max_seq positions (drops a captured graph)."""
+        cfg = self.config
+        n = int(max_seq or self.max_seq)
+        if n > cfg.max_position:
+            raise ValueError(f"max_seq={n} exceeds the model's context length {cfg.max_position}")
+        if self.k_cache is None or self.k_cache.shape[3] != n:
+            shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
+            self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.cos, self.sin = rope_tables(cfg, n, self.device)
+            self._graph = None
+        self._cache_len = n
+        return n
+
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        """ids (T,) at positions pos (T,) (int64 tensors on the device) -> logits (T or 1, V).
+
+        Attention runs over the whole cache with a mask built from pos, so the same code
+        serves prefill, eager decode and graph capture (no Python ints depend on pos).
+        """
+        cfg = self.config
+        T = ids.shape[0]
+        H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        S = self.k_cache.shape[3]
+        cos, sin = self.cos[pos], self.sin[pos]                          # (T, hd)
+        mask = torch.arange(S, device=ids.device)[None, :] <= pos[:, None]  # (T, S) causal
+        h = self.embed(ids)[None]                                        # (1, T, hidden)
+        for li, lay in enumerate(self.layers):
+            x = rms_norm(h, lay.attn_norm, cfg.rms_norm_eps)
+            q = lay.q(x).view(1, T, H, hd).transpose(1, 2)
+            k = lay.k(x).view(1, T, KV, hd).transpose(1, 2)
+            v = lay.v(x).view(1, T, KV, hd).transpose(1, 2)
+            if lay.q_norm is not None:
+                q = rms_norm(q, lay.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lay.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+            a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=KV != H)
+            h = h + lay.o(a.transpose(1, 2).reshape(1, T, H * hd))
+            x = rms_norm(h, lay.mlp_norm, cfg.rms_norm_eps)
+            h = h + lay.down(F.silu(lay.gate(x)) * lay.up(x))
+        h = h[0] if all_logits else h[0, -1:]
+        return self.lm_head(rms_norm(h, self.norm, cfg.rms_norm_eps))
+
+    @torch.inference_mode()
+    def prefill(self, ids, start: int = 0) -> torch.Tensor:
+        """Run tokens at positions start.. through the model (one batched pass); last logits."""
+        ids = torch.as_tensor(list(ids), dtype=torch.int64, device=self.device)
+        if self.k_cache is None:
+            self.setup_cache()
+        if start + len(ids) > self.k_cache.shape[3]:
+            raise ValueError(f"{start + len(ids)} positions do not fit the KV cache "
+                             f"({self.k_cache.shape[3]}); pass a larger max_seq")
+        pos = torch.arange(start, start + len(ids), device=self.device)
+        return self._forward(ids, pos, all_logits=False)[-1]
+
+    @torch.inference_mode()
+    def decode_step(self, token: int | torch.Tensor, pos: int) -> torch.Tensor:
+        """One token at position pos -> its next-token logits (V,). Replays a CUDA graph on GPU."""
+        if pos >= self.k_cache.shape[3]:
+            raise ValueError(f"position {pos} is past the KV cache ({self.k_cache.shape[3]})")
+        if not self.use_graph:
+            ids = torch.as_tensor([int(token)], dtype=torch.int64, device=self.device)
+            return self._forward(ids, torch.tensor([pos], device=self.device), False)[-1]
+        if self._graph is None:
+            self._capture()
+        self._g_tok.fill_(int(token)) if not torch.is_tensor(token) else self._g_tok.copy_(token.reshape(1))
+        self._g_pos.fill_(pos)
+        self._graph.replay()
+        return self._g_out[-1]
+
+    def _capture(self):
+        """Capture one decode step into a CUDA graph. The warm-up runs (kernel compiles,
+        cuBLAS workspaces) write K/V at the last cache position, which the mask hides until a
+        real step at that position overwrites it."""
+        self._g_tok = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._g_pos = torch.full((1,), self.k_cache.shape[3] - 1, dtype=torch.int64, device=self.device)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm up: kernel compiles, allocator, cuBLAS handles
+                self._forward(self._g_tok, self._g_pos, False)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self._g_out = self._forward(self._g_tok, self._g_pos, False)
+        self._graph = g
+
+    @torch.inference_mode()
+    def logits(self, ids) -> torch.Tensor:
+        """Teacher-forced next-token logits for every position: (len(ids), vocab) float32 CPU."""
+        ids = list(ids)
+        if not ids:
+            raise ValueError("ids: empty")
+        if self.k_cache is None or self.k_cache.shape[3] < len(ids):
+            self.setup_cache(max(len(ids), self.k_cache.shape[3] if self.k_cache is not None else 0))
+        t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        pos = torch.arange(len(ids), device=self.device)
+        return self._forward(t, pos, all_logits=True).float().cpu()
+
+    def generate(self, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop=None, stream=None, **kw) -> list[int]:
+        from .generate import generate
+
+        return generate(self, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed, stop=stop, stream=stream, **kw).tokens
+
+
+def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu", **opts) -> Model:
+    """Model from a config and a LoadedWeights dict (HF names; see quantzoo/model/config.py).
+
+    opts: max_seq (KV cache positions, default the context length, capped at 4096 on build and
+    grown on demand), matmul_mode ("cached" | "dequant" | "emulate", CPU only), cuda_graph
+    (default True on CUDA), dtype (activation dtype), progress (tqdm while placing layers).
+    """
+    return Model(config, weights, tokenizer, device, **opts)

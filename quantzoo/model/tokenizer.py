@@ -1,0 +1,187 @@
+"""Tokenizer: a `tokenizers` byte-level BPE plus special ids and a jinja2 chat template.
+
+Two ways in:
+- HF directories: `Tokenizer.from_tokenizer_json(path, tokenizer_config)`.
+- GGUF files: `Tokenizer.from_gguf_fields(fields, path)` rebuilds the BPE from the
+  `tokenizer.ggml.*` metadata (tokens, merges, token types) and picks the pre-tokenizer from
+  `tokenizer.ggml.pre` the way llama.cpp does (llama-vocab.cpp): each name maps to a split
+  regex. An unknown name is an error, never a silent default: a wrong split still produces
+  tokens, just not the ones the model was trained on.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# The split regexes llama.cpp uses per `tokenizer.ggml.pre` value (same patterns as the
+# models' own tokenizer.json files; written with inline case-folding for the contractions).
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(regex: str):
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _gpt2():   # ByteLevel's built-in regex is GPT-2's
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2():   # starcoder/smollm: every digit on its own, then GPT-2's split
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
+
+
+# name -> (pre-tokenizer factory, ignore_merges: a word found whole in the vocab is one token)
+PRE_TOKENIZERS = {
+    "gpt-2": (_gpt2, False),
+    "llama-bpe": (lambda: _split_then_bytes(_LLAMA3), True),
+    "llama3": (lambda: _split_then_bytes(_LLAMA3), True),
+    "llama-v3": (lambda: _split_then_bytes(_LLAMA3), True),
+    "qwen2": (lambda: _split_then_bytes(_QWEN2), False),
+    "smollm": (_digits_then_gpt2, False),
+    "starcoder": (_digits_then_gpt2, False),
+}
+
+# llama.cpp's token types (gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# Names of end-of-generation tokens: models stop on these besides the declared eos id.
+_EOG_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
+              "<end_of_turn>", "<|eom_id|>")
+
+
+class Tokenizer:
+    """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok: HFTokenizer, *, bos_token_id=None, eos_token_ids=(), add_bos=False,
+                 chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
+        self.tok = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = [int(i) for i in eos_token_ids]
+        self.add_bos = bool(add_bos)
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(int(i))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer.chat_template / "
+                             "tokenizer_config.json chat_template): prompt it without --chat")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg):
+            raise jinja2.exceptions.TemplateError(msg)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token, eos_token=self.eos_token)
+
+    # ---- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_tokenizer_json(cls, path_or_str, tokenizer_config: dict | None = None) -> "Tokenizer":
+        """From an HF tokenizer.json (a path, or its JSON text) and tokenizer_config.json."""
+        s = str(path_or_str)
+        tok = HFTokenizer.from_file(s) if os.path.exists(s) else HFTokenizer.from_str(s)
+        cfg = tokenizer_config or {}
+
+        def tok_str(v):
+            return v.get("content") if isinstance(v, dict) else v
+
+        bos, eos = tok_str(cfg.get("bos_token")), tok_str(cfg.get("eos_token"))
+        bos_id = tok.token_to_id(bos) if bos else None
+        eos_ids = [tok.token_to_id(eos)] if eos and tok.token_to_id(eos) is not None else []
+        tmpl = cfg.get("chat_template")
+        if isinstance(tmpl, list):  # [{name, template}, ...]
+            tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), tmpl[0]["template"])
+        return cls(tok, bos_token_id=bos_id, eos_token_ids=eos_ids,
+                   add_bos=bool(cfg.get("add_bos_token", False)) and bos_id is not None,
+                   chat_template=tmpl, bos_token=bos or "", eos_token=eos or "")
+
+    @classmethod
+    def from_gguf_fields(cls, meta: dict, path: str = "<gguf>") -> "Tokenizer":
+        """From `tokenizer.ggml.*` values (key -> python value, as gguf ReaderField.contents())."""
+        def need(key):
+            if key not in meta:
+                raise ValueError(f"{path}: metadata key {key!r} is missing (needed for the tokenizer)")
+            return meta[key]
+
+        model = need("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"{path}: tokenizer.ggml.model={model!r} is not supported yet "
+                             "(only byte-level BPE, 'gpt2')")
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
+                             f"{sorted(PRE_TOKENIZERS)}")
+        make_pre, ignore_merges = PRE_TOKENIZERS[pre]
+        tokens = list(need("tokenizer.ggml.tokens"))
+        types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise ValueError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries, "
+                             f"tokenizer.ggml.tokens {len(tokens)}")
+        merges = []
+        for m in need("tokenizer.ggml.merges"):
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise ValueError(f"{path}: tokenizer.ggml.merges entry {m!r} is not 'a b'")
+            merges.append((a, b))
+        vocab = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)   # first id wins, as in llama.cpp's token_to_id
+        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges,
+                         fuse_unk=False, byte_fallback=False)
+        tok = HFTokenizer(bpe)
+        tok.pre_tokenizer = make_pre()
+        tok.decoder = decoders.ByteLevel()
+        added = []
+        for i, (t, ty) in enumerate(zip(tokens, types)):
+            if ty in (CONTROL, USER_DEFINED) and vocab.get(t) == i:
+                added.append(AddedToken(t, special=(ty == CONTROL), normalized=False))
+        if added:
+            # ids come from the vocab (the tokens are already in it): order does not matter
+            tok.add_tokens([a for a in added if not a.special])
+            tok.add_special_tokens([a for a in added if a.special])
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eos_ids = [] if eos is None else [int(eos)]
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if meta.get(key) is not None and int(meta[key]) not in eos_ids:
+                eos_ids.append(int(meta[key]))
+        for name in _EOG_NAMES:
+            i = vocab.get(name)
+            if i is not None and types[i] == CONTROL and i not in eos_ids:
+                eos_ids.append(i)
+        # llama.cpp: add_bos from the file; when absent, true for the llama3 family only
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", ignore_merges)
+        return cls(tok, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
+                   add_bos=bool(add_bos) and bos is not None,
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   bos_token=tokens[int(bos)] if bos is not None and int(bos) < len(tokens) else "",
+                   eos_token=tokens[int(eos)] if eos is not None and int(eos) < len(tokens) else "")
