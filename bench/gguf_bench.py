@@ -1,0 +1,202 @@
+"""Benchmark of the GGUF kernels on one GPU (quantzoo/kernels/gguf.py), numbers for bench/notes-gguf.md.
+
+Method (DESIGN.md §6): each measured call is captured many times into one CUDA graph, so the
+~16 us eager CuPy launch from Python is not what we time; the graph is replayed with CUDA
+events around it, warm-up excluded, and the median over replays is divided by the calls per
+graph. Every matmul includes its activation quantization (fp16 x -> Q8_1) like llama.cpp's
+figures. "rotated": the calls cycle over enough copies of the weight that the 50 MB L2 cannot
+serve them; "reused": one copy, as llama.cpp's test-backend-ops runs do (partly L2-served).
+Measured in the same run: device-to-device copy bandwidth (read + write bytes / time) and
+cuBLAS fp16 (torch.mm on the fp16 weight, rotated the same way).
+
+    python bench/gguf_bench.py [--formats q4_0,q8_0] [--out DIR] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+import quantzoo as qz
+from quantzoo.kernels import gguf as G
+
+N, K = 4096, 14336   # llama.cpp's test shape (Qwen3-8B / Llama-3-8B ffn_down transposed)
+# llama.cpp's CUDA kernels on this H100 (DESIGN.md §6), us per call, weights reused
+LLAMA_CPP = {("q4_0", 1): 14.8, ("q4_1", 1): 12.6, ("q5_0", 1): 18.8, ("q5_1", 1): 19.7,
+             ("q8_0", 1): 27.4, ("fp16", 1): 40.6, ("q4_0", 8): 34.3, ("q8_0", 8): 46.5,
+             ("q4_0", 512): 325.0, ("q8_0", 512): 321.0, ("fp16", 512): 141.0}
+L2_BYTES = 50 << 20
+
+
+def time_calls(calls, reps=15):
+    """Median us per call of `calls` (callables) captured back to back in one CUDA graph."""
+    cur = torch.cuda.current_stream()
+    s = torch.cuda.Stream()
+    s.wait_stream(cur)
+    with torch.cuda.stream(s):
+        for f in calls:
+            f()
+    cur.wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / len(calls))
+    del g
+    return statistics.median(ts)
+
+
+def copy_bandwidth():
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = time_calls([lambda: b.copy_(a)] * 4, reps=10)
+    del a, b
+    return 2 * n / (us * 1e-6)  # bytes/s, read + write
+
+
+def n_copies(nbytes):
+    return max(3, math.ceil(3 * L2_BYTES / nbytes))
+
+
+def bench_fp16(ms, rotate=True):
+    rng = torch.Generator(device="cuda").manual_seed(0)
+    w = [torch.randn((N, K), device="cuda", dtype=torch.float16, generator=rng) * 0.02
+         for _ in range(n_copies(N * K * 2) if rotate else 1)]
+    out = {}
+    for m in ms:
+        x = torch.randn((m, K), device="cuda", dtype=torch.float16)
+        y = torch.empty((m, N), device="cuda", dtype=torch.float16)
+        calls = [lambda wi=w[i % len(w)]: torch.mm(x, wi.t(), out=y) for i in range(max(len(w), 8))]
+        out[m] = time_calls(calls)
+    del w
+    return out
+
+
+_BASE = {}
+
+
+def make_weights(fmt, copies):
+    if fmt not in _BASE:
+        rng = np.random.default_rng(0)
+        wf = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
+        _BASE[fmt] = qz.formats.get(fmt).quantize(wf).to("cuda")
+    base = _BASE[fmt]
+    qts = [base] + [type(base)(base.format, base.shape, base.data.clone()) for _ in range(copies - 1)]
+    return qts
+
+
+def bench_gguf(fmt, ms, paths, rotate=True):
+    nbytes = qz.formats.get(fmt).nbytes((N, K))
+    qts = make_weights(fmt, n_copies(nbytes) if rotate else 1)
+    res = {}
+    for m in ms:
+        x = torch.randn((m, K), device="cuda", dtype=torch.float16)
+        y = torch.empty((m, N), device="cuda", dtype=torch.float16)
+        for path in paths:
+            if path == "mmvq" and m > G.MMVQ_MAX_M:
+                continue
+            reps = max(len(qts), 12 if m <= 64 else 4)
+            calls = [lambda qt=qts[i % len(qts)], p=path: G.matmul(x, qt, out=y, path=p) for i in range(reps)]
+            res[(m, path)] = time_calls(calls, reps=10 if m <= 64 else 5)
+    del qts
+    torch.cuda.empty_cache()
+    return res, nbytes
+
+
+def sanitize_run():
+    """Tail shapes through every path once, for `compute-sanitizer --tool memcheck` (no timing)."""
+    rng = np.random.default_rng()
+    shapes = [(1, 67, 96), (3, 1, 32), (5, 130, 160), (8, 33, 544), (9, 65, 32), (70, 129, 96), (130, 7, 64)]
+    for fmt in G.BLOCKS:
+        for m, n, k in shapes:
+            qt = qz.formats.get(fmt).quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).to("cuda")
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).cuda()
+            for p in G.PATHS:
+                if p == "mmvq" and m > G.MMVQ_MAX_M:
+                    continue
+                y = G.matmul(x, qt, path=p)
+                assert torch.isfinite(y).all(), (fmt, m, n, k, p)
+            G.dequantize(qt)
+            G.quantize_q8_1(x.float())
+    torch.cuda.synchronize()
+    print(f"sanitize run: {len(G.BLOCKS)} formats x {len(shapes)} tail shapes x all paths done")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default=",".join(G.BLOCKS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only")
+    ap.add_argument("--sanitize", action="store_true", help="tail shapes once, no timing (for compute-sanitizer)")
+    a = ap.parse_args(argv)
+    if a.sanitize:
+        sanitize_run()
+        return 0
+    fmts = a.formats.split(",")
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"# {dev}; copy bandwidth {bw / 1e12:.3f} TB/s (read+write); shape N={N} K={K}", flush=True)
+
+    sweep = [1, 8] if a.quick else [1, 8, 16, 32, 64, 128, 256, 512, 2048]
+    cub = bench_fp16(sweep)
+    cub_reused = bench_fp16([1, 8], rotate=False)
+    print("cuBLAS fp16 (rotated) us:", {m: round(v, 1) for m, v in cub.items()},
+          "reused:", {m: round(v, 1) for m, v in cub_reused.items()}, flush=True)
+
+    rows, raw = [], {"device": dev, "copy_Bps": bw, "cublas_fp16_us": cub, "cublas_fp16_reused_us": cub_reused}
+    for fmt in fmts:
+        rot, nbytes = bench_gguf(fmt, sweep, ["mmvq", "mmq", "dequant"])
+        reu, _ = bench_gguf(fmt, [1, 8], ["mmvq"], rotate=False)
+        raw[fmt] = {"bytes": nbytes, "rotated": {f"{m}/{p}": v for (m, p), v in rot.items()},
+                    "reused": {f"{m}/{p}": v for (m, p), v in reu.items()}}
+        for m in sweep:
+            cands = {p: v for (mm, p), v in rot.items() if mm == m}
+            best = min(cands, key=cands.get)
+            for p, us in sorted(cands.items(), key=lambda kv: kv[1]):
+                flops = 2.0 * m * N * K
+                rows.append(dict(fmt=fmt, M=m, weights="rotated", path=p + (" *" if p == best else ""),
+                                 us=us, TBps=nbytes / (us * 1e-6) / 1e12, pct_copy=100 * nbytes / (us * 1e-6) / bw,
+                                 TFLOPs=flops / (us * 1e-6) / 1e12, x_cublas=cub[m] / us,
+                                 dispatch=G.choose_path(m, fmt), llama=LLAMA_CPP.get((fmt, m), "")))
+        for (m, p), us in reu.items():
+            rows.append(dict(fmt=fmt, M=m, weights="reused", path=p, us=us, TBps=nbytes / (us * 1e-6) / 1e12,
+                             pct_copy=100 * nbytes / (us * 1e-6) / bw, TFLOPs=2.0 * m * N * K / (us * 1e-6) / 1e12,
+                             x_cublas=cub_reused[m] / us, dispatch=G.choose_path(m, fmt),
+                             llama=LLAMA_CPP.get((fmt, m), "")))
+        print(f"{fmt} done ({time.time() - t0:.0f} s)", flush=True)
+
+    hdr = "| fmt | M | weights | path (* fastest) | us | TB/s blocks | % copy BW | TFLOP/s | x cuBLAS fp16 | dispatch | llama.cpp us |"
+    lines = [hdr, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['fmt']} | {r['M']} | {r['weights']} | {r['path']} | {r['us']:.1f} | {r['TBps']:.2f} | "
+                     f"{r['pct_copy']:.0f} | {r['TFLOPs']:.1f} | {r['x_cublas']:.2f} | {r['dispatch']} | {r['llama']} |")
+    table = "\n".join(lines)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "gguf_bench.md"), "w") as f:
+        f.write(f"{dev}; copy {bw / 1e12:.3f} TB/s; cuBLAS fp16 rotated us {cub}; reused {cub_reused}\n\n{table}\n")
+    with open(os.path.join(a.out, "gguf_bench.json"), "w") as f:
+        json.dump(raw, f, indent=1, default=str)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""GGUF block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) x fp16 activations on CUDA, through CuPy.
+
+    y = matmul(x, qt)        x fp16 CUDA (..., K), qt = fmt.quantize(w).to("cuda") -> fp16 (..., N)
+
+The weight stays in its .gguf block bytes (uint8 (N, K/32 * bytes), file order). Three paths,
+picked by M (rows of x) and format -- `choose_path` -- with thresholds measured on the H100
+(bench/gguf_bench.py, numbers in bench/notes-gguf.md):
+
+  "mmvq"     M <= 8     quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused GEMV-like
+                        kernel per format and M (cuda/gguf_mmvq.cu): a stream over W, DP4A.
+  "mmq"      M <= MMQ_MAX_M[fmt]   Q8_1 + shared-memory tiled DP4A GEMM (cuda/gguf_mmq.cu).
+  "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
+                        (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
+
+mmvq and mmq compute exactly what reference/gguf_dot.py emulates (per-block terms bit-equal;
+only the fp32 order of the sum over blocks differs); dequant is fp16 x fp16 with fp32
+accumulation in cuBLAS, on weights bit-equal to fmt.dequantize(qt) rounded to half.
+
+Everything is checked in Python before a launch (ValueError naming the argument); kernels go on
+torch's current stream; nothing here allocates with CuPy, and the per-stream workspaces (Q8_1
+activations, the dequant buffer) are torch tensors reused across calls, so a call can be
+captured in a CUDA graph (during a capture, workspaces come from the graph's own pool).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from quantzoo.cuda_launch import get_kernel, launch
+
+QK = 32
+Q8_1_BYTES = 36
+BLOCKS = {"q4_0": "BlockQ4_0", "q4_1": "BlockQ4_1", "q5_0": "BlockQ5_0", "q5_1": "BlockQ5_1",
+          "q8_0": "BlockQ8_0"}
+BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
+MMVQ_MAX_M = 8
+MMVQ_THREADS = 128
+MMQ_TILE = 64
+MMQ_THREADS = 256
+# Largest M that still takes the DP4A tiled GEMM; above it dequant + cuBLAS fp16 is faster.
+# Measured on the H100 (bench/gguf_bench.py --sweep, see bench/notes-gguf.md).
+MMQ_MAX_M = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32}
+# Bound on the transient fp16 copy of W used by the dequant path (bytes); W is converted and
+# multiplied a slice of rows at a time.
+DEQUANT_BUFFER_BYTES = 32 << 20
+PATHS = ("mmvq", "mmq", "dequant")
+
+SOURCES = {
+    "q8_1_quantize.cu": ("quantize_q8_1<__half>", "quantize_q8_1<float>"),
+    "gguf_mmvq.cu": tuple(f"mmvq<{b}, {m}>" for b in BLOCKS.values() for m in range(1, MMVQ_MAX_M + 1)),
+    "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
+    "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
+}
+
+
+def _kernel(source: str, name: str):
+    return get_kernel(source, name, SOURCES[source])
+
+
+# ---- validation ---------------------------------------------------------------------------
+def check_weight(qt, arg: str = "qt"):
+    """The weight must be a GGUF block format on CUDA, storage exactly (N, K/32 * bytes) uint8."""
+    import torch
+
+    fmt_name = getattr(qt, "format", None)
+    if fmt_name not in BLOCKS:
+        raise ValueError(f"{arg}: format {fmt_name!r} has no GGUF kernel here; one of {sorted(BLOCKS)}")
+    shape = getattr(qt, "shape", None)
+    if not (isinstance(shape, tuple) and len(shape) == 2):
+        raise ValueError(f"{arg}: shape {shape!r} is not (out_features, in_features)")
+    n, k = (int(s) for s in shape)
+    if n <= 0 or k <= 0 or k % QK:
+        raise ValueError(f"{arg}: shape {shape}: K={k} must be a positive multiple of {QK} (and N={n} > 0)")
+    if n >= 2**31 or k >= 2**31:
+        raise ValueError(f"{arg}: shape {shape} too large for 32-bit row indices")
+    data = qt.data
+    if not isinstance(data, torch.Tensor):
+        raise ValueError(f"{arg}.data: a {type(data).__name__}; move the weight with qt.to('cuda')")
+    if data.dtype != torch.uint8:
+        raise ValueError(f"{arg}.data: dtype {data.dtype}, GGUF blocks are uint8")
+    want = (n, k // QK * BYTES[fmt_name])
+    if tuple(data.shape) != want:
+        raise ValueError(f"{arg}.data: shape {tuple(data.shape)}, a {fmt_name} ({n}, {k}) weight is {want} bytes")
+    if not data.is_contiguous():
+        raise ValueError(f"{arg}.data: not contiguous")
+    if not data.is_cuda:
+        raise ValueError(f"{arg}.data: on {data.device}; move the weight with qt.to('cuda')")
+    if data.data_ptr() % 4:
+        raise ValueError(f"{arg}.data: address not 4-byte aligned")
+    return fmt_name, n, k
+
+
+def _check_act(x, k_expect, arg="x", dtypes=None):
+    import torch
+
+    dtypes = dtypes or (torch.float16,)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{arg}: expected a torch CUDA tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{arg}: dtype {x.dtype}, expected one of {[str(d) for d in dtypes]}")
+    if x.dim() < 1:
+        raise ValueError(f"{arg}: needs at least one dimension (..., K)")
+    k = x.shape[-1]
+    if k_expect is not None and k != k_expect:
+        raise ValueError(f"{arg}: last dimension {k}, the weight expects K={k_expect}")
+    if k == 0 or k % QK:
+        raise ValueError(f"{arg}: K={k} must be a positive multiple of {QK}")
+    if not x.is_contiguous():
+        raise ValueError(f"{arg}: not contiguous (call .contiguous() first)")
+    if not x.is_cuda:
+        raise ValueError(f"{arg}: on {x.device}, the GGUF kernels need CUDA tensors")
+    return x.numel() // k, k
+
+
+def _check_out(out, shape, dtype, device, arg="out", align=2):
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"{arg}: expected a torch tensor")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{arg}: shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"{arg}: dtype {out.dtype}, expected {dtype}")
+    if out.device != device:
+        raise ValueError(f"{arg}: on {out.device}, expected {device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{arg}: not contiguous")
+    if out.data_ptr() % align:
+        raise ValueError(f"{arg}: address not {align}-byte aligned")
+
+
+# ---- workspaces -----------------------------------------------------------------------------
+_WORKSPACES: dict = {}
+
+
+def _workspace(kind: str, nbytes: int, device):
+    """A reused uint8 buffer of >= nbytes for (kind, device, stream); fresh during graph capture."""
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)  # lives in the graph's pool
+    key = (kind, device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device)
+        _WORKSPACES[key] = buf
+    return buf[:nbytes]
+
+
+# ---- public entry points ----------------------------------------------------------------------
+def quantize_q8_1(x, out=None):
+    """x fp16/fp32 CUDA (..., K), contiguous, K % 32 == 0 -> uint8 (M, K/32*36) Q8_1 blocks."""
+    import torch
+
+    m, k = _check_act(x, None, "x", (torch.float16, torch.float32))
+    shape = (m, k // QK * Q8_1_BYTES)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, device=x.device)
+    else:
+        _check_out(out, shape, torch.uint8, x.device, align=4)
+    _launch_quantize(x, out, m * (k // QK))
+    return out
+
+
+def _launch_quantize(x, out, n_blocks: int):
+    import torch
+
+    if n_blocks == 0:
+        return
+    name = "quantize_q8_1<__half>" if x.dtype == torch.float16 else "quantize_q8_1<float>"
+    per_cta = 8  # warps (= blocks) per 256-thread CTA
+    launch(_kernel("q8_1_quantize.cu", name), ((n_blocks + per_cta - 1) // per_cta,), (32 * per_cta,),
+           (x.data_ptr(), out.data_ptr(), np.int64(n_blocks)))
+
+
+def dequantize(qt, out=None):
+    """qt (GGUF block format on CUDA) -> fp16 (N, K), equal to fmt.dequantize(qt) rounded to half."""
+    import torch
+
+    fmt, n, k = check_weight(qt)
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.float16, device=qt.data.device)
+    else:
+        _check_out(out, (n, k), torch.float16, qt.data.device, align=16)
+    _launch_dequant(fmt, qt.data, out, 0, n, k // QK)
+    return out
+
+
+def _launch_dequant(fmt, w, out, row0: int, rows: int, nb: int):
+    total = rows * nb
+    launch(_kernel("gguf_dequant.cu", f"dequant<{BLOCKS[fmt]}>"), ((total + 255) // 256,), (256,),
+           (w.data_ptr(), out.data_ptr(), np.int64(row0), np.int32(rows), np.int32(nb)))
+
+
+def choose_path(m: int, qt) -> str:
+    """Which kernel path matmul takes for M activation rows and this weight's format."""
+    fmt = qt if isinstance(qt, str) else getattr(qt, "format", None)
+    if fmt not in BLOCKS:
+        raise ValueError(f"qt: format {fmt!r} has no GGUF kernel here; one of {sorted(BLOCKS)}")
+    m = int(m)
+    if m < 0:
+        raise ValueError(f"m: {m} rows")
+    if m <= MMVQ_MAX_M:
+        return "mmvq"
+    if m <= MMQ_MAX_M[fmt]:
+        return "mmq"
+    return "dequant"
+
+
+def matmul(x, qt, out=None, path: str | None = None):
+    """y = x @ W.T: x fp16 CUDA (..., K) contiguous, qt on the same device -> fp16 (..., N).
+
+    `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS
+    (mmvq only for M <= 8), otherwise choose_path decides.
+    """
+    import torch
+
+    fmt, n, k = check_weight(qt)
+    m, _ = _check_act(x, k, "x")
+    if x.device != qt.data.device:
+        raise ValueError(f"x is on {x.device} but the {fmt} weight is on {qt.data.device}")
+    lead = tuple(x.shape[:-1])
+    if out is None:
+        out = torch.empty(lead + (n,), dtype=torch.float16, device=x.device)
+    else:
+        _check_out(out, lead + (n,), torch.float16, x.device)
+    if path is None:
+        path = choose_path(m, fmt)
+    elif path not in PATHS:
+        raise ValueError(f"path: {path!r}, one of {PATHS}")
+    elif path == "mmvq" and m > MMVQ_MAX_M:
+        raise ValueError(f"path: 'mmvq' takes M <= {MMVQ_MAX_M} rows, x has {m}")
+    if m == 0:
+        return out
+    if m >= 2**31 // 2:
+        raise ValueError(f"x: {m} rows is too many")
+    nb = k // QK
+    y2 = out.view(m, n)
+    if path == "dequant":
+        _dequant_matmul(fmt, x.view(m, k), qt.data, y2, n, k)
+        return out
+    xq = _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
+    _launch_quantize(x, xq, m * nb)
+    w = qt.data
+    if path == "mmvq":
+        kern = _kernel("gguf_mmvq.cu", f"mmvq<{BLOCKS[fmt]}, {m}>")
+        launch(kern, (n,), (MMVQ_THREADS,), (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(n), np.int32(nb)))
+    else:
+        grid = ((n + MMQ_TILE - 1) // MMQ_TILE, (m + MMQ_TILE - 1) // MMQ_TILE)
+        if grid[1] > 65535:
+            raise ValueError(f"x: {m} rows is too many for the mmq path")
+        launch(_kernel("gguf_mmq.cu", f"mmq<{BLOCKS[fmt]}>"), grid, (MMQ_THREADS,),
+               (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(nb)))
+    return out
+
+
+def _dequant_matmul(fmt, x2, w, y2, n, k, buffer_bytes: int | None = None):
+    """y2 = x2 @ dequant(W).T, W converted a slice of rows at a time into one reused buffer."""
+    import torch
+
+    budget = DEQUANT_BUFFER_BYTES if buffer_bytes is None else buffer_bytes
+    rows = max(1, min(n, budget // (2 * k)))
+    if rows < n and rows > 64:
+        rows -= rows % 64  # keep cuBLAS's N tiles whole
+    buf = _workspace("dequant", rows * k * 2, x2.device).view(torch.float16)
+    for r0 in range(0, n, rows):
+        r = min(rows, n - r0)
+        wb = buf[: r * k].view(r, k)
+        _launch_dequant(fmt, w, wb, r0, r, k // QK)
+        if r == n:
+            torch.mm(x2, wb.t(), out=y2)
+        else:
+            torch.mm(x2, wb.t(), out=y2[:, r0:r0 + r])

@@ -1,0 +1,262 @@
+"""GPU tier for the GGUF kernels (quantzoo/kernels/gguf.py, cuda/gguf_*.cu, cuda/q8_1_quantize.cu).
+
+Oracles:
+* quantize_q8_1 vs the numpy Q8_1 codec (formats.get("q8_1").quantize): the bytes must be
+  identical -- qs, d *and* s: the kernel sums s in the xor-butterfly order that
+  formats.gguf_blocks.butterfly_sum reproduces, so no half-ulp allowance is taken.
+* mmvq / mmq vs the integer-domain emulation fmt.emulate(x, qt, return_bound=True): each
+  per-block term is bit-equal, only the fp32 order of the sum over blocks differs, so
+  |y_gpu - y_emul| <= bound (any fp32 order) + float32 rounding of y_emul + the fp16 rounding of
+  the kernel's output (half an ulp: 2^-11 relative, 2^-25 absolute in subnormals).
+* dequant path (W -> fp16 + cuBLAS): the fp16 weights bit-equal to fmt.dequantize rounded to
+  half; the product vs float64 on those weights within 2^-10 * sum |x||w| (cuBLAS may keep
+  split-K partials in fp16) + fp16 output rounding.
+* every path vs float64 with the unquantized weights: NMSE under fmt.nmse_ceiling (seed 004).
+Outputs are NaN-poisoned before each launch; data are fresh random draws per run.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import quantzoo as qz
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # pragma: no cover - only on GPU machines
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("cupy")
+
+from quantzoo.kernels import gguf as G  # noqa: E402
+
+FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
+MS = [1, 2, 3, 5, 8, 9, 17, 64, 100, 512, 2048]
+RNG = np.random.default_rng()  # fresh data every run; failures print the shapes
+DEV = "cuda"
+
+
+def _weight(fmt, n, k, rng, scale=0.02):
+    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+    return w, qz.formats.get(fmt).quantize(w)
+
+
+def _poisoned(shape, dtype=torch.float16):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def _nmse(y, ref):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(((y - ref) ** 2).sum() / (ref ** 2).sum())
+
+
+def _check_emulated(y, x16, qt_cpu, what):
+    """y (fp16 from the GPU) against the emulation and its fp32-order bound."""
+    ye, bound = qt_cpu.fmt.emulate(x16.astype(np.float32), qt_cpu, return_bound=True)
+    ye = ye.astype(np.float64)
+    yg = y.astype(np.float64)
+    assert np.isfinite(yg).all(), f"{what}: non-finite outputs (unwritten NaN poison?)"
+    tol = bound * (1 + 2.0 ** -11) + np.abs(ye) * (2.0 ** -11 + 2.0 ** -23) + 2.0 ** -24
+    err = np.abs(yg - ye)
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outputs off the emulation; worst "
+                           f"err {err.max():.3e} vs tol {tol.ravel()[np.argmax(err)]:.3e}")
+    return ye
+
+
+def _run(x_t, qt, path):
+    m, n = x_t.shape[0], qt.shape[0]
+    out = _poisoned((m, n))
+    y = G.matmul(x_t, qt, out=out, path=path)
+    assert y.data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    return y.float().cpu().numpy()
+
+
+def _paths(m):
+    return (["mmvq"] if m <= G.MMVQ_MAX_M else []) + ["mmq", "dequant"]
+
+
+def _check_all_paths(fmt, w, qt_cpu, ms, rng, x_scale=1.0):
+    """Every path for every M; NMSE pooled per path over the Ms (small N x M alone is too noisy
+    an estimate to hold against a ceiling 20 % above the expected value)."""
+    n, k = qt_cpu.shape
+    qt = qt_cpu.to(DEV)
+    w16 = qt_cpu.fmt.dequantize(qt_cpu).astype(np.float16).astype(np.float64)
+    pooled = {}
+    for m in ms:
+        x16 = (rng.standard_normal((m, k)) * x_scale).astype(np.float16)
+        x_t = torch.from_numpy(x16).to(DEV)
+        exact = x16.astype(np.float64) @ w.astype(np.float64).T
+        for path in _paths(m):
+            what = f"{fmt} {path} M={m} N={n} K={k}"
+            y = _run(x_t, qt, path)
+            if path == "dequant":
+                ref = x16.astype(np.float64) @ w16.T
+                tol = 2.0 ** -10 * (np.abs(x16.astype(np.float64)) @ np.abs(w16).T) + np.abs(ref) * 2.0 ** -11 + 2.0 ** -24
+                assert np.isfinite(y).all(), what
+                err = np.abs(y - ref)
+                assert (err <= tol).all(), f"{what}: worst err {err.max():.3e}"
+            else:
+                _check_emulated(y, x16, qt_cpu, what)
+            num, den, cnt = pooled.get(path, (0.0, 0.0, 0))
+            pooled[path] = (num + float(((y - exact) ** 2).sum()), den + float((exact ** 2).sum()), cnt + y.size)
+    for path, (num, den, cnt) in pooled.items():
+        if cnt >= 2048:
+            nm = num / den
+            assert nm < qt_cpu.fmt.nmse_ceiling, f"{fmt} {path} N={n} K={k}: NMSE {nm:.4%} >= {qt_cpu.fmt.nmse_ceiling:.2%}"
+
+
+# ---- Q8_1 activation quantization ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("m,k", [(1, 32), (3, 576), (17, 4096), (2, 12288)])
+def test_quantize_q8_1_bit_equal(dtype, m, k):
+    x = RNG.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0.0                                   # an all-zero block: d = 0, q = 0
+    if k >= 128:
+        x[-1, 32:64] *= 300.0                          # large block (s stays in half range)
+        x[-1, 64:96] *= 1e-4                           # tiny block (d subnormal or flushed in half)
+        x[-1, 96:128] = np.round(x[-1, 96:128] * 4) / 4  # many exact halves after scaling
+    x = x.astype(dtype)
+    xt = torch.from_numpy(x).to(DEV)
+    out = torch.full((m, k // 32 * 36), 0xAB, dtype=torch.uint8, device=DEV)
+    got = G.quantize_q8_1(xt, out=out).cpu().numpy()
+    want = qz.formats.get("q8_1").quantize(x.astype(np.float32)).data
+    assert got.shape == want.shape
+    diff = np.argwhere(got != want)
+    assert diff.size == 0, f"first differing (row, byte): {diff[:5].tolist()}"
+
+
+# ---- dequantize kernel -----------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_bit_equal(fmt):
+    w, qt = _weight(fmt, 193, 576, RNG)
+    out = _poisoned((193, 576))
+    got = G.dequantize(qt.to(DEV), out=out).cpu().numpy()
+    want = qt.fmt.dequantize(qt).astype(np.float16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+# ---- matmul: every path vs the emulation, float64 and the seed-004 NMSE ceilings ----------------
+QWEN3_8B = [(4096, 4096, [1, 2, 3, 5, 8, 9, 17, 64, 100]),   # q_proj / o_proj
+            (12288, 4096, [1, 8, 17]),                        # gate / up
+            (4096, 12288, [1, 5, 64]),                        # down
+            (1024, 4096, [3, 9])]                             # k / v
+ODD = [(576, 576, MS), (192, 576, MS), (1536, 576, [1, 8, 9, 100, 512]),
+       (576, 1536, [2, 17, 2048]), (100, 96, [1, 7, 65, 130])]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k,ms", QWEN3_8B + ODD, ids=lambda v: str(v) if not isinstance(v, list) else "")
+def test_matmul_paths(fmt, n, k, ms):
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    w, qt = _weight(fmt, n, k, rng)
+    _check_all_paths(fmt, w, qt, ms, rng)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matmul_magnitudes(fmt):
+    """Zero, tiny and large blocks in x and W; the tolerance is still the emulation's bound."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    n, k = 130, 320
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    w[3] = 0.0
+    w[5, :32] *= 1e3
+    w[7, 32:64] *= 1e-3
+    qt_cpu = qz.formats.get(fmt).quantize(w)
+    qt = qt_cpu.to(DEV)
+    for m in (1, 6, 40):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, :64] = 0.0
+        x[-1, 64:96] *= 400.0
+        x[-1, 96:128] *= 1e-3
+        x16 = x.astype(np.float16)
+        x_t = torch.from_numpy(x16).to(DEV)
+        for path in _paths(m):
+            if path == "dequant":
+                continue
+            _check_emulated(_run(x_t, qt, path), x16, qt_cpu, f"{fmt} {path} M={m} magnitudes")
+
+
+def test_matmul_leading_dims_and_default_dispatch():
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    w, qt_cpu = _weight("q4_0", 256, 512, rng)
+    qt = qt_cpu.to(DEV)
+    for lead in [(1,), (2, 3), (4, 1, 5), (3, 40), (700,)]:
+        x16 = rng.standard_normal(lead + (512,)).astype(np.float16)
+        y = qz.ops.matmul(torch.from_numpy(x16).to(DEV), qt)
+        assert y.shape == lead + (256,) and y.dtype == torch.float16
+        m = int(np.prod(lead))
+        y2 = y.float().cpu().numpy().reshape(m, 256)
+        if G.choose_path(m, qt) == "dequant":
+            assert _nmse(y2, x16.reshape(m, -1).astype(np.float64) @ w.T.astype(np.float64)) < 0.0089
+        else:
+            _check_emulated(y2, x16.reshape(m, -1), qt_cpu, f"lead {lead}")
+
+
+# ---- a real tensor read back from a .gguf file -------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matmul_gguf_file_tensor(fmt, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    n, k = 1536, 576
+    w, qt = _weight(fmt, n, k, rng)
+    path = tmp_path / "t.gguf"
+    wr = gguf.GGUFWriter(str(path), "llama")
+    wr.add_tensor("blk.0.ffn_up.weight", qt.data, raw_dtype=gguf.GGMLQuantizationType[qt.fmt.gguf_type])
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    t = gguf.GGUFReader(str(path)).tensors[0]
+    assert t.tensor_type == gguf.GGMLQuantizationType[qt.fmt.gguf_type]
+    qf = qt.fmt.from_bytes(np.array(t.data), (n, k))
+    assert np.array_equal(qf.data, qt.data)
+    _check_all_paths(fmt, w, qf, [1, 8, 33, 600], rng)
+
+
+# ---- CUDA graph capture -------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 8, 24, 300])
+def test_graph_capture_replays(m):
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    _, qt_cpu = _weight("q5_1", 1000, 1024, rng)
+    qt = qt_cpu.to(DEV)
+    x = torch.from_numpy(rng.standard_normal((m, 1024)).astype(np.float16)).to(DEV)
+    y = torch.empty((m, 1000), dtype=torch.float16, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        G.matmul(x, qt, out=y)  # warm-up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        G.matmul(x, qt, out=y)
+    for _ in range(2):
+        x.copy_(torch.from_numpy(rng.standard_normal((m, 1024)).astype(np.float16)))
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        want = G.matmul(x, qt)
+        assert torch.equal(y, want), f"M={m}: graph replay differs from an eager call"
+
+
+# ---- input checks on real CUDA tensors ------------------------------------------------------------
+def test_bad_inputs_raise_value_error():
+    _, qt_cpu = _weight("q8_0", 64, 128, RNG)
+    qt = qt_cpu.to(DEV)
+    x = torch.zeros((2, 128), dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match="x"):
+        G.matmul(x[:, :96], qt)
+    with pytest.raises(ValueError, match="x"):
+        G.matmul(x.float(), qt)
+    with pytest.raises(ValueError, match="x"):
+        G.matmul(torch.zeros((128, 2), dtype=torch.float16, device=DEV).t(), qt)
+    with pytest.raises(ValueError, match="out"):
+        G.matmul(x, qt, out=torch.empty((2, 63), dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError, match="path"):
+        G.matmul(torch.zeros((9, 128), dtype=torch.float16, device=DEV), qt, path="mmvq")
+    with pytest.raises(ValueError, match="x"):
+        G.quantize_q8_1(torch.zeros((2, 48), dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError, match="data"):
+        G.matmul(x, type(qt)(qt.format, qt.shape, qt.data[:, :-1].contiguous()))
+    torch.cuda.synchronize()

@@ -1,0 +1,96 @@
+"""CPU tier for quantzoo/kernels/gguf.py: what runs before any launch (no GPU, no CuPy needed).
+
+Argument checks must raise one ValueError naming the argument, so a bad call never reaches a
+kernel as an illegal memory access; the dispatch thresholds and the declared kernel instances
+must cover every GGUF weight format in the registry.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import quantzoo as qz
+from quantzoo.formats.tensor import QuantizedTensor
+from quantzoo.kernels import gguf as G
+
+WEIGHT_FORMATS = [n for n in qz.formats.names()
+                  if getattr(qz.formats.get(n), "kernels", None) == "gguf" and qz.formats.get(n).kind == "weight"]
+
+
+def test_registry_formats_have_kernels():
+    assert sorted(WEIGHT_FORMATS) == sorted(G.BLOCKS)
+    for name in WEIGHT_FORMATS:
+        assert G.BYTES[name] == qz.formats.get(name).bytes_per_block
+        block = G.BLOCKS[name]
+        assert f"mmq<{block}>" in G.SOURCES["gguf_mmq.cu"]
+        assert f"dequant<{block}>" in G.SOURCES["gguf_dequant.cu"]
+        for m in range(1, G.MMVQ_MAX_M + 1):
+            assert f"mmvq<{block}, {m}>" in G.SOURCES["gguf_mmvq.cu"]
+
+
+@pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
+def test_choose_path_thresholds(fmt):
+    qt = qz.formats.get(fmt).quantize(np.zeros((4, 64), np.float32))
+    assert [G.choose_path(m, qt) for m in (1, 8)] == ["mmvq", "mmvq"]
+    assert G.choose_path(G.MMVQ_MAX_M + 1, qt) == ("mmq" if G.MMQ_MAX_M[fmt] > G.MMVQ_MAX_M else "dequant")
+    assert G.choose_path(G.MMQ_MAX_M[fmt] + 1, qt) == "dequant"
+    assert G.choose_path(4096, fmt) == "dequant"
+
+
+def test_choose_path_rejects_other_formats():
+    with pytest.raises(ValueError, match="qt"):
+        G.choose_path(1, "awq")
+    with pytest.raises(ValueError, match="m"):
+        G.choose_path(-1, "q4_0")
+
+
+def _cpu_qt(fmt="q4_0", n=8, k=64):
+    qt = qz.formats.get(fmt).quantize(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32))
+    return QuantizedTensor(qt.format, qt.shape, torch.from_numpy(qt.data.copy()))
+
+
+def test_weight_checks():
+    qt = _cpu_qt()
+    with pytest.raises(ValueError, match=r"qt\.data: on cpu"):
+        G.check_weight(qt)
+    with pytest.raises(ValueError, match=r"qt\.data"):
+        G.check_weight(QuantizedTensor("q4_0", (8, 64), qt.data.numpy()))  # numpy: never moved
+    with pytest.raises(ValueError, match=r"qt\.data: dtype"):
+        G.check_weight(QuantizedTensor("q4_0", (8, 64), qt.data.to(torch.int8)))
+    with pytest.raises(ValueError, match=r"qt\.data: shape"):
+        G.check_weight(QuantizedTensor("q4_0", (8, 64), qt.data[:, :-2].contiguous()))
+    with pytest.raises(ValueError, match=r"qt\.data: shape"):  # bytes of another format
+        G.check_weight(QuantizedTensor("q5_0", (8, 64), qt.data))
+    with pytest.raises(ValueError, match=r"qt\.data: not contiguous"):
+        G.check_weight(QuantizedTensor("q4_0", (8, 64), qt.data.t().contiguous().t()))
+    with pytest.raises(ValueError, match="qt: shape"):
+        G.check_weight(QuantizedTensor("q4_0", (8, 48), qt.data))
+    with pytest.raises(ValueError, match="qt: format"):
+        G.check_weight(QuantizedTensor("awq", (8, 64), qt.data))
+    with pytest.raises(ValueError, match="qt"):
+        G.dequantize(qt)
+    with pytest.raises(ValueError, match="qt"):
+        G.matmul(torch.zeros(2, 64, dtype=torch.float16), qt)
+
+
+def test_activation_checks():
+    with pytest.raises(ValueError, match="x: on cpu"):
+        G.quantize_q8_1(torch.zeros(2, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="x: dtype"):
+        G.quantize_q8_1(torch.zeros(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x: K=48"):
+        G.quantize_q8_1(torch.zeros(2, 48, dtype=torch.float16))
+    with pytest.raises(ValueError, match="x: not contiguous"):
+        G.quantize_q8_1(torch.zeros(64, 2, dtype=torch.float16).t())
+    with pytest.raises(ValueError, match="x: expected a torch"):
+        G.quantize_q8_1(np.zeros((2, 64), np.float16))
+    with pytest.raises(ValueError, match="x: needs at least one"):
+        G.quantize_q8_1(torch.tensor(1.0, dtype=torch.float16))
+
+
+def test_import_needs_no_cupy():
+    import sys
+
+    assert "cupy" not in sys.modules or sys.modules["cupy"] is not None  # lazily imported
+    assert set(G.SOURCES) == {"q8_1_quantize.cu", "gguf_mmvq.cu", "gguf_mmq.cu", "gguf_dequant.cu"}
