@@ -1,0 +1,257 @@
+"""Load a .gguf file (arch qwen3 or llama) into a ModelConfig, HF-named weights and a Tokenizer.
+
+gguf-py's GGUFReader memory-maps the file; block-quantized tensors (Q4_0 ... Q8_0) are wrapped
+as QuantizedTensors over the file's own bytes (`fmt.from_bytes`: no repacking, our layout IS
+the GGUF layout). F32/F16/BF16 tensors become torch float tensors.
+
+Facts this rests on (DESIGN.md §5):
+- GGUF dims are listed ne0 first, ne0 = in_features, so the numpy shape is (out, in): torch
+  orientation already.
+- llama.cpp's converter permutes the rows of Q and K of `llama` models so that its "normal"
+  RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ...: within each head, HF row
+  j*hd/2 + i (half j, index i) is stored at row 2*i + j. The runner rotates halves (HF order),
+  so `unpermute_qk` puts the rows back. A row of a block-quantized tensor is a run of whole
+  blocks along K, so permuting rows of block bytes is exact. qwen2/qwen3 files are not
+  permuted (llama.cpp rotates halves for them: "NEOX" RoPE).
+- Optional keys take llama.cpp's defaults: head_count_kv = head_count, key_length =
+  embedding_length / head_count, rope.freq_base = 10000. The RMS epsilon is required.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .. import formats
+from ..formats import QuantizedTensor
+from .config import ModelConfig
+from .tokenizer import Tokenizer
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# ggml type name -> registry name, from the registry itself (Format.gguf_type)
+BLOCK_TYPES = {formats.get(n).gguf_type: n for n in formats.names()
+               if formats.get(n).gguf_type and formats.get(n).gguf_type not in FLOAT_TYPES}
+
+TENSOR_NAMES = {  # GGUF name (per layer: blk.N.<x>) -> HF name
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in TENSOR_NAMES:
+        return TENSOR_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight" \
+            and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """Inverse of gguf_to_hf_name (for writers)."""
+    for g, h in TENSOR_NAMES.items():
+        if h == name:
+            return g
+    parts = name.split(".")
+    inner = ".".join(parts[3:-1])
+    for g, h in LAYER_NAMES.items():
+        if h == inner:
+            return f"blk.{parts[2]}.{g}.weight"
+    raise KeyError(f"{name}: no GGUF name")
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF row order -> llama.cpp's (what its converter does to llama Q/K; rows are whole)."""
+    n = w.shape[0]
+    return (w.reshape(n_head, 2, n // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row order -> HF's (rotate-half pairs). Works on block bytes too."""
+    n = w.shape[0]
+    return np.ascontiguousarray(
+        w.reshape(n_head, n // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def _reader(path: str):
+    """GGUFReader that checks every tensor's byte range before mapping it (names the tensor)."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    class Reader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for field in fields:
+                _nl, name_data, _nd, dims, raw_dtype, off = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    t = GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise ValueError(f"tensor {name!r}: unknown ggml type number {int(raw_dtype[0])}") from None
+                bs, ts = GGML_QUANT_SIZES[t]
+                n = int(np.prod(dims))
+                if n % bs:
+                    raise ValueError(f"tensor {name!r}: {n} elements are not whole {t.name} blocks of {bs}")
+                a = int(start_offs + off[0])
+                b = a + n * ts // bs
+                if b > size:
+                    raise ValueError(f"tensor {name!r}: its data (bytes {a}..{b}) runs past the end "
+                                     f"of the file ({size} bytes): truncated file?")
+            return super()._build_tensors(start_offs, fields)
+
+    return Reader(path)
+
+
+def _open(path: str):
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (magic {head!r}, expected b'GGUF')")
+    try:
+        return _reader(path)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    except Exception as e:  # truncated metadata: short memmap slices fail in many ways
+        raise ValueError(f"{path}: cannot parse the GGUF header/metadata "
+                         f"({type(e).__name__}: {e}); truncated or corrupt file?") from None
+
+
+def read_metadata(reader, path: str, prefix: str | None = None) -> dict:
+    meta = {}
+    for k, fl in reader.fields.items():
+        if prefix and not k.startswith(prefix):
+            continue
+        try:
+            meta[k] = fl.contents()
+        except Exception as e:
+            raise ValueError(f"{path}: metadata key {k!r} cannot be decoded ({e})") from None
+    return meta
+
+
+def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise ValueError(f"{path}: metadata key 'general.architecture' is missing")
+    if arch not in ("qwen3", "llama"):
+        raise ValueError(f"{path}: general.architecture={arch!r} is not supported "
+                         "(the runner reads 'qwen3' and 'llama')")
+
+    def key(name, default=KeyError):
+        k = f"{arch}.{name}"
+        if k in meta:
+            v = meta[k]
+            return v[0] if isinstance(v, list) else v
+        if default is KeyError:
+            raise ValueError(f"{path}: metadata key {k!r} is missing")
+        return default
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"{path}: {arch}.attention.value_length != key_length is not supported")
+    rope_dims = int(key("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count={rope_dims} (partial RoPE) is not "
+                         f"supported; head_dim is {head_dim}")
+    if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] not in ("none",):
+        raise ValueError(f"{path}: {arch}.rope.scaling.type={meta[f'{arch}.rope.scaling.type']!r} "
+                         "is not supported yet")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        arch=arch, vocab_size=vocab_size, hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")), num_layers=int(key("block_count")),
+        num_heads=heads, num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim, rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position=int(key("context_length")), tie_word_embeddings=tied,
+        qk_norm=(arch == "qwen3"), bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=[] if eos is None else [int(eos)])
+
+
+def _to_weight(t, path: str):
+    """ReaderTensor -> torch float tensor or QuantizedTensor (no copy for block types)."""
+    tname = t.tensor_type.name
+    shape = tuple(int(s) for s in reversed(t.shape.tolist()))   # (out, in)
+    if tname == "F32" or tname == "F16":
+        return torch.from_numpy(np.asarray(t.data).reshape(shape).copy())
+    if tname == "BF16":
+        u16 = np.asarray(t.data).view(np.uint16).reshape(shape)
+        return torch.from_numpy(u16.astype(np.int16)).view(torch.bfloat16).float()
+    if tname in BLOCK_TYPES:
+        if len(shape) != 2:
+            raise ValueError(f"{path}: tensor {t.name!r} is {tname} with shape {shape}; "
+                             "block-quantized tensors must be 2-D")
+        return formats.get(BLOCK_TYPES[tname]).from_bytes(t.data, shape)
+    raise ValueError(f"{path}: tensor {t.name!r} has type {tname}, which is not supported yet "
+                     f"(supported: {', '.join(FLOAT_TYPES + tuple(BLOCK_TYPES))})")
+
+
+def load_gguf(path, progress: bool = True):
+    """-> (ModelConfig, weights {HF name: torch tensor | QuantizedTensor}, Tokenizer)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    reader = _open(path)
+    meta = read_metadata(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = int(tensors["token_embd.weight"].shape[1])
+    cfg = config_from_metadata(meta, path, vocab, tied="output.weight" not in tensors)
+    tok = Tokenizer.from_gguf_fields({k: v for k, v in meta.items() if k.startswith("tokenizer.")}, path)
+    if tok.vocab_size > vocab:
+        raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} tokens, token_embd.weight "
+                         f"only {vocab} rows")
+    cfg.bos_token_id, cfg.eos_token_ids = tok.bos_token_id, list(tok.eos_token_ids)
+
+    # validate names, shapes and types against the config before using any tensor
+    want = cfg.expected_shapes()
+    hf_of = {}
+    for name, t in tensors.items():
+        hf = gguf_to_hf_name(name)
+        if hf is None or hf not in want:
+            raise ValueError(f"{path}: unexpected tensor {name!r} for a {cfg.arch} model "
+                             f"({'not supported yet' if name == 'rope_freqs.weight' else 'unknown name'})")
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        if shape != want[hf]:
+            raise ValueError(f"{path}: tensor {name!r} has shape {shape}, the config "
+                             f"({cfg.arch}, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
+                             f"{cfg.num_kv_heads}x{cfg.head_dim}) wants {want[hf]}")
+        tname = t.tensor_type.name
+        if tname not in FLOAT_TYPES and tname not in BLOCK_TYPES:
+            raise ValueError(f"{path}: tensor {name!r} has type {tname}, which is not supported yet "
+                             f"(supported: {', '.join(FLOAT_TYPES + tuple(BLOCK_TYPES))})")
+        if len(want[hf]) == 1 and tname not in FLOAT_TYPES:
+            raise ValueError(f"{path}: tensor {name!r} (a norm weight) has type {tname}; expected a float type")
+        hf_of[name] = hf
+    have = set(hf_of.values())
+    for hf in want:
+        if hf not in have:
+            raise ValueError(f"{path}: tensor {hf_to_gguf_name(hf)!r} is missing")
+
+    weights = {}
+    items = list(hf_of.items())
+    if progress:
+        from tqdm import tqdm
+        items = tqdm(items, desc=f"loading {os.path.basename(path)}", unit="tensor", leave=False)
+    for name, hf in items:
+        w = _to_weight(tensors[name], path)
+        if cfg.arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            n_head = cfg.num_heads if hf.endswith("q_proj.weight") else cfg.num_kv_heads
+            if isinstance(w, QuantizedTensor):
+                w = QuantizedTensor(w.format, w.shape, unpermute_qk(np.asarray(w.data), n_head), w.params)
+            else:
+                w = torch.from_numpy(unpermute_qk(w.numpy(), n_head))
+        weights[hf] = w
+    return cfg, weights, tok
