@@ -198,7 +198,7 @@ def _to_weight(t, path: str):
 
 
 def load_gguf(path, progress: bool = True):
-    """-> (ModelConfig, weights {HF name: torch tensor | QuantizedTensor}, Tokenizer)."""
+    """-> (ModelConfig, weights {HF name: torch tensor | QuantizedTensor}, Tokenizer | None)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file")
@@ -209,11 +209,13 @@ def load_gguf(path, progress: bool = True):
         raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[1])
     cfg = config_from_metadata(meta, path, vocab, tied="output.weight" not in tensors)
-    tok = Tokenizer.from_gguf_fields({k: v for k, v in meta.items() if k.startswith("tokenizer.")}, path)
-    if tok.vocab_size > vocab:
-        raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} tokens, token_embd.weight "
-                         f"only {vocab} rows")
-    cfg.bos_token_id, cfg.eos_token_ids = tok.bos_token_id, list(tok.eos_token_ids)
+    tok = None   # a file without tokenizer.ggml.* (synthetic, bench) loads without one
+    if "tokenizer.ggml.model" in meta:
+        tok = Tokenizer.from_gguf_fields({k: v for k, v in meta.items() if k.startswith("tokenizer.")}, path)
+        if tok.vocab_size > vocab:
+            raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} tokens, token_embd.weight "
+                             f"only {vocab} rows")
+        cfg.bos_token_id, cfg.eos_token_ids = tok.bos_token_id, list(tok.eos_token_ids)
 
     # validate names, shapes and types against the config before using any tensor
     want = cfg.expected_shapes()

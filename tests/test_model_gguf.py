@@ -1,0 +1,285 @@
+"""GGUF loading: a synthetic llama model written the way llama.cpp's converter writes it (Q/K
+rows permuted for adjacent-pair RoPE) must give transformers' logits on the same weights; a
+qwen3 one (not permuted) too; bad files give one clear error naming the file and tensor/key.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import quantzoo as qz
+from quantzoo import formats
+
+gguf = pytest.importorskip("gguf")
+
+DIMS = dict(vocab=160, hidden=128, inter=192, layers=2, heads=4, kv_heads=2, ctx=256)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)    # 2 CI cores shared by 2 xdist workers: avoid oversubscription
+    yield
+    torch.set_num_threads(n)
+
+
+def hf_model(arch: str, seed: int = 0, tied: bool = False):
+    """A tiny random transformers model (weights scaled so logits are not all near zero)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    d = DIMS
+    kw = dict(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+              num_hidden_layers=d["layers"], num_attention_heads=d["heads"],
+              num_key_value_heads=d["kv_heads"], max_position_embeddings=d["ctx"],
+              rms_norm_eps=1e-5, rope_theta=1e4 if arch == "llama" else 1e6,
+              tie_word_embeddings=tied, initializer_range=0.08)
+    if arch == "llama":
+        m = LlamaForCausalLM(LlamaConfig(**kw))
+    else:
+        m = Qwen3ForCausalLM(Qwen3Config(head_dim=64, **kw))
+    with torch.no_grad():   # norms away from 1 so a wrong norm shows
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    return m.eval()
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, written out here as the independent oracle."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+HF2GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    p = hf.split(".")
+    return f"blk.{p[2]}.{HF2GGUF['.'.join(p[3:-1])]}.weight"
+
+
+def write_gguf(path, m, arch: str, fmt: str | None = None, drop=(), extra_tensors=None,
+               permute: bool = True):
+    """Write m as llama.cpp would: linears in `fmt` (None: F32), norms F32; llama Q/K permuted.
+
+    Returns the state dict as the file holds it, dequantized and in HF row order (the oracle)."""
+    c = m.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rp = getattr(c, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rp.get("rope_theta", getattr(c, "rope_theta", 1e4))))
+    if arch == "qwen3":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    oracle = {}
+    for hf, t in m.state_dict().items():
+        if hf == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        name = gguf_name(hf)
+        a = t.detach().float().numpy()
+        if a.ndim == 2 and fmt is not None and hf != "model.embed_tokens.weight":
+            qt = formats.get(fmt).quantize(a)
+            a_deq = qt.dequantize()
+            stored, raw = qt.data, getattr(gguf.GGMLQuantizationType, formats.get(fmt).gguf_type)
+        else:
+            a_deq, stored, raw = a, a, None
+        oracle[hf] = torch.from_numpy(a_deq.copy())
+        if arch == "llama" and permute and name.split(".")[-2] in ("attn_q", "attn_k"):
+            nh = c.num_attention_heads if "attn_q" in name else c.num_key_value_heads
+            stored = llama_cpp_permute(stored, nh)
+        if name in drop:
+            continue
+        if raw is None:
+            w.add_tensor(name, np.ascontiguousarray(stored))
+        else:
+            w.add_tensor(name, np.ascontiguousarray(stored), raw_dtype=raw)
+    for name, (arr, raw) in (extra_tensors or {}).items():
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return oracle
+
+
+def hf_logits(m, oracle, ids):
+    m.load_state_dict(oracle, strict=False)
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0].float()
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("arch,fmt", [("llama", None), ("llama", "q8_0"), ("llama", "q4_1"),
+                                      ("qwen3", "q5_0"), ("qwen3", None)])
+def test_gguf_matches_transformers(tmp_path, arch, fmt):
+    m = hf_model(arch, seed=1 if fmt else 0)
+    path = tmp_path / "m.gguf"
+    oracle = write_gguf(path, m, arch, fmt)
+    model = qz.load_model(path, progress=False)
+    assert model.tokenizer is None and model.config.arch == arch
+    assert model.formats["q_proj"] == (fmt or "f32")
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, DIMS["vocab"], 40)]
+    want = hf_logits(m, oracle, ids)
+    got = model.logits(ids)
+    err = rel_err(got, want)
+    assert err < 1e-4, f"{arch}/{fmt}: max relative logit error {err:.2e}"
+    # greedy generation agrees with transformers token for token
+    with torch.no_grad():
+        ref = m.generate(torch.tensor([ids[:8]]), max_new_tokens=16, do_sample=False,
+                         pad_token_id=0)[0, 8:].tolist()
+    assert model.generate(ids[:8], max_new_tokens=16, eos_token_ids=[]) == ref
+
+
+def test_llama_without_unpermutation_is_wrong(tmp_path):
+    """The negative control of the RoPE trap: a file whose Q/K rows are NOT permuted (the
+    loader then scrambles them) gives logits far from transformers', so the test above can fail."""
+    m = hf_model("llama", seed=2)
+    path = tmp_path / "m.gguf"
+    oracle = write_gguf(path, m, "llama", None, permute=False)
+    ids = list(range(1, 41))
+    err = rel_err(qz.load_model(path, progress=False).logits(ids), hf_logits(m, oracle, ids))
+    assert err > 1e-2, f"un-permuting an unpermuted file changed nothing (error {err:.1e})"
+
+
+def test_unpermute_inverts_permute_on_block_bytes():
+    from quantzoo.model.gguf_loader import unpermute_qk
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4 * 64, 96)).astype(np.float32)
+    qt = formats.get("q4_0").quantize(w)
+    back = unpermute_qk(llama_cpp_permute(qt.data, 4), 4)
+    assert np.array_equal(back, qt.data)
+    assert not np.array_equal(llama_cpp_permute(qt.data, 4), qt.data)
+
+
+# ---- bad files ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("g") / "good.gguf"
+    write_gguf(path, hf_model("llama"), "llama", "q8_0")
+    return path
+
+
+def test_wrong_magic(tmp_path, good_file):
+    bad = tmp_path / "bad.gguf"
+    data = bytearray(good_file.read_bytes())
+    data[:4] = b"GGUX"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"bad\.gguf: not a GGUF file \(magic b'GGUX'"):
+        qz.load_model(bad, progress=False)
+
+
+@pytest.mark.parametrize("frac", [0.9, 0.5])
+def test_truncated_tensor_data(tmp_path, good_file, frac):
+    data = good_file.read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[:int(len(data) * frac)])
+    with pytest.raises(ValueError, match=r"cut\.gguf: tensor '[a-z_.0-9]+': its data .* runs past "
+                                         r"the end of the file .*truncated"):
+        qz.load_model(bad, progress=False)
+
+
+def test_truncated_header(tmp_path, good_file):
+    bad = tmp_path / "head.gguf"
+    bad.write_bytes(good_file.read_bytes()[:300])
+    with pytest.raises(ValueError, match=r"head\.gguf: .*truncated or corrupt"):
+        qz.load_model(bad, progress=False)
+
+
+def test_missing_tensor(tmp_path):
+    path = tmp_path / "miss.gguf"
+    write_gguf(path, hf_model("llama"), "llama", "q8_0", drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"miss\.gguf: tensor 'blk\.1\.ffn_up\.weight' is missing"):
+        qz.load_model(path, progress=False)
+
+
+def test_k_quant_is_not_supported_yet(tmp_path):
+    """A Q4_K tensor (256-element super-blocks of 144 bytes) -> an error naming the tensor.
+    K-quants need in_features % 256 == 0, so this model has hidden size 256."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=128,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=64)).eval()
+    kq = np.random.default_rng(0).integers(0, 255, (128, 144), dtype=np.uint8)  # (128, 256) Q4_K
+    path = tmp_path / "kq.gguf"
+    write_gguf(path, m, "llama", None, drop=("blk.0.ffn_gate.weight",),
+               extra_tensors={"blk.0.ffn_gate.weight": (kq, gguf.GGMLQuantizationType.Q4_K)})
+    with pytest.raises(ValueError, match=r"kq\.gguf: tensor 'blk\.0\.ffn_gate\.weight' has type "
+                                         r"Q4_K, which is not supported yet"):
+        qz.load_model(path, progress=False)
+
+
+def test_wrong_arch_and_shape(tmp_path):
+    m = hf_model("llama")
+    path = tmp_path / "arch.gguf"
+    write_gguf(path, m, "gpt2")
+    with pytest.raises(ValueError, match=r"arch\.gguf: general\.architecture='gpt2' is not supported"):
+        qz.load_model(path, progress=False)
+    # a qwen3 header over llama tensors: the q/k norms are missing
+    path = tmp_path / "noqk.gguf"
+    write_gguf(path, m, "qwen3")
+    with pytest.raises(ValueError, match=r"noqk\.gguf: tensor 'blk\.0\.attn_q_norm\.weight' is missing"):
+        qz.load_model(path, progress=False)
+
+
+def test_not_a_model_path(tmp_path):
+    p = tmp_path / "weights.txt"
+    p.write_text("x")
+    with pytest.raises(ValueError, match="not a model this runner reads"):
+        qz.load_model(p)
+    with pytest.raises(FileNotFoundError):
+        qz.load_model(tmp_path / "nope.gguf")
+
+
+def test_generate_sampling_and_stop(tmp_path):
+    """Sampling with a seed is reproducible; top_k=1 equals greedy; stop strings cut the text."""
+    from quantzoo.model.generate import generate, sample
+
+    lg = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    assert sample(lg) == 1
+    g = torch.Generator().manual_seed(0)
+    draws = {sample(lg, 1.0, top_k=2, generator=g) for _ in range(200)}
+    assert draws == {1, 3}                                   # top-k keeps exactly two
+    g = torch.Generator().manual_seed(0)
+    # softmax: p1 = 0.479, p3 = 0.433, p2 = 0.065, p0 = 0.024
+    assert {sample(lg, 1.0, top_p=0.45, generator=g) for _ in range(200)} == {1}
+    assert {sample(lg, 1.0, top_p=0.9, generator=g) for _ in range(300)} == {1, 3}
+    assert {sample(lg, 1.0, top_p=0.95, generator=g) for _ in range(400)} == {1, 2, 3}
+    with pytest.raises(ValueError, match="top_p"):
+        sample(lg, 1.0, top_p=0.0)
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_model("llama", seed=3), "llama", "q8_0")
+    model = qz.load_model(path, progress=False)
+    ids = [3, 4, 5, 6]
+    a = model.generate(ids, max_new_tokens=12, temperature=0.9, seed=7, eos_token_ids=[])
+    b = model.generate(ids, max_new_tokens=12, temperature=0.9, seed=7, eos_token_ids=[])
+    assert a == b and len(a) == 12
+    greedy = model.generate(ids, max_new_tokens=12, eos_token_ids=[])
+    assert model.generate(ids, max_new_tokens=12, temperature=1.5, top_k=1, seed=1,
+                          eos_token_ids=[]) == greedy
+    r = generate(model, ids, max_new_tokens=12, eos_token_ids=[greedy[3]])
+    assert r.stop_reason == "eos" and r.tokens == greedy[:4]

@@ -1,0 +1,83 @@
+"""The tokenizer rebuilt from GGUF metadata reproduces llama.cpp's own test vectors.
+
+Files: ../shared/vocab/ggml-vocab-{qwen2,llama-bpe,gpt-2}.gguf (vocab-only GGUFs from
+llama.cpp's models/ directory) with .inp texts separated by `__ggml_vocab_test__` lines and
+.out token ids, one line per text, made by llama.cpp's test-tokenizer-0 (no BOS, special
+tokens not parsed). Every line must match.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
+NAMES = ["qwen2", "llama-bpe", "gpt-2"]
+
+
+def _load(name):
+    import gguf
+
+    from quantzoo.model.gguf_loader import read_metadata
+    from quantzoo.model.tokenizer import Tokenizer
+
+    path = VOCAB / f"ggml-vocab-{name}.gguf"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: the tokenizer vectors live in ../shared/vocab beside the checkout")
+    meta = read_metadata(gguf.GGUFReader(path), str(path), prefix="tokenizer.")
+    return path, Tokenizer.from_gguf_fields(meta, str(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_llama_cpp_vectors(name):
+    path, tok = _load(name)
+    texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    lines = path.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
+    assert texts[-1] == "" and lines[-1] == ""     # both files end with a separator / newline
+    texts, lines = texts[:-1], lines[:-1]
+    assert len(texts) == len(lines) == 46
+    bad = []
+    for text, line in zip(texts, lines):
+        want = [int(t) for t in line.split()]
+        got = tok.encode(text, add_bos=False)
+        if got != want:
+            bad.append((text, got, want))
+    assert not bad, f"{len(bad)} of {len(texts)} texts differ, first: {bad[0]!r}"
+    # decoding gives the text back (byte-level BPE is lossless)
+    for text in texts:
+        assert tok.decode(tok.encode(text, add_bos=False)) == text
+
+
+def test_unknown_pre_tokenizer_is_an_error():
+    from quantzoo.model.tokenizer import Tokenizer
+
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "made-up",
+            "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": []}
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre='made-up' is not supported"):
+        Tokenizer.from_gguf_fields(meta, "x.gguf")
+    meta["tokenizer.ggml.model"] = "llama"
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama' is not supported"):
+        Tokenizer.from_gguf_fields(meta, "x.gguf")
+
+
+def test_special_tokens_and_chat_template():
+    """Control tokens are single ids in encoded text; the chat template renders with jinja2."""
+    from quantzoo.model.tokenizer import CONTROL, NORMAL, Tokenizer
+
+    toks = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "<|im_start|>", "<|im_end|>", "ab"]
+    types = [NORMAL] * 27 + [CONTROL, CONTROL, NORMAL]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+            "tokenizer.ggml.tokens": toks, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.bos_token_id": 27,
+            "tokenizer.ggml.eos_token_id": 28, "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }} "
+                                       "{{ m['content'] }}<|im_end|>{% endfor %}"}
+    tok = Tokenizer.from_gguf_fields(meta, "x.gguf")
+    assert tok.encode("ab c") == [27, 29, 26, 2]            # bos, merged "ab", "Ġ", "c"
+    assert tok.encode("ab", add_bos=False) == [29]
+    s = tok.apply_chat_template([{"role": "user", "content": "ab"}])
+    assert s == "<|im_start|>user ab<|im_end|>"
+    assert tok.encode(s, add_bos=False) == [27] + tok.encode("user ab", add_bos=False) + [28]
+    assert 28 in tok.eos_token_ids
+    assert tok.decode([29, 26, 2]) == "ab c"
