@@ -6,9 +6,14 @@ import sys
 from quantzoo.formats import get, names
 
 
-def test_formats_table():
-    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "formats"], capture_output=True,
-                         text=True, timeout=300)
+def quantzoo_cli(*args, cwd):
+    # cwd away from the checkout, so the installed package is what runs, not the source tree
+    return subprocess.run([sys.executable, "-m", "quantzoo.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def test_formats_table(tmp_path):
+    out = quantzoo_cli("formats", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
             if line.startswith("|") and not line.startswith("|--")}
@@ -22,7 +27,6 @@ def test_formats_table():
             assert 0 < nmse_w <= nmse_k * 1.02 and nmse_k < 100 * get(name).nmse_ceiling
 
 
-def test_unknown_command_is_a_usage_error():
-    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "nope"], capture_output=True,
-                         text=True)
+def test_unknown_command_is_a_usage_error(tmp_path):
+    out = quantzoo_cli("nope", cwd=tmp_path)
     assert out.returncode == 2 and re.search(r"invalid choice", out.stderr)
