@@ -52,3 +52,18 @@ def matmul(x, qt, *, mode: str = "emulate"):
 
         return torch.from_numpy(np.ascontiguousarray(y)).to(x.dtype)
     return y
+
+
+def awq_gemm(x, qweight, scales, qzeros, group_size):
+    """vLLM-style AWQ GEMM: fp16 x [.., K] @ W -> fp16 [.., N], W from HF-layout AWQ tensors
+    (qweight int32 [K, N/8], scales fp16 [K/G, N], qzeros int32 [K/G, N/8]) on CUDA."""
+    from quantzoo.kernels import awq
+
+    return awq.gemm(x, qweight, scales, qzeros, group_size)
+
+
+def awq_dequantize(qweight, scales, qzeros):
+    """fp16 [K, N] = (q - z) * s on CUDA from HF-layout AWQ tensors (group size from the shapes)."""
+    from quantzoo.kernels import awq
+
+    return awq.awq_dequantize(qweight, scales, qzeros)

@@ -1,0 +1,141 @@
+"""AWQ W4A16 kernels vs cuBLAS fp16 and copy bandwidth on Qwen3-8B shapes (run on the GPU).
+
+    python bench/awq_bench.py [--ms 1,2,4,...] [--shapes 4096x12288,...] [--out log.json]
+
+Method (DESIGN.md §6): each measured call is captured R times in a CUDA graph, the R calls
+rotating over enough weight copies (>= 150 MB together) that the 50 MB L2 cannot serve them;
+the graph is replayed many times, timed with CUDA events, and the median replay / R is the
+time per call. Weights are random bit patterns made on the GPU (the kernels' speed does not
+depend on the values). Copy bandwidth (read + write) and cuBLAS fp16 (F.linear on an fp16
+[N, K] weight, also rotated) are measured in the same run.
+Columns: t = µs per call of the path dispatch picks; TB/s and %copy count qweight + qzeros +
+scales bytes (what a decode step must stream); x cuBLAS = cuBLAS time / AWQ time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+from quantzoo.kernels import awq
+
+SHAPES = ((4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096))   # (K, N) Qwen3-8B
+MS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+ROT_BYTES = 150e6
+G = 128
+
+
+def time_graph(fn_list, reps=20, replays=15):
+    """Median µs per call of fn_list[i % len] captured `reps` times in one graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fn_list:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn_list[i % len(fn_list)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    n = 1 << 29  # 1 GiB of bytes, as 2-byte elements
+    a = torch.empty(n, dtype=torch.float16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = time_graph([lambda: b.copy_(a)], reps=5, replays=10)
+    return 2 * a.numel() * 2 / (t * 1e-6) / 1e12
+
+
+def make_weights(k, n, copies):
+    out = []
+    for _ in range(copies):
+        qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
+        qz = torch.randint(-2**31, 2**31 - 1, (k // G, n // 8), dtype=torch.int32, device="cuda")
+        sc = (torch.rand(k // G, n, device="cuda") * 0.004 + 0.001).half()
+        out.append((qw, sc, qz))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
+    ap.add_argument("--paths", default="all", help="'all' (every path) or 'dispatch'")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    ms = [int(v) for v in a.ms.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    dev = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"# {dev}; copy bandwidth (read+write) {bw:.3f} TB/s", flush=True)
+    rows, raw = [], []
+    for k, n in shapes:
+        qbytes = k * n // 2 + (k // G) * (n // 8) * 4 + (k // G) * n * 2
+        copies = max(2, math.ceil(ROT_BYTES / qbytes))
+        ws = make_weights(k, n, copies)
+        fcopies = max(2, math.ceil(ROT_BYTES / (2 * k * n)))
+        fw = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(fcopies)]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.float16)
+            t_cublas = time_graph([lambda w=w: torch.nn.functional.linear(x, w, out=None) for w in fw])
+            paths = (["gemv"] if m <= 8 else []) + ["mma", "dequant+cublas"]
+            times = {}
+            for p in paths:
+                fns = [lambda w=w, p=p: awq.gemm(x, *w, G, out=y, path=p) for w in ws]
+                try:
+                    times[p] = time_graph(fns)
+                except Exception as e:  # report and go on
+                    print(f"  {k}->{n} M={m} {p}: {type(e).__name__}: {e}", file=sys.stderr)
+            if m <= 16:   # which mma tile shape is best for small M (NG=1 vs 2)
+                for cfg in ((1, 1), (1, 2)):
+                    fns = [lambda w=w, c=cfg: awq._mma(x, w[0], w[1], w[2], y, m, k, n, G, cfg=c) for w in ws]
+                    times[f"mma{cfg[0]}x{cfg[1]}"] = time_graph(fns)
+            chosen = awq.choose_path(m, None)
+            best = min((t, p) for p, t in times.items() if not p.startswith("mma1x"))
+            t = times.get(chosen, float("nan"))
+            tbs = qbytes / (t * 1e-6) / 1e12
+            rec = {"k": k, "n": n, "m": m, "cublas_us": t_cublas, "paths_us": times, "chosen": chosen,
+                   "best": best[1], "tbs": tbs, "pct_copy": 100 * tbs / bw, "x_cublas": t_cublas / t}
+            raw.append(rec)
+            extra = " ".join(f"{p}={v:.1f}" for p, v in times.items())
+            print(f"{k:>5}->{n:<5} M={m:<5} {chosen:>14} {t:9.1f}us {tbs:6.3f}TB/s {rec['pct_copy']:5.1f}% "
+                  f"x{rec['x_cublas']:.2f} cublas={t_cublas:.1f} | {extra}", flush=True)
+            rows.append((f"{k}->{n}", m, chosen, f"{t:.1f}", f"{tbs:.2f}", f"{rec['pct_copy']:.0f}",
+                         f"{rec['x_cublas']:.2f}", f"{t_cublas:.1f}", best[1]))
+        del ws, fw
+        torch.cuda.empty_cache()
+    hdr = ("shape", "M", "path", "t µs", "TB/s", "%copy", "x cuBLAS", "cuBLAS µs", "best path")
+    try:
+        from tabulate import tabulate
+
+        print(tabulate(rows, headers=hdr))
+    except ImportError:
+        print("\t".join(hdr))
+        for r in rows:
+            print("\t".join(map(str, r)))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": dev, "copy_tbs": bw, "rows": raw}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

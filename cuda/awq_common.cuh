@@ -1,0 +1,157 @@
+// awq_common.cuh -- pieces shared by the AWQ W4A16 kernels (awq_dequant.cu, awq_gemv.cu,
+// awq_mma.cu).
+//
+// Layout (HF AWQ "gemm"): qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N].
+// Nibble slot j (bits 4j..4j+3) of a word holds column 8c + ORDER[j], ORDER = 0 2 4 6 1 3 5 7.
+// So slots (0,4) are columns (0,1), slots (1,5) columns (2,3), slots (2,6) columns (4,5) and
+// slots (3,7) columns (6,7): each pair sits 16 bits apart, exactly the two lanes of a half2.
+//
+// Math every kernel computes for one weight:   w16 = fp16((q - z) * s)
+// LOP3 trick (seed 002): (word & 0x000f000f) | 0x64006400, read as half2, is (1024 + q0, 1024 + q1):
+// 0x6400 is 1024.0 in fp16, whose ulp is exactly 1, so the nibble lands in the mantissa.
+// With the mask 0x00f000f0 the nibble is 16x too large: 1024 + 16 q. One lop3.b32 does the
+// and+or. Then:
+//     low pair : (1024 + q) - (1024 + z)                      = q - z   (exact, one hsub2)
+//     high pair: (1024 + 16 q) * (1/16) + (-(64 + z))         = q - z   (exact, one hfma2)
+// where 1024 + z and -(64 + z) are precomputed once per (group, column word) from the zero word
+// through the same conversion. (q - z) is a small integer, exact in fp16, so the single hmul2 by
+// s rounds once, like numpy's fp16((q - z) * s): the dequantised weight is bit-identical to the
+// reference. (A single hfma2 q*s - z*s would be cheaper but rounds differently.)
+#pragma once
+#include <cuda_fp16.h>
+
+namespace awq {
+
+// (a & b) | c in one instruction: LUT 0xEA = (0xF0 & 0xCC) | 0xAA.
+__device__ __forceinline__ unsigned lop3_and_or(unsigned a, unsigned b, unsigned c) {
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+__device__ __forceinline__ half2 as_h2(unsigned u) { return *reinterpret_cast<half2*>(&u); }
+__device__ __forceinline__ unsigned as_u32(half2 h) { return *reinterpret_cast<unsigned*>(&h); }
+
+constexpr unsigned kLowMask = 0x000f000fu;
+constexpr unsigned kHighMask = 0x00f000f0u;
+constexpr unsigned kMagic = 0x64006400u;  // half2(1024, 1024)
+
+// Per (group, column word): the zero terms that turn the magic numbers into q - z.
+struct Zeros {
+  half2 lo[2];   // 1024 + z for pairs (0,1) and (4,5)
+  half2 hi[2];   // -(64 + z) for pairs (2,3) and (6,7)
+};
+
+__device__ __forceinline__ Zeros make_zeros(unsigned zw) {
+  const half2 one16 = as_h2(0x2c002c00u);   // 1/16 in both lanes (a bare 0x2c00 zeroes the high lane)
+  const half2 neg64 = as_h2(0xd400d400u);   // -64 in both lanes
+  Zeros z;
+  unsigned zs = zw >> 8;
+  z.lo[0] = as_h2(lop3_and_or(zw, kLowMask, kMagic));
+  z.lo[1] = as_h2(lop3_and_or(zs, kLowMask, kMagic));
+  // high lanes: (1024 + 16 z)/16 - 64 = z, then -(z + 64) = -z - 64 (exact small integers)
+  half2 z1 = __hfma2(as_h2(lop3_and_or(zw, kHighMask, kMagic)), one16, neg64);
+  half2 z3 = __hfma2(as_h2(lop3_and_or(zs, kHighMask, kMagic)), one16, neg64);
+  z.hi[0] = __hsub2(neg64, z1);
+  z.hi[1] = __hsub2(neg64, z3);
+  return z;
+}
+
+// One qweight word -> 4 half2 (q - z) * s, pairs of columns (0,1) (2,3) (4,5) (6,7).
+// s[p] holds the scales of the same column pair.
+__device__ __forceinline__ void dequant8(unsigned w, const Zeros& z, const half2* s, half2* out) {
+  const half2 one16 = as_h2(0x2c002c00u);
+  unsigned ws = w >> 8;
+  half2 d0 = __hsub2(as_h2(lop3_and_or(w, kLowMask, kMagic)), z.lo[0]);
+  half2 d1 = __hfma2(as_h2(lop3_and_or(w, kHighMask, kMagic)), one16, z.hi[0]);
+  half2 d2 = __hsub2(as_h2(lop3_and_or(ws, kLowMask, kMagic)), z.lo[1]);
+  half2 d3 = __hfma2(as_h2(lop3_and_or(ws, kHighMask, kMagic)), one16, z.hi[1]);
+  out[0] = __hmul2_rn(d0, s[0]);
+  out[1] = __hmul2_rn(d1, s[1]);
+  out[2] = __hmul2_rn(d2, s[2]);
+  out[3] = __hmul2_rn(d3, s[3]);
+}
+
+// ---- cp.async (sm_80+): global -> shared without a register round trip; src_bytes = 0 writes
+// zeros, which is how every kernel pads tails (rows past K or the split, columns past N).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// Copy a [rows x words] tile of 32-bit words (row stride src_ld words, first word col0 of a
+// row of n_words) into shared memory with row stride dst_ld. Rows >= row_end and words >=
+// n_words are zero-filled. vec16: every row start is 16-byte aligned (n_words % 4 == 0), so
+// 16-byte copies are used; otherwise 4-byte ones.
+template <int ROWS, int WORDS, int NTHREADS>
+__device__ __forceinline__ void load_words(unsigned* dst, int dst_ld, const unsigned* src, int src_ld,
+                                           int row0, int row_end, int col0, int n_words, bool vec16) {
+  if (vec16) {
+    constexpr int CH = WORDS / 4;
+    for (int i = threadIdx.x; i < ROWS * CH; i += NTHREADS) {
+      int r = i / CH, c = (i % CH) * 4;
+      bool ok = (row0 + r < row_end) && (col0 + c < n_words);
+      const unsigned* g = ok ? src + (size_t)(row0 + r) * src_ld + col0 + c : src;
+      cp_async16(dst + r * dst_ld + c, g, ok);
+    }
+  } else {
+    for (int i = threadIdx.x; i < ROWS * WORDS; i += NTHREADS) {
+      int r = i / WORDS, c = i % WORDS;
+      bool ok = (row0 + r < row_end) && (col0 + c < n_words);
+      const unsigned* g = ok ? src + (size_t)(row0 + r) * src_ld + col0 + c : src;
+      cp_async4(dst + r * dst_ld + c, g, ok);
+    }
+  }
+}
+
+// ---- split-K across blocks, deterministic: every block of a tile writes its fp32 partial to
+// ws[split][row][col]; the last block to arrive (a self-resetting atomicInc on the tile's
+// counter) sums the partials in split order and writes fp16. One launch, no memset, and the
+// counters return to 0, so the launch can be replayed in a CUDA graph.
+__device__ __forceinline__ void store8_half(half* y, const float* v) {
+  half2 h[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p) h[p] = __floats2half2_rn(v[2 * p], v[2 * p + 1]);
+  *reinterpret_cast<uint4*>(y) = *reinterpret_cast<uint4*>(h);
+}
+__device__ __forceinline__ void store8_float(float* w, const float* v) {
+  reinterpret_cast<float4*>(w)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(w)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void sum8_partials(float* v, const float* ws, size_t split_stride, int splits) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float4* p = reinterpret_cast<const float4*>(ws + s * split_stride);
+    float4 a = __ldcg(p), b = __ldcg(p + 1);   // L2: partials of other blocks, never stale L1
+    v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w;
+    v[4] += b.x; v[5] += b.y; v[6] += b.z; v[7] += b.w;
+  }
+}
+
+// After a block has stored its partials: is it the last of the tile's `splits` blocks?
+// Call with all threads; returns the same answer in every thread.
+__device__ __forceinline__ bool last_block_of_tile(unsigned* counter, int splits, int* flag_smem) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned old = atomicInc(counter, (unsigned)(splits - 1));   // wraps to 0 after the last
+    *flag_smem = (old == (unsigned)(splits - 1));
+  }
+  __syncthreads();
+  bool last = *flag_smem != 0;
+  if (last) __threadfence();
+  return last;
+}
+
+}  // namespace awq

@@ -1,0 +1,31 @@
+// awq_dequant.cu -- AWQ W4A16 weight dequantisation: out[k, n] = fp16((q[k,n] - z[k/G,n]) * s[k/G,n]).
+//
+// Output is fp16 [K, N] (the [in, out] orientation of qweight), ready for cuBLAS (torch.mm(x, out)).
+// Used by the large-M path (dequantise into a bounded, reused buffer, then a cuBLAS GEMM) and by
+// ops.awq_dequantize.
+//
+// One thread per qweight word (8 weights): one 4-byte load of the word, one of the zero word, one
+// 16-byte load of the 8 scales, the LOP3 conversion of awq_common.cuh, and one 16-byte store.
+// Thanks to the AWQ interleave the 4 half2 come out in natural column order (0,1)(2,3)(4,5)(6,7),
+// so the store needs no shuffle. Bit-identical to the numpy reference (see awq_common.cuh).
+// Consecutive threads take consecutive words of a row: loads and stores are coalesced.
+#include "awq_common.cuh"
+
+__global__ void __launch_bounds__(256)
+awq_dequant_kernel(const unsigned* __restrict__ qweight, const unsigned* __restrict__ qzeros,
+                   const half* __restrict__ scales, half* __restrict__ out, int K, int N, int G) {
+  const int n8 = N / 8;
+  const long long total = (long long)K * n8;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int k = (int)(i / n8), c = (int)(i % n8), g = k / G;
+    const unsigned w = __ldg(qweight + i);
+    const awq::Zeros z = awq::make_zeros(__ldg(qzeros + (size_t)g * n8 + c));
+    const uint4 sv = __ldg(reinterpret_cast<const uint4*>(scales + (size_t)g * N + 8 * c));
+    const half2 s[4] = {awq::as_h2(sv.x), awq::as_h2(sv.y), awq::as_h2(sv.z), awq::as_h2(sv.w)};
+    half2 o[4];
+    awq::dequant8(w, z, s, o);
+    *reinterpret_cast<uint4*>(out + (size_t)k * N + 8 * c) =
+        make_uint4(awq::as_u32(o[0]), awq::as_u32(o[1]), awq::as_u32(o[2]), awq::as_u32(o[3]));
+  }
+}

@@ -1,0 +1,307 @@
+"""AWQ W4A16 on CUDA: dequant, GEMV (CUDA cores), tensor-core GEMM, dequant + cuBLAS; dispatch by M.
+
+    y = x @ W  with  W[k, n] = fp16((q - z) * s)  from qweight int32 [K, N/8], qzeros int32
+    [K/G, N/8], scales fp16 [K/G, N] (HF "gemm" layout, formats/awq.py); x fp16 [.., K].
+
+Paths (choose_path(m, qt) names the one matmul takes):
+    "gemv"            cuda/awq_gemv.cu   fp32 FMAs on CUDA cores, M <= 8
+    "mma"             cuda/awq_mma.cu    mma.sync m16n8k16, dequant in registers, any M
+    "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
+The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
+tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
+(workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
+be captured in a CUDA graph. Inputs are checked here, before any launch: a bad call raises
+ValueError naming the argument.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from quantzoo.formats.awq import GROUP_SIZES
+
+# ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
+GEMV_MS = tuple(range(1, 9))
+MMA_CFGS = ((1, 1), (1, 2), (2, 1), (4, 1))        # (MT, NG): 16*MT rows x 64*NG columns per block
+SOURCES = {
+    "awq_dequant.cu": ("awq_dequant_kernel",),
+    "awq_gemv.cu": tuple(f"awq_gemv_kernel<{m}>" for m in GEMV_MS),
+    "awq_mma.cu": tuple(f"awq_mma_kernel<{mt}, {ng}>" for mt, ng in MMA_CFGS),
+}
+
+# ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; see bench/notes-awq.md)
+GEMV_MAX_M = 1          # M <= this: gemv
+MMA_MAX_M = 256         # gemv < M <= this: mma; above: dequant + cuBLAS
+MMA_BIG_N_MAX_M = 256   # (same rule for every shape so far; kept separate to record it)
+
+# mma kernel shared memory (must match MmaCfg in awq_mma.cu)
+def _mma_smem(mt: int, ng: int) -> int:
+    a = 16 * mt * (128 + 8) * 2
+    b = 128 * (8 * ng + 4) * 4
+    s = 4 * 8 * ng * 16
+    z = 4 * 8 * ng * 4
+    return 4 * (a + b + s + z)
+
+
+# ------------------------------------------------------------------ validation
+def _check_tensor(name, t, dtype, shape, device=None, structure=True, place=True):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    if structure:
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype}")
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
+        if t.numel() and t.data_ptr() % 16:
+            raise ValueError(f"{name}: data pointer must be 16-byte aligned")
+    if place:
+        if t.device.type != "cuda":
+            raise ValueError(f"{name}: on {t.device}, expected a CUDA tensor")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name}: on {t.device}, but the other operands are on {device}")
+
+
+def check_weights(qweight, scales, qzeros, group_size=None):
+    """Validate the three AWQ tensors; returns (K, N, G)."""
+    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name}: must be 2-D, got shape {tuple(t.shape)}")
+    k, n8 = qweight.shape
+    n = 8 * n8
+    if group_size is None:
+        if scales.shape[0] == 0 or k % scales.shape[0]:
+            raise ValueError(f"scales: {scales.shape[0]} groups do not divide K={k}")
+        group_size = k // scales.shape[0]
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: {group_size} is not supported; choose one of {GROUP_SIZES}")
+    if k == 0 or n8 == 0:
+        raise ValueError(f"qweight: empty shape {tuple(qweight.shape)}")
+    if k % group_size:
+        raise ValueError(f"qweight: K={k} is not a multiple of group_size={group_size}")
+    dev = qweight.device
+    want = (("qweight", qweight, torch.int32, (k, n8)),
+            ("qzeros", qzeros, torch.int32, (k // group_size, n8)),
+            ("scales", scales, torch.float16, (k // group_size, n)))
+    for name, t, dtype, shape in want:          # shapes and dtypes first, then devices
+        _check_tensor(name, t, dtype, shape, place=False)
+    for name, t, dtype, shape in want:
+        _check_tensor(name, t, dtype, shape, dev, structure=False)
+    return k, n, group_size
+
+
+def _check_x(x, k, dev):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch tensor, got {type(x).__name__}")
+    if x.dtype != torch.float16:
+        raise ValueError(f"x: dtype {x.dtype}, the AWQ kernels take float16 activations")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x: shape {tuple(x.shape)}, the last dimension must be K={k}")
+    if x.device != dev:
+        raise ValueError(f"x: on {x.device}, but the weight is on {dev}")
+    if not x.is_contiguous():
+        raise ValueError("x: must be contiguous")
+    if x.numel() and x.data_ptr() % 16:
+        raise ValueError("x: data pointer must be 16-byte aligned")
+
+
+def _unpack_qt(qt):
+    if qt.format != "awq":
+        raise ValueError(f"qt: format {qt.format!r}, expected 'awq'")
+    if not isinstance(qt.data, dict):
+        raise ValueError("qt: data must be the dict {qweight, qzeros, scales}")
+    d = qt.data
+    k, n, g = check_weights(d.get("qweight"), d.get("scales"), d.get("qzeros"), qt.group_size)
+    if (n, k) != tuple(qt.shape):
+        raise ValueError(f"qt: shape {qt.shape} disagrees with qweight (K={k}, N={n})")
+    return d["qweight"], d["scales"], d["qzeros"], k, n, g
+
+
+# ------------------------------------------------------------------ launch plumbing
+_WS: dict = {}   # per device: reusable torch buffers
+
+
+def _buffer(dev, key, numel, dtype, zero=False):
+    """A cached torch buffer of at least numel elements (grown, never shrunk)."""
+    cache = _WS.setdefault(str(dev), {})
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:   # keep the old one alive: a captured CUDA graph may still use it
+            cache.setdefault("retired", []).append(buf)
+        alloc = torch.zeros if zero else torch.empty
+        buf = alloc(max(numel, 1), dtype=dtype, device=dev)
+        cache[key] = buf
+    return buf
+
+
+def release_buffers():
+    """Drop the cached workspaces (the dequant buffer can be as large as the largest weight)."""
+    _WS.clear()
+
+
+def _kernel(source, name):
+    from quantzoo.cuda_launch import get_kernel
+
+    return get_kernel(source, name, SOURCES[source])
+
+
+_SMEM_SET: set = set()
+
+
+def _set_smem(kern, key, nbytes):
+    if key in _SMEM_SET or nbytes <= 48 * 1024:
+        return
+    try:
+        from quantzoo.cuda_launch import import_cupy
+        cupy = import_cupy()
+    except ImportError:
+        import cupy
+
+    attr = getattr(cupy.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+    ptr = getattr(kern, "ptr", None)
+    if ptr is None:
+        kern.max_dynamic_shared_size_bytes = nbytes
+    else:
+        cupy.cuda.driver.funcSetAttribute(ptr, attr, nbytes)
+    _SMEM_SET.add(key)
+
+
+def _launch(kern, grid, block, args, smem=0):
+    from quantzoo.cuda_launch import launch
+
+    launch(kern, grid, block, args, shared_mem=smem)
+
+
+def _sm_count(dev) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def _splits(tiles: int, k: int, unit: int, target: int) -> tuple[int, int]:
+    """Split K into S chunks of a multiple of `unit` rows so tiles * S is about `target` blocks."""
+    units = -(-k // unit)
+    s = max(1, min(units, round(target / max(tiles, 1))))
+    per = -(-units // s) * unit
+    return -(-k // per), per
+
+
+# ------------------------------------------------------------------ public entry points
+def choose_path(m: int, qt=None) -> str:
+    """The path matmul takes for M rows (thresholds measured on the H100, see the top)."""
+    if m <= GEMV_MAX_M:
+        return "gemv"
+    if m <= MMA_MAX_M:
+        return "mma"
+    return "dequant+cublas"
+
+
+def dequantize_into(qweight, scales, qzeros, out, k, n, g):
+    kern = _kernel("awq_dequant.cu", "awq_dequant_kernel")
+    total = k * (n // 8)
+    threads = 256
+    blocks = min(-(-total // threads), _sm_count(qweight.device) * 16)
+    _launch(kern, (blocks,), (threads,),
+            (qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), out.data_ptr(),
+             np.int32(k), np.int32(n), np.int32(g)))
+    return out
+
+
+def awq_dequantize(qweight, scales, qzeros, group_size=None):
+    """fp16 [K, N] = (q - z) * s, bit-identical to the numpy reference (transposed)."""
+    k, n, g = check_weights(qweight, scales, qzeros, group_size)
+    out = torch.empty((k, n), dtype=torch.float16, device=qweight.device)
+    return dequantize_into(qweight, scales, qzeros, out, k, n, g)
+
+
+def dequantize(qt) -> torch.Tensor:
+    """fp16 [K, N] from a CUDA AWQ QuantizedTensor."""
+    qweight, scales, qzeros, k, n, g = _unpack_qt(qt)
+    out = torch.empty((k, n), dtype=torch.float16, device=qweight.device)
+    return dequantize_into(qweight, scales, qzeros, out, k, n, g)
+
+
+def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g):
+    dev = x2.device
+    tiles = -(-(n // 8) // 32)
+    splits, per = _splits(tiles, k, 32, 4 * _sm_count(dev))
+    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
+    ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
+    kern = _kernel("awq_gemv.cu", f"awq_gemv_kernel<{m}>")
+    _launch(kern, (tiles, splits), (128,),
+            (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
+             ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), np.int32(per)))
+
+
+def mma_config(m: int, n: int) -> tuple[int, int]:
+    """(MT, NG) for the mma kernel: tall tiles for large M, wide ones for M <= 16 and large N."""
+    if m <= 16:
+        return (1, 2) if n >= 8192 else (1, 1)
+    if m <= 32:
+        return (2, 1)
+    return (4, 1)
+
+
+def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
+    dev = x2.device
+    mt, ng = cfg or mma_config(m, n)
+    tiles_n = -(-(n // 8) // (8 * ng))
+    tiles_m = -(-m // (16 * mt))
+    smem = _mma_smem(mt, ng)
+    per_sm = max(1, min(4, (228 * 1024) // (smem + 1024)))
+    splits, per = _splits(tiles_n * tiles_m, k, 32, per_sm * _sm_count(dev))
+    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
+    ctr = _buffer(dev, "ctr", max(tiles_n * tiles_m, 4096), torch.int32, zero=True)
+    name = f"awq_mma_kernel<{mt}, {ng}>"
+    kern = _kernel("awq_mma.cu", name)
+    _set_smem(kern, (str(dev), name), smem)
+    _launch(kern, (tiles_n, tiles_m, splits), (128,),
+            (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
+             ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
+             np.int32(per)), smem)
+
+
+def _dequant_cublas(x2, qweight, scales, qzeros, y, m, k, n, g):
+    w = _buffer(x2.device, "deq", k * n, torch.float16)[: k * n].view(k, n)
+    dequantize_into(qweight, scales, qzeros, w, k, n, g)
+    # fp32 accumulation like the other paths: forbid cuBLAS's fp16 split-K reductions
+    flags = torch.backends.cuda.matmul
+    prev = flags.allow_fp16_reduced_precision_reduction
+    flags.allow_fp16_reduced_precision_reduction = False
+    try:
+        torch.mm(x2, w, out=y)
+    finally:
+        flags.allow_fp16_reduced_precision_reduction = prev
+
+
+_PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas}
+
+
+def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
+    """y = x @ W for HF-layout AWQ tensors; x fp16 [.., K] -> fp16 [.., N]."""
+    k, n, g = check_weights(qweight, scales, qzeros, group_size)
+    _check_x(x, k, qweight.device)
+    lead = tuple(x.shape[:-1])
+    m = int(np.prod(lead)) if lead else 1
+    if out is None:
+        out = torch.empty(lead + (n,), dtype=torch.float16, device=x.device)
+    else:
+        _check_tensor("out", out, torch.float16, lead + (n,), x.device)
+    if m == 0:
+        return out
+    path = path or choose_path(m)
+    if path not in _PATHS:
+        raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
+    if path == "gemv" and m > max(GEMV_MS):
+        raise ValueError(f"path: 'gemv' takes M <= {max(GEMV_MS)}, got M={m}")
+    if m > 2**31 // max(k, n):
+        raise ValueError(f"x: M={m} is too large for 32-bit row indexing")
+    _PATHS[path](x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g)
+    return out
+
+
+def matmul(x, qt, *, out=None, path=None):
+    """x fp16 CUDA [.., K] -> fp16 [.., N] through the path chosen by M (choose_path)."""
+    qweight, scales, qzeros, k, n, g = _unpack_qt(qt)
+    return gemm(x, qweight, scales, qzeros, g, out=out, path=path)

@@ -1,0 +1,296 @@
+"""AWQ W4A16 CUDA kernels on the GPU (`pytest -m gpu`): every path against the bit-faithful
+emulation and against float64.
+
+Oracle: reference.awq_fp16 -- w16 = fp16((q - z) * s) exactly, products exact, sum in float64.
+A kernel sums in fp32 (CUDA-core FMAs or tensor-core MMA, any order) and rounds y to fp16, so
+    |y - y_emul| <= K * 2^-24 * sum_k |x_k w_k|  +  2^-11 |y_emul|  +  2^-25
+(the fp32-order bound of the reference, half an fp16 ulp of y, half the smallest fp16 subnormal).
+For small cases that bound comes from qt.fmt.emulate(x, qt, return_bound=True) itself; large
+ones evaluate the same formula in float64 on the GPU (checked equal to the numpy one below).
+Outputs are poisoned with NaN before every run; inputs are fresh per case.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+from quantzoo import ops, reference  # noqa: E402
+from quantzoo.formats import get  # noqa: E402
+from quantzoo.reference import awq_fp16  # noqa: E402
+
+FMT = get("awq")
+MS = (1, 2, 3, 7, 8, 9, 16, 33, 100, 256, 1000, 4096)
+QWEN = ((4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096))   # (K, N)
+
+
+def awq_mod():
+    from quantzoo.kernels import awq
+
+    return awq
+
+
+_WEIGHTS: dict = {}
+
+
+def weight(k, n, g, seed=0, sigma=0.02):
+    """(w float32 (N, K), qt on CPU, qt on CUDA, w16 fp16 (N, K)); cached per shape (x is fresh)."""
+    key = (k, n, g, seed, sigma)
+    if key not in _WEIGHTS:
+        if len(_WEIGHTS) > 6:
+            _WEIGHTS.clear()
+        rng = np.random.default_rng(1000 + seed + 7 * k + 13 * n + g)
+        w = (rng.standard_normal((n, k)) * sigma).astype(np.float32)
+        qt = FMT.quantize(w, group_size=g)
+        _WEIGHTS[key] = (w, qt, qt.to("cuda"), awq_fp16.dequantize_fp16(qt))
+    return _WEIGHTS[key]
+
+
+def emulate_gpu(x16, w16):
+    """fp16_matmul of reference.awq_fp16 in float64 on the GPU: (y, bound)."""
+    x = torch.as_tensor(x16).cuda().double()
+    w = torch.as_tensor(w16).cuda().double()
+    y = x @ w.T
+    bound = w.shape[1] * 2.0 ** -24 * (x.abs() @ w.abs().T) + y.abs() * 2.0 ** -11
+    return y, bound
+
+
+def check(y, x16, qt, w16, path=""):
+    """Assert y (torch fp16 CUDA) is the kernel function of x16 and qt within the fp32 bound."""
+    m, k = x16.shape
+    assert y.shape == (m, qt.shape[0]) and y.dtype == torch.float16
+    assert not torch.isnan(y).any(), f"{path}: NaN left in the output (unwritten or NaN math)"
+    if m * k * qt.shape[0] <= 2e8:
+        ref, bound = qt.fmt.emulate(x16.astype(np.float32), qt, return_bound=True)
+        ref, bound = torch.as_tensor(ref, dtype=torch.float64).cuda(), torch.as_tensor(bound).cuda()
+    else:
+        ref, bound = emulate_gpu(x16, w16)
+    err = (y.double() - ref).abs()
+    excess = (err - bound - 2.0 ** -25).max().item()
+    assert excess <= 0, f"{path}: |y - emul| exceeds the fp32 bound by {excess:.3g}"
+    return ref
+
+
+def rand_x(rng, m, k, scale=1.0):
+    return (rng.standard_normal((m, k)) * scale).astype(np.float16)
+
+
+def run(x16, qt_cuda, path=None):
+    x = torch.from_numpy(x16).cuda()
+    out = torch.full((x16.shape[0], qt_cuda.shape[0]), float("nan"), dtype=torch.float16, device="cuda")
+    awq_mod().matmul(x, qt_cuda, out=out, path=path)
+    torch.cuda.synchronize()
+    return out
+
+
+def paths_for(m):
+    return (["gemv"] if m <= 8 else []) + ["mma", "dequant+cublas"]
+
+
+# ---------------------------------------------------------------- dequant kernel
+@pytest.mark.parametrize("k,n,g", [(576, 576, 32), (576, 576, 64), (4096, 1024, 128), (128, 72, 64),
+                                   (4096, 12288, 128), (12288, 4096, 128), (256, 4096, 32)],
+                         ids=lambda v: str(v))
+def test_dequant_bit_exact(k, n, g):
+    _, qt, qtc, w16 = weight(k, n, g)
+    out = awq_mod().dequantize(qtc)
+    assert out.shape == (k, n) and out.dtype == torch.float16
+    got = out.cpu().numpy()
+    assert np.array_equal(got.view(np.uint16), np.ascontiguousarray(w16.T).view(np.uint16))
+    # the vLLM-style wrapper gives the same bits
+    d = qtc.data
+    assert torch.equal(ops.awq_dequantize(d["qweight"], d["scales"], d["qzeros"]).view(torch.int16),
+                       out.view(torch.int16))
+
+
+def test_dequant_extremes_small():
+    """Tiny (subnormal products) and huge scales, all-zero and constant groups: still bit-exact."""
+    rng = np.random.default_rng()
+    k, n, g = 128, 64, 32
+    w = (rng.standard_normal((n, k)) * 1e-6).astype(np.float32)      # scales ~1e-7: subnormal fp16
+    w[:8] = 0.0                                                       # constant (zero) groups
+    w[8:16] = 3.0
+    w[16:24] *= 1e8                                                   # scales ~ 50..100
+    for g in (32, 64, 128):
+        qt = FMT.quantize(w, group_size=g)
+        got = awq_mod().dequantize(qt.to("cuda")).cpu().numpy()
+        assert np.array_equal(got.view(np.uint16), np.ascontiguousarray(awq_fp16.dequantize_fp16(qt).T).view(np.uint16))
+
+
+# ---------------------------------------------------------------- matmul: small and tail shapes
+@pytest.mark.parametrize("g", [32, 64])
+@pytest.mark.parametrize("m", MS)
+def test_tail_shape_all_paths(m, g):
+    """N = 72*8, K = 9*64: neither is a multiple of a tile (K not of the 128-row stage)."""
+    rng = np.random.default_rng()
+    k, n = 9 * 64, 72 * 8
+    _, qt, qtc, w16 = weight(k, n, g, seed=m)
+    x16 = rand_x(rng, m, k)
+    for path in paths_for(m):
+        check(run(x16, qtc, path), x16, qt, w16, path)
+    check(run(x16, qtc), x16, qt, w16, "dispatch")
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 40])
+@pytest.mark.parametrize("k,n,g", [(64, 72, 32), (128, 8, 64), (32, 136, 32), (128, 200, 128)],
+                         ids=lambda v: str(v))
+def test_small_shapes_all_paths(m, k, n, g):
+    """N/8 not a multiple of 4 (4-byte copy fallback), N = 8, K = one group."""
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    qt = FMT.quantize(w, group_size=g)
+    w16 = awq_fp16.dequantize_fp16(qt)
+    x16 = rand_x(rng, m, k)
+    for path in paths_for(m):
+        check(run(x16, qt.to("cuda"), path), x16, qt, w16, path)
+
+
+def test_small_magnitudes_and_zeros():
+    rng = np.random.default_rng()
+    k, n, g = 256, 136, 64
+    for scale_x, scale_w in ((1e3, 1.0), (1e-3, 1e-4), (0.0, 0.02)):
+        w = (rng.standard_normal((n, k)) * scale_w).astype(np.float32)
+        qt = FMT.quantize(w, group_size=g)
+        w16 = awq_fp16.dequantize_fp16(qt)
+        for m in (1, 5, 16, 70):
+            x16 = rand_x(rng, m, k, scale_x)
+            for path in paths_for(m):
+                y = run(x16, qt.to("cuda"), path)
+                check(y, x16, qt, w16, f"{path} x*{scale_x} w*{scale_w}")
+                if scale_x == 0.0:
+                    assert (y == 0).all()
+
+
+# ---------------------------------------------------------------- Qwen3-8B shapes
+@pytest.mark.parametrize("m", MS)
+def test_qwen_kproj_every_m(m):
+    """4096 -> 1024, g128, every M of the issue, every path; NMSE vs float64 under 1.2 %."""
+    rng = np.random.default_rng()
+    k, n = 4096, 1024
+    w, qt, qtc, w16 = weight(k, n, 128)
+    x16 = rand_x(rng, m, k)
+    exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
+    for path in paths_for(m):
+        y = run(x16, qtc, path)
+        check(y, x16, qt, w16, path)
+        nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
+        assert nmse < 0.012, f"{path}: NMSE {nmse:.4%}"
+    check(run(x16, qtc), x16, qt, w16, "dispatch")
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 100, 1000])
+@pytest.mark.parametrize("k,n", QWEN, ids=lambda v: str(v))
+def test_qwen_shapes(k, n, m):
+    rng = np.random.default_rng()
+    w, qt, qtc, w16 = weight(k, n, 128)
+    x16 = rand_x(rng, m, k)
+    for path in paths_for(m) if m <= 16 else ["mma", None]:
+        check(run(x16, qtc, path), x16, qt, w16, str(path))
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 8, 33, 256])
+def test_group_sizes(g, m):
+    rng = np.random.default_rng()
+    k, n = 4096, 1024
+    w, qt, qtc, w16 = weight(k, n, g)
+    x16 = rand_x(rng, m, k)
+    exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
+    for path in paths_for(m):
+        y = run(x16, qtc, path)
+        check(y, x16, qt, w16, path)
+        nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
+        assert nmse < 0.012, f"{path} g{g}: NMSE {nmse:.4%}"
+
+
+def test_emulate_gpu_matches_numpy():
+    """The float64 GPU oracle used for large cases is the numpy reference's formula."""
+    rng = np.random.default_rng()
+    _, qt, _, w16 = weight(256, 136, 64)
+    x16 = rand_x(rng, 5, 256)
+    y, b = emulate_gpu(x16, w16)
+    y0, b0 = FMT.emulate(x16.astype(np.float32), qt, return_bound=True)
+    assert np.allclose(y.cpu().numpy(), y0, rtol=1e-6, atol=1e-7)
+    assert np.allclose(b.cpu().numpy(), b0, rtol=1e-9, atol=0)
+
+
+# ---------------------------------------------------------------- API, dispatch, errors, graphs
+def test_ops_entry_points_and_batch_dims():
+    rng = np.random.default_rng()
+    k, n, g = 576, 576, 64
+    _, qt, qtc, w16 = weight(k, n, g, seed=5)
+    x16 = rand_x(rng, 6, k)
+    x = torch.from_numpy(x16).cuda().view(2, 3, k)
+    y = ops.matmul(x, qtc)
+    assert y.shape == (2, 3, n)
+    check(y.view(6, n), x16, qt, w16, "ops.matmul")
+    d = qtc.data
+    y2 = ops.awq_gemm(x, d["qweight"], d["scales"], d["qzeros"], g)
+    assert torch.equal(y, y2)
+
+
+def test_bad_inputs_raise_before_launch():
+    awq = awq_mod()
+    _, qt, qtc, _ = weight(576, 576, 64, seed=6)
+    d = qtc.data
+    x = torch.randn(4, 576, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="group_size"):   # K = 9*64 is not a multiple of 128
+        awq.gemm(x, d["qweight"], d["scales"], d["qzeros"], 128)
+    with pytest.raises(ValueError, match="x: dtype"):
+        awq.matmul(x.float(), qtc)
+    with pytest.raises(ValueError, match="x: must be contiguous"):
+        awq.matmul(torch.randn(576, 4, device="cuda", dtype=torch.float16).T, qtc)
+    with pytest.raises(ValueError, match="x: data pointer"):
+        buf = torch.randn(4 * 576 + 1, device="cuda", dtype=torch.float16)
+        awq.matmul(buf[1:].view(4, 576), qtc)
+    with pytest.raises(ValueError, match="x: shape"):
+        awq.matmul(x[:, :512].contiguous(), qtc)
+    with pytest.raises(ValueError, match="x: on cpu"):
+        awq.matmul(x.cpu(), qtc)
+    with pytest.raises(ValueError, match="scales: dtype"):
+        awq.gemm(x, d["qweight"], d["scales"].float(), d["qzeros"], 64)
+    with pytest.raises(ValueError, match="qzeros: shape"):
+        awq.gemm(x, d["qweight"], d["scales"], d["qzeros"][:4], 64)
+    with pytest.raises(ValueError, match="out: shape"):
+        awq.matmul(x, qtc, out=torch.empty(4, 8, device="cuda", dtype=torch.float16))
+    with pytest.raises(ValueError, match="path"):
+        awq.matmul(x[:1].contiguous().repeat(9, 1), qtc, path="gemv")
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 300])
+def test_cuda_graph_replay(m):
+    """A captured call replays correctly with new data in the static input (every path)."""
+    awq = awq_mod()
+    rng = np.random.default_rng()
+    k, n = 4096, 1024
+    _, qt, qtc, w16 = weight(k, n, 64)
+    paths = paths_for(m) if m <= 16 else ["mma", "dequant+cublas"]
+    for path in paths:
+        x = torch.from_numpy(rand_x(rng, m, k)).cuda()
+        out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):                      # warm-up: compile, size the workspaces
+            awq.matmul(x, qtc, out=out, path=path)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            awq.matmul(x, qtc, out=out, path=path)
+        for _ in range(2):
+            x16 = rand_x(rng, m, k)
+            x.copy_(torch.from_numpy(x16))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check(out, x16, qt, w16, f"graph {path}")
+            eager = run(x16, qtc, path)
+            assert torch.equal(out, eager), f"{path}: replay differs from the eager call"
+
+
+def test_choose_path_names():
+    awq = awq_mod()
+    _, _, qtc, _ = weight(4096, 1024, 128)
+    for m in MS:
+        assert awq.choose_path(m, qtc) in ("gemv", "mma", "dequant+cublas")

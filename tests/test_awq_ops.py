@@ -1,0 +1,85 @@
+"""AWQ CUDA entry points, the parts that run without a GPU: input validation happens in Python
+before any launch (a clear ValueError naming the argument), dispatch names, kernel declarations."""
+import numpy as np
+import pytest
+import torch
+
+from quantzoo import ops
+from quantzoo.formats import get
+from quantzoo.kernels import awq
+
+
+def tensors(k=576, n=576, g=64):
+    qt = get("awq").quantize((np.random.default_rng(0).standard_normal((n, k)) * 0.02).astype(np.float32),
+                             group_size=g)
+    d = qt.to("cpu").data
+    t = {key: torch.from_numpy(np.ascontiguousarray(v)) for key, v in d.items()}
+    return qt, t["qweight"], t["scales"], t["qzeros"]
+
+
+def test_group_size_and_shape_errors():
+    _, qw, sc, qz = tensors()
+    x = torch.zeros(2, 576, dtype=torch.float16)
+    with pytest.raises(ValueError, match="group_size"):          # K = 9*64 with g128
+        awq.gemm(x, qw, sc, qz, 128)
+    with pytest.raises(ValueError, match="group_size: 48"):
+        awq.gemm(x, qw, sc, qz, 48)
+    with pytest.raises(ValueError, match="qzeros: shape"):
+        awq.gemm(x, qw, sc, qz[:3], 64)
+    with pytest.raises(ValueError, match="scales: shape"):
+        awq.gemm(x, qw, sc[:, :-8], qz, 64)
+    with pytest.raises(ValueError, match="scales: dtype"):
+        awq.gemm(x, qw, sc.float(), qz, 64)
+    with pytest.raises(ValueError, match="qweight: dtype"):
+        awq.gemm(x, qw.to(torch.int64), sc, qz, 64)
+    with pytest.raises(ValueError, match="qweight: must be 2-D"):
+        awq.gemm(x, qw.view(-1), sc, qz, 64)
+    with pytest.raises(ValueError, match="qweight: must be contiguous"):
+        awq.gemm(x, qw.T.contiguous().T, sc, qz, 64)
+    with pytest.raises(ValueError, match="scales: 7 groups"):
+        awq.check_weights(qw, sc[:7], qz[:7])
+
+
+def test_cpu_tensors_are_refused():
+    _, qw, sc, qz = tensors()
+    x = torch.zeros(2, 576, dtype=torch.float16)
+    with pytest.raises(ValueError, match="qweight: on cpu, expected a CUDA tensor"):
+        awq.gemm(x, qw, sc, qz, 64)
+    with pytest.raises(ValueError, match="qweight: on cpu"):
+        ops.awq_gemm(x, qw, sc, qz, 64)
+    with pytest.raises(ValueError, match="qweight: on cpu"):
+        ops.awq_dequantize(qw, sc, qz)
+
+
+def test_qt_checks():
+    qt, *_ = tensors()
+    with pytest.raises(ValueError, match="qt: format 'q4_0'"):
+        awq.matmul(torch.zeros(1, 576, dtype=torch.float16), get("q4_0").quantize(np.zeros((8, 576), np.float32)))
+    with pytest.raises(ValueError, match="expected a torch tensor"):   # numpy storage: not moved
+        awq.matmul(torch.zeros(1, 576, dtype=torch.float16), qt)
+
+
+def test_group_size_inferred_from_scales():
+    _, qw, sc, qz = tensors(k=256, n=64, g=32)
+    with pytest.raises(ValueError, match="on cpu"):   # shapes pass (G = 256/8 = 32), then device
+        awq.check_weights(qw, sc, qz)
+
+
+def test_choose_path_and_sources():
+    names = {awq.choose_path(m) for m in (1, 2, 8, 9, 16, 100, 256, 1000, 4096)}
+    assert names <= {"gemv", "mma", "dequant+cublas"}
+    assert awq.choose_path(1) == "gemv" or awq.GEMV_MAX_M == 0
+    assert awq.choose_path(10**6) == "dequant+cublas"
+    assert all(m in awq.GEMV_MS for m in range(1, awq.GEMV_MAX_M + 1))
+    decl = set(awq.SOURCES["awq_mma.cu"])
+    for m in (1, 8, 16, 17, 32, 33, 1000):
+        for n in (8, 1024, 12288):
+            mt, ng = awq.mma_config(m, n)
+            assert f"awq_mma_kernel<{mt}, {ng}>" in decl
+
+
+def test_split_plan():
+    for tiles in (1, 4, 16, 96, 600):
+        for k in (32, 576, 4096, 12288):
+            s, per = awq._splits(tiles, k, 32, 528)
+            assert per % 32 == 0 and s * per >= k and (s - 1) * per < k
