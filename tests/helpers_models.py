@@ -12,6 +12,7 @@ tokenizer.json + tokenizer_config.json the way HF does.
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,10 +126,10 @@ def build_hf_model(spec: Spec):
 def save_hf_dir(model, tok, path: Path, dtype: str = "float32", max_shard_size=None) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    m = model.to(getattr(torch, dtype))
+    # a copy: casting the model itself would round its RoPE inv_freq buffer to fp16 for good
+    m = copy.deepcopy(model).to(getattr(torch, dtype))
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     m.save_pretrained(path, **kw)
-    model.to(torch.float32)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",

@@ -1,0 +1,201 @@
+"""The runner against HF transformers, on small synthetic models exported to every format.
+
+Oracle: transformers' own Qwen3ForCausalLM / LlamaForCausalLM (fp32, CPU) holding the weights
+the exported file is meant to hold, computed here *independently of the file*: each linear is
+quantized by the registry's codec from the original checkpoint and dequantized
+(`fmt.dequantize(fmt.quantize(w))`, GGUF codecs being byte-identical to gguf-py, tested
+elsewhere), fp16 where the file stores fp16. The runner, in contrast, reads the file
+`quantzoo quantize` wrote (through its own loaders, permutation undone for llama GGUF). A wrong
+byte, a wrong Q/K row order, a wrong norm or RoPE shows as a logit mismatch.
+
+Bound: max |logits_runner - logits_hf| / max |logits_hf| < 1e-4 (fp32 CPU; what we reach is
+printed, typically ~1e-6), and greedy decoding (runner: KV cache, one token per step;
+transformers: full recompute each step, no cache) agrees token for token for 32 tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import helpers_models as H
+from quantzoo.cli import main as cli
+from quantzoo.formats import get
+
+REL_BOUND = 1e-4
+N_GEN = 32
+GGUF_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """spec name -> (hf dir, transformers model, original fp32 weights as saved)."""
+    root = tmp_path_factory.mktemp("models")
+    cache = {}
+
+    def get_model(name, dtype="float32"):
+        key = (name, dtype)
+        if key not in cache:
+            path, model, tok = H.make_model_dir(name, root, dtype=dtype)
+            cache[key] = (path, model, H.read_safetensors_dir(path))
+        return cache[key]
+    get_model.root = root
+    return get_model
+
+
+def expected_weights(orig: dict, fmt: str, group_size: int = 128) -> dict:
+    """What a file in `fmt` holds, as float32, derived from the original weights (not the file)."""
+    out = {}
+    for name, w in orig.items():
+        is_decoder_linear = w.ndim == 2 and ".layers." in name
+        if fmt == "awq":      # HF AWQ / KuiperLLama: decoder linears AWQ, the rest fp16
+            if is_decoder_linear:
+                awq = get("awq")
+                out[name] = awq.dequantize(awq.quantize(w, group_size=group_size))
+            else:
+                out[name] = w.astype(np.float16).astype(np.float32)
+        elif fmt == "fp16":
+            out[name] = w.astype(np.float16).astype(np.float32) if w.ndim == 2 else w
+        elif fmt == "orig":
+            out[name] = w
+        else:                 # GGUF: every 2-D weight in fmt, norms F32
+            f = get(fmt)
+            out[name] = f.dequantize(f.quantize(w)) if w.ndim == 2 else w
+    return out
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding with a full forward per step (no KV cache): the simplest oracle."""
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq])).logits[0, -1]
+            seq.append(int(logits.argmax()))
+    return seq[len(ids):]
+
+
+def hf_logits(hf_model, weights, ids):
+    H.load_into_transformers(hf_model, weights)
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def compare(runner_path, hf_model, weights, ids, label, other=None):
+    """Runner on the file vs transformers on `weights`. `other`: weights the file must NOT
+    match (e.g. the unquantized originals), checked first so the comparison can fail."""
+    from quantzoo.model import load_model
+
+    if other is not None:
+        alt = hf_logits(hf_model, other, ids)
+        ref = hf_logits(hf_model, weights, ids)
+        sep = float((alt - ref).abs().max() / ref.abs().max())
+        assert sep > 30 * REL_BOUND, f"{label}: the reference does not discriminate ({sep:.2e})"
+    H.load_into_transformers(hf_model, weights)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    m = load_model(runner_path, device="cpu", progress=False)
+    got = m.logits(ids)
+    assert got.shape == ref.shape
+    rel = float((got - ref).abs().max() / ref.abs().max())
+    print(f"{label}: max rel logit error {rel:.2e} (bound {REL_BOUND:g})")
+    assert rel < REL_BOUND, f"{label}: relative logit error {rel:.3e} >= {REL_BOUND}"
+    want = hf_greedy(hf_model, ids, N_GEN)
+    new = m.generate(ids, max_new_tokens=N_GEN, temperature=0.0, eos_token_ids=[])
+    assert new == want, f"{label}: greedy tokens differ at step " \
+                        f"{next(i for i, (a, b) in enumerate(zip(new, want)) if a != b)}"
+    return m, rel
+
+
+def prompt_ids(path):
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    return load_tokenizer(path).encode(H.PROMPT)
+
+
+@pytest.mark.parametrize("spec", list(H.SPECS))
+def test_unquantized_matches_transformers(built, spec):
+    path, model, orig = built(spec)
+    compare(path, model, expected_weights(orig, "orig"), prompt_ids(path), f"{spec} fp32")
+
+
+def test_unquantized_fp16_dir_matches_transformers(built):
+    path, model, orig = built("qwen3-hd128-untied", "float16")   # orig: the fp16 values read back
+    compare(path, model, expected_weights(orig, "orig"), prompt_ids(path), "fp16 dir")
+
+
+@pytest.mark.parametrize("spec,group_size", [("qwen3-gqa-hd64-tied", 128), ("qwen3-hd128-untied", 128),
+                                             ("qwen3-g64-only", 64), ("llama-gqa", 128),
+                                             ("qwen3-gqa-hd64-tied", 32)])
+def test_awq_dir_matches_transformers(built, spec, group_size):
+    path, model, orig = built(spec)
+    dst = built.root / f"{spec}-awq-g{group_size}"
+    assert cli(["quantize", str(path), str(dst), "--format", "awq", "--group-size", str(group_size),
+                "--quiet"]) == 0
+    m, _ = compare(dst, model, expected_weights(orig, "awq", group_size), prompt_ids(path),
+                   f"{spec} awq g{group_size}", other=orig)
+    assert m.formats  # the runner reports what it used
+    assert any("awq" in str(v) for v in m.formats.values()), m.formats
+
+
+# every GGUF type on one qwen3 and the llama model; the other two shapes in q4_0 and q8_0
+GGUF_CASES = [(s, f) for s in ("qwen3-gqa-hd64-tied", "llama-gqa") for f in GGUF_FORMATS + ("fp16",)] + \
+             [(s, f) for s in ("qwen3-hd128-untied", "qwen3-g64-only") for f in ("q4_0", "q8_0")]
+
+
+@pytest.mark.parametrize("spec,fmt", GGUF_CASES)
+def test_gguf_matches_transformers(built, spec, fmt):
+    """llama-gqa is the RoPE trap: its attn_q/attn_k rows are stored permuted for llama.cpp."""
+    path, model, orig = built(spec)
+    dst = built.root / f"{spec}-{fmt}.gguf"
+    assert cli(["quantize", str(path), str(dst), "--format", fmt, "--quiet"]) == 0
+    compare(dst, model, expected_weights(orig, fmt), prompt_ids(path), f"{spec} {fmt} gguf",
+            other=None if fmt in ("fp16", "q8_0") else orig)
+    if H.SPECS[spec].arch == "llama":
+        check_llama_permutation(dst, orig, fmt, H.SPECS[spec])
+
+
+def check_llama_permutation(gguf_path, orig, fmt, spec):
+    """Read attn_q/attn_k with gguf-py (the outside oracle) and check llama.cpp's row order:
+    within each head, HF rows r and r + head_dim/2 sit at 2r and 2r + 1."""
+    import gguf
+
+    r = gguf.GGUFReader(str(gguf_path))
+    t = {x.name: x for x in r.tensors}
+    f = get(fmt)
+    for hf, gg, heads in (("self_attn.q_proj", "attn_q", spec.heads), ("self_attn.k_proj", "attn_k", spec.kv_heads)):
+        x = t[f"blk.0.{gg}.weight"]
+        stored = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type).reshape(-1, spec.hidden)
+        w = orig[f"model.layers.0.{hf}.weight"]
+        w = w if fmt == "fp16" else f.dequantize(f.quantize(w))
+        w = w.astype(np.float16).astype(np.float32) if fmt == "fp16" else w
+        d = spec.head_dim
+        want = w.reshape(heads, 2, d // 2, -1).transpose(0, 2, 1, 3).reshape(w.shape)
+        np.testing.assert_array_equal(stored, want)
+        assert not np.array_equal(stored, w)
+
+
+def test_kuiper_bin_matches_transformers(built):
+    spec = "qwen3-hd128-untied"
+    path, model, orig = built(spec)
+    dst = path / "model-awq.bin"   # beside tokenizer.json: the loader picks it up
+    assert cli(["quantize", str(path), str(dst), "--format", "awq", "--quiet"]) == 0
+    # the .bin header has no rope_theta: KuiperLLama (and we) assume Qwen3's 1e6, as the spec has
+    assert H.SPECS[spec].rope_theta == 1e6
+    compare(dst, model, expected_weights(orig, "awq", 128), prompt_ids(path), f"{spec} kuiper .bin",
+            other=orig)
+    dst.unlink()
+
+
+def test_requantize_from_gguf_source(built):
+    """GGUF q8_0 -> dequantized -> AWQ dir and q4_0 GGUF: the same weights reach every format."""
+    spec = "llama-gqa"
+    path, model, orig = built(spec)
+    q8 = built.root / f"{spec}-src-q8_0.gguf"
+    assert cli(["quantize", str(path), str(q8), "--format", "q8_0", "--quiet"]) == 0
+    w8 = expected_weights(orig, "q8_0")
+    awq_dir = built.root / f"{spec}-from-gguf-awq"
+    assert cli(["quantize", str(q8), str(awq_dir), "--format", "awq", "--quiet"]) == 0
+    compare(awq_dir, model, expected_weights(w8, "awq"), prompt_ids(path), "q8_0 gguf -> awq")
+    q4 = built.root / f"{spec}-from-gguf-q4_0.gguf"
+    assert cli(["quantize", str(q8), str(q4), "--format", "q4_0", "--quiet"]) == 0
+    compare(q4, model, expected_weights(w8, "q4_0"), prompt_ids(path), "q8_0 gguf -> q4_0 gguf")
