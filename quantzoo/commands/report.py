@@ -1,0 +1,76 @@
+"""`quantzoo report`: the comparison of every registry format (error, size, speed, accuracy).
+
+Speed comes from a `quantzoo bench kernels` JSON (--bench); without one, on a CUDA machine the
+quick bench is run first, and on a CPU-only machine the report has the error and size columns
+only (and says so).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("report", help="markdown report: every format on error, size, speed, accuracy",
+                       description=__doc__)
+    p.add_argument("--bench", metavar="FILE.json", help="`quantzoo bench kernels` output")
+    p.add_argument("--model-bench", metavar="FILE.json", help="`quantzoo bench model` output")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="write report.md, report.json, CSVs and PNG plots here (default: print the markdown)")
+    p.add_argument("--no-bench", action="store_true",
+                   help="on a GPU machine, do not run the quick kernel bench when --bench is not given")
+    p.add_argument("--no-accuracy", action="store_true", help="leave out the real-model accuracy section")
+    p.add_argument("--accuracy-formats", metavar="A,B", default=None,
+                   help="formats for the accuracy section (default: every weight format)")
+    p.add_argument("--accuracy-tokens", type=int, default=512,
+                   help="at most this many tokens of the shipped text (default 512: all of it)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="model for the accuracy section (default: the default SmolLM2 GGUF)")
+    p.add_argument("--no-plots", action="store_true", help="no PNGs")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from quantzoo import report
+    from quantzoo.report import speed
+
+    def log(s):
+        print(s, file=sys.stderr, flush=True)
+
+    bench = speed.load_bench(args.bench) if args.bench else None
+    if bench is None and not args.no_bench:
+        import torch
+
+        if torch.cuda.is_available():
+            from quantzoo.bench import kernels
+
+            log("no --bench given and a GPU is here: running `quantzoo bench kernels --quick` first")
+            names = kernels.bench_formats()
+            bench = kernels.run_bench(shapes=[(k, n) for k, n, _, _ in kernels.QWEN3_8B_SHAPES],
+                                      ms=kernels.QUICK_M, names=names, target_s=0.01, log=log)
+    model_bench = None
+    if args.model_bench:
+        with open(args.model_bench) as f:
+            model_bench = json.load(f)
+    if args.accuracy_tokens < 2:
+        raise ValueError(f"--accuracy-tokens {args.accuracy_tokens}: need at least 2")
+    acc_formats = None
+    if args.accuracy_formats:
+        from quantzoo import formats
+
+        acc_formats = [s.strip() for s in args.accuracy_formats.split(",") if s.strip()]
+        for n in acc_formats:
+            formats.get(n)
+    command = "quantzoo " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
+    if command and "report" not in command:
+        command = None
+    rep = report.build(bench, model_bench, accuracy=not args.no_accuracy, accuracy_formats=acc_formats,
+                       accuracy_tokens=args.accuracy_tokens, model_path=args.model, command=command,
+                       log=log)
+    if args.out:
+        files = report.write(rep, args.out, plots=not args.no_plots)
+        log(f"wrote {files['md']} and {len(files['plots'])} plots under {args.out}")
+    else:
+        print(report.render(rep, []))
+    return 0

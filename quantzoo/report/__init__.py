@@ -1,0 +1,359 @@
+"""`quantzoo report`: every registry format on error, size, speed and model accuracy.
+
+    from quantzoo import report
+    rep = report.build(bench=report.speed.load_bench("bench-kernels.json"))
+    report.write(rep, "out/")        # report.md, report.json, CSVs, PNGs
+
+Everything iterates the registry: a new format shows up with no edit here. Sections:
+
+- sizes and errors (any machine): bits/weight, Qwen3-8B size (quantzoo.report.sizes), NMSE on
+  the standard Gaussian workload (quantzoo.workload) for the dequantized weights and for the
+  kernel's function (emulated);
+- kernel speed (from a `quantzoo bench kernels` JSON made on a GPU): % of roofline and x cuBLAS
+  fp16 at M = 1 / 16 / 512 for one Qwen3-8B layer, dispatch paths and crossovers, per-shape
+  detail, decode roofline tok/s;
+- model throughput (from a `quantzoo bench model` JSON, when given);
+- accuracy (quantzoo.report.accuracy): top-1 agreement and mean KL vs fp16 on the default model.
+
+Without a bench file on a machine with no GPU the speed sections are left out and the report
+says so.
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import math
+import os
+
+from . import sizes, speed
+
+HEADLINE_M = (1, 16, 512)
+
+
+def _f(v, spec: str, missing: str = "-") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return missing
+    return format(v, spec)
+
+
+# ------------------------------------------------------------------------------------------
+# data
+
+
+def format_rows(errors: dict | None = None) -> list[dict]:
+    """One row per weight format + fp16: bits, sizes, NMSE (measured now unless given)."""
+    from quantzoo import formats, workload
+
+    x = w = y = None
+    rows = []
+    for fmt in formats.weight_formats() + [formats.get(speed.BASELINE)]:
+        if errors is not None and fmt.name in errors:
+            e = errors[fmt.name]
+        else:
+            if x is None:
+                x, w, y = workload.gaussian(**workload.STANDARD)
+            e = workload.format_errors(fmt, x, w, y)
+        mb = sizes.model_bytes(fmt)
+        rows.append({"format": fmt.name, "kind": fmt.kind, "bits": fmt.bits_per_weight,
+                     "size_gb": mb["total"] / 1e9, "linears_gb": mb["linears"] / 1e9,
+                     "embedding_format": mb["embedding_format"],
+                     "decode_bytes": sizes.decode_bytes_per_token(fmt),
+                     "nmse_weights": e["nmse_weights"], "nmse_kernel": e["nmse_kernel"],
+                     "nmse_ceiling": fmt.nmse_ceiling})
+    fp16 = next(r for r in rows if r["format"] == speed.BASELINE)
+    for r in rows:
+        r["x_smaller"] = fp16["size_gb"] / r["size_gb"]
+    return rows
+
+
+def speed_rows(bench: dict) -> list[dict]:
+    rows = []
+    for name in speed.formats_in(bench):
+        row = {"format": name, "status": speed.status_of(bench, name)}
+        for m in HEADLINE_M:
+            a = speed.aggregate(bench, name, m)
+            row[f"m{m}_us"] = a["us"] if a else None
+            row[f"m{m}_pct_roofline"] = a["pct_roofline"] if a else None
+            row[f"m{m}_x_cublas"] = a["x_cublas"] if a else None
+        row["slower_than_fp16_from_m"] = speed.slower_than_fp16_from(bench, name) if name != speed.BASELINE else None
+        row["paths"] = speed.crossover_text(bench, name)
+        row["error"] = speed.first_error(bench, name) if row["status"] != "ok" else ""
+        rows.append(row)
+    return rows
+
+
+def model_bench_rows(mb: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows from a `quantzoo bench model` JSON: its per-format records, with the
+    numeric fields whose names speak of tokens/s or memory."""
+    recs = mb.get("results") if isinstance(mb, dict) else mb
+    if not isinstance(recs, list):
+        raise ValueError("model bench JSON: expected a 'results' list of per-format records")
+    keys = []
+    for r in recs:
+        for k, v in r.items():
+            if k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                    any(s in k.lower() for s in ("tok", "mem", "gib", "gb", "roofline")):
+                keys.append(k)
+    label = next((k for k in ("format", "name", "weights") if recs and k in recs[0]), None)
+    rows = [[r.get(label, "?") if label else "?"] + [r.get(k) for k in keys] for r in recs]
+    return [label or "format"] + keys, rows
+
+
+def build(bench: dict | None = None, model_bench: dict | None = None, *, accuracy: bool = True,
+          accuracy_formats=None, accuracy_tokens: int = 512, accuracy_text: str | None = None,
+          model_path=None, errors: dict | None = None, command: str | None = None, log=None) -> dict:
+    """Everything the report shows, as data (write() renders it)."""
+    from quantzoo import __version__
+    from quantzoo.bench.timing import git_commit
+
+    if bench is not None:
+        speed.check_bench(bench)
+    rep = {"kind": "quantzoo-report", "version": 1,
+           "generated_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "quantzoo": __version__, "git_commit": git_commit(), "command": command,
+           "formats": format_rows(errors), "bench": bench, "model_bench": model_bench}
+    rep["speed"] = speed_rows(bench) if bench is not None else None
+    if bench is not None:
+        copy_bps = bench["ceilings"]["copy_tbps"] * 1e12
+        for r in rep["formats"]:
+            r["roofline_decode_tok_s"] = copy_bps / r["decode_bytes"]
+    rep["accuracy"] = None
+    if accuracy:
+        from . import accuracy as acc
+
+        try:
+            rep["accuracy"] = acc.accuracy(accuracy_formats, path=model_path, text=accuracy_text,
+                                           max_tokens=accuracy_tokens, log=log)
+        except (ImportError, FileNotFoundError, OSError) as e:
+            rep["accuracy"] = {"skipped": f"{type(e).__name__}: {e}"}
+    return rep
+
+
+# ------------------------------------------------------------------------------------------
+# markdown
+
+
+def _table(rows, headers) -> str:
+    from tabulate import tabulate
+
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def render(rep: dict, plots: list[str] | None = None) -> str:
+    L = []
+    bench = rep["bench"]
+    L.append("# quantzoo report: every format on error, size, speed and accuracy\n")
+    L.append(f"Generated {rep['generated_utc']} by quantzoo {rep['quantzoo']} "
+             f"(commit `{rep['git_commit'] or 'unknown'}`)" +
+             (f" with `{rep['command']}`" if rep.get("command") else "") + ".\n")
+    if bench is None:
+        L.append("**CPU only: this report has the error and size columns only.** No kernel bench "
+                 "was given and no CUDA GPU is present, so speed, roofline and model throughput "
+                 "are left out. Run `quantzoo bench kernels` on a CUDA GPU and pass "
+                 "`--bench bench-kernels.json` to fill them in.\n")
+    else:
+        m = bench["machine"]
+        c = bench["ceilings"]
+        if bench.get("FIXTURE"):
+            L.append(f"**This bench file is a test fixture, not a measurement:** {bench['FIXTURE']}.\n")
+        L.append(f"Speed figures come from `quantzoo bench kernels` run on **{m.get('gpu')}** "
+                 f"(driver {m.get('driver', '?')}, torch {m.get('torch')}, CuPy {m.get('cupy')}, "
+                 f"commit `{m.get('git_commit')}`, {m.get('time_utc')}). Ceilings measured in that "
+                 f"run: device copy **{c['copy_tbps']:.2f} TB/s** (read + write) and cuBLAS fp16 "
+                 f"{c['cublas_size']}^3 **{c['cublas_fp16_tflops']:.0f} TFLOP/s**"
+                 + (f" (at the end of the run: {bench['ceilings_end']['copy_tbps']:.2f} TB/s, "
+                    f"{bench['ceilings_end']['cublas_fp16_tflops']:.0f} TFLOP/s)" if bench.get("ceilings_end") else "")
+                 + ". Error, size and accuracy columns are computed on the machine that built the report.\n")
+
+    # --- sizes and errors
+    L.append("## Formats: size and error\n")
+    rows = []
+    for r in rep["formats"]:
+        rows.append([r["format"], r["kind"], _f(r["bits"], ".3f"), _f(r["size_gb"], ".2f"),
+                     _f(r["x_smaller"], ".2f"), r["embedding_format"],
+                     _f(100 * r["nmse_weights"], ".4f"), _f(100 * r["nmse_kernel"], ".4f"),
+                     _f(100 * r["nmse_ceiling"], ".4f")]
+                    + ([_f(r.get("roofline_decode_tok_s"), ".0f")] if bench is not None else []))
+    L.append(_table(rows, ["format", "kind", "bits/weight", "Qwen3-8B GB", "x smaller than fp16",
+                           "embedding + lm_head as", "NMSE % (weights)", "NMSE % (kernel)",
+                           "NMSE % ceiling"]
+                    + (["roofline decode tok/s"] if bench is not None else [])))
+    s = __import__("quantzoo.workload", fromlist=["STANDARD"]).STANDARD
+    L.append(f"\nQwen3-8B GB: bytes / 1e9 of its {sizes.qwen3_param_count() / 1e9:.2f} G parameters "
+             "(36 layers of q/k/v/o/gate/up/down, untied 151936 x 4096 embedding and lm_head, norms) "
+             "stored as `quantzoo quantize` writes them: GGUF formats keep every 2-D weight in the "
+             "format and norms in F32; AWQ keeps embedding, lm_head and norms in fp16. "
+             f"NMSE: ||y - y_exact||^2 / ||y_exact||^2 on the standard workload (W ~ N(0, {s['sigma']}^2) "
+             f"{s['n']}x{s['k']}, x ~ N(0, 1), M = {s['m']}, y_exact in float64 with the unquantized W); "
+             "'weights' uses the dequantized W in float64, 'kernel' what the CUDA kernel computes "
+             "(Q8_1 activations for GGUF formats, fp16 arithmetic for AWQ), emulated bit-faithfully "
+             "in numpy; 'ceiling' is the bound the GPU tests hold each kernel to."
+             + (" Roofline decode tok/s: the copy bandwidth measured in the bench over the bytes "
+                "one Qwen3-8B decode step reads (every linear + lm_head + norms, embedding rows excluded)."
+                if bench is not None else "") + "\n")
+
+    # --- speed
+    if bench is not None:
+        _, real = speed.layer_weights(bench)
+        L.append("## Kernel speed\n")
+        hdr = ["format", "status"]
+        for m in HEADLINE_M:
+            hdr += [f"M={m} % roofline", f"M={m} x cuBLAS"]
+        hdr += ["slower than fp16 from M", "dispatch path (crossovers)"]
+        rows = []
+        for r in rep["speed"]:
+            row = [r["format"], r["status"]]
+            for m in HEADLINE_M:
+                row += [_f(r[f"m{m}_pct_roofline"], ".1f"), _f(r[f"m{m}_x_cublas"], ".2f")]
+            row += ["-" if r["format"] == speed.BASELINE else
+                    (str(r["slower_than_fp16_from_m"]) if r["slower_than_fp16_from_m"] else "never"),
+                    r["paths"] or (r["error"][:80] if r["error"] else "")]
+            rows.append(row)
+        L.append(_table(rows, hdr))
+        L.append("\n" + ("Each figure is for **one Qwen3-8B decoder layer**: its 7 linears (2x 4096->4096 "
+                         "q/o, 2x 4096->1024 k/v, 2x 4096->12288 gate/up, 1x 12288->4096 down) summed. "
+                         if real else "Figures sum the bench's shapes once each (the bench did not "
+                                      "cover all four Qwen3-8B shapes). ")
+                 + "% roofline = the time the ceilings allow (max of bytes / copy bandwidth and flops / "
+                   "cuBLAS fp16 TFLOP/s, bytes = stored weight + fp16 x and y) over the measured time; "
+                   "x cuBLAS = cuBLAS fp16 time / format time (above 1 is faster). 'slower than fp16 "
+                   "from M' is the first bench M at which the layer is slower than cuBLAS fp16. "
+                   "Times: median of CUDA-graph replays of back-to-back launches over weight copies "
+                   "rotated so that L2 cannot serve them, warm-up excluded.\n")
+        bad = [r for r in rep["speed"] if r["status"] != "ok"]
+        for r in bad:
+            L.append(f"- `{r['format']}`: {r['status']} — {r['error']}")
+        if bad:
+            L.append("")
+
+        L.append("### Per shape: median time in us (x cuBLAS fp16)\n")
+        ms = speed.ms_in(bench)
+        ok = {(r["format"], r["k"], r["n"], r["m"]): r for r in speed.ok_rows(bench)}
+        shapes = []
+        for r in bench["results"]:
+            if (r["k"], r["n"]) not in shapes:
+                shapes.append((r["k"], r["n"]))
+        what = {(k, n): w for k, n, w, _ in bench["settings"].get("qwen3_8b_layer", [])}
+        for (k, n) in shapes:
+            L.append(f"**{k} -> {n}**" + (f" ({what[(k, n)]})" if (k, n) in what else "") + "\n")
+            rows = []
+            for name in speed.formats_in(bench):
+                row = [name]
+                for m in ms:
+                    r = ok.get((name, k, n, m))
+                    row.append("n/a" if r is None else
+                               f"{r['median_us']:.1f} ({_f(r.get('x_cublas'), '.2f')})")
+                rows.append(row)
+            L.append(_table(rows, ["format"] + [f"M={m}" for m in ms]))
+            L.append("")
+        L.append("Every row (TFLOP/s, weight TB/s, % of copy bandwidth, % of cuBLAS, path, NMSE of "
+                 "the timed kernel vs float32) is in `bench-kernels.csv`.\n")
+
+        L.append("### Dispatch crossovers\n")
+        for name in speed.formats_in(bench):
+            ch = speed.path_changes(bench, name)
+            if not ch:
+                continue
+            parts = []
+            for shape, pts in ch.items():
+                parts.append(f"{shape}: " + ", ".join(f"{p} from M={m}" for m, p in pts))
+            L.append(f"- `{name}`: " + "; ".join(parts))
+        L.append("")
+
+    # --- model bench
+    if rep.get("model_bench"):
+        L.append("## Model throughput (`quantzoo bench model`)\n")
+        try:
+            hdr, rows = model_bench_rows(rep["model_bench"])
+            L.append(_table([[_f(v, ".1f") if isinstance(v, float) else str(v) for v in r] for r in rows], hdr))
+        except ValueError as e:
+            L.append(f"(could not read the model bench: {e})")
+        L.append("")
+
+    # --- accuracy
+    acc = rep.get("accuracy")
+    if acc is not None:
+        L.append("## Accuracy on a real model\n")
+        if "skipped" in acc:
+            L.append(f"Skipped: {acc['skipped']}\n")
+        else:
+            ref = acc["reference"]
+            L.append(f"Model: {acc['model']} ({acc['arch']}, {acc['layers']} layers, hidden "
+                     f"{acc['hidden']}), its weights dequantized and rounded to fp16 = the reference; "
+                     f"each format stores that fp16 model as `quantzoo quantize` would. Text: the "
+                     f"shipped `quantzoo/data/english.txt`, {acc['tokens']} tokens, teacher-forced; "
+                     f"{acc['mode']}. Reference perplexity on the text: {ref['ppl']:.2f}.\n")
+            rows = [[r["format"], r["linears"], r["embedding"], _f(100 * r["top1"], ".1f"),
+                     _f(r["kl_mean"], ".4f"), _f(r["kl_max"], ".3f"), _f(r["ppl"], ".2f")]
+                    for r in acc["rows"]]
+            L.append(_table(rows, ["format", "linears", "embedding (tied lm_head)", "top-1 agreement %",
+                                   "mean KL (nats)", "max KL (nats)", "perplexity"]))
+            L.append("\ntop-1 agreement: share of positions whose most likely next token equals the "
+                     "fp16 model's; KL: KL(p_fp16 || p_format) of the next-token distributions.\n")
+
+    if plots:
+        L.append("## Plots\n")
+        for p in plots:
+            L.append(f"![{os.path.splitext(os.path.basename(p))[0]}]({os.path.basename(p)})\n")
+    return "\n".join(L).rstrip() + "\n"
+
+
+# ------------------------------------------------------------------------------------------
+# files
+
+
+def _write_csv(path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v))
+                        for k, v in r.items()})
+
+
+def write(rep: dict, out_dir: str, *, plots: bool = True, md_name: str = "report.md") -> dict:
+    """report.md + report.json + formats/speed/accuracy CSVs (+ bench JSON/CSV) + PNGs."""
+    from . import plots as P
+
+    os.makedirs(out_dir, exist_ok=True)
+    files = {}
+    pngs = []
+    if plots and P.have_matplotlib():
+        pngs = P.write_all(out_dir, rep["bench"], rep["formats"])
+    rep["plots"] = [os.path.basename(p) for p in pngs]
+    if plots and not pngs:
+        rep["plots_skipped"] = "matplotlib is not installed (pip install quantzoo[plot])"
+    md = render(rep, pngs)
+    if rep.get("plots_skipped"):
+        md += f"\n(Plots skipped: {rep['plots_skipped']}.)\n"
+    files["md"] = os.path.join(out_dir, md_name)
+    with open(files["md"], "w") as f:
+        f.write(md)
+    files["json"] = os.path.join(out_dir, "report.json")
+    with open(files["json"], "w") as f:
+        json.dump({k: v for k, v in rep.items() if k != "bench"}, f, indent=1, allow_nan=False,
+                  default=lambda o: o.item() if hasattr(o, "item") else str(o))
+    files["formats_csv"] = os.path.join(out_dir, "formats.csv")
+    _write_csv(files["formats_csv"], rep["formats"])
+    if rep["speed"]:
+        files["speed_csv"] = os.path.join(out_dir, "speed.csv")
+        _write_csv(files["speed_csv"], rep["speed"])
+    if rep.get("accuracy") and rep["accuracy"].get("rows"):
+        files["accuracy_csv"] = os.path.join(out_dir, "accuracy.csv")
+        _write_csv(files["accuracy_csv"], rep["accuracy"]["rows"])
+    if rep["bench"] is not None:
+        from quantzoo.bench.kernels import write_outputs
+
+        write_outputs(rep["bench"], out_dir)
+        files["bench_json"] = os.path.join(out_dir, "bench-kernels.json")
+    files["plots"] = pngs
+    return files
+
+
+__all__ = ["build", "render", "write", "format_rows", "speed_rows", "sizes", "speed"]

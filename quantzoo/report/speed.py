@@ -1,0 +1,143 @@
+"""Kernel speed figures for the report, from a `quantzoo bench kernels` JSON.
+
+Headline numbers aggregate one Qwen3-8B decoder layer: its seven linears (q, k, v, o, gate, up,
+down = 2x 4096->4096, 2x 4096->1024, 2x 4096->12288, 1x 12288->4096) run back to back, so
+
+    % of roofline at M   = sum(roofline time) / sum(measured time)       over the 7 linears
+    x cuBLAS fp16 at M   = sum(cuBLAS fp16 time) / sum(measured time)
+
+where a linear's roofline time is max(bytes / copy bandwidth, flops / cuBLAS fp16 TFLOP/s), both
+ceilings measured in the same bench run. If the bench did not cover all four shapes, the
+shapes it did cover are summed once each (the report says so).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+BASELINE = "fp16"
+
+
+def load_bench(path) -> dict:
+    with open(path) as f:
+        res = json.load(f)
+    check_bench(res, str(path))
+    return res
+
+
+def check_bench(res: dict, what: str = "bench") -> None:
+    if not isinstance(res, dict) or res.get("kind") != "quantzoo-bench-kernels":
+        raise ValueError(f"{what}: not a `quantzoo bench kernels` JSON (kind != 'quantzoo-bench-kernels')")
+    for key in ("machine", "ceilings", "settings", "results"):
+        if key not in res:
+            raise ValueError(f"{what}: missing {key!r}")
+    for key in ("copy_tbps", "cublas_fp16_tflops"):
+        v = res["ceilings"].get(key)
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{what}: ceilings.{key} = {v!r} is not a positive number")
+
+
+def ok_rows(res: dict) -> list[dict]:
+    return [r for r in res["results"] if r.get("status") == "ok"]
+
+
+def layer_weights(res: dict) -> tuple[dict, bool]:
+    """{(k, n): count per layer} and whether that is the real Qwen3-8B layer mix."""
+    layer = {(k, n): c for k, n, _what, c in res["settings"].get("qwen3_8b_layer", [])}
+    present = {(r["k"], r["n"]) for r in res["results"]}
+    if layer and set(layer) <= present:
+        return layer, True
+    return {s: 1 for s in sorted(present)}, False
+
+
+def aggregate(res: dict, fmt: str, m: int) -> dict | None:
+    """Layer-aggregated time, roofline % and x cuBLAS at one M (None if a shape is missing)."""
+    weights, _ = layer_weights(res)
+    rows = {(r["format"], r["k"], r["n"], r["m"]): r for r in ok_rows(res)}
+    t = roof = base = 0.0
+    for (k, n), c in weights.items():
+        r = rows.get((fmt, k, n, m))
+        b = rows.get((BASELINE, k, n, m))
+        if r is None:
+            return None
+        t += c * r["median_us"]
+        roof += c * r["roofline_us"]
+        base = (base + c * b["median_us"]) if (b is not None and base is not None) else None
+    return {"us": t, "pct_roofline": 100.0 * roof / t,
+            "x_cublas": (base / t) if base else None}
+
+
+def formats_in(res: dict) -> list[str]:
+    seen = []
+    for r in res["results"]:
+        if r["format"] not in seen:
+            seen.append(r["format"])
+    return seen
+
+
+def status_of(res: dict, fmt: str) -> str:
+    st = {r["status"] for r in res["results"] if r["format"] == fmt}
+    if st == {"ok"}:
+        return "ok"
+    if "ok" in st:
+        return "partial"
+    return "missing" if "missing" in st else "error"
+
+
+def first_error(res: dict, fmt: str) -> str:
+    for r in res["results"]:
+        if r["format"] == fmt and r["status"] != "ok":
+            return r.get("error") or r["status"]
+    return ""
+
+
+def path_changes(res: dict, fmt: str) -> dict:
+    """{shape 'K->N': [(m, path), ...]} listing the path at the smallest M and each change."""
+    out = {}
+    by_shape: dict = {}
+    for r in ok_rows(res):
+        if r["format"] == fmt:
+            by_shape.setdefault(f"{r['k']}->{r['n']}", []).append((r["m"], r.get("path") or "?"))
+    for shape, pts in by_shape.items():
+        pts.sort()
+        ch = [pts[0]]
+        for m, p in pts[1:]:
+            if p != ch[-1][1]:
+                ch.append((m, p))
+        out[shape] = ch
+    return out
+
+
+def crossover_text(res: dict, fmt: str) -> str:
+    """'gemv (M<16), mmq (M>=16)' when every shape switches at the same M; per shape otherwise."""
+    ch = path_changes(res, fmt)
+    if not ch:
+        return ""
+    texts = {}
+    for shape, pts in ch.items():
+        parts = []
+        for i, (m, p) in enumerate(pts):
+            if len(pts) == 1:
+                parts.append(p)
+            elif i == 0:
+                parts.append(f"{p} (M<{pts[1][0]})")
+            else:
+                parts.append(f"{p} (M>={m})")
+        texts[shape] = " -> ".join(parts)
+    uniq = set(texts.values())
+    if len(uniq) == 1:
+        return uniq.pop()
+    return "; ".join(f"{s}: {t}" for s, t in texts.items())
+
+
+def slower_than_fp16_from(res: dict, fmt: str) -> int | None:
+    """Smallest bench M at which the layer-aggregated time is slower than cuBLAS fp16."""
+    for m in sorted(res["settings"]["m"]):
+        a = aggregate(res, fmt, m)
+        if a and a["x_cublas"] is not None and a["x_cublas"] < 1.0:
+            return m
+    return None
+
+
+def ms_in(res: dict) -> list[int]:
+    return sorted({r["m"] for r in res["results"]})

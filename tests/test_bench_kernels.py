@@ -1,0 +1,146 @@
+"""`quantzoo bench kernels`: argument handling and arithmetic on CPU; end to end on the GPU."""
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quantzoo import formats
+from quantzoo.bench import kernels, timing
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "bench_kernels_fixture.json")
+
+
+def test_bench_formats_follow_the_registry():
+    names = kernels.bench_formats()
+    assert names == [f.name for f in formats.weight_formats()] + ["fp16"]
+    assert "q8_1" not in names  # an activation format has no weight kernel to bench
+    assert kernels.bench_formats(["fp16", "q4_0"]) == ["q4_0", "fp16"]
+    with pytest.raises(KeyError, match="known formats"):
+        kernels.bench_formats(["q3_k"])
+    with pytest.raises(ValueError, match="activation format"):
+        kernels.bench_formats(["q8_1"])
+
+
+def test_parse_arguments():
+    assert kernels.parse_shape("4096,11008") == (4096, 11008)
+    assert kernels.parse_m("1,16,512") == [1, 16, 512]
+    for bad in ("4096", "a,b", "0,4096"):
+        with pytest.raises(ValueError, match="--shape"):
+            kernels.parse_shape(bad)
+    for bad in ("", "1,x", "0,4"):
+        with pytest.raises(ValueError, match="--m"):
+            kernels.parse_m(bad)
+
+
+def test_metrics_by_hand():
+    """4096x4096 q4_0 weight (9,437,184 bytes) at M=1 in 5 us on a 3 TB/s, 700 TFLOP/s card."""
+    rec = {"m": 1, "k": 4096, "n": 4096, "median_us": 5.0, "weight_bytes": 9437184}
+    m = kernels.metrics(rec, {"copy_tbps": 3.0, "cublas_fp16_tflops": 700.0})
+    by = 9437184 + 2 * 4096 + 2 * 4096
+    assert m["tflops"] == pytest.approx(2 * 4096 * 4096 / 5e-6 / 1e12)
+    assert m["weight_tbps"] == pytest.approx(9437184 / 5e-6 / 1e12)
+    assert m["pct_copy_bw"] == pytest.approx(100 * by / 5e-6 / 3e12)
+    assert m["roofline_us"] == pytest.approx(by / 3e12 * 1e6)        # memory bound at M=1
+    assert m["pct_roofline"] == pytest.approx(100 * by / 3e12 / 5e-6)
+    big = kernels.metrics(dict(rec, m=4096, median_us=1000.0), {"copy_tbps": 3.0, "cublas_fp16_tflops": 700.0})
+    assert big["roofline_us"] == pytest.approx(2 * 4096 ** 3 / 700e12 * 1e6)  # compute bound
+
+
+def test_x_cublas_and_outputs(tmp_path):
+    with open(FIXTURE) as f:
+        res = json.load(f)
+    rows = res["results"]
+    for r in rows:
+        r.pop("x_cublas", None)
+    rows.append({"format": "q5_1", "k": 1, "n": 8, "m": 1, "status": "missing", "error": "no module"})
+    kernels.add_x_cublas(rows)
+    base = {(r["k"], r["n"], r["m"]): r["median_us"] for r in rows if r["format"] == "fp16"}
+    for r in rows:
+        if r["status"] == "ok":
+            assert r["x_cublas"] == pytest.approx(base[(r["k"], r["n"], r["m"])] / r["median_us"])
+        else:
+            assert r["x_cublas"] is None
+    jpath, cpath = kernels.write_outputs(res, str(tmp_path))
+    with open(jpath) as f:
+        assert json.load(f)["results"][-1]["status"] == "missing"
+    with open(cpath) as f:
+        recs = list(csv.DictReader(f))
+    assert len(recs) == len(rows) and list(recs[0]) == kernels.CSV_FIELDS
+    for r in recs[:-1]:
+        assert math.isfinite(float(r["median_us"])) and float(r["pct_roofline"]) > 0
+    assert recs[-1]["status"] == "missing" and recs[-1]["median_us"] == ""
+    assert "missing" in kernels.summary_table(res)
+
+
+def test_timing_helpers():
+    s = timing.summarize([3e-6, 1e-6, 2e-6, 4e-6, 5e-6])
+    assert s["median_us"] == pytest.approx(3.0) and s["samples"] == 5
+    assert s["p10_us"] == pytest.approx(1.4) and s["p90_us"] == pytest.approx(4.6)
+    with pytest.raises(ValueError, match="samples"):
+        timing.summarize([])
+    l2 = 50 << 20
+    assert timing.rotation_copies(9437184, l2_bytes=l2) == math.ceil(4 * l2 / 9437184)
+    assert timing.rotation_copies(4 * 100 << 20, l2_bytes=l2) == 2         # a big weight: 2 copies
+    assert timing.rotation_copies(1000, l2_bytes=l2) == 128                # capped
+    for n in (1 << 20, 9437184, 25165824):
+        c = timing.rotation_copies(n, l2_bytes=l2)
+        assert c * n >= min(4 * l2, 128 * n)
+    info = timing.machine_info()
+    for key in ("time_utc", "torch", "numpy", "python", "git_commit", "cupy", "gpu"):
+        assert key in info
+
+
+def test_quantize_all_in_processes():
+    got = kernels.quantize_all(["q4_0", "awq", "fp16"], [(256, 64), (96, 64)], seed=3, workers=2)
+    w = kernels.gaussian_weight(256, 64, 3)
+    for name in ("q4_0", "awq", "fp16"):
+        qt, err = got[(name, 256, 64)]
+        assert err is None and qt.shape == (64, 256)
+        assert (qt.dequantize() == formats.get(name).quantize(w).dequantize()).all()
+    qt, err = got[("awq", 96, 64)]  # 96 is not a multiple of the AWQ group size: reported
+    assert qt is None and "group_size" in err
+
+
+def test_bench_cli_without_gpu_or_runner():
+    import torch
+
+    if not torch.cuda.is_available():
+        out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "bench", "kernels", "--quick"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "bench", "kernels", "--m", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--m" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "bench", "--help"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "kernels" in out.stdout and "model" in out.stdout
+
+
+@pytest.mark.gpu
+def test_bench_kernels_quick_end_to_end(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "bench", "kernels", "--quick",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    print(out.stdout[-6000:])
+    with open(tmp_path / "bench-kernels.json") as f:
+        res = json.load(f)
+    c = res["ceilings"]
+    assert 0.5 < c["copy_tbps"] < 10 and 50 < c["cublas_fp16_tflops"] < 3000
+    assert res["machine"]["gpu"] and res["machine"]["cupy"]
+    names = kernels.bench_formats()
+    assert len(res["results"]) == len(names) * len(kernels.QWEN3_8B_SHAPES) * len(kernels.QUICK_M)
+    assert {r["format"] for r in res["results"]} == set(names)
+    ok = [r for r in res["results"] if r["status"] == "ok"]
+    assert {r["format"] for r in ok} >= {"fp16"}
+    for r in ok:
+        for key in ("median_us", "tflops", "weight_tbps", "pct_copy_bw", "pct_roofline", "x_cublas", "nmse"):
+            assert math.isfinite(r[key]) and r[key] >= 0, (r["format"], key, r[key])
+        assert r["pct_copy_bw"] < 150, r      # > 100 % would mean the weight came from L2
+        # the kernel timed computes the format's function: NMSE vs fp32 near the format's error
+        assert r["nmse"] < max(4 * formats.get(r["format"]).nmse_ceiling, 1e-5), r
+    for r in res["results"]:
+        assert r["status"] in ("ok", "missing"), r  # kernels that exist must not fail

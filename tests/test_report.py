@@ -1,0 +1,230 @@
+"""`quantzoo report`: built from a recorded bench fixture and from a live CPU run.
+
+The fixture (tests/data/bench_kernels_fixture.json, written by make_bench_fixture.py) has the
+structure of real `quantzoo bench kernels` output with synthetic numbers; the report must
+carry every registry format, numbers that parse and are finite, and plots that exist.
+"""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quantzoo import formats, report, workload
+from quantzoo.report import sizes, speed
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "bench_kernels_fixture.json")
+REPORT_FORMATS = [f.name for f in formats.weight_formats()] + ["fp16"]
+
+
+@pytest.fixture(scope="module")
+def errors():
+    """NMSE of every format on the standard workload, computed once for the module."""
+    x, w, y = workload.gaussian(**workload.STANDARD)
+    return {n: workload.format_errors(formats.get(n), x, w, y) for n in REPORT_FORMATS}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return speed.load_bench(FIXTURE)
+
+
+def md_tables(md: str) -> list[list[dict]]:
+    """Every GitHub table in the markdown as a list of {header: cell} rows."""
+    tables, cur, hdr = [], None, None
+    for line in md.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if hdr is None:
+                hdr, cur = cells, []
+            elif set(line.replace("|", "").strip()) <= set("-: "):
+                continue
+            else:
+                cur.append(dict(zip(hdr, cells)))
+        elif hdr is not None:
+            tables.append(cur)
+            hdr = cur = None
+    if hdr is not None:
+        tables.append(cur)
+    return tables
+
+
+def table_with(md: str, header: str) -> list[dict]:
+    for t in md_tables(md):
+        if t and header in t[0]:
+            return t
+    raise AssertionError(f"no table with column {header!r}")
+
+
+def finite(cell: str) -> float:
+    v = float(cell)
+    assert math.isfinite(v), cell
+    return v
+
+
+def check_format_table(md: str, with_speed: bool) -> None:
+    t = table_with(md, "NMSE % (kernel)")
+    assert [r["format"] for r in t] == REPORT_FORMATS  # every registry weight format + baseline
+    for r in t:
+        fmt = formats.get(r["format"])
+        assert abs(finite(r["bits/weight"]) - fmt.bits_per_weight) < 1e-3
+        gb = finite(r["Qwen3-8B GB"])
+        assert 4.0 < gb < 17.0
+        assert abs(gb - sizes.model_bytes(fmt)["total"] / 1e9) < 0.006
+        nw, nk = finite(r["NMSE % (weights)"]), finite(r["NMSE % (kernel)"])
+        assert 0 <= nw and 0 <= nk <= 100 * fmt.nmse_ceiling * 1.5 + 1e-4
+        if fmt.kind == "weight":
+            assert nw > 0 and nk >= 0.95 * nw
+        assert ("roofline decode tok/s" in r) == with_speed
+        if with_speed:
+            assert 100 < finite(r["roofline decode tok/s"]) < 2000
+
+
+def check_pngs(files: list[str]) -> None:
+    for p in files:
+        with open(p, "rb") as f:
+            head = f.read(8)
+        assert head == b"\x89PNG\r\n\x1a\n", p
+        assert os.path.getsize(p) > 5000, p
+
+
+def test_report_from_bench_fixture(tmp_path, errors, bench):
+    rep = report.build(bench, accuracy=False, errors=errors)
+    files = report.write(rep, str(tmp_path), plots=True)
+    md = open(files["md"]).read()
+    assert "test fixture, not a measurement" in md
+    check_format_table(md, with_speed=True)
+    t = table_with(md, "M=16 x cuBLAS")
+    assert sorted(r["format"] for r in t) == sorted(speed.formats_in(bench)) == sorted(REPORT_FORMATS)
+    for r in t:
+        assert r["status"] == "ok"
+        for m in report.HEADLINE_M:
+            assert 0 < finite(r[f"M={m} % roofline"]) <= 100.0
+            x = finite(r[f"M={m} x cuBLAS"])
+            assert x > 0 and (x == 1.0 if r["format"] == "fp16" else True)
+        assert r["dispatch path (crossovers)"]
+    # the fixture's 4-bit kernels beat fp16 at M=1 and lose at M=512 (its made-up model says so)
+    q4 = next(r for r in t if r["format"] == "q4_0")
+    assert finite(q4["M=1 x cuBLAS"]) > 1 > finite(q4["M=512 x cuBLAS"])
+    assert q4["dispatch path (crossovers)"] == "mmvq (M<16) -> mmq (M>=16)"
+    assert int(q4["slower than fp16 from M"]) == speed.slower_than_fp16_from(bench, "q4_0")
+    # per-shape detail: one table per shape, a cell for every bench M
+    for k, n, _, _ in bench["settings"]["qwen3_8b_layer"]:
+        assert f"**{k} -> {n}**" in md
+    detail = [t for t in md_tables(md) if t and "M=4096" in t[0]]
+    assert len(detail) == 4
+    for t in detail:
+        for r in t:
+            for m in bench["settings"]["m"]:
+                us, x = r[f"M={m}"].split()
+                assert finite(us) > 0 and finite(x.strip("()")) > 0
+    # files next to the markdown
+    for key in ("json", "formats_csv", "speed_csv", "bench_json"):
+        assert os.path.getsize(files[key]) > 0
+    with open(files["json"]) as f:
+        data = json.load(f)
+    assert [r["format"] for r in data["formats"]] == REPORT_FORMATS
+    assert speed.load_bench(files["bench_json"])["results"] == bench["results"]
+    if not report.plots.have_matplotlib():
+        pytest.skip("matplotlib missing: plots not checked")
+    assert sorted(os.path.basename(p) for p in files["plots"]) == ["nmse.png", "roofline.png", "speedup.png"]
+    check_pngs(files["plots"])
+    for p in files["plots"]:
+        assert f"]({os.path.basename(p)})" in md
+
+
+def test_report_cpu_live_cli(tmp_path):
+    """A live CPU run through the CLI: error and size columns only, and it says so."""
+    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "report", "--no-bench", "--no-accuracy",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "report.md").read_text()
+    assert "CPU only: this report has the error and size columns only" in md
+    assert "## Kernel speed" not in md
+    check_format_table(md, with_speed=False)
+    with open(tmp_path / "formats.csv") as f:
+        lines = f.read().splitlines()
+    assert [line.split(",")[0] for line in lines[1:]] == REPORT_FORMATS
+    if report.plots.have_matplotlib():
+        check_pngs([str(tmp_path / "nmse.png")])
+        assert not (tmp_path / "roofline.png").exists()
+
+
+def test_report_names_a_missing_kernel(errors, bench):
+    """A format whose kernel module is missing shows up as such; the others are unaffected."""
+    b = copy.deepcopy(bench)
+    for r in b["results"]:
+        if r["format"] == "q5_1":
+            for key in list(r):
+                if key not in ("format", "k", "n", "m"):
+                    del r[key]
+            r.update(status="missing", error="ModuleNotFoundError: No module named 'quantzoo.kernels.gguf'")
+    md = report.render(report.build(b, accuracy=False, errors=errors))
+    t = {r["format"]: r for r in table_with(md, "M=16 x cuBLAS")}
+    assert t["q5_1"]["status"] == "missing" and t["q5_1"]["M=1 % roofline"] == "-"
+    assert "No module named 'quantzoo.kernels.gguf'" in md
+    assert finite(t["q5_0"]["M=1 x cuBLAS"]) == pytest.approx(
+        speed.aggregate(bench, "q5_0", 1)["x_cublas"], abs=0.006)
+
+
+def test_bench_file_is_checked(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"kind": "something else"}))
+    with pytest.raises(ValueError, match="not a `quantzoo bench kernels` JSON"):
+        speed.load_bench(str(p))
+    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "report", "--bench", str(p), "--no-accuracy"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "not a `quantzoo bench kernels` JSON" in out.stderr
+
+
+def test_layer_aggregate_by_hand():
+    """% roofline and x cuBLAS for a Qwen3-8B layer: sums over 7 linears, checked by hand."""
+    shapes = [(4096, 4096, "qo", 2), (4096, 1024, "kv", 2), (4096, 12288, "gu", 2), (12288, 4096, "d", 1)]
+    rows = []
+    for i, (k, n, _, _) in enumerate(shapes):
+        for fmt, t, roof, path in (("fp16", 10.0 * (i + 1), 8.0 * (i + 1), "cublas"),
+                                   ("q4_0", 4.0 * (i + 1), 2.0 * (i + 1), "mmvq")):
+            rows.append({"format": fmt, "k": k, "n": n, "m": 1, "status": "ok", "median_us": t,
+                         "roofline_us": roof, "path": path})
+            rows.append({"format": fmt, "k": k, "n": n, "m": 64, "status": "ok", "median_us": t * 10,
+                         "roofline_us": roof, "path": "mmq" if fmt == "q4_0" and k == 4096 else path})
+    res = {"kind": "quantzoo-bench-kernels", "machine": {}, "results": rows,
+           "ceilings": {"copy_tbps": 3.0, "cublas_fp16_tflops": 700.0},
+           "settings": {"m": [1, 64], "qwen3_8b_layer": [list(s) for s in shapes]}}
+    speed.check_bench(res)
+    # layer weights 2,2,2,1 over shapes i = 0..3: sum_i c_i (i+1) = 2+4+6+4 = 16
+    a = speed.aggregate(res, "q4_0", 1)
+    assert a["us"] == pytest.approx(4.0 * 16)
+    assert a["pct_roofline"] == pytest.approx(100 * 2.0 * 16 / (4.0 * 16))
+    assert a["x_cublas"] == pytest.approx(10.0 / 4.0)
+    assert speed.aggregate(res, "q4_0", 64)["x_cublas"] == pytest.approx(100.0 / 40.0)
+    assert speed.slower_than_fp16_from(res, "q4_0") is None
+    assert speed.aggregate(res, "q4_0", 16) is None
+    assert speed.path_changes(res, "q4_0")["4096->4096"] == [(1, "mmvq"), (64, "mmq")]
+    assert speed.path_changes(res, "q4_0")["12288->4096"] == [(1, "mmvq")]
+    assert "4096->4096: mmvq (M<64) -> mmq (M>=64)" in speed.crossover_text(res, "q4_0")
+
+
+def test_qwen3_8b_sizes_match_outside_figures():
+    """Qwen3-8B has 8.19 G parameters (its model card: 8.2B); DESIGN.md's decode rooflines at
+    2.99 TB/s (computed independently from the GGUF tensor sizes): Q4_0 702, Q8_0 371,
+    F16 198, AWQ g128 with fp16 lm_head 616 tok/s."""
+    assert sizes.qwen3_param_count() == 8_190_735_360
+    for name, tok_s in (("q4_0", 702), ("q8_0", 371), ("fp16", 198), ("awq", 616)):
+        assert 2.99e12 / sizes.decode_bytes_per_token(formats.get(name)) == pytest.approx(tok_s, abs=1)
+    fp16 = sizes.model_bytes(formats.get("fp16"))
+    assert fp16["total"] == 2 * (sizes.qwen3_param_count() - sizes.qwen3_norm_params()) + \
+        4 * sizes.qwen3_norm_params()
+    assert sizes.model_bytes(formats.get("awq"))["embedding_format"] == "fp16"
+    assert sizes.model_bytes(formats.get("q4_0"))["embedding_format"] == "q4_0"
+
+
+def test_shipped_text():
+    from quantzoo.report import accuracy
+
+    text = accuracy.english_text()
+    assert 1000 < len(text) < 5000 and text.isascii()
+    assert len(text.split()) > 250
