@@ -1,0 +1,180 @@
+"""HF directory loading: AWQ and unquantized checkpoints, sharding, and the clear errors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import helpers_models as H
+from quantzoo.cli import main as cli
+from quantzoo.formats import QuantizedTensor, get
+from quantzoo.model.hf_loader import load_hf, parse_quantization_config
+
+SPEC = "qwen3-gqa-hd64-tied"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    path, model, tok = H.make_model_dir(SPEC, root)
+    awq = root / "awq"
+    assert cli(["quantize", str(path), str(awq), "--format", "awq", "--quiet"]) == 0
+    sharded = H.save_hf_dir(model, tok, root / "sharded", max_shard_size="200KB")
+    bf16 = H.save_hf_dir(model, tok, root / "bf16", dtype="bfloat16")
+    return {"root": root, "fp32": path, "awq": awq, "sharded": sharded, "bf16": bf16, "model": model}
+
+
+def copy_with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    qc = cfg.setdefault("quantization_config", {})
+    for k, v in changes.items():
+        if v is None:
+            qc.pop(k, None)
+        else:
+            qc[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_awq_dir_loads_as_awq_quantized_tensors(dirs):
+    config, w, tok, gen = load_hf(dirs["awq"], progress=False)
+    q = w["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q, QuantizedTensor) and q.format == "awq" and q.group_size == 128
+    assert q.shape == (config.num_heads * config.head_dim, config.hidden_size)
+    assert isinstance(w["model.embed_tokens.weight"], torch.Tensor)
+    assert w["model.embed_tokens.weight"].dtype == torch.float16
+    assert "lm_head.weight" not in w and config.tie_word_embeddings
+    assert config.arch == "qwen3" and config.qk_norm and config.rope_theta == 1e6
+    assert config.eos_token_ids == [tok.tok.token_to_id("<|im_end|>")]
+    assert tok.decode(tok.encode(H.PROMPT)) == H.PROMPT
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_sharded_and_bf16_dirs_load_the_same_weights(dirs):
+    _, a, _, _ = load_hf(dirs["fp32"], progress=False)
+    files = sorted(p.name for p in dirs["sharded"].glob("*.safetensors"))
+    assert len(files) > 2 and (dirs["sharded"] / "model.safetensors.index.json").exists()
+    _, b, _, _ = load_hf(dirs["sharded"], progress=False)
+    _, c, _, _ = load_hf(dirs["bf16"], progress=False)
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+        assert c[k].dtype == torch.bfloat16
+        assert torch.equal(a[k].to(torch.bfloat16), c[k]), k
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("bits", 8, "quantization_config.bits=8"),
+    ("quant_method", "gptq", "quantization_config.quant_method='gptq'"),
+    ("version", "gemv", "quantization_config.version='gemv'"),
+    ("version", "exllama", "quantization_config.version='exllama'"),
+    ("zero_point", False, "quantization_config.zero_point=False"),
+    ("group_size", 96, "quantization_config.group_size=96"),
+    ("modules_to_not_convert", "lm_head", "modules_to_not_convert must be a list"),
+])
+def test_unsupported_quantization_config_is_a_clear_error(dirs, tmp_path, key, value, needle):
+    bad = copy_with_config(dirs["awq"], tmp_path / "bad", **{key: value})
+    with pytest.raises(ValueError) as e:
+        load_hf(bad, progress=False)
+    assert needle in str(e.value) and "config.json" in str(e.value)
+
+
+def test_quantization_config_extra_keys_are_ignored():
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "GEMM",
+          "modules_to_not_convert": None, "do_fuse": False, "fuse_max_seq_len": 512, "backend": "autoawq"}
+    assert parse_quantization_config(qc) == {"group_size": 64, "modules_to_not_convert": []}
+
+
+def test_modules_to_not_convert_is_honoured(dirs, tmp_path):
+    """A checkpoint whose layer-1 MLP stayed fp16 (as AutoAWQ writes it for skipped modules)."""
+    from safetensors.numpy import load_file, save_file
+
+    d = copy_with_config(dirs["awq"], tmp_path / "skip", modules_to_not_convert=["layers.1.mlp"])
+    t = load_file(str(d / "model.safetensors"))
+    orig = H.read_safetensors_dir(dirs["fp32"])
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        m = f"model.layers.1.mlp.{proj}"
+        for s in ("qweight", "qzeros", "scales"):
+            del t[f"{m}.{s}"]
+        t[f"{m}.weight"] = orig[f"{m}.weight"].astype(np.float16)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    _, w, _, _ = load_hf(d, progress=False)
+    kept = w["model.layers.1.mlp.up_proj.weight"]
+    assert isinstance(kept, torch.Tensor) and kept.dtype == torch.float16
+    np.testing.assert_array_equal(kept.numpy(), orig["model.layers.1.mlp.up_proj.weight"].astype(np.float16))
+    assert isinstance(w["model.layers.0.mlp.up_proj.weight"], QuantizedTensor)
+    # without the config entry the same files are missing the AWQ tensors: a clear error
+    copy_with_config(d, tmp_path / "noskip", modules_to_not_convert=None)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.\w+_proj\.qweight"):
+        load_hf(tmp_path / "noskip", progress=False)
+
+
+def test_shard_missing_a_tensor_names_the_file_and_tensor(dirs, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "sharded"
+    shutil.copytree(dirs["sharded"], d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.k_norm.weight"
+    shard = index["weight_map"][name]
+    t = load_file(str(d / shard))
+    del t[name]
+    save_file(t, str(d / shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        load_hf(d, progress=False)
+    assert shard in str(e.value) and name in str(e.value)
+
+
+def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "one"
+    shutil.copytree(dirs["awq"], d)
+    t = load_file(str(d / "model.safetensors"))
+    del t["model.layers.0.self_attn.o_proj.scales"]
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.scales.*model\.safetensors"):
+        load_hf(d, progress=False)
+    d2 = tmp_path / "shape"
+    shutil.copytree(dirs["fp32"], d2)
+    t = load_file(str(d2 / "model.safetensors"))
+    t["model.norm.weight"] = t["model.norm.weight"][:-1].copy()
+    save_file(t, str(d2 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*shape \[255\].*\[256\]"):
+        load_hf(d2, progress=False)
+    d3 = tmp_path / "dtype"
+    shutil.copytree(dirs["awq"], d3)
+    t = load_file(str(d3 / "model.safetensors"))
+    t["model.layers.0.mlp.up_proj.scales"] = t["model.layers.0.mlp.up_proj.scales"].astype(np.float32)
+    save_file(t, str(d3 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"up_proj\.scales is float32\[2, 384\], expected float16\[2, 384\]"):
+        load_hf(d3, progress=False)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type='yarn'"),
+    ({"hidden_size": 0}, "hidden_size=0"),
+])
+def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
+    d = tmp_path / "cfg"
+    shutil.copytree(dirs["fp32"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
+        load_hf(d, progress=False)
+    assert needle in str(e.value)
+
+
+def test_not_a_model_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf(tmp_path, progress=False)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_hf(tmp_path, progress=False)
