@@ -1,0 +1,67 @@
+"""The report's accuracy section on CPU: the default SmolLM2 model in two formats, a short text."""
+import math
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def result():
+    from quantzoo.model.default_model import default_model_path
+    from quantzoo.report import accuracy
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        if "could not download" in str(e):
+            pytest.skip(f"default model unavailable offline: {e}")
+        raise
+    text = accuracy.english_text()[:400]
+    return accuracy.accuracy(["q8_0", "q4_0"], text=text, max_tokens=64)
+
+
+@pytest.mark.slow
+def test_kl_and_top1_on_the_default_model(result):
+    assert result["arch"] == "llama" and result["layers"] == 30 and result["hidden"] == 576
+    assert 40 <= result["tokens"] <= 64
+    ref = result["reference"]
+    assert ref["top1"] == 1.0 and ref["kl_mean"] == 0.0
+    assert 1.5 < ref["ppl"] < 200  # a real language model on English text, not noise (~49k vocab)
+    rows = {r["format"]: r for r in result["rows"]}
+    assert set(rows) == {"q8_0", "q4_0"}
+    for r in rows.values():
+        for k in ("top1", "kl_mean", "kl_max", "ppl"):
+            assert math.isfinite(r[k]), (r["format"], k)
+        assert 0 <= r["top1"] <= 1 and 0 < r["kl_mean"] <= r["kl_max"]
+        assert r["embedding"] == r["format"]  # GGUF formats store the tied embedding too
+    # 8-bit is close to fp16, 4-bit measurably further (seen on the full text: KL 0.0012 vs 0.38)
+    assert rows["q8_0"]["kl_mean"] < 0.02 and rows["q8_0"]["top1"] >= 0.9
+    assert rows["q4_0"]["kl_mean"] > 5 * rows["q8_0"]["kl_mean"]
+    assert rows["q4_0"]["ppl"] > rows["q8_0"]["ppl"] * 0.98
+
+
+@pytest.mark.slow
+def test_accuracy_section_renders(result):
+    from quantzoo import report
+
+    rep = {"kind": "quantzoo-report", "generated_utc": "now", "quantzoo": "0", "git_commit": None,
+           "command": None, "formats": [], "bench": None, "speed": None, "model_bench": None,
+           "accuracy": result}
+    md = report.render(rep)
+    assert "## Accuracy on a real model" in md
+    line = next(l for l in md.splitlines() if l.startswith("| q4_0"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert float(cells[3]) == pytest.approx(100 * result["rows"][1]["top1"], abs=0.06)
+    assert float(cells[4]) == pytest.approx(result["rows"][1]["kl_mean"], abs=6e-5)
+
+
+def test_awq_group_size_for_smollm2_dims():
+    """576 = 4.5 x 128: AWQ must fall back to group 64 (DESIGN.md section 5)."""
+    from quantzoo.model.config import ModelConfig
+    from quantzoo.report.accuracy import awq_group_size
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=576, intermediate_size=1536, num_layers=1,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+                      max_position=64, tie_word_embeddings=True, qk_norm=False)
+    assert awq_group_size(cfg) == 64
+    cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads = 1024, 16, 4
+    assert awq_group_size(cfg) == 128
