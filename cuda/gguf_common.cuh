@@ -36,7 +36,14 @@
 //   emulation's bound covers any order.
 #pragma once
 #include <cuda_fp16.h>
+#ifdef __CUDACC_RTC__  // NVRTC (CuPy) ships no C library headers
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+#else
 #include <stdint.h>
+#endif
 
 namespace gguf {
 

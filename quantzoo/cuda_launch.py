@@ -6,6 +6,8 @@ outputs come from torch, so a launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import os
+import sys
 from functools import lru_cache
 from importlib.resources import files
 
@@ -18,9 +20,34 @@ def read_source(name: str) -> str:
     return (source_dir() / name).read_text()
 
 
+def import_cupy():
+    """Import CuPy even when the repository root is on sys.path.
+
+    The repository's top-level cuda/ folder (installed as quantzoo.cuda) is also a plain package
+    named `cuda` when the checkout root is on sys.path (PYTHONPATH=$PWD, `python -m pytest` run
+    from the root), and it then shadows NVIDIA's `cuda` namespace (cuda.pathfinder,
+    cuda.bindings) that CuPy imports: "No module named 'cuda.pathfinder'". Hide the root while
+    CuPy (and with it the real `cuda`) is imported; later `cuda.*` imports find it in sys.modules.
+    """
+    if "cupy" in sys.modules:
+        return sys.modules["cupy"]
+    ours = os.path.abspath(str(source_dir()))
+    repo_root = os.path.dirname(ours)
+    shadow = sys.modules.get("cuda")
+    if shadow is not None and os.path.abspath(os.path.dirname(getattr(shadow, "__file__", "") or "")) == ours:
+        del sys.modules["cuda"]
+    saved = list(sys.path)
+    sys.path[:] = [p for p in saved if os.path.abspath(p or os.getcwd()) != repo_root]
+    try:
+        import cupy
+    finally:
+        sys.path[:] = saved
+    return cupy
+
+
 @lru_cache(maxsize=None)
 def _module(source: str, name_expressions: tuple, options: tuple, arch: str):
-    import cupy
+    cupy = import_cupy()
 
     opts = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{source_dir()}") + options
     return cupy.RawModule(code=read_source(source), options=opts, name_expressions=name_expressions)
@@ -35,12 +62,27 @@ def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tu
     return mod.get_function(name)
 
 
+class _StreamHandle:
+    """A raw cudaStream_t (int) wearing the CUDA stream protocol that Stream.from_external wants."""
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 @lru_cache(maxsize=64)
 def _cupy_stream(ptr: int):
-    import cupy
-
+    cupy = import_cupy()
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    return from_external(ptr) if from_external else cupy.cuda.ExternalStream(ptr)
+    if from_external is not None:
+        # CuPy 14 takes an object with __cuda_stream__ (returning (version, handle)), not an int.
+        try:
+            return from_external(_StreamHandle(ptr))
+        except (TypeError, AttributeError):
+            pass
+    return cupy.cuda.ExternalStream(ptr)
 
 
 def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():  # pragma: no cover - only on GPU machines
     pytest.skip("no CUDA device", allow_module_level=True)
-pytest.importorskip("cupy")
+from quantzoo.cuda_launch import import_cupy  # noqa: E402
+
+import_cupy()  # on a CUDA machine a missing CuPy is an error, not a skip
 
 from quantzoo.kernels import gguf as G  # noqa: E402
 
