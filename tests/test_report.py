@@ -228,3 +228,16 @@ def test_shipped_text():
     text = accuracy.english_text()
     assert 1000 < len(text) < 5000 and text.isascii()
     assert len(text.split()) > 250
+
+
+def test_report_to_md_path(tmp_path, errors, bench):
+    """--out docs/name.md: the markdown there, its PNGs/CSVs in docs/name/, links relative."""
+    rep = report.build(bench, accuracy=False, errors=errors)
+    files = report.write(rep, str(tmp_path / "docs" / "name.md"), plots=True)
+    assert files["md"] == str(tmp_path / "docs" / "name.md")
+    md = (tmp_path / "docs" / "name.md").read_text()
+    assert (tmp_path / "docs" / "name" / "bench-kernels.json").exists()
+    assert (tmp_path / "docs" / "name" / "formats.csv").exists()
+    for p in files["plots"]:
+        assert os.path.dirname(p) == str(tmp_path / "docs" / "name")
+        assert f"](name/{os.path.basename(p)})" in md

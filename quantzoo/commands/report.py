@@ -17,7 +17,9 @@ def register(sub) -> None:
     p.add_argument("--bench", metavar="FILE.json", help="`quantzoo bench kernels` output")
     p.add_argument("--model-bench", metavar="FILE.json", help="`quantzoo bench model` output")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="write report.md, report.json, CSVs and PNG plots here (default: print the markdown)")
+                   help="write report.md, report.json, CSVs and PNG plots in DIR; or give a path ending in "
+                        ".md for the markdown, the rest going to the folder of that name "
+                        "(default: print the markdown)")
     p.add_argument("--no-bench", action="store_true",
                    help="on a GPU machine, do not run the quick kernel bench when --bench is not given")
     p.add_argument("--no-accuracy", action="store_true", help="leave out the real-model accuracy section")
@@ -70,7 +72,7 @@ def run(args) -> int:
                        log=log)
     if args.out:
         files = report.write(rep, args.out, plots=not args.no_plots)
-        log(f"wrote {files['md']} and {len(files['plots'])} plots under {args.out}")
+        log(f"wrote {files['md']} and {len(files['plots'])} plots")
     else:
         print(report.render(rep, []))
     return 0

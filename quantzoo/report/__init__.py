@@ -140,7 +140,8 @@ def _table(rows, headers) -> str:
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
-def render(rep: dict, plots: list[str] | None = None) -> str:
+def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None) -> str:
+    """The markdown; plot links are relative to md_dir (the markdown's folder)."""
     L = []
     bench = rep["bench"]
     L.append("# quantzoo report: every format on error, size, speed and accuracy\n")
@@ -295,7 +296,14 @@ def render(rep: dict, plots: list[str] | None = None) -> str:
     if plots:
         L.append("## Plots\n")
         for p in plots:
-            L.append(f"![{os.path.splitext(os.path.basename(p))[0]}]({os.path.basename(p)})\n")
+            link = os.path.relpath(p, md_dir) if md_dir is not None else os.path.basename(p)
+            L.append(f"![{os.path.splitext(os.path.basename(p))[0]}]({link.replace(os.sep, '/')})\n")
+    L.append("## How to regenerate\n")
+    L.append("On a CUDA machine: `quantzoo bench kernels --out DIR` (writes DIR/bench-kernels.json and "
+             ".csv); then, anywhere: `quantzoo report --bench DIR/bench-kernels.json --out REPORT` "
+             "(REPORT a folder, or a .md path whose PNGs and CSVs go to the folder of the same "
+             "name). Without `--bench` on a CPU-only machine the report has error and size only; "
+             "on a GPU it runs the quick bench first.\n")
     return "\n".join(L).rstrip() + "\n"
 
 
@@ -317,8 +325,15 @@ def _write_csv(path, rows: list[dict]) -> None:
                         for k, v in r.items()})
 
 
-def write(rep: dict, out_dir: str, *, plots: bool = True, md_name: str = "report.md") -> dict:
-    """report.md + report.json + formats/speed/accuracy CSVs (+ bench JSON/CSV) + PNGs."""
+def write(rep: dict, out: str, *, plots: bool = True) -> dict:
+    """report.md + report.json + formats/speed/accuracy CSVs (+ bench JSON/CSV) + PNGs.
+
+    `out` is a folder (everything goes in it, the markdown as report.md) or a path ending in
+    .md (the markdown there; everything else in the folder of the same name beside it)."""
+    if out.endswith(".md"):
+        md_path, out_dir = out, out[:-3]
+    else:
+        md_path, out_dir = os.path.join(out, "report.md"), out
     from . import plots as P
 
     os.makedirs(out_dir, exist_ok=True)
@@ -329,10 +344,11 @@ def write(rep: dict, out_dir: str, *, plots: bool = True, md_name: str = "report
     rep["plots"] = [os.path.basename(p) for p in pngs]
     if plots and not pngs:
         rep["plots_skipped"] = "matplotlib is not installed (pip install quantzoo[plot])"
-    md = render(rep, pngs)
+    md = render(rep, [os.path.abspath(p) for p in pngs], md_dir=os.path.dirname(os.path.abspath(md_path)))
     if rep.get("plots_skipped"):
         md += f"\n(Plots skipped: {rep['plots_skipped']}.)\n"
-    files["md"] = os.path.join(out_dir, md_name)
+    files["md"] = md_path
+    os.makedirs(os.path.dirname(os.path.abspath(md_path)), exist_ok=True)
     with open(files["md"], "w") as f:
         f.write(md)
     files["json"] = os.path.join(out_dir, "report.json")
