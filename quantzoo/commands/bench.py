@@ -5,14 +5,23 @@ from __future__ import annotations
 import importlib
 
 
+_MODEL_IMPORT_ERROR = None
+
+
 def _model_module():
-    """quantzoo.bench.model, or None when the runner's bench has not landed in this checkout."""
+    """quantzoo.bench.model, or None when the runner's bench is absent or fails to import (the
+    rest of the CLI must keep working either way; `bench model` then says why)."""
+    global _MODEL_IMPORT_ERROR
     try:
         return importlib.import_module("quantzoo.bench.model")
     except ModuleNotFoundError as e:
-        if e.name in ("quantzoo.bench.model",):
-            return None
-        raise
+        if e.name == "quantzoo.bench.model":
+            _MODEL_IMPORT_ERROR = "quantzoo/bench/model.py (the runner's bench) has not landed yet"
+        else:
+            _MODEL_IMPORT_ERROR = f"importing quantzoo.bench.model failed: {e}"
+    except Exception as e:  # noqa: BLE001
+        _MODEL_IMPORT_ERROR = f"importing quantzoo.bench.model failed: {type(e).__name__}: {e}"
+    return None
 
 
 def register(sub) -> None:
@@ -38,4 +47,4 @@ def register(sub) -> None:
 
 def _model_missing(args) -> int:
     raise NotImplementedError("`quantzoo bench model` is not available in this checkout: "
-                              "quantzoo/bench/model.py (the runner's bench) has not landed yet")
+                              + (_MODEL_IMPORT_ERROR or "quantzoo.bench.model has no add_arguments/run"))
