@@ -71,7 +71,7 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path, m, arch: str, fmt: str | None = None, drop=(), extra_tensors=None,
-               permute: bool = True):
+               permute: bool = True, embed_fmt: str | None = None):
     """Write m as llama.cpp would: linears in `fmt` (None: F32), norms F32; llama Q/K permuted.
 
     Returns the state dict as the file holds it, dequantized and in HF row order (the oracle)."""
@@ -95,10 +95,11 @@ def write_gguf(path, m, arch: str, fmt: str | None = None, drop=(), extra_tensor
             continue
         name = gguf_name(hf)
         a = t.detach().float().numpy()
-        if a.ndim == 2 and fmt is not None and hf != "model.embed_tokens.weight":
-            qt = formats.get(fmt).quantize(a)
+        f = embed_fmt if hf == "model.embed_tokens.weight" else fmt
+        if a.ndim == 2 and f is not None:
+            qt = formats.get(f).quantize(a)
             a_deq = qt.dequantize()
-            stored, raw = qt.data, getattr(gguf.GGMLQuantizationType, formats.get(fmt).gguf_type)
+            stored, raw = qt.data, getattr(gguf.GGMLQuantizationType, formats.get(f).gguf_type)
         else:
             a_deq, stored, raw = a, a, None
         oracle[hf] = torch.from_numpy(a_deq.copy())

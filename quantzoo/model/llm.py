@@ -236,18 +236,21 @@ class Model:
         return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     # ---- forward ------------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, all_logits: bool) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, all_logits: bool,
+                 from_start: bool = False) -> torch.Tensor:
         """ids (T,) at positions pos (T,) (int64 tensors on the device) -> logits (T or 1, V).
 
         Attention runs over the whole cache with a mask built from pos, so the same code
-        serves prefill, eager decode and graph capture (no Python ints depend on pos).
+        serves prefill, eager decode and graph capture (no Python ints depend on pos). A
+        prompt that starts at position 0 (`from_start`) attends to the first T cache rows with
+        is_causal instead, which lets SDPA pick its flash kernel for long prefills.
         """
         cfg = self.config
         T = ids.shape[0]
         H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         S = self.k_cache.shape[3]
         cos, sin = self.cos[pos], self.sin[pos]                          # (T, hd)
-        mask = torch.arange(S, device=ids.device)[None, :] <= pos[:, None]  # (T, S) causal
+        mask = None if from_start else torch.arange(S, device=ids.device)[None, :] <= pos[:, None]
         h = self.embed(ids)[None]                                        # (1, T, hidden)
         for li, lay in enumerate(self.layers):
             x = rms_norm(h, lay.attn_norm, cfg.rms_norm_eps)
@@ -261,7 +264,11 @@ class Model:
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc.index_copy_(2, pos, k)
             vc.index_copy_(2, pos, v)
-            a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=KV != H)
+            if from_start:
+                a = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
+                                                   enable_gqa=KV != H)
+            else:
+                a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=KV != H)
             h = h + lay.o(a.transpose(1, 2).reshape(1, T, H * hd))
             x = rms_norm(h, lay.mlp_norm, cfg.rms_norm_eps)
             h = h + lay.down(F.silu(lay.gate(x)) * lay.up(x))
@@ -278,7 +285,7 @@ class Model:
             raise ValueError(f"{start + len(ids)} positions do not fit the KV cache "
                              f"({self.k_cache.shape[3]}); pass a larger max_seq")
         pos = torch.arange(start, start + len(ids), device=self.device)
-        return self._forward(ids, pos, all_logits=False)[-1]
+        return self._forward(ids, pos, all_logits=False, from_start=start == 0)[-1]
 
     @torch.inference_mode()
     def decode_step(self, token: int | torch.Tensor, pos: int) -> torch.Tensor:
@@ -286,7 +293,8 @@ class Model:
         if pos >= self.k_cache.shape[3]:
             raise ValueError(f"position {pos} is past the KV cache ({self.k_cache.shape[3]})")
         if not self.use_graph:
-            ids = torch.as_tensor([int(token)], dtype=torch.int64, device=self.device)
+            ids = (token.reshape(1).to(self.device) if torch.is_tensor(token) else
+                   torch.as_tensor([int(token)], dtype=torch.int64, device=self.device))
             return self._forward(ids, torch.tensor([pos], device=self.device), False)[-1]
         if self._graph is None:
             self._capture()
@@ -322,7 +330,7 @@ class Model:
             self.setup_cache(max(len(ids), self.k_cache.shape[3] if self.k_cache is not None else 0))
         t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.arange(len(ids), device=self.device)
-        return self._forward(t, pos, all_logits=True).float().cpu()
+        return self._forward(t, pos, all_logits=True, from_start=True).float().cpu()
 
     def generate(self, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop=None, stream=None, **kw) -> list[int]:

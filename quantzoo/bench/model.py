@@ -1,0 +1,329 @@
+"""`quantzoo bench model`: the runner on a Qwen3-8B-shaped model with random weights.
+
+Per format (awq g128 with an fp16 lm_head, q4_0, q8_0, fp16 -- GGUF formats put every 2-D
+weight, lm_head included, in the one format, as the llama.cpp numbers of DESIGN.md §6 were
+made), one run measures:
+  decode tok/s at batch 1: 128 tokens after a 16-token prompt, the decode step replayed from
+      a CUDA graph (and eager, for the gain); the next token is the argmax fed back on the GPU,
+      so no host sync per step;
+  prefill tok/s for 512- and 2048-token prompts (one batched forward; median of 3);
+  peak GPU memory (torch's max allocated) against weights + KV cache (+10 % allowed);
+  the bandwidth roofline: copy bandwidth measured in the same run / bytes of every weight read
+      once per token (embedding excluded), and the fraction of it decode reaches;
+  a per-op breakdown of one eager decode step (torch.profiler, GPU time per kernel name).
+
+Weights are built on the GPU directly: random block bytes with a fixed, finite scale per block
+(GGUF), random nibbles with small scales (AWQ), Gaussian fp16: setup takes seconds, not the
+minutes a CPU quantizer would need for 8 B weights. The numbers do not depend on the values.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                max_position=40960)
+FORMATS = ("awq", "q4_0", "q8_0", "fp16")
+# llama.cpp on the same H100 (DESIGN.md §6, llama-bench, flash attention on): tokens/s
+LLAMA_CPP = {"q4_0": {"pp512": 10473, "pp2048": 11043, "tg128": 309},
+             "q8_0": {"pp512": 10567, "pp2048": 11111, "tg128": 214},
+             "fp16": {"pp512": 18513, "pp2048": 19751, "tg128": 161}}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help=f"comma-separated formats (default: {','.join(FORMATS)})")
+    p.add_argument("--layers", type=int, default=QWEN3_8B["num_layers"],
+                   help="decoder layers (default 36 = Qwen3-8B; fewer for a quick look)")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--eager-tokens", type=int, default=32, help="eager decode steps timed (default 32)")
+    p.add_argument("--prompt-lens", default="512,2048", help="prefill lengths (default 512,2048)")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-op profile")
+    p.add_argument("--awq-group-size", type=int, default=128)
+    p.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test, CPU or GPU)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", default=None, help="write the results as JSON to this path")
+
+
+# ---- random weights in each format, built on the device ------------------------------------
+def random_weight(fmt: str, n: int, k: int, device, gen, group_size: int = 128, std: float = 0.02):
+    """A QuantizedTensor (n, k) of random contents, valid for its format, on `device`."""
+    import torch
+
+    from .. import formats
+    from ..formats import QuantizedTensor
+
+    if fmt == "fp16":
+        w = (torch.randn(n, k, device=device, generator=gen, dtype=torch.float32) * std).half()
+        return QuantizedTensor("fp16", (n, k), w if device != "cpu" else w.numpy())
+    if fmt == "awq":
+        g = group_size
+        qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), device=device, generator=gen, dtype=torch.int64).to(torch.int32)
+        qz = torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), device=device, generator=gen, dtype=torch.int64).to(torch.int32)
+        sc = torch.full((k // g, n), std / 4, device=device, dtype=torch.float16)
+        data = {"qweight": qw, "qzeros": qz, "scales": sc}
+        if device == "cpu":
+            data = {a: b.numpy() for a, b in data.items()}
+        return QuantizedTensor("awq", (n, k), data, {"group_size": g})
+    f = formats.get(fmt)
+    B, nb = f.bytes_per_block, k // 32
+    raw = torch.randint(0, 256, (n, nb, B), device=device, generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale = std / (127 if fmt == "q8_0" else 8)
+    raw[..., 0:2] = torch.full((n, nb, 1), scale, dtype=torch.float16, device=device).view(torch.uint8)
+    if f.has_min:
+        raw[..., 2:4] = torch.full((n, nb, 1), -8 * scale, dtype=torch.float16, device=device).view(torch.uint8)
+    data = raw.reshape(n, nb * B)
+    return QuantizedTensor(fmt, (n, k), data if device != "cpu" else data.numpy())
+
+
+def synthetic_model(fmt: str, cfg, device, group_size=128, seed=0, cuda_graph=True):
+    import torch
+
+    from ..model import build_model
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    dt = torch.float16 if device != "cpu" else torch.float32
+    ones = lambda n: torch.ones(n, device=device, dtype=dt)  # noqa: E731
+    W = lambda n, k: random_weight(fmt, n, k, device, gen, group_size)  # noqa: E731
+    w = {"model.embed_tokens.weight": (torch.randn(v, h, device=device, generator=gen) * 0.02).to(dt),
+         "model.norm.weight": ones(h)}
+    # AWQ checkpoints keep lm_head in fp16 (modules_to_not_convert); GGUF files quantize it
+    w["lm_head.weight"] = random_weight("fp16" if fmt == "awq" else fmt, v, h, device, gen)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = ones(h)
+        w[p + "post_attention_layernorm.weight"] = ones(h)
+        w[p + "self_attn.q_norm.weight"] = ones(cfg.head_dim)
+        w[p + "self_attn.k_norm.weight"] = ones(cfg.head_dim)
+        w[p + "self_attn.q_proj.weight"] = W(cfg.q_size, h)
+        w[p + "self_attn.k_proj.weight"] = W(cfg.kv_size, h)
+        w[p + "self_attn.v_proj.weight"] = W(cfg.kv_size, h)
+        w[p + "self_attn.o_proj.weight"] = W(h, cfg.q_size)
+        w[p + "mlp.gate_proj.weight"] = W(f, h)
+        w[p + "mlp.up_proj.weight"] = W(f, h)
+        w[p + "mlp.down_proj.weight"] = W(h, f)
+    return build_model(cfg, w, None, device=device, cuda_graph=cuda_graph)
+
+
+def make_config(layers: int, tiny: bool):
+    from ..model.config import ModelConfig
+
+    d = dict(QWEN3_8B, num_layers=layers)
+    if tiny:
+        d.update(vocab_size=1024, hidden_size=256, intermediate_size=512, num_heads=4,
+                 num_kv_heads=2, head_dim=64, max_position=4096)
+    return ModelConfig(arch="qwen3", tie_word_embeddings=False, qk_norm=True, **d)
+
+
+# ---- measurements -----------------------------------------------------------------------------
+def _sync(dev):
+    import torch
+
+    if str(dev).startswith("cuda"):
+        torch.cuda.synchronize(dev)
+
+
+def time_decode(m, steps: int, prompt: int = 16, graph: bool = True) -> float:
+    """Decode tok/s at batch 1: `steps` steps after a `prompt`-token prefill; argmax fed back."""
+    import torch
+
+    m.use_graph = graph and m.is_cuda
+    ids = list(range(1, prompt + 1))
+    logits = m.prefill(ids)
+    tok = torch.argmax(logits).reshape(1)
+    if m.use_graph and m._graph is None:
+        m._capture()
+    for i in range(3):  # warm-up (kernel compiles for eager, replays for the graph)
+        logits = m.decode_step(tok, prompt + i)
+    _sync(m.device)
+    t = time.perf_counter()
+    for i in range(steps):
+        logits = m.decode_step(tok, prompt + i)
+        tok = torch.argmax(logits).reshape(1)
+    _sync(m.device)
+    return steps / (time.perf_counter() - t)
+
+
+def time_prefill(m, n: int, reps: int = 3) -> float:
+    ids = [(7 * i + 3) % m.config.vocab_size for i in range(n)]
+    m.prefill(ids)   # warm-up
+    ts = []
+    for _ in range(reps):
+        _sync(m.device)
+        t = time.perf_counter()
+        m.prefill(ids)
+        _sync(m.device)
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    return n / ts[len(ts) // 2]
+
+
+def decode_breakdown(m, pos: int = 16, top: int = 12) -> list[dict]:
+    """GPU time per kernel name over one eager decode step (torch.profiler / CUPTI)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = m.use_graph
+    m.use_graph = False
+    try:
+        m.decode_step(1, pos)
+        _sync(m.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            m.decode_step(1, pos)
+            _sync(m.device)
+    finally:
+        m.use_graph = graph
+    rows = {}
+    for e in prof.events():
+        dt = getattr(e, "device_time", None)
+        if dt is None:
+            dt = getattr(e, "cuda_time", 0)
+        if not dt or e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        r = rows.setdefault(e.name, {"kernel": e.name, "calls": 0, "us": 0.0})
+        r["calls"] += 1
+        r["us"] += dt
+    out = sorted(rows.values(), key=lambda r: -r["us"])
+    total = sum(r["us"] for r in out) or 1.0
+    for r in out:
+        r["share"] = r["us"] / total
+        r["us"] = round(r["us"], 1)
+    return [{"total_gpu_us": round(total, 1), "kernels": len(out)}] + out[:top]
+
+
+def bench_format(fmt, cfg, args, device, bw) -> dict:
+    import torch
+
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    t0 = time.perf_counter()
+    m = synthetic_model(fmt, cfg, device, group_size=args.awq_group_size)
+    _sync(device)
+    setup_s = time.perf_counter() - t0
+    max_seq = max(prompt_lens + [16 + args.decode_tokens + 8])
+    m.setup_cache(-(-max_seq // 256) * 256)
+    if device.startswith("cuda"):   # peak from here: the random-init transients do not count
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    wbytes = m.weight_bytes(include_embedding=False)
+    emb = m.embed.table.numel() * m.embed.table.element_size()
+    r = {"format": fmt, "setup_s": round(setup_s, 1), "weight_bytes": wbytes, "embedding_bytes": emb,
+         "kv_cache_bytes": m.kv_cache_bytes(), "formats": m.formats, "fallbacks": m.fallbacks}
+    r["roofline_tok_s"] = bw / wbytes if bw else None
+    r["decode_tok_s_graph"] = time_decode(m, args.decode_tokens, graph=True) if m.is_cuda else None
+    r["decode_tok_s_eager"] = time_decode(m, args.eager_tokens, graph=False)
+    if r["decode_tok_s_graph"]:
+        r["graph_gain"] = r["decode_tok_s_graph"] / r["decode_tok_s_eager"]
+        if bw:
+            r["roofline_fraction"] = r["decode_tok_s_graph"] / r["roofline_tok_s"]
+    for n in prompt_lens:
+        r[f"prefill_tok_s_{n}"] = time_prefill(m, n)
+    if device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated(device)
+        r["peak_gpu_bytes"] = peak
+        base = wbytes + emb + r["kv_cache_bytes"]
+        r["peak_over_weights_kv"] = peak / base
+        if not args.no_breakdown:
+            try:
+                r["decode_breakdown"] = decode_breakdown(m)
+            except Exception as e:  # the profiler is a nicety; never lose the numbers for it
+                r["decode_breakdown"] = [{"error": f"{type(e).__name__}: {e}"}]
+    del m
+    return r
+
+
+def run(args) -> int:
+    import torch
+
+    from .. import formats as registry
+
+    fmts = [f for f in args.formats.split(",") if f]
+    for f in fmts:
+        registry.get(f)   # KeyError listing the known names
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU here (use --tiny --device cpu for a smoke test)")
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    cfg = make_config(args.layers, args.tiny)
+    info, bw = {}, None
+    if device.startswith("cuda"):
+        from .timing import copy_bandwidth, machine_info
+
+        info = machine_info()
+        cb = copy_bandwidth()
+        bw = cb["copy_tbps"] * 1e12
+        info["copy"] = cb
+    results = []
+    for f in fmts:
+        print(f"== {f} ...", file=sys.stderr, flush=True)
+        try:
+            results.append(bench_format(f, cfg, args, device, bw))
+        except Exception as e:   # one broken format must not cost the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            results.append({"format": f, "error": f"{type(e).__name__}: {e}"})
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    out = {"config": cfg.__dict__, "device": device, "machine": info, "copy_bandwidth_bytes_s": bw,
+           "llama_cpp_h100": LLAMA_CPP, "results": results}
+    print(render(out, args))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
+    return 0
+
+
+def render(out: dict, args) -> str:
+    from tabulate import tabulate
+
+    res = out["results"]
+    fp16 = next((r for r in res if r["format"] == "fp16" and "error" not in r), None)
+    lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    rows = []
+    fmt_n = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.0f}"  # noqa
+    for r in res:
+        if "error" in r:
+            rows.append([r["format"], "ERROR: " + r["error"][:150]])
+            continue
+        row = [r["format"], f"{r['weight_bytes'] / 1e9:.2f}", fmt_n(r.get("roofline_tok_s")),
+               fmt_n(r.get("decode_tok_s_graph")),
+               "-" if r.get("roofline_fraction") is None else f"{100 * r['roofline_fraction']:.0f}%",
+               fmt_n(r.get("decode_tok_s_eager")),
+               "-" if r.get("graph_gain") is None else f"{r['graph_gain']:.2f}x"]
+        for n in lens:
+            v = r[f"prefill_tok_s_{n}"]
+            rel = f" ({v / fp16[f'prefill_tok_s_{n}']:.2f}x)" if fp16 and r is not fp16 else ""
+            row.append(fmt_n(v) + rel)
+        row.append("-" if "peak_gpu_bytes" not in r else
+                   f"{r['peak_gpu_bytes'] / 2**30:.1f} ({100 * (r['peak_over_weights_kv'] - 1):+.0f}%)")
+        lc = LLAMA_CPP.get(r["format"], {})
+        row.append("/".join(str(lc.get(k, "-")) for k in ("tg128", "pp512", "pp2048")) if lc else "-")
+        rows.append(row)
+    hdr = (["format", "weights GB", "roofline tok/s", "decode tok/s (graph)", "of roofline",
+            "decode eager", "graph gain"] + [f"prefill {n}" for n in lens] +
+           ["peak GiB (vs W+KV+emb)", "llama.cpp tg128/pp512/pp2048"])
+    s = tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
+    bw = out.get("copy_bandwidth_bytes_s")
+    c = out["config"]
+    s += (f"\n\nQwen3-8B-shaped ({c['num_layers']} layers, hidden {c['hidden_size']}, vocab "
+          f"{c['vocab_size']}), random weights, batch 1, {out['device']}. Roofline = copy bandwidth "
+          f"{'-' if not bw else f'{bw / 1e12:.2f} TB/s'} (measured now) / weight bytes per token "
+          "(embedding excluded). Prefill in parentheses: ratio to the fp16 runner.")
+    for r in res:
+        if r.get("fallbacks"):
+            s += f"\n{r['format']}: FALLBACK " + "; ".join(r["fallbacks"])
+        bd = r.get("decode_breakdown")
+        if bd and "error" not in bd[0]:
+            s += (f"\n\n{r['format']}: one eager decode step, {bd[0]['total_gpu_us']:.0f} us GPU time in "
+                  f"{bd[0]['kernels']} kernel names (top):\n")
+            s += tabulate([[k["kernel"][:70], k["calls"], f"{k['us']:.0f}", f"{100 * k['share']:.1f}%"]
+                           for k in bd[1:]], headers=["kernel", "calls", "us", "share"],
+                          tablefmt="github", disable_numparse=True)
+        elif bd:
+            s += f"\n{r['format']}: breakdown unavailable ({bd[0]['error']})"
+    return s
