@@ -16,6 +16,12 @@ from quantzoo.model.hf_loader import load_hf, parse_quantization_config
 SPEC = "qwen3-gqa-hd64-tied"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with H.torch_threads(1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")

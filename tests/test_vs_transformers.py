@@ -27,6 +27,12 @@ N_GEN = 32
 GGUF_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with H.torch_threads(1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """spec name -> (hf dir, transformers model, original fp32 weights as saved)."""

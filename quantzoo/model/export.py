@@ -5,7 +5,9 @@
 Source: an HF directory (fp16/bf16/fp32, or AWQ: dequantized) or a .gguf file (dequantized to
 float by the runner's GGUF loader, Q/K rows back in HF order). Every weight passes through
 float32 and is quantized by the registry's codec (`quantzoo.formats.get(fmt).quantize`), so
-the same weights reach every format and can be compared.
+the same weights reach every format and can be compared; a weight the source already stores in
+the target format (AWQ with the same group, the same GGUF type) is copied as is, not rounded
+twice, so .bin <-> HF AWQ and GGUF -> GGUF conversions are lossless.
 
 Destinations, by the name of DST and --format:
   DST directory, awq     HF AWQ checkpoint as AutoAWQ writes it and vLLM/transformers read it:
@@ -54,6 +56,17 @@ class Source:
     def tensor(self, name: str) -> np.ndarray:
         return to_numpy_float(self.weights[name])
 
+    def quantized(self, name: str, fmt: str, **params):
+        """The weight in `fmt`: the source's own storage when it already is exactly that (no
+        second rounding: AWQ -> AWQ and Q8_0 -> Q8_0 are lossless), else quantized from float."""
+        from quantzoo.formats import QuantizedTensor, get
+
+        w = self.weights[name]
+        if isinstance(w, QuantizedTensor) and w.format == fmt and all(
+                w.params.get(k) == v for k, v in params.items()):
+            return w.numpy()
+        return get(fmt).quantize(self.tensor(name), **params)
+
 
 def read_source(src, progress: bool = True) -> Source:
     src = Path(src)
@@ -69,7 +82,7 @@ def read_source(src, progress: bool = True) -> Source:
     if src.suffix == ".gguf":
         from .gguf_loader import load_gguf
 
-        config, weights, tok = load_gguf(str(src))
+        config, weights, tok = load_gguf(str(src), progress=progress)
         return Source(src, config, weights, tokenizer=tok, gguf_meta=_gguf_tokenizer_fields(src))
     if src.suffix == ".bin":
         from .kuiper import load_kuiper
@@ -182,13 +195,12 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
     names = list(c.expected_shapes())
     for name in tqdm(names, desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
         module = name[: -len(".weight")]
-        w = src.tensor(name)
         if module in quantized:
-            qt = get("awq").quantize(w, group_size=group_size)
+            qt = src.quantized(name, "awq", group_size=group_size)
             for key in ("qweight", "qzeros", "scales"):
                 tensors[f"{module}.{key}"] = np.ascontiguousarray(qt.data[key])
         else:
-            tensors[name] = _fp16(w, name)
+            tensors[name] = _fp16(src.tensor(name), name)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config_dict(src)
     if fmt == "awq":
@@ -351,18 +363,22 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
         add_hf_tokenizer(w, src)
 
     for name in tqdm(list(shapes), desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
-        t = src.tensor(name)
+        heads = None
         if c.arch == "llama" and name.endswith("self_attn.q_proj.weight"):
-            t = llama_permute(t, c.num_heads)
+            heads = c.num_heads
         elif c.arch == "llama" and name.endswith("self_attn.k_proj.weight"):
-            t = llama_permute(t, c.num_kv_heads)
-        if t.ndim == 1:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(t, dtype=np.float32))
+            heads = c.num_kv_heads
+        if len(shapes[name]) == 1:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(src.tensor(name), dtype=np.float32))
         elif fmt == "fp16":
-            w.add_tensor(gguf_name(name), _fp16(t, name))
+            t = src.tensor(name)
+            w.add_tensor(gguf_name(name), _fp16(t if heads is None else llama_permute(t, heads), name))
         else:
-            qt = qfmt.quantize(t)
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(qt.data), raw_dtype=qtype)
+            # block formats quantize each row on its own: permuting rows commutes with quantizing
+            data = np.asarray(src.quantized(name, fmt).data)
+            if heads is not None:
+                data = llama_permute(data, heads)
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(data), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

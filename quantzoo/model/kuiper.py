@@ -147,8 +147,6 @@ def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path
     """Source (export.Source) -> .bin; AWQ linears quantized by the registry's codec."""
     from tqdm import tqdm
 
-    from quantzoo.formats import get
-
     from .export import _fp16, check_group_size
 
     c = src.config
@@ -159,7 +157,6 @@ def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path
     items = _layout(c, group_size)
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    awq = get("awq")
     header = _HEAD.pack(MAGIC, VERSION, c.hidden_size, c.intermediate_size, c.num_layers,
                         c.num_heads, c.num_kv_heads, c.vocab_size, c.max_position,
                         int(c.tie_word_embeddings), c.head_dim, group_size)
@@ -171,7 +168,7 @@ def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path
             if name.endswith((".qweight", ".qzeros", ".scales")):
                 m, key = name.rsplit(".", 1)
                 if m not in cache:
-                    cache = {m: awq.quantize(src.tensor(m + ".weight"), group_size=group_size).data}
+                    cache = {m: src.quantized(m + ".weight", "awq", group_size=group_size).data}
                 arr = cache[m][key]
             else:
                 arr = _fp16(src.tensor(name), name)

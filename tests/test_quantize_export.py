@@ -1,0 +1,232 @@
+"""`quantzoo quantize`: the files it writes, read back by outside readers, and its errors.
+
+AWQ directories are unpacked here the way AutoAWQ's own dequantizer does it (shift every
+nibble out, undo the [0, 4, 1, 5, 2, 6, 3, 7] order, subtract repeated zeros, scale), GGUF files
+are read with gguf-py's GGUFReader and gguf.quants.dequantize (llama.cpp's own layout).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import helpers_models as H
+from quantzoo.cli import main as cli
+from quantzoo.formats import get
+
+SPEC = "qwen3-hd128-untied"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with H.torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q")
+    path, model, tok = H.make_model_dir(SPEC, root)
+    return {"root": root, "dir": path, "orig": H.read_safetensors_dir(path), "tok": tok}
+
+
+def autoawq_dequantize(qweight, qzeros, scales, group_size):
+    """AutoAWQ-style unpacking in torch: int32 [K, N/8] -> float32 [K, N] (in, out)."""
+    shifts = torch.arange(0, 32, 4)
+    qw, qz = torch.from_numpy(qweight), torch.from_numpy(qzeros)
+    iw = torch.bitwise_right_shift(qw[:, :, None], shifts[None, None, :]).reshape(qw.shape[0], -1)
+    iz = torch.bitwise_right_shift(qz[:, :, None], shifts[None, None, :]).reshape(qz.shape[0], -1)
+    order = torch.arange(iw.shape[-1]).reshape(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]].reshape(-1)
+    iw, iz = iw[:, order] & 0xF, iz[:, order] & 0xF
+    s = torch.from_numpy(scales).float()
+    return ((iw - iz.repeat_interleave(group_size, 0)).float() * s.repeat_interleave(group_size, 0)).numpy()
+
+
+def test_awq_dir_layout_is_autoawq_and_vllm_layout(src):
+    dst = src["root"] / "awq64"
+    assert cli(["quantize", str(src["dir"]), str(dst), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 64,
+                                          "zero_point": True, "version": "gemm",
+                                          "modules_to_not_convert": None}
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["torch_dtype"] == "float16"
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (dst / f).read_bytes() == (src["dir"] / f).read_bytes()
+    t = load_file(str(dst / "model.safetensors"))
+    orig = src["orig"]
+    expect_keys = set()
+    for name, w in orig.items():
+        if ".layers." in name and w.ndim == 2:
+            m = name[:-len(".weight")]
+            expect_keys |= {m + ".qweight", m + ".qzeros", m + ".scales"}
+            n, k = w.shape
+            qw, qz, sc = t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"]
+            assert (qw.dtype, qw.shape) == (np.int32, (k, n // 8))
+            assert (qz.dtype, qz.shape) == (np.int32, (k // 64, n // 8))
+            assert (sc.dtype, sc.shape) == (np.float16, (k // 64, n))
+            deq = autoawq_dequantize(qw, qz, sc, 64)            # [in, out]
+            np.testing.assert_array_equal(deq.T, get("awq").dequantize(get("awq").quantize(w, group_size=64)))
+            s = sc.astype(np.float32).repeat(64, 0).T
+            assert (np.abs(deq.T - w) <= s * 1.001).all()       # round to nearest: within a step
+        else:
+            expect_keys.add(name)
+            assert t[name].dtype == np.float16
+            np.testing.assert_array_equal(t[name], w.astype(np.float16))
+    assert set(t) == expect_keys
+
+
+def _fields(reader):
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_1", "q8_0"])
+def test_gguf_file_reads_back_with_gguf_py(src, fmt):
+    import gguf
+
+    dst = src["root"] / f"m-{fmt}.gguf"
+    assert cli(["quantize", str(src["dir"]), str(dst), "--format", fmt, "--quiet"]) == 0
+    r = gguf.GGUFReader(str(dst))
+    f = _fields(r)
+    spec = H.SPECS[SPEC]
+    assert f["general.architecture"] == "qwen3"
+    want = {"block_count": spec.layers, "embedding_length": spec.hidden,
+            "feed_forward_length": spec.intermediate, "attention.head_count": spec.heads,
+            "attention.head_count_kv": spec.kv_heads, "attention.key_length": spec.head_dim,
+            "context_length": 512}
+    for k, v in want.items():
+        assert f[f"qwen3.{k}"] == v, k
+    assert f["qwen3.rope.freq_base"] == pytest.approx(spec.rope_theta)
+    assert f["qwen3.attention.layer_norm_rms_epsilon"] == pytest.approx(spec.eps)
+    assert f["general.file_type"] == getattr(gguf.LlamaFileType, f"MOSTLY_{fmt.upper()}")
+    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "qwen2"
+    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
+    assert len(tokens) == spec.vocab == len(types)
+    tok = src["tok"]
+    assert tokens[tok.token_to_id("<|im_end|>")] == "<|im_end|>"
+    assert types[tok.token_to_id("<|im_end|>")] == gguf.TokenType.CONTROL
+    assert tokens[-1] == f"[PAD{spec.vocab - 1}]" and types[-1] == gguf.TokenType.UNUSED
+    assert f["tokenizer.ggml.eos_token_id"] == tok.token_to_id("<|im_end|>")
+    assert f["tokenizer.chat_template"] == H.CHATML
+    assert len(f["tokenizer.ggml.merges"]) > 0
+    # tensors: names, types, and values equal to the codec's (llama.cpp layout via gguf-py)
+    t = {x.name: x for x in r.tensors}
+    orig = src["orig"]
+    qt = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    assert t["token_embd.weight"].tensor_type == qt and t["output.weight"].tensor_type == qt
+    assert t["blk.1.attn_q_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    for hf, gg in (("model.layers.1.self_attn.q_proj.weight", "blk.1.attn_q.weight"),
+                   ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
+                   ("lm_head.weight", "output.weight")):
+        x = t[gg]
+        assert x.tensor_type == qt
+        got = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type).reshape(orig[hf].shape)
+        np.testing.assert_array_equal(got, gguf.quants.dequantize(gguf.quants.quantize(orig[hf], qt), qt))
+    np.testing.assert_array_equal(np.asarray(t["output_norm.weight"].data), orig["model.norm.weight"])
+    assert len(t) == len(orig)
+
+
+def test_gguf_tokenizer_rebuilt_by_the_runner_matches_hf(src):
+    """The runner's GGUF loader rebuilds the BPE from our metadata: same ids as tokenizer.json."""
+    from quantzoo.model.gguf_loader import load_gguf
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    dst = src["root"] / "tok-q8_0.gguf"
+    assert cli(["quantize", str(src["dir"]), str(dst), "--format", "q8_0", "--quiet"]) == 0
+    _, _, gtok = load_gguf(str(dst), progress=False)
+    htok = load_tokenizer(src["dir"])
+    texts = [H.PROMPT, "It's 12345 o'clock!\n\n  (really)\tTAB", "<|im_start|>user\nhi<|im_end|>",
+             "naïve café — ünïcödé 日本語", ""]
+    for s in texts:
+        assert gtok.encode(s) == htok.encode(s), s
+        assert gtok.decode(gtok.encode(s)) == s
+    assert gtok.eos_token_ids[0] == htok.eos_token_ids[0]
+    msgs = [{"role": "user", "content": "hi"}]
+    assert gtok.apply_chat_template(msgs) == htok.apply_chat_template(msgs)
+
+
+def test_gguf_source_carries_tokenizer_metadata_over(src):
+    import gguf
+
+    a = src["root"] / "carry-q8_0.gguf"
+    b = src["root"] / "carry-q4_1.gguf"
+    assert cli(["quantize", str(src["dir"]), str(a), "--format", "q8_0", "--quiet"]) == 0
+    assert cli(["quantize", str(a), str(b), "--format", "q4_1", "--quiet"]) == 0
+    fa, fb = _fields(gguf.GGUFReader(str(a))), _fields(gguf.GGUFReader(str(b)))
+    tok_keys = sorted(k for k in fa if k.startswith("tokenizer."))
+    assert tok_keys and tok_keys == sorted(k for k in fb if k.startswith("tokenizer."))
+    for k in tok_keys:
+        assert fa[k] == fb[k], k
+    assert fb["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q4_1
+    # and a GGUF source to an HF AWQ dir gets a working tokenizer.json
+    d = src["root"] / "from-gguf-awq"
+    assert cli(["quantize", str(a), str(d), "--format", "awq", "--quiet"]) == 0
+    from quantzoo.model.hf_loader import load_hf, load_tokenizer
+
+    cfg, _, tok, _ = load_hf(d, progress=False)
+    assert tok.encode(H.PROMPT) == load_tokenizer(src["dir"]).encode(H.PROMPT)
+    assert cfg.eos_token_ids[0] == src["tok"].token_to_id("<|im_end|>")  # + llama.cpp's other EOG ids
+
+
+def test_group_size_error_suggests_64(tmp_path, capsys):
+    path, _, _ = H.make_model_dir("qwen3-g64-only", tmp_path)
+    assert cli(["quantize", str(path), str(tmp_path / "out"), "--format", "awq", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--group-size 128 does not divide in_features=192" in err and "use --group-size 64" in err
+    assert not (tmp_path / "out").exists()
+    assert cli(["quantize", str(path), str(tmp_path / "out"), "--format", "awq", "--group-size", "48"]) == 2
+    assert "choose one of (32, 64, 128)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dst,fmt,needle", [
+    ("x.gguf", "awq", "a .gguf file cannot hold AWQ weights"),
+    ("xdir", "q4_0", "give DST a .gguf name"),
+    ("x.bin", "q8_0", "a KuiperLLama .bin holds AWQ weights only"),
+])
+def test_format_destination_mismatch(src, capsys, dst, fmt, needle):
+    assert cli(["quantize", str(src["dir"]), str(src["root"] / dst), "--format", fmt, "--quiet"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_source_and_gguf_block_constraint(src, capsys):
+    assert cli(["quantize", str(src["root"] / "nope"), str(src["root"] / "o.gguf"), "--format", "q4_0"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    from quantzoo.model.config import ModelConfig
+    from quantzoo.model.export import Source, write_gguf
+
+    c = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=24, rms_norm_eps=1e-6, rope_theta=1e6,
+                    max_position=64, tie_word_embeddings=True, qk_norm=True)
+    with pytest.raises(ValueError, match="in_features=48 is not a multiple of 32"):
+        write_gguf(Source(src["root"], c, {}), src["root"] / "bad.gguf", "q4_0")
+
+
+def test_llama_permutation_roundtrip():
+    from quantzoo.model.export import llama_permute, llama_unpermute
+
+    w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)   # 4 heads of head_dim 8
+    p = llama_permute(w, 4)
+    # head 0: HF rows 0..3 (first half) and 4..7 (second half) interleave as 0,4,1,5,2,6,3,7
+    np.testing.assert_array_equal(p[:8, 0], w[[0, 4, 1, 5, 2, 6, 3, 7], 0])
+    np.testing.assert_array_equal(llama_unpermute(p, 4), w)
+
+
+@pytest.mark.parametrize("spec", ["llama-gqa", "qwen3-hd128-untied"])
+def test_gguf_to_same_type_is_lossless(tmp_path, spec):
+    """q5_0 -> q5_0 copies blocks (no second rounding); llama Q/K rows are unpermuted on load and
+    permuted again on write, so every tensor's bytes come back identical."""
+    import gguf
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert cli(["quantize", str(path), str(a), "--format", "q5_0", "--quiet"]) == 0
+    assert cli(["quantize", str(a), str(b), "--format", "q5_0", "--quiet"]) == 0
+    ta = {t.name: t for t in gguf.GGUFReader(str(a)).tensors}
+    tb = {t.name: t for t in gguf.GGUFReader(str(b)).tensors}
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].tensor_type == tb[k].tensor_type
+        np.testing.assert_array_equal(np.asarray(ta[k].data), np.asarray(tb[k].data), err_msg=k)
