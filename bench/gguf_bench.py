@@ -112,7 +112,7 @@ def bench_gguf(fmt, ms, paths, rotate=True):
         x = torch.randn((m, K), device="cuda", dtype=torch.float16)
         y = torch.empty((m, N), device="cuda", dtype=torch.float16)
         for path in paths:
-            if path == "mmvq" and m > G.MMVQ_MAX_M:
+            if path == "mmvq" and m > 64:
                 continue
             reps = max(len(qts), 12 if m <= 64 else 4)
             calls = [lambda qt=qts[i % len(qts)], p=path: G.matmul(x, qt, out=y, path=p) for i in range(reps)]
@@ -120,6 +120,35 @@ def bench_gguf(fmt, ms, paths, rotate=True):
     del qts
     torch.cuda.empty_cache()
     return res, nbytes
+
+
+def bench_mmvq_rows(fmt, ms=(1, 2, 4, 8)):
+    """us per call of mmvq for each rows-per-CTA choice, rotated weights (picks MMVQ_ROWS)."""
+    qts = make_weights(fmt, n_copies(qz.formats.get(fmt).nbytes((N, K))))
+    res = {}
+    for m in ms:
+        x = torch.randn((m, K), device="cuda", dtype=torch.float16)
+        y = torch.empty((m, N), device="cuda", dtype=torch.float16)
+        for r in G.MMVQ_ROW_CHOICES:
+            calls = [lambda qt=qts[i % len(qts)], r=r: G.matmul(x, qt, out=y, path="mmvq", mmvq_rows=r)
+                     for i in range(max(12, len(qts)))]
+            res[(m, r)] = time_calls(calls)
+    del qts
+    return res
+
+
+def bench_dequant_buffer(fmt, ms=(512, 2048), sizes_mb=(8, 16, 32, 128)):
+    qts = make_weights(fmt, n_copies(qz.formats.get(fmt).nbytes((N, K))))
+    res = {}
+    for m in ms:
+        x = torch.randn((m, K), device="cuda", dtype=torch.float16)
+        y = torch.empty((m, N), device="cuda", dtype=torch.float16)
+        for mb in sizes_mb:
+            calls = [lambda qt=qts[i % len(qts)], mb=mb: G._dequant_matmul(fmt, x, qt.data, y, N, K, mb << 20)
+                     for i in range(len(qts))]
+            res[(m, mb)] = time_calls(calls, reps=5)
+    del qts
+    return res
 
 
 def sanitize_run():
@@ -131,10 +160,9 @@ def sanitize_run():
             qt = qz.formats.get(fmt).quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).to("cuda")
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).cuda()
             for p in G.PATHS:
-                if p == "mmvq" and m > G.MMVQ_MAX_M:
-                    continue
-                y = G.matmul(x, qt, path=p)
-                assert torch.isfinite(y).all(), (fmt, m, n, k, p)
+                for rows in (G.MMVQ_ROW_CHOICES if p == "mmvq" else (None,)):
+                    y = G.matmul(x, qt, path=p, mmvq_rows=rows)
+                    assert torch.isfinite(y).all(), (fmt, m, n, k, p, rows)
             G.dequantize(qt)
             G.quantize_q8_1(x.float())
     torch.cuda.synchronize()
@@ -155,9 +183,18 @@ def main(argv=None):
     t0 = time.time()
     dev = torch.cuda.get_device_name()
     bw = copy_bandwidth()
-    print(f"# {dev}; copy bandwidth {bw / 1e12:.3f} TB/s (read+write); shape N={N} K={K}", flush=True)
+    print(f"# {dev}; copy bandwidth {bw / 1e12:.3f} TB/s (read+write; DESIGN.md's figure: 2.99); "
+          f"shape N={N} K={K}", flush=True)
 
     sweep = [1, 8] if a.quick else [1, 8, 16, 32, 64, 128, 256, 512, 2048]
+    if not a.quick:
+        for fmt in fmts:
+            rr = bench_mmvq_rows(fmt)
+            print(f"mmvq rows-per-CTA sweep {fmt} (us, rotated): " +
+                  ", ".join(f"M={m} R={r}: {v:.1f}" for (m, r), v in rr.items()), flush=True)
+        db = bench_dequant_buffer("q4_0")
+        print("dequant buffer sweep q4_0 (us): " + ", ".join(f"M={m} {mb}MB: {v:.1f}" for (m, mb), v in db.items()),
+              flush=True)
     cub = bench_fp16(sweep)
     cub_reused = bench_fp16([1, 8], rotate=False)
     print("cuBLAS fp16 (rotated) us:", {m: round(v, 1) for m, v in cub.items()},

@@ -9,57 +9,73 @@
 //
 // Shape of the work: at M <= 8 the weight (4.5..8.5 bits/element) is the only large operand, so
 // the kernel is a stream over W and its speed is DRAM bandwidth. One CTA of 128 threads owns
-// one weight row; thread t takes blocks t, t+128, ... and unpacks each block once into registers,
-// then reuses it for all M activation rows (M is a template parameter, so the M accumulators
-// live in registers and the activation loop is unrolled). Each thread finishes whole blocks,
-// so every per-block term is formed from the full 32-element sumi -- bit-identical to the
-// emulation's term (llama.cpp splits a block over threads and scales partial sums instead).
-// A warp's 32 threads read 32 consecutive blocks of one row: a contiguous 576..1088-byte run,
-// so DRAM sees full sectors even though a thread's own loads are 2- or 4-byte wide. The
-// activations (M * K * 36/32 bytes) are re-read by every CTA and stay in L1/L2.
+// R consecutive weight rows; thread t takes blocks t, t+128, ... of each of them, unpacks each
+// weight block once into registers and reuses it for all M activation rows (M and R are template
+// parameters, so the M x R accumulators live in registers and every loop is unrolled). Why R > 1:
+// every CTA re-reads the whole Q8_1 activation (M * K * 36/32 bytes) from L1/L2; with one row
+// per CTA that is N * M * K * 1.125 bytes of L2 traffic -- at M = 8 many times the weight
+// itself, and the real limit. R rows per CTA divide it by R (R is picked per M from the bench).
+// Each thread finishes whole blocks, so every per-block term is formed from the full 32-element
+// sumi -- bit-identical to the emulation's term (llama.cpp splits a block over threads and
+// scales partial sums instead). A warp's 32 threads read 32 consecutive blocks of one row: a
+// contiguous 576..1088-byte run, so DRAM sees full sectors even though a thread's own loads are
+// 2- or 4-byte wide.
 // Reduction: xor-shuffle across the warp, then the 4 warp sums through shared memory.
+// Rows past N (the last CTA when R does not divide N) are computed on row N-1 and not stored.
 #include "gguf_common.cuh"
 
 constexpr int MMVQ_THREADS = 128;
 
-template <class F, int M>
+template <class F, int M, int R>
 __global__ void __launch_bounds__(MMVQ_THREADS)
 mmvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ A, __half* __restrict__ y, int N, int nb) {
-    const int n = blockIdx.x;
-    const uint8_t* wrow = W + (long long)n * nb * F::BYTES;
-    float acc[M];
+    const int n0 = blockIdx.x * R;
+    const uint8_t* wrow[R];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    for (int r = 0; r < R; ++r) wrow[r] = W + (long long)min(n0 + r, N - 1) * nb * F::BYTES;
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
 
     for (int kb = threadIdx.x; kb < nb; kb += MMVQ_THREADS) {
-        float dw, mw;
-        int q[8];
-        F::unpack(wrow + (long long)kb * F::BYTES, dw, mw, q);
+        float dw[R], mw[R];
+        int q[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) F::unpack(wrow[r] + (long long)kb * F::BYTES, dw[r], mw[r], q[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float da, sa;
             int a[8];
             load_q8_1(A + ((long long)m * nb + kb) * Q8_1_BYTES, da, sa, a);
-            int sumi = 0;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) sumi = __dp4a(q[i], a[i], sumi);
-            acc[m] += F::term(sumi, dw, mw, da, sa);
+            for (int r = 0; r < R; ++r) {
+                int sumi = 0;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) sumi = __dp4a(q[r][i], a[i], sumi);
+                acc[m][r] += F::term(sumi, dw[r], mw[r], da, sa);
+            }
         }
     }
 
-    __shared__ float partial[MMVQ_THREADS / 32][M];
+    __shared__ float partial[MMVQ_THREADS / 32][M * R];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
-        if (lane == 0) partial[warp][m] = acc[m];
-    }
+        for (int r = 0; r < R; ++r) {
+            float v = acc[m][r];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+            if (lane == 0) partial[warp][m * R + r] = v;
+        }
     __syncthreads();
-    if (threadIdx.x < M) {
+    if (threadIdx.x < M * R) {
+        const int m = threadIdx.x / R, n = n0 + threadIdx.x % R;
         float s = 0.0f;
 #pragma unroll
         for (int w = 0; w < MMVQ_THREADS / 32; ++w) s += partial[w][threadIdx.x];
-        y[(long long)threadIdx.x * N + n] = __float2half_rn(s);
+        if (n < N) y[(long long)m * N + n] = __float2half_rn(s);
     }
 }

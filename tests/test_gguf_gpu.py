@@ -76,7 +76,7 @@ def _run(x_t, qt, path):
 
 
 def _paths(m):
-    return (["mmvq"] if m <= G.MMVQ_MAX_M else []) + ["mmq", "dequant"]
+    return (["mmvq"] if m <= 128 else []) + ["mmq", "dequant"]  # mmvq runs M > 8 in chunks of 8
 
 
 def _check_all_paths(fmt, w, qt_cpu, ms, rng, x_scale=1.0):
@@ -180,6 +180,40 @@ def test_matmul_magnitudes(fmt):
             _check_emulated(_run(x_t, qt, path), x16, qt_cpu, f"{fmt} {path} M={m} magnitudes")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mmvq_rows_per_cta_tails(fmt):
+    """Every rows-per-CTA instance, N not a multiple of it, every M of one launch (1..8) and chunked."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    for n, k in [(67, 96), (1, 32), (130, 352)]:
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        for m in list(range(1, G.MMVQ_COLS + 1)) + [11, 19]:
+            x16 = rng.standard_normal((m, k)).astype(np.float16)
+            x_t = torch.from_numpy(x16).to(DEV)
+            for rows in G.MMVQ_ROW_CHOICES:
+                out = _poisoned((m, n))
+                G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows)
+                _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mmvq R={rows} M={m} N={n} K={k}")
+
+
+def test_dequant_path_in_slices(monkeypatch):
+    """A small transient buffer forces W through several row slices, each multiplied into a
+    column block of y; sliced and whole results must both stay within the fp16 cuBLAS bound
+    (not bit-equal: cuBLAS may pick other kernels for other N)."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    w, qt_cpu = _weight("q4_1", 1000, 576, rng)
+    qt = qt_cpu.to(DEV)
+    x16 = rng.standard_normal((70, 576)).astype(np.float16)
+    x_t = torch.from_numpy(x16).to(DEV)
+    whole = G.matmul(x_t, qt, path="dequant").float().cpu().numpy()
+    monkeypatch.setattr(G, "DEQUANT_BUFFER_BYTES", 300 * 576 * 2)  # 300 rows -> slices 256, ..., tail
+    sliced = _run(x_t, qt, "dequant")
+    w16 = qt_cpu.fmt.dequantize(qt_cpu).astype(np.float16).astype(np.float64)
+    ref = x16.astype(np.float64) @ w16.T
+    tol = 2.0 ** -10 * (np.abs(x16.astype(np.float64)) @ np.abs(w16).T) + np.abs(ref) * 2.0 ** -11 + 2.0 ** -24
+    assert (np.abs(sliced - ref) <= tol).all() and (np.abs(whole - ref) <= tol).all()
+
+
 def test_matmul_leading_dims_and_default_dispatch():
     rng = np.random.default_rng(RNG.integers(1 << 32))
     w, qt_cpu = _weight("q4_0", 256, 512, rng)
@@ -256,7 +290,9 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="out"):
         G.matmul(x, qt, out=torch.empty((2, 63), dtype=torch.float16, device=DEV))
     with pytest.raises(ValueError, match="path"):
-        G.matmul(torch.zeros((9, 128), dtype=torch.float16, device=DEV), qt, path="mmvq")
+        G.matmul(x, qt, path="fast")
+    with pytest.raises(ValueError, match="mmvq_rows"):
+        G.matmul(x, qt, mmvq_rows=3)
     with pytest.raises(ValueError, match="x"):
         G.quantize_q8_1(torch.zeros((2, 48), dtype=torch.float16, device=DEV))
     with pytest.raises(ValueError, match="data"):

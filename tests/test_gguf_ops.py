@@ -25,16 +25,18 @@ def test_registry_formats_have_kernels():
         block = G.BLOCKS[name]
         assert f"mmq<{block}>" in G.SOURCES["gguf_mmq.cu"]
         assert f"dequant<{block}>" in G.SOURCES["gguf_dequant.cu"]
-        for m in range(1, G.MMVQ_MAX_M + 1):
-            assert f"mmvq<{block}, {m}>" in G.SOURCES["gguf_mmvq.cu"]
+        for m in range(1, G.MMVQ_COLS + 1):
+            assert f"mmvq<{block}, {m}, {G.MMVQ_ROWS[name][m]}>" in G.SOURCES["gguf_mmvq.cu"]
 
 
 @pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
 def test_choose_path_thresholds(fmt):
     qt = qz.formats.get(fmt).quantize(np.zeros((4, 64), np.float32))
     assert [G.choose_path(m, qt) for m in (1, 8)] == ["mmvq", "mmvq"]
-    assert G.choose_path(G.MMVQ_MAX_M + 1, qt) == ("mmq" if G.MMQ_MAX_M[fmt] > G.MMVQ_MAX_M else "dequant")
-    assert G.choose_path(G.MMQ_MAX_M[fmt] + 1, qt) == "dequant"
+    top = max(G.MMVQ_COLS, G.MMVQ_MAX_M[fmt])
+    assert G.choose_path(top, qt) == "mmvq"
+    assert G.choose_path(top + 1, qt) == ("mmq" if G.MMQ_MAX_M[fmt] > top else "dequant")
+    assert G.choose_path(max(top, G.MMQ_MAX_M[fmt]) + 1, qt) == "dequant"
     assert G.choose_path(4096, fmt) == "dequant"
 
 

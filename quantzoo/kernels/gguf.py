@@ -6,8 +6,9 @@ The weight stays in its .gguf block bytes (uint8 (N, K/32 * bytes), file order).
 picked by M (rows of x) and format -- `choose_path` -- with thresholds measured on the H100
 (bench/gguf_bench.py, numbers in bench/notes-gguf.md):
 
-  "mmvq"     M <= 8     quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused GEMV-like
-                        kernel per format and M (cuda/gguf_mmvq.cu): a stream over W, DP4A.
+  "mmvq"     M <= MMVQ_MAX_M[fmt]  quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused
+                        GEMV-like kernel per format, M (1..8) and rows per CTA (cuda/gguf_mmvq.cu):
+                        a stream over W, DP4A; M > 8 runs it on chunks of 8 activation rows.
   "mmq"      M <= MMQ_MAX_M[fmt]   Q8_1 + shared-memory tiled DP4A GEMM (cuda/gguf_mmq.cu).
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
@@ -32,21 +33,33 @@ Q8_1_BYTES = 36
 BLOCKS = {"q4_0": "BlockQ4_0", "q4_1": "BlockQ4_1", "q5_0": "BlockQ5_0", "q5_1": "BlockQ5_1",
           "q8_0": "BlockQ8_0"}
 BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
-MMVQ_MAX_M = 8
+MMVQ_COLS = 8          # activation rows one mmvq launch takes (template instances 1..8)
 MMVQ_THREADS = 128
-MMQ_TILE = 64
-MMQ_THREADS = 256
-# Largest M that still takes the DP4A tiled GEMM; above it dequant + cuBLAS fp16 is faster.
-# Measured on the H100 (bench/gguf_bench.py --sweep, see bench/notes-gguf.md).
-MMQ_MAX_M = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32}
+MMVQ_ROW_CHOICES = (1, 2, 4)
+# Measured on the H100 (bench/gguf_bench.py, 2026-11-22; N=4096 x K=14336, rotated weights;
+# tables in bench/notes-gguf.md). Weight rows per mmvq CTA by format and activation rows M (1..8):
+# R = 1 re-reads the Q8_1 activations from L2 once per weight row, which at M = 8 costs more
+# than the weight itself (q4_0: 62.7 us at R=1, 39.3 at R=2, 34.2 at R=4).
+MMVQ_ROWS = {f: {m: (r1 if m == 1 else 2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)}
+             for f, r1 in {"q4_0": 2, "q4_1": 1, "q5_0": 2, "q5_1": 1, "q8_0": 2}.items()}
+# Largest M that takes mmvq (in chunks of 8 rows, ~34 us each for q4_0): above it the dequant
+# path (~100 us flat up to M = 64) wins. M=16: mmvq 64 vs dequant 103 us; M=32: 126 vs 106.
+MMVQ_MAX_M = {"q4_0": 24, "q4_1": 24, "q5_0": 24, "q5_1": 24, "q8_0": 16}
+# Largest M that takes the DP4A tiled GEMM: 0 -- it never won on the H100. At M=16..64 it ran
+# 345..410 us (64 CTAs: too few for 132 SMs), at M >= 256 it peaks near 52 TOP/s while cuBLAS
+# fp16 on tensor cores runs 600+ TFLOP/s, so dequant + cuBLAS takes every M above MMVQ_MAX_M.
+# It stays available as path="mmq" (and tested) for GPUs where DP4A vs fp16 MMA differ.
+MMQ_MAX_M = {"q4_0": 0, "q4_1": 0, "q5_0": 0, "q5_1": 0, "q8_0": 0}
 # Bound on the transient fp16 copy of W used by the dequant path (bytes); W is converted and
-# multiplied a slice of rows at a time.
-DEQUANT_BUFFER_BYTES = 32 << 20
+# multiplied a slice of rows at a time. q4_0 4096x14336 (117 MB as fp16): M=512 180 us with a
+# 32 MB buffer, 136 us with 128 MB; M=2048 384 vs 360 us -- fewer, larger cuBLAS calls win.
+DEQUANT_BUFFER_BYTES = 128 << 20
 PATHS = ("mmvq", "mmq", "dequant")
 
 SOURCES = {
     "q8_1_quantize.cu": ("quantize_q8_1<__half>", "quantize_q8_1<float>"),
-    "gguf_mmvq.cu": tuple(f"mmvq<{b}, {m}>" for b in BLOCKS.values() for m in range(1, MMVQ_MAX_M + 1)),
+    "gguf_mmvq.cu": tuple(f"mmvq<{b}, {m}, {r}>" for b in BLOCKS.values() for m in range(1, MMVQ_COLS + 1)
+                          for r in MMVQ_ROW_CHOICES),
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
 }
@@ -186,7 +199,7 @@ def dequantize(qt, out=None):
 
 
 def _launch_dequant(fmt, w, out, row0: int, rows: int, nb: int):
-    total = rows * nb
+    total = rows * nb * 4  # four threads per block, 8 halves each
     launch(_kernel("gguf_dequant.cu", f"dequant<{BLOCKS[fmt]}>"), ((total + 255) // 256,), (256,),
            (w.data_ptr(), out.data_ptr(), np.int64(row0), np.int32(rows), np.int32(nb)))
 
@@ -199,18 +212,18 @@ def choose_path(m: int, qt) -> str:
     m = int(m)
     if m < 0:
         raise ValueError(f"m: {m} rows")
-    if m <= MMVQ_MAX_M:
+    if m <= max(MMVQ_COLS, MMVQ_MAX_M[fmt]):
         return "mmvq"
     if m <= MMQ_MAX_M[fmt]:
         return "mmq"
     return "dequant"
 
 
-def matmul(x, qt, out=None, path: str | None = None):
+def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None):
     """y = x @ W.T: x fp16 CUDA (..., K) contiguous, qt on the same device -> fp16 (..., N).
 
-    `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS
-    (mmvq only for M <= 8), otherwise choose_path decides.
+    `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS,
+    otherwise choose_path decides; `mmvq_rows` (1, 2, 4) overrides MMVQ_ROWS (for the bench).
     """
     import torch
 
@@ -227,8 +240,8 @@ def matmul(x, qt, out=None, path: str | None = None):
         path = choose_path(m, fmt)
     elif path not in PATHS:
         raise ValueError(f"path: {path!r}, one of {PATHS}")
-    elif path == "mmvq" and m > MMVQ_MAX_M:
-        raise ValueError(f"path: 'mmvq' takes M <= {MMVQ_MAX_M} rows, x has {m}")
+    if mmvq_rows is not None and mmvq_rows not in MMVQ_ROW_CHOICES:
+        raise ValueError(f"mmvq_rows: {mmvq_rows!r}, one of {MMVQ_ROW_CHOICES}")
     if m == 0:
         return out
     if m >= 2**31 // 2:
@@ -242,8 +255,13 @@ def matmul(x, qt, out=None, path: str | None = None):
     _launch_quantize(x, xq, m * nb)
     w = qt.data
     if path == "mmvq":
-        kern = _kernel("gguf_mmvq.cu", f"mmvq<{BLOCKS[fmt]}, {m}>")
-        launch(kern, (n,), (MMVQ_THREADS,), (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(n), np.int32(nb)))
+        for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
+            mc = min(MMVQ_COLS, m - c0)
+            r = mmvq_rows or MMVQ_ROWS[fmt][mc]
+            kern = _kernel("gguf_mmvq.cu", f"mmvq<{BLOCKS[fmt]}, {mc}, {r}>")
+            launch(kern, ((n + r - 1) // r,), (MMVQ_THREADS,),
+                   (w.data_ptr(), xq.data_ptr() + c0 * nb * Q8_1_BYTES, y2.data_ptr() + c0 * n * 2,
+                    np.int32(n), np.int32(nb)))
     else:
         grid = ((n + MMQ_TILE - 1) // MMQ_TILE, (m + MMQ_TILE - 1) // MMQ_TILE)
         if grid[1] > 65535:
