@@ -230,3 +230,22 @@ def test_gguf_to_same_type_is_lossless(tmp_path, spec):
     for k in ta:
         assert ta[k].tensor_type == tb[k].tensor_type
         np.testing.assert_array_equal(np.asarray(ta[k].data), np.asarray(tb[k].data), err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "smollm", "gpt-2"])
+def test_pre_tokenizer_detection(tmp_path, name):
+    """tokenizer.ggml.pre is chosen by splitting a probe text: each split the runner knows maps
+    back to its own name; an unknown split is an error, not a silent default."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from quantzoo.model.export import detect_pre_tokenizer
+    from quantzoo.model.tokenizer import PRE_TOKENIZERS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = PRE_TOKENIZERS[name][0]()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert detect_pre_tokenizer(tmp_path / "tokenizer.json") == name
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="matches none of the splits"):
+        detect_pre_tokenizer(tmp_path / "tokenizer.json")
