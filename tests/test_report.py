@@ -241,3 +241,15 @@ def test_report_to_md_path(tmp_path, errors, bench):
     for p in files["plots"]:
         assert os.path.dirname(p) == str(tmp_path / "docs" / "name")
         assert f"](name/{os.path.basename(p)})" in md
+
+
+def test_model_bench_section(errors):
+    """A `quantzoo bench model` JSON (its shape: results with tok/s fields, or an error)."""
+    mb = {"results": [{"format": "q4_0", "weight_bytes": 4.26e9, "roofline_tok_s": 702.2,
+                       "decode_tok_s_graph": 251.5, "decode_tok_s_eager": 60.25, "prefill_tok_s_512": 5000.0},
+                      {"format": "awq", "error": "RuntimeError: out of memory"}]}
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    t = table_with(md, "decode_tok_s_graph")
+    assert t[0]["format"] == "q4_0" and finite(t[0]["decode_tok_s_graph"]) == 251.5
+    assert finite(t[0]["roofline_tok_s"]) == 702.2 and t[1]["decode_tok_s_graph"] == "-"
+    assert "`awq`: RuntimeError: out of memory" in md

@@ -267,7 +267,12 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         L.append("## Model throughput (`quantzoo bench model`)\n")
         try:
             hdr, rows = model_bench_rows(rep["model_bench"])
-            L.append(_table([[_f(v, ".1f") if isinstance(v, float) else str(v) for v in r] for r in rows], hdr))
+            L.append(_table([[_f(v, ".1f") if isinstance(v, float) else ("-" if v is None else str(v))
+                              for v in r] for r in rows], hdr))
+            recs = rep["model_bench"].get("results", []) if isinstance(rep["model_bench"], dict) else []
+            for r in recs:
+                if isinstance(r, dict) and r.get("error"):
+                    L.append(f"\n- `{r.get('format')}`: {r['error'][:200]}")
         except ValueError as e:
             L.append(f"(could not read the model bench: {e})")
         L.append("")
