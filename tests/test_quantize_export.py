@@ -249,3 +249,11 @@ def test_pre_tokenizer_detection(tmp_path, name):
     tok.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="matches none of the splits"):
         detect_pre_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_dst_with_another_checkpoint_is_refused(src, capsys):
+    d = src["root"] / "stale"
+    d.mkdir()
+    (d / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert cli(["quantize", str(src["dir"]), str(d), "--format", "awq", "--quiet"]) == 2
+    assert "already holds other checkpoint files" in capsys.readouterr().err

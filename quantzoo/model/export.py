@@ -404,6 +404,13 @@ def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> 
         raise ValueError(f"--format {fmt}: a KuiperLLama .bin holds AWQ weights only (--format awq)")
     if kind == "dir" and dst.exists() and not dst.is_dir():
         raise ValueError(f"DST={dst} exists and is not a directory")
+    if kind == "dir" and dst.is_dir():
+        stale = [f.name for f in dst.iterdir()
+                 if f.name.endswith(".safetensors") and f.name != "model.safetensors"
+                 or f.name == "model.safetensors.index.json"]
+        if stale:
+            raise ValueError(f"DST={dst} already holds other checkpoint files ({', '.join(sorted(stale)[:3])}"
+                             f"{', ...' if len(stale) > 3 else ''}); write to an empty directory")
     src_m = read_source(src, progress=progress)
     if kind == "gguf":
         return write_gguf(src_m, dst, fmt, progress=progress)
