@@ -79,6 +79,7 @@ def test_sharded_and_bf16_dirs_load_the_same_weights(dirs):
     ("version", "gemv", "quantization_config.version='gemv'"),
     ("version", "exllama", "quantization_config.version='exllama'"),
     ("zero_point", False, "quantization_config.zero_point=False"),
+    ("format", "gemv_fast", "version='gemm' and format='gemv_fast' disagree"),
     ("group_size", 96, "quantization_config.group_size=96"),
     ("modules_to_not_convert", "lm_head", "modules_to_not_convert must be a list"),
 ])
@@ -184,3 +185,16 @@ def test_not_a_model_dir(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_hf(tmp_path, progress=False)
+
+
+def test_quantization_config_format_key_and_transformers_parses_ours(dirs):
+    """transformers 5 writes the packing as "format"; and its AwqConfig reads what we write."""
+    from transformers import AwqConfig
+
+    base = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    assert parse_quantization_config({**base, "format": "gemm"})["group_size"] == 128
+    with pytest.raises(ValueError, match="quantization_config.format='gemv'"):
+        parse_quantization_config({**base, "format": "gemv"})
+    ours = json.loads((dirs["awq"] / "config.json").read_text())["quantization_config"]
+    q = AwqConfig.from_dict(dict(ours))
+    assert (q.bits, q.group_size, q.zero_point, str(q.format).lower()) == (4, 128, True, "gemm")

@@ -63,9 +63,14 @@ def parse_quantization_config(qc: dict | None, where: str = "config.json") -> di
     if bits != 4:
         raise ValueError(f"{where}: quantization_config.bits={bits!r} is not supported; "
                          "the AWQ kernels are 4-bit (bits: 4)")
-    version = str(qc.get("version", "gemm")).lower()
+    # "version" (AutoAWQ, vLLM); transformers >= 5 also writes the same value as "format"
+    vkey = "version" if "version" in qc else "format" if "format" in qc else None
+    if "version" in qc and "format" in qc and str(qc["version"]).lower() != str(qc["format"]).lower():
+        raise ValueError(f"{where}: quantization_config.version={qc['version']!r} and "
+                         f"format={qc['format']!r} disagree")
+    version = str(qc.get(vkey, "gemm") if vkey else "gemm").lower()
     if version != want["version"]:
-        raise ValueError(f"{where}: quantization_config.version={qc.get('version')!r} is not supported; "
+        raise ValueError(f"{where}: quantization_config.{vkey}={qc.get(vkey)!r} is not supported; "
                          "only the 'gemm' packing (the layout of HF AWQ checkpoints) loads")
     zp = qc.get("zero_point", True)
     if zp is not True:
