@@ -109,7 +109,7 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
     # the fixture's 4-bit kernels beat fp16 at M=1 and lose at M=512 (its made-up model says so)
     q4 = next(r for r in t if r["format"] == "q4_0")
     assert finite(q4["M=1 x cuBLAS"]) > 1 > finite(q4["M=512 x cuBLAS"])
-    assert q4["dispatch path (crossovers)"] == "mmvq (M<16) -> mmq (M>=16)"
+    assert q4["dispatch path (crossovers)"] == "mmvq, mmq from M=16"
     assert int(q4["slower than fp16 from M"]) == speed.slower_than_fp16_from(bench, "q4_0")
     # per-shape detail: one table per shape, a cell for every bench M
     for k, n, _, _ in bench["settings"]["qwen3_8b_layer"]:
@@ -205,7 +205,7 @@ def test_layer_aggregate_by_hand():
     assert speed.aggregate(res, "q4_0", 16) is None
     assert speed.path_changes(res, "q4_0")["4096->4096"] == [(1, "mmvq"), (64, "mmq")]
     assert speed.path_changes(res, "q4_0")["12288->4096"] == [(1, "mmvq")]
-    assert "4096->4096: mmvq (M<64) -> mmq (M>=64)" in speed.crossover_text(res, "q4_0")
+    assert "4096->4096: mmvq, mmq from M=64" in speed.crossover_text(res, "q4_0")
 
 
 def test_qwen3_8b_sizes_match_outside_figures():

@@ -252,14 +252,17 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                  "the timed kernel vs float32) is in `bench-kernels.csv`.\n")
 
         L.append("### Dispatch crossovers\n")
+        L.append("The path each format's dispatch (`choose_path(m, qt)`) took, with the first bench M "
+                 "at which it changed (so a threshold lies between that M and the previous one on the "
+                 "grid), and the first M at which the aggregate above is slower than cuBLAS fp16.\n")
         for name in speed.formats_in(bench):
-            ch = speed.path_changes(bench, name)
-            if not ch:
+            txt = speed.crossover_text(bench, name)
+            if not txt:
                 continue
-            parts = []
-            for shape, pts in ch.items():
-                parts.append(f"{shape}: " + ", ".join(f"{p} from M={m}" for m, p in pts))
-            L.append(f"- `{name}`: " + "; ".join(parts))
+            slow = speed.slower_than_fp16_from(bench, name)
+            L.append(f"- `{name}`: {txt}" + ("" if name == speed.BASELINE else
+                                              f"; slower than fp16 from M={slow}" if slow else
+                                              "; never slower than fp16 on this grid"))
         L.append("")
 
     # --- model bench

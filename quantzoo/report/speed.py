@@ -109,21 +109,13 @@ def path_changes(res: dict, fmt: str) -> dict:
 
 
 def crossover_text(res: dict, fmt: str) -> str:
-    """'gemv (M<16), mmq (M>=16)' when every shape switches at the same M; per shape otherwise."""
+    """'mmvq, mmq from M=16, dequant from M=64' (the bench's M grid) when every shape switches
+    at the same M; per shape otherwise."""
     ch = path_changes(res, fmt)
     if not ch:
         return ""
-    texts = {}
-    for shape, pts in ch.items():
-        parts = []
-        for i, (m, p) in enumerate(pts):
-            if len(pts) == 1:
-                parts.append(p)
-            elif i == 0:
-                parts.append(f"{p} (M<{pts[1][0]})")
-            else:
-                parts.append(f"{p} (M>={m})")
-        texts[shape] = " -> ".join(parts)
+    texts = {shape: ", ".join(p if i == 0 else f"{p} from M={m}" for i, (m, p) in enumerate(pts))
+             for shape, pts in ch.items()}
     uniq = set(texts.values())
     if len(uniq) == 1:
         return uniq.pop()
