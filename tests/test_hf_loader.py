@@ -198,3 +198,12 @@ def test_quantization_config_format_key_and_transformers_parses_ours(dirs):
     ours = json.loads((dirs["awq"] / "config.json").read_text())["quantization_config"]
     q = AwqConfig.from_dict(dict(ours))
     assert (q.bits, q.group_size, q.zero_point, str(q.format).lower()) == (4, 128, True, "gemm")
+
+
+def test_generation_config_eos_ids_are_merged(dirs, tmp_path):
+    d = tmp_path / "gen"
+    shutil.copytree(dirs["fp32"], d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [299, 297], "do_sample": False}))
+    config, _, tok, gen = load_hf(d, progress=False)
+    assert gen["eos_token_id"] == [299, 297]
+    assert config.eos_token_ids == [299, 297] and tok.eos_token_ids == [299, 297]

@@ -296,7 +296,17 @@ def load_hf(path, progress: bool = True):
             weights[name] = awq.from_arrays(qw, qz, sc, quant["group_size"])
         else:
             weights[name] = shards.get(name)
-    return config, weights, load_tokenizer(path), gen
+    tok = load_tokenizer(path)
+    if tok is not None:
+        # stop on every end id the checkpoint declares: tokenizer_config's eos_token and
+        # generation_config's / config's eos_token_id (Qwen3 lists <|im_end|> and <|endoftext|>)
+        for i in config.eos_token_ids:
+            if i not in tok.eos_token_ids:
+                tok.eos_token_ids.append(i)
+        config.eos_token_ids = list(tok.eos_token_ids)
+        if config.bos_token_id is None:
+            config.bos_token_id = tok.bos_token_id
+    return config, weights, tok, gen
 
 
 def _check_awq(shards: _Shards, module: str, shape, group_size: int) -> None:
