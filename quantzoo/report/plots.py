@@ -52,6 +52,8 @@ def roofline(res: dict, path: str) -> str:
     nrow = (len(shapes) + ncol - 1) // ncol
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.2 * ncol, 4.4 * nrow), squeeze=False)
     ms_all = speed.ms_in(res)
+    lo, hi = ms_all[0], ms_all[-1]
+    dense = [lo * (hi / lo) ** (i / 63) for i in range(64)] if hi > lo else [lo]
     for ax, (k, n) in zip(axes.flat, shapes):
         for name in names:
             pts = sorted((r["m"], r["tflops"], r["weight_bytes"]) for r in speed.ok_rows(res)
@@ -61,8 +63,8 @@ def roofline(res: dict, path: str) -> str:
             ms = [p[0] for p in pts]
             ax.plot(ms, [p[1] for p in pts], "o-", ms=3.5, lw=1.6, color=col[name], label=name)
             wb = pts[0][2]
-            mem = [copy_bps * 2 * m * n * k / (wb + 2 * m * k + 2 * m * n) / 1e12 for m in ms_all]
-            ax.plot(ms_all, [min(v, peak) for v in mem], "--", lw=0.9, color=col[name], alpha=0.6)
+            mem = [copy_bps * 2 * m * n * k / (wb + 2 * m * k + 2 * m * n) / 1e12 for m in dense]
+            ax.plot(dense, [min(v, peak) for v in mem], "--", lw=0.9, color=col[name], alpha=0.6)
         ax.axhline(peak, color="grey", lw=1.2, ls=":")
         ax.text(ms_all[0], peak * 1.08, f"cuBLAS fp16 {peak:.0f} TFLOP/s", fontsize=8, color="grey")
         ax.set_xscale("log", base=2)
