@@ -54,6 +54,7 @@ def test_awq_dir_layout_is_autoawq_and_vllm_layout(src):
                                           "zero_point": True, "version": "gemm",
                                           "modules_to_not_convert": None}
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["torch_dtype"] == "float16"
+    assert cfg.get("dtype", "float16") == "float16"
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (dst / f).read_bytes() == (src["dir"] / f).read_bytes()
     t = load_file(str(dst / "model.safetensors"))

@@ -155,7 +155,9 @@ def hf_config_dict(src: Source, dtype: str = "float16") -> dict:
                "hidden_act": "silu", "attention_bias": False,
                "bos_token_id": c.bos_token_id,
                "eos_token_id": (c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids or None)}
-    cfg["torch_dtype"] = dtype
+    cfg["torch_dtype"] = dtype          # AutoAWQ / transformers 4 name
+    if "dtype" in cfg:
+        cfg["dtype"] = dtype            # transformers 5 name
     return cfg
 
 
