@@ -9,7 +9,10 @@ elsewhere), fp16 where the file stores fp16. The runner, in contrast, reads the 
 byte, a wrong Q/K row order, a wrong norm or RoPE shows as a logit mismatch.
 
 Bound: max |logits_runner - logits_hf| / max |logits_hf| < 1e-4 (fp32 CPU; what we reach is
-printed, typically ~1e-6), and greedy decoding (runner: KV cache, one token per step;
+printed: exactly 0 in every case where transformers gets the weights from the codec -- the
+runner's CPU path multiplies the same float32 weights in the same order -- and ~1e-6 through
+transformers' own GGUF reader, whose config keeps rms_norm_eps as the file's float32), and
+greedy decoding (runner: KV cache, one token per step;
 transformers: full recompute each step, no cache) agrees token for token for 32 tokens.
 """
 from __future__ import annotations
@@ -205,3 +208,29 @@ def test_requantize_from_gguf_source(built):
     q4 = built.root / f"{spec}-from-gguf-q4_0.gguf"
     assert cli(["quantize", str(q8), str(q4), "--format", "q4_0", "--quiet"]) == 0
     compare(q4, model, expected_weights(w8, "q4_0"), prompt_ids(path), "q8_0 gguf -> q4_0 gguf")
+
+
+@pytest.mark.parametrize("spec,fmt", [("llama-gqa", "q4_0"), ("llama-gqa", "q5_1"),
+                                      ("qwen3-gqa-hd64-tied", "q4_1"), ("qwen3-hd128-untied", "q8_0")])
+def test_gguf_read_by_transformers_own_gguf_reader(built, spec, fmt):
+    """A second, outside reader of our GGUF files: transformers' GGUF integration (gguf-py
+    dequantization, its own llama Q/K un-permutation, its own metadata mapping). The weights it
+    reads, in transformers' model, must give the runner's logits and greedy tokens."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path, model, orig = built(spec)
+    dst = built.root / f"{spec}-{fmt}-tf.gguf"
+    assert cli(["quantize", str(path), str(dst), "--format", fmt, "--quiet"]) == 0
+    r = load_gguf_checkpoint(str(dst), return_tensors=True, model_to_load=model)
+    s = H.SPECS[spec]
+    c = r["config"]
+    assert (c["model_type"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]) == \
+           (s.arch, s.hidden, s.heads, s.kv_heads, s.intermediate, s.layers, s.vocab)
+    assert c["rope_theta"] == pytest.approx(s.rope_theta) and c["rms_norm_eps"] == pytest.approx(s.eps)
+    assert r["tokenizer"]["pre_tokenizer_type"] == "qwen2"
+    weights = {k: torch.as_tensor(v).float().numpy() for k, v in r["tensors"].items()}
+    assert set(weights) == set(orig)
+    # transformers dequantizes through gguf-py in its own float path: allow float rounding only
+    compare(dst, model, weights, prompt_ids(path), f"{spec} {fmt} via transformers' GGUF reader",
+            other=orig)
