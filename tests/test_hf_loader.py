@@ -207,3 +207,21 @@ def test_generation_config_eos_ids_are_merged(dirs, tmp_path):
     config, _, tok, gen = load_hf(d, progress=False)
     assert gen["eos_token_id"] == [299, 297]
     assert config.eos_token_ids == [299, 297] and tok.eos_token_ids == [299, 297]
+
+
+def test_truncated_or_corrupt_safetensors(dirs, tmp_path):
+    d = tmp_path / "trunc"
+    shutil.copytree(dirs["awq"], d)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        load_hf(d, progress=False)
+    f.write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        load_hf(d, progress=False)
+    d2 = tmp_path / "index"
+    shutil.copytree(dirs["sharded"], d2)
+    shard = sorted(d2.glob("*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"names shard {shard.name}, which does not exist"):
+        load_hf(d2, progress=False)
