@@ -297,3 +297,22 @@ def test_emulate_mode_tracks_the_dequant_path(tmp_path):
     b = qz.load_model(path, progress=False, matmul_mode="emulate").logits(ids)
     nmse = float(((a - b) ** 2).sum() / (a ** 2).sum())
     assert 0 < nmse < 1e-2, nmse   # measured 2.2e-3 (2 layers, q4_0 weights, Q8_1 activations)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "q4_0", "q8_0", "fp16"])
+def test_fused_projections_equal_separate(fmt):
+    """On CUDA q/k/v and gate/up run as one fused linear each; the fusion (row / AWQ column
+    concatenation of the stored weights) must not change the result: checked here on CPU."""
+    from quantzoo.bench.model import make_config, synthetic_weights
+    from quantzoo.model import build_model
+
+    cfg = make_config(2, tiny=True)
+    w = synthetic_weights(fmt, cfg, "cpu")
+    m1 = build_model(cfg, w, fuse=False)
+    m2 = build_model(cfg, w, fuse=True)
+    assert m1.layers[0].qkv is None
+    assert m2.layers[0].qkv is not None and m2.layers[0].gate_up is not None
+    assert m2.formats == m1.formats and m2.weight_bytes() == m1.weight_bytes()
+    ids = [5, 17, 300, 2, 999, 41]
+    torch.testing.assert_close(m1.logits(ids), m2.logits(ids), rtol=1e-5, atol=1e-5)
+    assert m1.generate(ids, 6, eos_token_ids=[]) == m2.generate(ids, 6, eos_token_ids=[])

@@ -79,10 +79,9 @@ def random_weight(fmt: str, n: int, k: int, device, gen, group_size: int = 128, 
     return QuantizedTensor(fmt, (n, k), data if device != "cpu" else data.numpy())
 
 
-def synthetic_model(fmt: str, cfg, device, group_size=128, seed=0, cuda_graph=True):
+def synthetic_weights(fmt: str, cfg, device, group_size=128, seed=0) -> dict:
+    """LoadedWeights (HF names) of a random model: every linear in `fmt` (lm_head fp16 for awq)."""
     import torch
-
-    from ..model import build_model
 
     gen = torch.Generator(device=device).manual_seed(seed)
     h, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -106,7 +105,14 @@ def synthetic_model(fmt: str, cfg, device, group_size=128, seed=0, cuda_graph=Tr
         w[p + "mlp.gate_proj.weight"] = W(f, h)
         w[p + "mlp.up_proj.weight"] = W(f, h)
         w[p + "mlp.down_proj.weight"] = W(h, f)
-    return build_model(cfg, w, None, device=device, cuda_graph=cuda_graph)
+    return w
+
+
+def synthetic_model(fmt: str, cfg, device, group_size=128, seed=0, **opts):
+    from ..model import build_model
+
+    return build_model(cfg, synthetic_weights(fmt, cfg, device, group_size, seed), None,
+                       device=device, **opts)
 
 
 def make_config(layers: int, tiny: bool):

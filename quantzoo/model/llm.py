@@ -113,43 +113,109 @@ class Embedding:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, cast back, then scale. On CUDA one fused torch op."""
+    if x.is_cuda and hasattr(F, "rms_norm"):
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, max_seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (max_seq, head_dim) in float32, HF's layout (the half-table repeated)."""
+def rope_tables(cfg: ModelConfig, max_seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed sin (max_seq, head_dim) in the activation dtype (as HF applies them).
+
+    HF: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) with cos/sin the half-table
+    repeated. Here the sign lives in the table, sin_signed = (-sin, sin), and the rotation is
+    torch.roll(x, hd/2) = (x2, x1): the same products exactly, in three kernels instead of five.
+    """
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     f = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
-    emb = torch.cat([f, f], dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    cos, sin = f.cos(), f.sin()
+    return (torch.cat([cos, cos], -1).to(device=device, dtype=dtype),
+            torch.cat([-sin, sin], -1).to(device=device, dtype=dtype))
 
 
-def apply_rope(x, cos, sin):
-    """x (B, H, T, hd); cos/sin (T, hd) float32. Rotate-half: pairs (i, i + hd/2)."""
-    h = x.shape[-1] // 2
-    xf = x.float()
-    rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
-    return (xf * cos + rot * sin).to(x.dtype)
+def apply_rope(x, cos, sin_signed):
+    """x (1, T, heads, hd); cos/sin_signed (T, 1, hd). Rotate-half: pairs (i, i + hd/2)."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), sin_signed)
+
+
+def fuse_weights(ws: list):
+    """Stack weights along out_features (one launch instead of several, one Q8_1 quantization
+    of the shared input), or None when their formats differ. GGUF rows and fp16 rows simply
+    concatenate; AWQ packs 8 output columns per int32, so qweight/qzeros/scales concatenate
+    along their column axis (every N here is a multiple of 8)."""
+    if all(isinstance(w, QuantizedTensor) for w in ws):
+        f0 = ws[0]
+        if any(w.format != f0.format or w.params != f0.params or w.shape[1] != f0.shape[1]
+               or w.device != f0.device for w in ws):
+            return None
+        cat = (lambda xs, axis: torch.cat(xs, axis)) if torch.is_tensor(
+            next(iter(f0.arrays().values()))) else (lambda xs, axis: np.concatenate(xs, axis))
+        if isinstance(f0.data, dict):
+            if any(w.shape[0] % 8 for w in ws):
+                return None
+            data = {k: cat([w.data[k] for w in ws], 1) for k in f0.data}
+        else:
+            data = cat([w.data for w in ws], 0)
+        return QuantizedTensor(f0.format, (sum(w.shape[0] for w in ws), f0.shape[1]), data, f0.params)
+    if any(isinstance(w, QuantizedTensor) for w in ws):
+        return None
+    return torch.cat([torch.as_tensor(w) for w in ws], 0)
+
+
+def _kind(w) -> str:
+    if isinstance(w, QuantizedTensor):
+        return w.format
+    return {torch.float16: "f16", torch.bfloat16: "bf16"}.get(getattr(w, "dtype", None), "f32")
 
 
 class Layer:
-    def __init__(self, cfg, w, i, device, dtype, mode):
+    """One decoder block's weights. On CUDA q/k/v and gate/up are fused into one linear each
+    (fewer launches in the decode graph); on CPU every projection stays its own linear."""
+
+    def __init__(self, cfg, w, i, device, dtype, mode, fuse: bool):
         p = f"model.layers.{i}."
-        L = lambda n: Linear(w[p + n + ".weight"], device, dtype, mode)  # noqa: E731
-        V = lambda n: torch.as_tensor(w[p + n + ".weight"]).to(device=device, dtype=dtype)  # noqa
-        self.q, self.k, self.v, self.o = (L("self_attn.q_proj"), L("self_attn.k_proj"),
-                                          L("self_attn.v_proj"), L("self_attn.o_proj"))
-        self.gate, self.up, self.down = L("mlp.gate_proj"), L("mlp.up_proj"), L("mlp.down_proj")
+        get = lambda n: w[p + n + ".weight"]  # noqa: E731
+        L = lambda t: Linear(t, device, dtype, mode)  # noqa: E731
+        V = lambda n: torch.as_tensor(get(n)).to(device=device, dtype=dtype)  # noqa: E731
+        names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        src = {n: get(("self_attn." if n[0] in "qkvo" else "mlp.") + n) for n in names}
+        self.kinds = {n: _kind(t) for n, t in src.items()}
+        self.split_qkv = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        self.qkv = self.gate_up = None
+        fq = fuse_weights([src["q_proj"], src["k_proj"], src["v_proj"]]) if fuse else None
+        fg = fuse_weights([src["gate_proj"], src["up_proj"]]) if fuse else None
+        if fq is not None:
+            self.qkv = L(fq)
+        else:
+            self.q, self.k, self.v = L(src["q_proj"]), L(src["k_proj"]), L(src["v_proj"])
+        if fg is not None:
+            self.gate_up = L(fg)
+        else:
+            self.gate, self.up = L(src["gate_proj"]), L(src["up_proj"])
+        self.o, self.down = L(src["o_proj"]), L(src["down_proj"])
         self.attn_norm, self.mlp_norm = V("input_layernorm"), V("post_attention_layernorm")
         self.q_norm = V("self_attn.q_norm") if cfg.qk_norm else None
         self.k_norm = V("self_attn.k_norm") if cfg.qk_norm else None
 
-    def linears(self):
-        return {"q_proj": self.q, "k_proj": self.k, "v_proj": self.v, "o_proj": self.o,
-                "gate_proj": self.gate, "up_proj": self.up, "down_proj": self.down}
+    def linears(self) -> list:
+        ls = [self.qkv] if self.qkv is not None else [self.q, self.k, self.v]
+        ls += [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
+        return ls + [self.o, self.down]
+
+    def project_qkv(self, x):
+        if self.qkv is not None:
+            return self.qkv(x).split(self.split_qkv, dim=-1)
+        return self.q(x), self.k(x), self.v(x)
+
+    def mlp(self, x):
+        if self.gate_up is not None:
+            g, u = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            g, u = self.gate(x), self.up(x)
+        return self.down(F.silu(g) * u)
 
 
 class Model:
@@ -157,7 +223,7 @@ class Model:
 
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu",
                  max_seq: int | None = None, matmul_mode: str = "cached", cuda_graph: bool = True,
-                 dtype=None, progress: bool = False):
+                 dtype=None, progress: bool = False, fuse: bool | None = None):
         if matmul_mode not in MATMUL_MODES:
             raise ValueError(f"matmul_mode={matmul_mode!r}: choose one of {MATMUL_MODES}")
         device = str(torch.device(device))
@@ -180,7 +246,8 @@ class Model:
         if progress:
             from tqdm import tqdm
             it = tqdm(it, desc=f"placing layers on {device}", unit="layer", leave=False)
-        self.layers = [Layer(cfg, weights, i, device, self.dtype, matmul_mode) for i in it]
+        fuse = self.is_cuda if fuse is None else fuse
+        self.layers = [Layer(cfg, weights, i, device, self.dtype, matmul_mode, fuse) for i in it]
         self.norm = torch.as_tensor(weights["model.norm.weight"]).to(device=device, dtype=self.dtype)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = Linear(head, device, self.dtype, matmul_mode)
@@ -194,16 +261,16 @@ class Model:
     # ---- bookkeeping ----------------------------------------------------------------------
     def _all_linears(self):
         for lay in self.layers:
-            yield from lay.linears().values()
+            yield from lay.linears()
         yield self.lm_head
 
     def _formats(self) -> dict:
         kinds: dict[str, list] = {}
         for lay in self.layers:
-            for k, ln in lay.linears().items():
+            for k, f in lay.kinds.items():
                 kinds.setdefault(k, [])
-                if ln.format not in kinds[k]:
-                    kinds[k].append(ln.format)
+                if f not in kinds[k]:
+                    kinds[k].append(f)
         out = {"embed_tokens": self.embed.format}
         out.update({k: "/".join(v) for k, v in kinds.items()})
         out["lm_head"] = self.lm_head.format + (" (tied to embed_tokens)" if self.config.tie_word_embeddings else "")
@@ -227,7 +294,7 @@ class Model:
             shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
             self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self.cos, self.sin = rope_tables(cfg, n, self.device)
+            self.cos, self.sin = rope_tables(cfg, n, self.device, self.dtype)
             self._graph = None
         self._cache_len = n
         return n
@@ -248,30 +315,36 @@ class Model:
         cfg = self.config
         T = ids.shape[0]
         H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        G = H // KV
         S = self.k_cache.shape[3]
-        cos, sin = self.cos[pos], self.sin[pos]                          # (T, hd)
-        mask = None if from_start else torch.arange(S, device=ids.device)[None, :] <= pos[:, None]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]        # (T, 1, hd)
+        if not from_start:
+            # (G*T, S): row g*T + t of the grouped queries (below) sees keys at positions <= pos[t]
+            mask = (torch.arange(S, device=ids.device)[None, :] <= pos[:, None]).repeat(G, 1)
         h = self.embed(ids)[None]                                        # (1, T, hidden)
         for li, lay in enumerate(self.layers):
             x = rms_norm(h, lay.attn_norm, cfg.rms_norm_eps)
-            q = lay.q(x).view(1, T, H, hd).transpose(1, 2)
-            k = lay.k(x).view(1, T, KV, hd).transpose(1, 2)
-            v = lay.v(x).view(1, T, KV, hd).transpose(1, 2)
+            q, k, v = lay.project_qkv(x)
+            q, k, v = q.view(1, T, H, hd), k.view(1, T, KV, hd), v.view(1, T, KV, hd)
             if lay.q_norm is not None:
                 q = rms_norm(q, lay.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, lay.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc.index_copy_(2, pos, k)
-            vc.index_copy_(2, pos, v)
-            if from_start:
-                a = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
-                                                   enable_gqa=KV != H)
+            kc, vc = self.k_cache[li], self.v_cache[li]                  # (1, KV, S, hd)
+            kc.index_copy_(2, pos, k.transpose(1, 2))
+            vc.index_copy_(2, pos, v.transpose(1, 2))
+            if from_start:   # causal over the first T rows: SDPA may take its flash kernel
+                a = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :T], vc[:, :, :T],
+                                                   is_causal=True, enable_gqa=G > 1)
+                a = a.transpose(1, 2).reshape(1, T, H * hd)
             else:
-                a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=KV != H)
-            h = h + lay.o(a.transpose(1, 2).reshape(1, T, H * hd))
-            x = rms_norm(h, lay.mlp_norm, cfg.rms_norm_eps)
-            h = h + lay.down(F.silu(lay.gate(x)) * lay.up(x))
+                # GQA without copying the cache per head: the G query heads sharing a KV head
+                # become G*T query rows of that head (head h = kv*G + g, as HF's repeat_kv).
+                qg = q.view(1, T, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(1, KV, G * T, hd)
+                a = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
+                a = a.view(1, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(1, T, H * hd)
+            h = h + lay.o(a)
+            h = h + lay.mlp(rms_norm(h, lay.mlp_norm, cfg.rms_norm_eps))
         h = h[0] if all_logits else h[0, -1:]
         return self.lm_head(rms_norm(h, self.norm, cfg.rms_norm_eps))
 
