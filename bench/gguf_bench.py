@@ -174,6 +174,7 @@ def main(argv=None):
     ap.add_argument("--formats", default=",".join(G.BLOCKS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only")
+    ap.add_argument("--no-tuning", action="store_true", help="skip the rows-per-CTA and buffer sweeps")
     ap.add_argument("--sanitize", action="store_true", help="tail shapes once, no timing (for compute-sanitizer)")
     a = ap.parse_args(argv)
     if a.sanitize:
@@ -187,7 +188,7 @@ def main(argv=None):
           f"shape N={N} K={K}", flush=True)
 
     sweep = [1, 8] if a.quick else [1, 8, 16, 32, 64, 128, 256, 512, 2048]
-    if not a.quick:
+    if not (a.quick or a.no_tuning):
         for fmt in fmts:
             rr = bench_mmvq_rows(fmt)
             print(f"mmvq rows-per-CTA sweep {fmt} (us, rotated): " +

@@ -96,3 +96,45 @@ def test_import_needs_no_cupy():
 
     assert "cupy" not in sys.modules or sys.modules["cupy"] is not None  # lazily imported
     assert set(G.SOURCES) == {"q8_1_quantize.cu", "gguf_mmvq.cu", "gguf_mmq.cu", "gguf_dequant.cu"}
+
+
+@pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
+def test_launch_plumbing_dry_run(fmt, monkeypatch):
+    """Every path up to the launch on CPU tensors, kernels and launches stubbed: each kernel asked
+    for must be a declared instance (CuPy compiles only SOURCES), grids and pointer offsets sane."""
+    calls = []
+
+    def fake_kernel(src, name):
+        assert name in G.SOURCES[src], f"{name} not declared in SOURCES[{src!r}]"
+        return name
+
+    monkeypatch.setattr(G, "_kernel", fake_kernel)
+    monkeypatch.setattr(G, "launch", lambda k, grid, block, args, shared_mem=0: calls.append((k, grid, block, args)))
+    monkeypatch.setattr(G, "_workspace", lambda kind, nbytes, device: torch.zeros(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(G, "check_weight", lambda qt, arg="qt": (qt.format, *qt.shape))
+    monkeypatch.setattr(G, "_check_act", lambda x, k, arg="x", dtypes=None: (x.numel() // x.shape[-1], x.shape[-1]))
+    n, k = 70, 96
+    qt = _cpu_qt(fmt, n, k)
+    for m in (1, 5, 8, 13, 24, 100):
+        x = torch.zeros((m, k), dtype=torch.float16)
+        for path in G.PATHS:
+            calls.clear()
+            y = G.matmul(x, qt, path=path)
+            assert y.shape == (m, n)
+            names = [c[0] for c in calls]
+            if path == "dequant":
+                assert names == [f"dequant<{G.BLOCKS[fmt]}>"]
+                assert calls[0][1][0] * 256 >= n * (k // 32) * 4
+            else:
+                assert names[0].startswith("quantize_q8_1<")
+                kern = names[1:]
+                if path == "mmvq":
+                    assert len(kern) == -(-m // G.MMVQ_COLS)
+                    for i, (name, grid, block, args) in enumerate(calls[1:]):
+                        mc = min(G.MMVQ_COLS, m - i * G.MMVQ_COLS)
+                        r = G.MMVQ_ROWS[fmt][mc]
+                        assert name == f"mmvq<{G.BLOCKS[fmt]}, {mc}, {r}>" and grid == (-(-n // r),)
+                        assert args[2] - calls[1][3][2] == i * G.MMVQ_COLS * n * 2  # y offset, bytes
+                else:
+                    assert kern == [f"mmq<{G.BLOCKS[fmt]}>"]
+                    assert calls[1][1] == (-(-n // G.MMQ_TILE), -(-m // G.MMQ_TILE))

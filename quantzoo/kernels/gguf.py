@@ -36,6 +36,8 @@ BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
 MMVQ_COLS = 8          # activation rows one mmvq launch takes (template instances 1..8)
 MMVQ_THREADS = 128
 MMVQ_ROW_CHOICES = (1, 2, 4)
+MMQ_TILE = 64          # the tiled GEMM's output tile is MMQ_TILE x MMQ_TILE (cuda/gguf_mmq.cu)
+MMQ_THREADS = 256
 # Measured on the H100 (bench/gguf_bench.py, 2026-11-22; N=4096 x K=14336, rotated weights;
 # tables in bench/notes-gguf.md). Weight rows per mmvq CTA by format and activation rows M (1..8):
 # R = 1 re-reads the Q8_1 activations from L2 once per weight row, which at M = 8 costs more
