@@ -42,7 +42,8 @@ def time_graph(fn_list, reps=20, replays=15):
     with torch.cuda.graph(g):
         for i in range(reps):
             fn_list[i % len(fn_list)]()
-    g.replay()
+    for _ in range(3):
+        g.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(replays):
@@ -80,12 +81,16 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--paths", default="all", help="'all' (every path) or 'dispatch'")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--slabs", action="store_true", help="also time dequant+cublas in L2-sized slabs")
     a = ap.parse_args(argv)
     ms = [int(v) for v in a.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     dev = torch.cuda.get_device_name()
     bw = copy_bandwidth()
-    print(f"# {dev}; copy bandwidth (read+write) {bw:.3f} TB/s", flush=True)
+    tiny = torch.zeros(8, device="cuda")
+    floor = time_graph([lambda: tiny.add_(1.0)], reps=20)
+    print(f"# {dev}; copy bandwidth (read+write) {bw:.3f} TB/s; an empty graph node {floor:.2f} us",
+          flush=True)
     rows, raw = [], []
     for k, n in shapes:
         qbytes = k * n // 2 + (k // G) * (n // 8) * 4 + (k // G) * n * 2
@@ -105,12 +110,19 @@ def main(argv=None):
                     times[p] = time_graph(fns)
                 except Exception as e:  # report and go on
                     print(f"  {k}->{n} M={m} {p}: {type(e).__name__}: {e}", file=sys.stderr)
-            if m <= 16:   # which mma tile shape is best for small M (NG=1 vs 2)
-                for cfg in ((1, 1), (1, 2)):
+            if a.slabs and m >= 128:  # dequant slabs small enough to stay in L2 for cuBLAS
+                for mb in (8, 16, 32):
+                    fns = [lambda w=w, mb=mb: awq._dequant_cublas(x, w[0], w[1], w[2], y, m, k, n, G,
+                                                                  slab_bytes=mb * 2**20) for w in ws]
+                    times[f"slab{mb}MB"] = time_graph(fns)
+            if m <= 256:   # which mma tile shape is best
+                cfgs = (((1, 1, 1), (1, 2, 1), (1, 2, 4)) if m <= 16 else
+                        ((2, 1, 1), (2, 2, 1), (4, 1, 1)) if m <= 128 else ((4, 1, 1),))
+                for cfg in cfgs:
                     fns = [lambda w=w, c=cfg: awq._mma(x, w[0], w[1], w[2], y, m, k, n, G, cfg=c) for w in ws]
-                    times[f"mma{cfg[0]}x{cfg[1]}"] = time_graph(fns)
+                    times["mma{}x{}o{}".format(*cfg)] = time_graph(fns)
             chosen = awq.choose_path(m, None)
-            best = min((t, p) for p, t in times.items() if not p.startswith("mma1x"))
+            best = min((t, p) for p, t in times.items())
             t = times.get(chosen, float("nan"))
             tbs = qbytes / (t * 1e-6) / 1e12
             rec = {"k": k, "n": n, "m": m, "cublas_us": t_cublas, "paths_us": times, "chosen": chosen,
@@ -134,7 +146,7 @@ def main(argv=None):
             print("\t".join(map(str, r)))
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"device": dev, "copy_tbs": bw, "rows": raw}, f, indent=1)
+            json.dump({"device": dev, "copy_tbs": bw, "node_floor_us": floor, "rows": raw}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ __device__ __forceinline__ void store8_float(float* w, const float* v) {
 __device__ __forceinline__ void sum8_partials(float* v, const float* ws, size_t split_stride, int splits) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = 0.f;
+#pragma unroll 4
   for (int s = 0; s < splits; ++s) {
     const float4* p = reinterpret_cast<const float4*>(ws + s * split_stride);
     float4 a = __ldcg(p), b = __ldcg(p + 1);   // L2: partials of other blocks, never stale L1

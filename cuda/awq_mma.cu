@@ -26,7 +26,7 @@
 // * Dequantising in registers means the fp16 weight never exists in global memory.
 #include "awq_common.cuh"
 
-template <int MT, int NG>
+template <int MT, int NG, int OCC>
 struct MmaCfg {
   static constexpr int THREADS = 128, WARPS = 4;
   static constexpr int BK = 128;                   // k rows per stage (32 per warp)
@@ -39,7 +39,7 @@ struct MmaCfg {
   static constexpr int S_BYTES = WARPS * WORDS * 16;
   static constexpr int Z_BYTES = WARPS * WORDS * 4;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_BYTES + Z_BYTES;
-  static constexpr int STAGES = 4;
+  static constexpr int STAGES = OCC >= 4 ? 3 : 4;   // 4 resident blocks need a smaller pipeline
   static constexpr int SMEM = STAGE_BYTES * STAGES;
   static constexpr int RED_BYTES = (WARPS - 1) * MT * NG * 32 * 32 * 4;
   static_assert(RED_BYTES <= SMEM, "reduction buffer reuses the pipeline's shared memory");
@@ -56,22 +56,24 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// grid (ceil(N/8 / (8*NG)), ceil(M / (16*MT)), splits); rows_per_split a multiple of 32.
-// Dynamic shared memory: MmaCfg<MT, NG>::SMEM bytes.
-template <int MT, int NG>
-__global__ void __launch_bounds__(128)
+// grid (ceil(M / (16*MT)), ceil(N/8 / (8*NG)), splits); rows_per_split a multiple of 32. The
+// row tiles vary fastest, so the blocks that read the same weights run together and share L2.
+// Dynamic shared memory: MmaCfg<MT, NG, OCC>::SMEM bytes. OCC = blocks per SM to fit (registers
+// capped by __launch_bounds__; OCC >= 4 also shortens the pipeline to 3 stages to fit the smem).
+template <int MT, int NG, int OCC>
+__global__ void __launch_bounds__(128, OCC)
 awq_mma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
                const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
                int M, int K, int N, int G, int rows_per_split) {
-  using C = MmaCfg<MT, NG>;
+  using C = MmaCfg<MT, NG, OCC>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_flag;
   const int n8 = N / 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int col0 = blockIdx.x * C::WORDS;
-  const int m0 = blockIdx.y * C::BM;
+  const int col0 = blockIdx.y * C::WORDS;
+  const int m0 = blockIdx.x * C::BM;
   const int splits = gridDim.z;
   const int k_begin = blockIdx.z * rows_per_split;
   const int k_end = min(K, k_begin + rows_per_split);

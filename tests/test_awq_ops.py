@@ -68,18 +68,22 @@ def test_group_size_inferred_from_scales():
 def test_choose_path_and_sources():
     names = {awq.choose_path(m) for m in (1, 2, 8, 9, 16, 100, 256, 1000, 4096)}
     assert names <= {"gemv", "mma", "dequant+cublas"}
-    assert awq.choose_path(1) == "gemv" or awq.GEMV_MAX_M == 0
+    assert awq.choose_path(1) == ("gemv" if awq.GEMV_MAX_M >= 1 else "mma")
     assert awq.choose_path(10**6) == "dequant+cublas"
     assert all(m in awq.GEMV_MS for m in range(1, awq.GEMV_MAX_M + 1))
     decl = set(awq.SOURCES["awq_mma.cu"])
     for m in (1, 8, 16, 17, 32, 33, 1000):
         for n in (8, 1024, 12288):
-            mt, ng = awq.mma_config(m, n)
-            assert f"awq_mma_kernel<{mt}, {ng}>" in decl
+            mt, ng, occ = awq.mma_config(m, n)
+            assert f"awq_mma_kernel<{mt}, {ng}, {occ}>" in decl
 
 
 def test_split_plan():
     for tiles in (1, 4, 16, 96, 600):
         for k in (32, 576, 4096, 12288):
-            s, per = awq._splits(tiles, k, 32, 528)
-            assert per % 32 == 0 and s * per >= k and (s - 1) * per < k
+            for min_rows in (0, 128):
+                s, per = awq._splits(tiles, k, 32, 528, min_rows)
+                assert per % 32 == 0 and s * per >= k and (s - 1) * per < k
+                assert per >= min(min_rows, -(-k // 32) * 32)
+    assert awq._splits(192, 4096, 32, 264)[0] == 4      # 768 blocks in 3 waves of 264 beat 1 wave of 192
+    assert awq._splits(16, 4096, 32, 528, 128)[0] == 32

@@ -22,25 +22,34 @@ from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
 GEMV_MS = tuple(range(1, 9))
-MMA_CFGS = ((1, 1), (1, 2), (2, 1), (4, 1))        # (MT, NG): 16*MT rows x 64*NG columns per block
+# (MT, NG, OCC): 16*MT rows x 64*NG columns per block, OCC blocks per SM asked of the compiler
+MMA_CFGS = ((1, 1, 1), (1, 2, 1), (1, 2, 4), (2, 1, 1), (2, 2, 1), (4, 1, 1))
 SOURCES = {
     "awq_dequant.cu": ("awq_dequant_kernel",),
     "awq_gemv.cu": tuple(f"awq_gemv_kernel<{m}>" for m in GEMV_MS),
-    "awq_mma.cu": tuple(f"awq_mma_kernel<{mt}, {ng}>" for mt, ng in MMA_CFGS),
+    "awq_mma.cu": tuple(f"awq_mma_kernel<{mt}, {ng}, {occ}>" for mt, ng, occ in MMA_CFGS),
 }
 
-# ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; see bench/notes-awq.md)
-GEMV_MAX_M = 1          # M <= this: gemv
-MMA_MAX_M = 256         # gemv < M <= this: mma; above: dequant + cuBLAS
-MMA_BIG_N_MAX_M = 256   # (same rule for every shape so far; kept separate to record it)
+# ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; tables in bench/notes-awq.md)
+# GEMV (CUDA-core FMAs) never beat the tensor-core kernel there, not even at M = 1 (4096->12288:
+# 20.7 vs 19.2 us; 12288->4096: 24.6 vs 20.8 us; 4096->1024: 9.6 vs 8.7 us): dequant + fp32 FMA
+# costs ~31 instructions per packed word against ~19 for dequant + prmt + mma, so GEMV_MAX_M = 0.
+# mma -> dequant+cublas crossover: 4096->4096 and 4096->1024 between M = 64 and 128,
+# 4096->12288 at ~128 (91.7 vs 92.3 us), 12288->4096 between 128 and 256 (79 vs 94, 147 vs 101).
+GEMV_MAX_M = 0          # M <= this: gemv
+MMA_MAX_M = 96          # gemv < M <= this: mma; above: dequant + cuBLAS ...
+MMA_MAX_M_WIDE = 128    # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
+MMA_MAX_M_DEEP = 192    # ... and K >= 8192
+MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
+SLAB_BYTES = 0          # dequant+cublas: fp16 slab size (0 = whole weight); see slab_columns
 
 # mma kernel shared memory (must match MmaCfg in awq_mma.cu)
-def _mma_smem(mt: int, ng: int) -> int:
+def _mma_smem(mt: int, ng: int, occ: int = 1) -> int:
     a = 16 * mt * (128 + 8) * 2
     b = 128 * (8 * ng + 4) * 4
     s = 4 * 8 * ng * 16
     z = 4 * 8 * ng * 4
-    return 4 * (a + b + s + z)
+    return (3 if occ >= 4 else 4) * (a + b + s + z)
 
 
 # ------------------------------------------------------------------ validation
@@ -179,32 +188,51 @@ def _sm_count(dev) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-def _splits(tiles: int, k: int, unit: int, target: int) -> tuple[int, int]:
-    """Split K into S chunks of a multiple of `unit` rows so tiles * S is about `target` blocks."""
+def _splits(tiles: int, k: int, unit: int, slots: int, min_rows: int = 0) -> tuple[int, int]:
+    """Split K into S chunks (multiples of `unit` rows, at least min_rows) for `tiles` output
+    tiles on `slots` resident blocks: the S with the least modelled time, waves * (rows per
+    split + a fixed cost of 64 rows per block for prologue and epilogue), waves =
+    ceil(tiles*S/slots); the smallest such S on ties. Returns (S, rows per split)."""
     units = -(-k // unit)
-    s = max(1, min(units, round(target / max(tiles, 1))))
-    per = -(-units // s) * unit
+    max_s = max(1, units // max(1, -(-min_rows // unit)))
+    best, best_s = None, 1
+    for s in range(1, max_s + 1):
+        per_units = -(-units // s)
+        s_eff = -(-units // per_units)
+        cost = -(-tiles * s_eff // slots) * (per_units + 64 // unit)
+        if best is None or cost < best:
+            best, best_s = cost, s_eff
+    per = -(-units // best_s) * unit
     return -(-k // per), per
+
+
+def _blocks_per_sm(kern, smem: int, threads: int = 128) -> int:
+    regs = getattr(kern, "num_regs", 0) or 168
+    by_regs = 65536 // (threads * ((regs + 7) // 8 * 8))
+    by_smem = (227 * 1024) // (smem + 1024)
+    return max(1, min(8, by_regs, by_smem))
 
 
 # ------------------------------------------------------------------ public entry points
 def choose_path(m: int, qt=None) -> str:
-    """The path matmul takes for M rows (thresholds measured on the H100, see the top)."""
+    """The path matmul takes for M rows of x and weight qt (thresholds measured on the H100)."""
+    n, k = qt.shape if qt is not None else (4096, 4096)
     if m <= GEMV_MAX_M:
         return "gemv"
-    if m <= MMA_MAX_M:
-        return "mma"
-    return "dequant+cublas"
+    limit = MMA_MAX_M_DEEP if k >= 8192 else MMA_MAX_M_WIDE if n >= 8192 else MMA_MAX_M
+    return "mma" if m <= limit else "dequant+cublas"
 
 
-def dequantize_into(qweight, scales, qzeros, out, k, n, g):
+def dequantize_into(qweight, scales, qzeros, out, k, n, g, c0=0, nw=None):
+    """Column words [c0, c0 + nw) of the fp16 weight into out (fp16 [K, 8 * nw], contiguous)."""
+    nw = n // 8 if nw is None else nw
     kern = _kernel("awq_dequant.cu", "awq_dequant_kernel")
-    total = k * (n // 8)
+    total = k * nw
     threads = 256
     blocks = min(-(-total // threads), _sm_count(qweight.device) * 16)
     _launch(kern, (blocks,), (threads,),
             (qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), out.data_ptr(),
-             np.int32(k), np.int32(n), np.int32(g)))
+             np.int32(k), np.int32(n), np.int32(g), np.int32(c0), np.int32(nw)))
     return out
 
 
@@ -225,54 +253,80 @@ def dequantize(qt) -> torch.Tensor:
 def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g):
     dev = x2.device
     tiles = -(-(n // 8) // 32)
-    splits, per = _splits(tiles, k, 32, 4 * _sm_count(dev))
+    kern = _kernel("awq_gemv.cu", f"awq_gemv_kernel<{m}>")
+    slots = min(4, _blocks_per_sm(kern, 0)) * _sm_count(dev)
+    splits, per = _splits(tiles, k, 32, slots, min_rows=128)
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
     ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
-    kern = _kernel("awq_gemv.cu", f"awq_gemv_kernel<{m}>")
     _launch(kern, (tiles, splits), (128,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), np.int32(per)))
 
 
-def mma_config(m: int, n: int) -> tuple[int, int]:
-    """(MT, NG) for the mma kernel: tall tiles for large M, wide ones for M <= 16 and large N."""
+def mma_config(m: int, n: int, k: int = 4096) -> tuple[int, int, int]:
+    """(MT, NG, OCC) for the mma kernel, the fastest measured on the H100 per M range
+    (bench/notes-awq.md): wide 16-row tiles while M <= 16, taller ones above."""
     if m <= 16:
-        return (1, 2) if n >= 8192 else (1, 1)
+        return MMA_SMALL if n >= 2048 else (1, 1, 1)
     if m <= 32:
-        return (2, 1)
-    return (4, 1)
+        return (2, 1, 1) if n >= 8192 else (2, 2, 1) if n >= 2048 else (4, 1, 1)
+    if m <= 64:
+        return (2, 1, 1) if n >= 8192 or n < 2048 else (4, 1, 1)
+    return (4, 1, 1)
 
 
 def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
     dev = x2.device
-    mt, ng = cfg or mma_config(m, n)
+    mt, ng, occ = cfg or mma_config(m, n, k)
     tiles_n = -(-(n // 8) // (8 * ng))
     tiles_m = -(-m // (16 * mt))
-    smem = _mma_smem(mt, ng)
-    per_sm = max(1, min(4, (228 * 1024) // (smem + 1024)))
-    splits, per = _splits(tiles_n * tiles_m, k, 32, per_sm * _sm_count(dev))
-    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
-    ctr = _buffer(dev, "ctr", max(tiles_n * tiles_m, 4096), torch.int32, zero=True)
-    name = f"awq_mma_kernel<{mt}, {ng}>"
+    smem = _mma_smem(mt, ng, occ)
+    name = f"awq_mma_kernel<{mt}, {ng}, {occ}>"
     kern = _kernel("awq_mma.cu", name)
     _set_smem(kern, (str(dev), name), smem)
-    _launch(kern, (tiles_n, tiles_m, splits), (128,),
+    slots = _blocks_per_sm(kern, smem) * _sm_count(dev)
+    splits, per = _splits(tiles_n * tiles_m, k, 32, slots, min_rows=128)
+    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
+    ctr = _buffer(dev, "ctr", max(tiles_n * tiles_m, 4096), torch.int32, zero=True)
+    _launch(kern, (tiles_m, tiles_n, splits), (128,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
              np.int32(per)), smem)
 
 
-def _dequant_cublas(x2, qweight, scales, qzeros, y, m, k, n, g):
-    w = _buffer(x2.device, "deq", k * n, torch.float16)[: k * n].view(k, n)
-    dequantize_into(qweight, scales, qzeros, w, k, n, g)
+def slab_columns(m, k, n, slab_bytes=None):
+    """Columns per dequant slab: the fp16 slab K x cols stays under slab_bytes (a multiple of 256
+    columns), so it is still in L2 when cuBLAS reads it; 0 bytes = the whole weight at once."""
+    slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
+    if slab_bytes <= 0:
+        return n
+    cols = max(256, (slab_bytes // (2 * k)) // 256 * 256)
+    return min(n, cols)
+
+
+def _dequant_cublas(x2, qweight, scales, qzeros, y, m, k, n, g, slab_bytes=None):
+    cols = slab_columns(m, k, n, slab_bytes)
+    buf = _buffer(x2.device, "deq", k * cols, torch.float16)
     # fp32 accumulation like the other paths: forbid cuBLAS's fp16 split-K reductions
     flags = torch.backends.cuda.matmul
     prev = flags.allow_fp16_reduced_precision_reduction
     flags.allow_fp16_reduced_precision_reduction = False
     try:
-        torch.mm(x2, w, out=y)
+        for c in range(0, n, cols):
+            nc = min(cols, n - c)
+            w = buf[: k * nc].view(k, nc)
+            dequantize_into(qweight, scales, qzeros, w, k, n, g, c // 8, nc // 8)
+            if nc == n:
+                torch.mm(x2, w, out=y)
+            else:
+                y[:, c:c + nc] = torch.mm(x2, w)
     finally:
         flags.allow_fp16_reduced_precision_reduction = prev
+
+
+class _Shape:
+    def __init__(self, n, k):
+        self.shape = (n, k)
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas}
@@ -290,7 +344,7 @@ def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
         _check_tensor("out", out, torch.float16, lead + (n,), x.device)
     if m == 0:
         return out
-    path = path or choose_path(m)
+    path = path or choose_path(m, _Shape(n, k))
     if path not in _PATHS:
         raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if path == "gemv" and m > max(GEMV_MS):
