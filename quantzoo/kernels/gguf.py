@@ -9,7 +9,8 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
   "mmvq"     M <= MMVQ_MAX_M[fmt]  quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused
                         GEMV-like kernel per format, M (1..8) and rows per CTA (cuda/gguf_mmvq.cu):
                         a stream over W, DP4A; M > 8 runs it on chunks of 8 activation rows.
-  "mmq"      M <= MMQ_MAX_M[fmt]   Q8_1 + shared-memory tiled DP4A GEMM (cuda/gguf_mmq.cu).
+  "mmq"      M <= MMQ_MAX_M[fmt]   Q8_1 + shared-memory tiled DP4A GEMM (cuda/gguf_mmq.cu);
+                        on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
 
@@ -38,12 +39,13 @@ MMVQ_THREADS = 128
 MMVQ_ROW_CHOICES = (1, 2, 4)
 MMQ_TILE = 64          # the tiled GEMM's output tile is MMQ_TILE x MMQ_TILE (cuda/gguf_mmq.cu)
 MMQ_THREADS = 256
-# Measured on the H100 (bench/gguf_bench.py, 2026-11-22; N=4096 x K=14336, rotated weights;
-# tables in bench/notes-gguf.md). Weight rows per mmvq CTA by format and activation rows M (1..8):
-# R = 1 re-reads the Q8_1 activations from L2 once per weight row, which at M = 8 costs more
-# than the weight itself (q4_0: 62.7 us at R=1, 39.3 at R=2, 34.2 at R=4).
-MMVQ_ROWS = {f: {m: (r1 if m == 1 else 2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)}
-             for f, r1 in {"q4_0": 2, "q4_1": 1, "q5_0": 2, "q5_1": 1, "q8_0": 2}.items()}
+# Measured on the H100 (bench/gguf_bench.py, 2026-11-22; N=4096 x K=14336; tables in
+# bench/notes-gguf.md). Weight rows per mmvq CTA by activation rows M (1..8): R = 1 re-reads the
+# Q8_1 activations from L2 once per weight row, which at M = 8 costs more than the weight itself
+# (q4_0 rotated: 62.7 us at R=1, 39.3 at R=2, 34.2 at R=4). At M = 1, R = 2 is within 3 % of the
+# best with rotated weights for every format and much faster with reused (L2-resident) ones
+# (q4_1: 11.5 us at R=2 vs 14.0 at R=1; q5_1: 13.3 vs 18.0).
+MMVQ_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
 # Largest M that takes mmvq (in chunks of 8 rows, ~34 us each for q4_0): above it the dequant
 # path (~100 us flat up to M = 64) wins. M=16: mmvq 64 vs dequant 103 us; M=32: 126 vs 106.
 MMVQ_MAX_M = {"q4_0": 24, "q4_1": 24, "q5_0": 24, "q5_1": 24, "q8_0": 16}
