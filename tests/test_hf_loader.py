@@ -10,7 +10,7 @@ import torch
 
 import helpers_models as H
 from quantzoo.cli import main as cli
-from quantzoo.formats import QuantizedTensor, get
+from quantzoo.formats import QuantizedTensor
 from quantzoo.model.hf_loader import load_hf, parse_quantization_config
 
 SPEC = "qwen3-gqa-hd64-tied"
