@@ -121,7 +121,7 @@ def main(argv=None):
                 for cfg in cfgs:
                     fns = [lambda w=w, c=cfg: awq._mma(x, w[0], w[1], w[2], y, m, k, n, G, cfg=c) for w in ws]
                     times["mma{}x{}o{}".format(*cfg)] = time_graph(fns)
-            chosen = awq.choose_path(m, None)
+            chosen = awq.choose_path(m, awq._Shape(n, k))
             best = min((t, p) for p, t in times.items())
             t = times.get(chosen, float("nan"))
             tbs = qbytes / (t * 1e-6) / 1e12

@@ -34,12 +34,12 @@ SOURCES = {
 # GEMV (CUDA-core FMAs) never beat the tensor-core kernel there, not even at M = 1 (4096->12288:
 # 20.7 vs 19.2 us; 12288->4096: 24.6 vs 20.8 us; 4096->1024: 9.6 vs 8.7 us): dequant + fp32 FMA
 # costs ~31 instructions per packed word against ~19 for dequant + prmt + mma, so GEMV_MAX_M = 0.
-# mma -> dequant+cublas crossover: 4096->4096 and 4096->1024 between M = 64 and 128,
-# 4096->12288 at ~128 (91.7 vs 92.3 us), 12288->4096 between 128 and 256 (79 vs 94, 147 vs 101).
+# mma -> dequant+cublas crossover (bench run 3): 4096->4096 and 4096->1024 at M ~ 96 (tie:
+# 29.3 vs 28.7 us, 13.9 vs 13.6 us), 4096->12288 at ~128 (90.0 vs 92.2 us), 12288->4096 between
+# 128 and 192 (80.0 vs 93.7; 125.1 vs 115.9 us).
 GEMV_MAX_M = 0          # M <= this: gemv
 MMA_MAX_M = 96          # gemv < M <= this: mma; above: dequant + cuBLAS ...
-MMA_MAX_M_WIDE = 128    # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
-MMA_MAX_M_DEEP = 192    # ... and K >= 8192
+MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
 MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
 SLAB_BYTES = 0          # dequant+cublas: fp16 slab size (0 = whole weight); see slab_columns
 
@@ -219,7 +219,7 @@ def choose_path(m: int, qt=None) -> str:
     n, k = qt.shape if qt is not None else (4096, 4096)
     if m <= GEMV_MAX_M:
         return "gemv"
-    limit = MMA_MAX_M_DEEP if k >= 8192 else MMA_MAX_M_WIDE if n >= 8192 else MMA_MAX_M
+    limit = MMA_MAX_M_BIG if (n >= 8192 or k >= 8192) else MMA_MAX_M
     return "mma" if m <= limit else "dequant+cublas"
 
 
@@ -265,13 +265,16 @@ def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g):
 
 def mma_config(m: int, n: int, k: int = 4096) -> tuple[int, int, int]:
     """(MT, NG, OCC) for the mma kernel, the fastest measured on the H100 per M range
-    (bench/notes-awq.md): wide 16-row tiles while M <= 16, taller ones above."""
+    (bench/notes-awq.md): wide 16-row tiles while M <= 16, taller ones above. OCC = 4 (3 stages,
+    128 registers) measured no faster than OCC = 1 (4096->12288 M = 1: 20.4 vs 19.2 us)."""
     if m <= 16:
         return MMA_SMALL if n >= 2048 else (1, 1, 1)
     if m <= 32:
         return (2, 1, 1) if n >= 8192 else (2, 2, 1) if n >= 2048 else (4, 1, 1)
     if m <= 64:
         return (2, 1, 1) if n >= 8192 or n < 2048 else (4, 1, 1)
+    if m <= 96:
+        return (2, 1, 1)
     return (4, 1, 1)
 
 
