@@ -70,13 +70,16 @@ def run(args) -> int:
         print(text, end="", flush=True)
     from ..model.generate import generate
 
+    if m.is_cuda:   # compile/load the prefill kernels outside the timed region
+        m.prefill(ids)
     g = generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                  stream=lambda s: print(s, end="", flush=True))
     print("\n")
     graph = "CUDA graph" if m.use_graph else "eager"
     print(f"device       {m.device} ({torch.cuda.get_device_name(m.device) if m.is_cuda else 'torch CPU'})")
-    print(f"prompt       {len(ids)} tokens, prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms)")
+    warm = " after one untimed warm-up prefill" if m.is_cuda else ""
+    print(f"prompt       {len(ids)} tokens, prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})")
     print(f"generated    {len(g.tokens)} tokens (stop: {g.stop_reason}), decode {g.decode_tok_s:,.1f} tok/s "
           f"({graph}, {g.decode_tokens} steps after the first token)")
     print(f"peak memory  {_peak_memory(m)}")

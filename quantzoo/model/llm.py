@@ -112,13 +112,14 @@ class Embedding:
         return torch.from_numpy(rows.dequantize()).reshape(*ids.shape, -1)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, cast back, then scale. On CUDA one fused torch op."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, cast back, then scale (w=None: no scale). On CUDA
+    one fused torch op."""
     if x.is_cuda and hasattr(F, "rms_norm"):
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    return xf.to(x.dtype) if w is None else w * xf.to(x.dtype)
 
 
 def rope_tables(cfg: ModelConfig, max_seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +200,12 @@ class Layer:
         self.attn_norm, self.mlp_norm = V("input_layernorm"), V("post_attention_layernorm")
         self.q_norm = V("self_attn.q_norm") if cfg.qk_norm else None
         self.k_norm = V("self_attn.k_norm") if cfg.qk_norm else None
+        # fused path: q and k are adjacent in the qkv output, so they are normed and rotated
+        # as one (heads + kv_heads, head_dim) block; the per-row norm weights stacked to match
+        self.qk_norm = None
+        if self.qkv is not None and cfg.qk_norm:
+            self.qk_norm = torch.cat([self.q_norm.expand(cfg.num_heads, -1),
+                                      self.k_norm.expand(cfg.num_kv_heads, -1)]).contiguous()
 
     def linears(self) -> list:
         ls = [self.qkv] if self.qkv is not None else [self.q, self.k, self.v]
@@ -324,12 +331,21 @@ class Model:
         h = self.embed(ids)[None]                                        # (1, T, hidden)
         for li, lay in enumerate(self.layers):
             x = rms_norm(h, lay.attn_norm, cfg.rms_norm_eps)
-            q, k, v = lay.project_qkv(x)
-            q, k, v = q.view(1, T, H, hd), k.view(1, T, KV, hd), v.view(1, T, KV, hd)
-            if lay.q_norm is not None:
-                q = rms_norm(q, lay.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, lay.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if lay.qkv is not None:   # one norm + one RoPE over the q and k heads together
+                qkv = lay.qkv(x)
+                qk = qkv[..., :(H + KV) * hd].view(1, T, H + KV, hd)
+                v = qkv[..., (H + KV) * hd:].view(1, T, KV, hd)
+                if lay.qk_norm is not None:
+                    qk = rms_norm(qk, None, cfg.rms_norm_eps) * lay.qk_norm
+                qk = apply_rope(qk, cos, sin)
+                q, k = qk[:, :, :H], qk[:, :, H:]
+            else:
+                q, k, v = lay.project_qkv(x)
+                q, k, v = q.view(1, T, H, hd), k.view(1, T, KV, hd), v.view(1, T, KV, hd)
+                if lay.q_norm is not None:
+                    q = rms_norm(q, lay.q_norm, cfg.rms_norm_eps)
+                    k = rms_norm(k, lay.k_norm, cfg.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kc, vc = self.k_cache[li], self.v_cache[li]                  # (1, KV, S, hd)
             kc.index_copy_(2, pos, k.transpose(1, 2))
             vc.index_copy_(2, pos, v.transpose(1, 2))
