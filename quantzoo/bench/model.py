@@ -232,13 +232,19 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
             r["decode_breakdown"] = decode_breakdown(m)
         except Exception as e:  # the profiler is a nicety; never lose the numbers for it
             r["decode_breakdown"] = [{"error": f"{type(e).__name__}: {e}"}]
-    m._graph = None
+    if device.startswith("cuda"):
+        r["peak_decode_bytes"] = torch.cuda.max_memory_allocated(device)
+        r["peak_decode_over_weights_kv"] = r["peak_decode_bytes"] / (wbytes + emb + m.kv_cache_bytes())
+    m._graph = m._g_out = None
     m.k_cache = m.v_cache = None
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     m.setup_cache(pre_seq)
     r["kv_cache_bytes"] = m.kv_cache_bytes()
     for n in prompt_lens:
         r[f"prefill_tok_s_{n}"] = time_prefill(m, n)
-    if device.startswith("cuda"):
+    if device.startswith("cuda"):   # prefill phase: cache of pre_seq positions, T=2048 activations
         peak = torch.cuda.max_memory_allocated(device)
         r["peak_gpu_bytes"] = peak
         base = wbytes + emb + r["kv_cache_bytes"]
@@ -312,13 +318,14 @@ def render(out: dict, args) -> str:
             rel = f" ({v / fp16[f'prefill_tok_s_{n}']:.2f}x)" if fp16 and r is not fp16 else ""
             row.append(fmt_n(v) + rel)
         row.append("-" if "peak_gpu_bytes" not in r else
+                   f"{r['peak_decode_bytes'] / 2**30:.1f} ({100 * (r['peak_decode_over_weights_kv'] - 1):+.0f}%) / "
                    f"{r['peak_gpu_bytes'] / 2**30:.1f} ({100 * (r['peak_over_weights_kv'] - 1):+.0f}%)")
         lc = LLAMA_CPP.get(r["format"], {})
         row.append("/".join(str(lc.get(k, "-")) for k in ("tg128", "pp512", "pp2048")) if lc else "-")
         rows.append(row)
     hdr = (["format", "weights GB", "roofline tok/s", "decode tok/s (graph)", "of roofline",
             "decode eager", "graph gain"] + [f"prefill {n}" for n in lens] +
-           ["peak GiB (vs W+KV+emb)", "llama.cpp tg128/pp512/pp2048"])
+           ["peak GiB decode / prefill (vs W+emb+KV)", "llama.cpp tg128/pp512/pp2048"])
     s = tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
     bw = out.get("copy_bandwidth_bytes_s")
     c = out["config"]
