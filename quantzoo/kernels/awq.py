@@ -10,7 +10,8 @@ Paths (choose_path(m, qt) names the one matmul takes):
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
-be captured in a CUDA graph. Inputs are checked here, before any launch: a bad call raises
+be captured in a CUDA graph. The split-K workspace is shared per device, so calls must not
+run concurrently on two streams. Inputs are checked here, before any launch: a bad call raises
 ValueError naming the argument.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ SOURCES = {
 # GEMV (CUDA-core FMAs) never beat the tensor-core kernel there, not even at M = 1 (4096->12288:
 # 20.7 vs 19.2 us; 12288->4096: 24.6 vs 20.8 us; 4096->1024: 9.6 vs 8.7 us): dequant + fp32 FMA
 # costs ~31 instructions per packed word against ~19 for dequant + prmt + mma, so GEMV_MAX_M = 0.
-# mma -> dequant+cublas crossover (bench run 3): 4096->4096 and 4096->1024 at M ~ 96 (tie:
+# mma -> dequant+cublas crossover (bench runs 3 and 4): 4096->4096 and 4096->1024 at M ~ 96 (tie:
 # 29.3 vs 28.7 us, 13.9 vs 13.6 us), 4096->12288 at ~128 (90.0 vs 92.2 us), 12288->4096 between
 # 128 and 192 (80.0 vs 93.7; 125.1 vs 115.9 us).
 GEMV_MAX_M = 0          # M <= this: gemv
