@@ -29,7 +29,7 @@ def load_model(path=None, device: str = "cpu", **opts) -> Model:
     if os.path.isdir(path):
         from .hf_loader import load_hf
 
-        config, weights, tokenizer, _gen_cfg = load_hf(path)
+        config, weights, tokenizer, _gen_cfg = load_hf(path, progress=progress)
     elif not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
     elif path.endswith(".gguf"):

@@ -51,10 +51,8 @@ class Linear:
         self.qt = None
         self.w = None
         self.fallback = None
-        self.format = "f32" if not isinstance(w, QuantizedTensor) else w.format
+        self.format = _kind(w)
         if not isinstance(w, QuantizedTensor):
-            self.format = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(
-                getattr(w, "dtype", None), "f32")
             self.w = torch.as_tensor(w).to(device=device, dtype=dtype)
             self.shape = tuple(self.w.shape)
             return
@@ -100,7 +98,7 @@ class Embedding:
                 return
             w = torch.from_numpy(w.dequantize())
         else:
-            self.format = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(w.dtype, "f32")
+            self.format = _kind(w)
         self.table = torch.as_tensor(w).to(device=device, dtype=dtype)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
