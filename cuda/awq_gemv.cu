@@ -19,6 +19,11 @@
 //   tile adds them in split order (deterministic; awq_common.cuh).
 // * 4 warps split the 32 rows of a stage (2 consecutive rows per step, so x is read as half2);
 //   a shared-memory reduction over the warps ends the block.
+// Measured on the H100 (bench/notes-awq.md): slower than the tensor-core kernel (awq_mma.cu) at
+// every M, even M = 1 (4096->12288: 20.8 vs 19.3 us): the exact dequant plus half->float
+// conversion and 8*M fp32 FMAs cost ~31 instructions per packed word against ~19 for
+// dequant + prmt + mma, and the kernel is issue-bound, not memory-bound. Dispatch does not pick
+// it on the H100; it stays as the readable CUDA-core reference (path="gemv").
 #include "awq_common.cuh"
 
 namespace gemv {

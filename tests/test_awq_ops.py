@@ -59,6 +59,16 @@ def test_qt_checks():
         awq.matmul(torch.zeros(1, 576, dtype=torch.float16), qt)
 
 
+def test_n_not_multiple_of_8():
+    qt, qw, sc, qz = tensors()
+    bad = type(qt)("awq", (572, 576), {"qweight": qw, "qzeros": qz, "scales": sc}, {"group_size": 64})
+    with pytest.raises(ValueError, match="N=572 out_features must be a multiple of 8"):
+        awq.matmul(torch.zeros(1, 576, dtype=torch.float16), bad)
+    with pytest.raises(ValueError, match="qt: shape"):
+        awq.matmul(torch.zeros(1, 576, dtype=torch.float16),
+                   type(qt)("awq", (568, 576), {"qweight": qw, "qzeros": qz, "scales": sc}, {"group_size": 64}))
+
+
 def test_group_size_inferred_from_scales():
     _, qw, sc, qz = tensors(k=256, n=64, g=32)
     with pytest.raises(ValueError, match="on cpu"):   # shapes pass (G = 256/8 = 32), then device

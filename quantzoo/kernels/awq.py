@@ -124,9 +124,13 @@ def _unpack_qt(qt):
     if not isinstance(qt.data, dict):
         raise ValueError("qt: data must be the dict {qweight, qzeros, scales}")
     d = qt.data
-    k, n, g = check_weights(d.get("qweight"), d.get("scales"), d.get("qzeros"), qt.group_size)
-    if (n, k) != tuple(qt.shape):
-        raise ValueError(f"qt: shape {qt.shape} disagrees with qweight (K={k}, N={n})")
+    if qt.shape[0] % 8:
+        raise ValueError(f"qt: N={qt.shape[0]} out_features must be a multiple of 8 (8 nibbles per int32)")
+    qw = d.get("qweight")
+    if getattr(qw, "ndim", 0) == 2 and (8 * qw.shape[1], qw.shape[0]) != tuple(qt.shape):
+        raise ValueError(f"qt: shape {qt.shape} disagrees with qweight {tuple(qw.shape)} "
+                         f"(K={qw.shape[0]}, N={8 * qw.shape[1]})")
+    k, n, g = check_weights(qw, d.get("scales"), d.get("qzeros"), qt.group_size)
     return d["qweight"], d["scales"], d["qzeros"], k, n, g
 
 
