@@ -1,0 +1,37 @@
+"""`quantzoo bench model` on CPU with a tiny shape: the harness runs end to end, every format
+builds a valid random model (the bytes decode to finite weights), and the JSON holds numbers.
+The real measurement (Qwen3-8B shape, CUDA graphs) runs on the GPU: bench/notes-runner.md."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("fmt", ["awq", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp16"])
+def test_random_weights_are_valid(fmt):
+    from quantzoo.bench.model import random_weight
+
+    g = torch.Generator().manual_seed(0)
+    qt = random_weight(fmt, 64, 256, "cpu", g, group_size=64)
+    w = qt.dequantize()
+    assert w.shape == (64, 256) and np.isfinite(w).all() and 0 < np.abs(w).max() < 1
+    assert w.std() > 1e-3   # not constant
+
+
+def test_bench_model_cpu_smoke(tmp_path, capsys):
+    from quantzoo.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--layers", "1", "--formats",
+                 "q4_0,fp16", "--prompt-lens", "32", "--decode-tokens", "4", "--eager-tokens", "2",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["format"] for r in res] == ["q4_0", "fp16"]
+    for r in res:
+        assert "error" not in r, r
+        assert r["decode_tok_s_eager"] > 0 and r["prefill_tok_s_32"] > 0
+        assert r["formats"]["q_proj"] == r["format"] and r["weight_bytes"] > 0
+    assert "prefill 32" in capsys.readouterr().out
