@@ -1,29 +1,31 @@
 """The Qwen3 / llama decoder in torch: one short file, in the spirit of gpt-fast.
 
     h = embed(ids)
-    per layer:  h += o_proj(attn(rope(qk_norm(q_proj(rms(h)))), rope(qk_norm(k_proj(..))), v_proj(..)))
-                h += down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
-    logits = lm_head(rms(h))                 (lm_head = embed_tokens when tied)
+    per layer:  q, k, v = split(qkv_proj(rms(h)))          (one fused linear on CUDA)
+                q, k    = rope(qk_norm(q)), rope(qk_norm(k))  (qk_norm: qwen3 only)
+                h      += o_proj(attention(q, cache(k), cache(v)))
+                h      += down_proj(silu(gate(rms(h))) * up(rms(h)))   (gate|up fused on CUDA)
+    logits = lm_head(rms(h))                                (lm_head = embed_tokens when tied)
 
-Norms, RoPE, attention (torch SDPA with GQA) and SwiGLU are torch; every quantized linear is a
-`QuantizedTensor` applied through `quantzoo.ops.matmul`, so the registry picks the kernel.
+Norms, RoPE, attention (torch SDPA; grouped-query heads) and SwiGLU are torch; every quantized
+linear is a `QuantizedTensor` applied through `quantzoo.ops.matmul`, so the registry picks the
+kernel.
 
 RoPE is rotate-half (NeoX): dims i and i + head_dim/2 form a pair. Loaders hand Q/K rows in
 that (HF) order; llama-arch GGUF files store them permuted for llama.cpp's adjacent-pair
 rotation and the GGUF loader undoes it (gguf_loader.unpermute_qk).
 
-The KV cache is preallocated (max_seq positions). A forward takes a run of tokens at positions
-pos0..pos0+T-1: the prompt in one batched prefill, then one token per decode step. On CUDA the
-decode step is captured once in a CUDA graph: the token and its position live in static
-buffers, the causal mask is computed on the GPU from the position, so a replay does no Python
-work per layer (an eager step costs ~16 us of launch overhead per kernel).
+The KV cache is preallocated. A forward takes a run of tokens at positions pos0..pos0+T-1: the
+prompt in one batched prefill, then one token per decode step. On CUDA the decode step is
+captured once in a CUDA graph: the token and its position live in static buffers and the causal
+mask is computed on the GPU from the position, so a replay does no Python work at all (an eager
+step pays ~16 us of Python + launch per CuPy kernel, see bench/notes-runner.md for the gain).
 
-Precision: CPU runs float32 (matching HF transformers on the dequantized weights); CUDA runs
-float16 activations (what the kernels take), norms and RoPE tables in float32.
+Precision: CPU runs float32 (matching HF transformers on the dequantized weights to ~1e-7);
+CUDA runs float16 activations (what the kernels take) with norms reduced in float32 and RoPE
+applied in float16, as HF does for fp16 models.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -92,7 +94,7 @@ class Embedding:
         self.qt = None
         if isinstance(w, QuantizedTensor):
             self.format = w.format
-            if device == "cpu":
+            if device == "cpu" and not isinstance(w.data, dict):   # block rows: slice them
                 self.qt = w.numpy()
                 self.table = None
                 return
