@@ -141,8 +141,9 @@ def time_decode(m, steps: int, prompt: int = 16, graph: bool = True) -> float:
     ids = list(range(1, prompt + 1))
     logits = m.prefill(ids)
     tok = torch.argmax(logits).reshape(1)
-    if m.use_graph and m._graph is None:
-        m._capture()
+    m.ensure_graph()
+    if graph and not m.use_graph:
+        return float("nan")   # capture failed: m.fallbacks says why
     for i in range(3):  # warm-up (kernel compiles for eager, replays for the graph)
         logits = m.decode_step(tok, prompt + i)
     _sync(m.device)

@@ -83,9 +83,7 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     need = len(ids) + max_new_tokens
     if model.k_cache is None or model.k_cache.shape[3] < need:
         model.setup_cache(min(model.config.max_position, max(256, -(-need // 256) * 256)))
-    if model.use_graph and model._graph is None:
-        with torch.inference_mode():
-            model._capture()   # once per cache size, outside the timed region
+    model.ensure_graph()   # once per cache size, outside the timed region
 
     out = Generation(tokens=[], prompt_tokens=len(ids))
     emitted = 0  # characters of text already streamed

@@ -386,11 +386,27 @@ class Model:
                    torch.as_tensor([int(token)], dtype=torch.int64, device=self.device))
             return self._forward(ids, torch.tensor([pos], device=self.device), False)[-1]
         if self._graph is None:
-            self._capture()
+            self.ensure_graph()
+            if not self.use_graph:
+                return self.decode_step(token, pos)
         self._g_tok.fill_(int(token)) if not torch.is_tensor(token) else self._g_tok.copy_(token.reshape(1))
         self._g_pos.fill_(pos)
         self._graph.replay()
         return self._g_out[-1]
+
+    def ensure_graph(self):
+        """Capture the decode graph if needed; if capture fails (a kernel that cannot be
+        captured), decode eagerly from then on and say so in `fallbacks`."""
+        if not self.use_graph or self._graph is not None:
+            return
+        try:
+            with torch.inference_mode():
+                self._capture()
+        except Exception as e:
+            self._graph = None
+            self.use_graph = False
+            self.fallbacks.append(f"CUDA graph capture failed ({type(e).__name__}: {e}); eager decode")
+            torch.cuda.synchronize(self.device)
 
     def _capture(self):
         """Capture one decode step into a CUDA graph. The warm-up runs (kernel compiles,
