@@ -316,3 +316,16 @@ def test_fused_projections_equal_separate(fmt):
     ids = [5, 17, 300, 2, 999, 41]
     torch.testing.assert_close(m1.logits(ids), m2.logits(ids), rtol=1e-5, atol=1e-5)
     assert m1.generate(ids, 6, eos_token_ids=[]) == m2.generate(ids, 6, eos_token_ids=[])
+
+
+def test_kv_cache_is_sized_on_demand_and_bounded(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_model("llama", seed=6), "llama", "q8_0")
+    m = qz.load_model(path, progress=False, max_seq=200)
+    m.generate([1, 2, 3], max_new_tokens=5, eos_token_ids=[])
+    assert m.k_cache.shape[3] == 200          # min(max_seq, round_up(8, 256))
+    with pytest.raises(ValueError, match="exceeds the model's max_seq 200"):
+        m.generate(list(range(1, 150)), max_new_tokens=60)
+    m2 = qz.load_model(path, progress=False)
+    m2.prefill(list(range(1, 40)))
+    assert m2.k_cache.shape[3] == DIMS["ctx"]   # 256 = the file's context length

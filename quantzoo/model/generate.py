@@ -82,7 +82,10 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     need = len(ids) + max_new_tokens
     if model.k_cache is None or model.k_cache.shape[3] < need:
-        model.setup_cache(min(model.config.max_position, max(256, -(-need // 256) * 256)))
+        if need > model.max_seq:
+            raise ValueError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) = {need} "
+                             f"exceeds the model's max_seq {model.max_seq}")
+        model.setup_cache(min(model.max_seq, max(256, -(-need // 256) * 256)))
     model.ensure_graph()   # once per cache size, outside the timed region
 
     out = Generation(tokens=[], prompt_tokens=len(ids))

@@ -369,7 +369,7 @@ class Model:
         """Run tokens at positions start.. through the model (one batched pass); last logits."""
         ids = torch.as_tensor(list(ids), dtype=torch.int64, device=self.device)
         if self.k_cache is None:
-            self.setup_cache()
+            self.setup_cache(min(self.max_seq, -(-(start + len(ids)) // 256) * 256))
         if start + len(ids) > self.k_cache.shape[3]:
             raise ValueError(f"{start + len(ids)} positions do not fit the KV cache "
                              f"({self.k_cache.shape[3]}); pass a larger max_seq")
@@ -448,8 +448,10 @@ class Model:
 def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu", **opts) -> Model:
     """Model from a config and a LoadedWeights dict (HF names; see quantzoo/model/config.py).
 
-    opts: max_seq (KV cache positions, default the context length, capped at 4096 on build and
-    grown on demand), matmul_mode ("cached" | "dequant" | "emulate", CPU only), cuda_graph
-    (default True on CUDA), dtype (activation dtype), progress (tqdm while placing layers).
+    opts: max_seq (the largest KV cache the model may allocate, default the context length;
+    the cache itself is sized on demand: prompt + new tokens rounded up to 256), matmul_mode
+    ("cached" | "dequant" | "emulate", CPU only), cuda_graph (default True on CUDA), fuse
+    (q/k/v and gate/up as one linear each; default on CUDA), dtype (activation dtype),
+    progress (tqdm while placing layers).
     """
     return Model(config, weights, tokenizer, device, **opts)
