@@ -349,9 +349,14 @@ class Model:
             kc, vc = self.k_cache[li], self.v_cache[li]                  # (1, KV, S, hd)
             kc.index_copy_(2, pos, k.transpose(1, 2))
             vc.index_copy_(2, pos, v.transpose(1, 2))
-            if from_start:   # causal over the first T rows: SDPA may take its flash kernel
-                a = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :T], vc[:, :, :T],
-                                                   is_causal=True, enable_gqa=G > 1)
+            if from_start:
+                # causal over the first T rows. K/V are repeated per query head here (T rows,
+                # cheap) rather than with enable_gqa, so SDPA's flash kernel is always eligible
+                # and never falls back to the math path's (H, T, T) score matrix.
+                kr, vr = kc[:, :, :T], vc[:, :, :T]
+                if G > 1:
+                    kr, vr = kr.repeat_interleave(G, dim=1), vr.repeat_interleave(G, dim=1)
+                a = F.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, is_causal=True)
                 a = a.transpose(1, 2).reshape(1, T, H * hd)
             else:
                 # GQA without copying the cache per head: the G query heads sharing a KV head
