@@ -33,9 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
+from quantzoo.formats import get, names
+
 from .hf_loader import LINEARS, to_numpy_float
 
-FORMATS = ("awq", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp16")
+# Every stored (non-activation) format of the registry can be exported.
+FORMATS = tuple(n for n in names() if get(n).kind != "activation")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
@@ -334,8 +337,7 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     c = src.config
     qfmt = get(fmt)
     qtype = getattr(gguf.GGMLQuantizationType, qfmt.gguf_type)
-    file_type = {"q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0",
-                 "q5_1": "MOSTLY_Q5_1", "q8_0": "MOSTLY_Q8_0", "fp16": "MOSTLY_F16"}[fmt]
+    file_type = f"MOSTLY_{qfmt.gguf_type}"
     shapes = c.expected_shapes()
     for name, shape in shapes.items():
         if len(shape) == 2 and fmt != "fp16" and shape[1] % 32:
@@ -397,8 +399,8 @@ def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> 
     if Path(src).resolve() == dst.resolve():
         raise ValueError(f"DST={dst} is the source itself; write somewhere else")
     kind = "gguf" if dst.suffix == ".gguf" else "bin" if dst.suffix == ".bin" else "dir"
-    if kind == "gguf" and fmt == "awq":
-        raise ValueError("--format awq: a .gguf file cannot hold AWQ weights; give DST as a directory "
+    if kind == "gguf" and get(fmt).gguf_type is None:
+        raise ValueError(f"--format {fmt}: a .gguf file cannot hold {fmt} weights; give DST as a directory "
                          "(HF AWQ checkpoint) or a .bin file (KuiperLLama)")
     if kind == "dir" and fmt not in ("awq", "fp16"):
         raise ValueError(f"--format {fmt}: llama.cpp formats are written as GGUF; give DST a .gguf name")
