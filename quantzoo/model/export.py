@@ -400,7 +400,7 @@ def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> 
         raise ValueError(f"DST={dst} is the source itself; write somewhere else")
     kind = "gguf" if dst.suffix == ".gguf" else "bin" if dst.suffix == ".bin" else "dir"
     if kind == "gguf" and get(fmt).gguf_type is None:
-        raise ValueError(f"--format {fmt}: a .gguf file cannot hold {fmt} weights; give DST as a directory "
+        raise ValueError(f"--format {fmt}: a .gguf file cannot hold {fmt.upper()} weights; give DST as a directory "
                          "(HF AWQ checkpoint) or a .bin file (KuiperLLama)")
     if kind == "dir" and fmt not in ("awq", "fp16"):
         raise ValueError(f"--format {fmt}: llama.cpp formats are written as GGUF; give DST a .gguf name")
