@@ -73,6 +73,77 @@ def copy_bandwidth():
     return 2 * n / (us * 1e-6)  # bytes/s, read + write
 
 
+def copy_study():
+    """Copy / read bandwidth by several methods and sizes (bytes moved / median time), to settle
+    which copy figure is right: cudaMemcpy D2D (torch copy_ of uint8) eager and in a graph,
+    an elementwise fp32 kernel (torch.mul by 1: 16-byte vector loads/stores), and read-only
+    (torch.sum of fp32, bytes read only). Each warmed with >= 100 ms of the same work first."""
+    res = {}
+    for mb in (256, 1024, 2048):
+        n = mb << 20
+        a = torch.ones(n, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        af, bf = a.view(torch.float32), b.view(torch.float32)
+        for name, fn, moved in (("memcpy", lambda: b.copy_(a), 2 * n), ("mul1", lambda: torch.mul(af, 1.0, out=bf), 2 * n),
+                                ("sum-read", lambda: af.sum(), n)):
+            t_end = time.time() + 0.15
+            while time.time() < t_end:
+                fn()
+                torch.cuda.synchronize()
+            ts = []
+            for _ in range(30):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e-3)
+            res[f"{name} {mb} MiB eager"] = moved / statistics.median(ts) / 1e12
+            if name != "sum-read":
+                res[f"{name} {mb} MiB graph x4"] = moved / (time_calls([fn] * 4, reps=15) * 1e-6) / 1e12
+        del a, b, af, bf
+        torch.cuda.empty_cache()
+    return res
+
+
+def mmvq_launch(fmt, qt, xq, y, m, rows, kernel):
+    """The mmvq kernel alone on an already quantized activation (what G.matmul launches after Q8_1)."""
+    n, k = qt.shape
+    kern = G._kernel("gguf_mmvq.cu", f"{G.MMVQ_KERNELS[kernel]}<{G.BLOCKS[fmt]}, {m}, {rows}>")
+    G.launch(kern, ((n + rows - 1) // rows,), (G.MMVQ_THREADS,),
+             (qt.data.data_ptr(), xq.data_ptr(), y.data_ptr(), np.int32(n), np.int32(k // G.QK)))
+
+
+def bench_mmvq_kernels(fmt, ms=(1, 2, 4, 8)):
+    """us per call (Q8_1 quantization included) of both mmvq kernels x rows per CTA, rotated and
+    reused weights; and at M = 1 the split: quantize alone, staged mmvq alone."""
+    qts = make_weights(fmt, n_copies(qz.formats.get(fmt).nbytes((N, K))))
+    res = {}
+    for m in ms:
+        x = torch.randn((m, K), device="cuda", dtype=torch.float16)
+        y = torch.empty((m, N), device="cuda", dtype=torch.float16)
+        for kern in G.MMVQ_KERNELS:
+            for r in G.MMVQ_ROW_CHOICES:
+                calls = [lambda qt=qts[i % len(qts)], r=r, kern=kern: G.matmul(x, qt, out=y, path="mmvq", mmvq_rows=r,
+                                                                               mmvq_kernel=kern)
+                         for i in range(max(12, len(qts)))]
+                res[(m, kern, r, "rotated")] = time_calls(calls)
+                if m in (1, 8):
+                    res[(m, kern, r, "reused")] = time_calls([lambda r=r, kern=kern: G.matmul(
+                        x, qts[0], out=y, path="mmvq", mmvq_rows=r, mmvq_kernel=kern)] * 12)
+        if m == 1:
+            xq = G.quantize_q8_1(x)
+            res[(m, "quantize only", 0, "-")] = time_calls([lambda: G.quantize_q8_1(x, out=xq)] * 12)
+            for kern in G.MMVQ_KERNELS:
+                for r in G.MMVQ_ROW_CHOICES:
+                    res[(m, kern + " kernel only", r, "rotated")] = time_calls(
+                        [lambda qt=qts[i % len(qts)], r=r, kern=kern: mmvq_launch(fmt, qt, xq, y, m, r, kern)
+                         for i in range(max(12, len(qts)))])
+    del qts
+    torch.cuda.empty_cache()
+    return res
+
+
 def n_copies(nbytes):
     return max(3, math.ceil(3 * L2_BYTES / nbytes))
 
@@ -154,15 +225,17 @@ def bench_dequant_buffer(fmt, ms=(512, 2048), sizes_mb=(8, 16, 32, 128)):
 def sanitize_run():
     """Tail shapes through every path once, for `compute-sanitizer --tool memcheck` (no timing)."""
     rng = np.random.default_rng()
-    shapes = [(1, 67, 96), (3, 1, 32), (5, 130, 160), (8, 33, 544), (9, 65, 32), (70, 129, 96), (130, 7, 64)]
+    shapes = [(1, 67, 96), (3, 1, 32), (5, 130, 160), (8, 33, 544), (9, 65, 32), (70, 129, 96), (130, 7, 64),
+              (2, 37, 9600)]  # the last: several mmvq shared-memory stages with a tail
     for fmt in G.BLOCKS:
         for m, n, k in shapes:
             qt = qz.formats.get(fmt).quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).to("cuda")
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).cuda()
             for p in G.PATHS:
                 for rows in (G.MMVQ_ROW_CHOICES if p == "mmvq" else (None,)):
-                    y = G.matmul(x, qt, path=p, mmvq_rows=rows)
-                    assert torch.isfinite(y).all(), (fmt, m, n, k, p, rows)
+                    for kern in (G.MMVQ_KERNELS if p == "mmvq" else (None,)):
+                        y = G.matmul(x, qt, path=p, mmvq_rows=rows, mmvq_kernel=kern)
+                        assert torch.isfinite(y).all(), (fmt, m, n, k, p, rows, kern)
             G.dequantize(qt)
             G.quantize_q8_1(x.float())
     torch.cuda.synchronize()
@@ -176,10 +249,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only")
     ap.add_argument("--no-tuning", action="store_true", help="skip the rows-per-CTA and buffer sweeps")
     ap.add_argument("--sanitize", action="store_true", help="tail shapes once, no timing (for compute-sanitizer)")
+    ap.add_argument("--mmvq", action="store_true", help="copy-bandwidth study + both mmvq kernels x rows per CTA, M=1,2,4,8")
     a = ap.parse_args(argv)
     if a.sanitize:
         sanitize_run()
         return 0
+    if a.mmvq:
+        return mmvq_main(a)
     fmts = a.formats.split(",")
     t0 = time.time()
     dev = torch.cuda.get_device_name()
@@ -235,6 +311,39 @@ def main(argv=None):
     with open(os.path.join(a.out, "gguf_bench.json"), "w") as f:
         json.dump(raw, f, indent=1, default=str)
     print(table)
+    return 0
+
+
+def mmvq_main(a):
+    from quantzoo.bench import timing as T
+
+    dev = torch.cuda.get_device_name()
+    out = {"device": dev}
+    cs = copy_study()
+    out["copy_study_TBps"] = cs
+    print(f"# {dev}; copy study (TB/s; memcpy/mul1 count read+write, sum-read counts reads):", flush=True)
+    for kk, v in cs.items():
+        print(f"  {kk}: {v:.3f}", flush=True)
+    tb = T.copy_bandwidth()
+    out["timing_py_copy"] = tb
+    bw = copy_bandwidth()
+    out["gguf_bench_copy_TBps"] = bw / 1e12
+    print(f"quantzoo.bench.timing.copy_bandwidth: {tb['copy_tbps']:.3f} TB/s; gguf_bench.copy_bandwidth: "
+          f"{bw / 1e12:.3f} TB/s", flush=True)
+    lines = ["| fmt | M | kernel | R | weights | us | TB/s blocks | % of copy |", "|---|---|---|---|---|---|---|---|"]
+    for fmt in a.formats.split(","):
+        nbytes = qz.formats.get(fmt).nbytes((N, K))
+        res = bench_mmvq_kernels(fmt)
+        out[fmt] = {"/".join(map(str, kk)): v for kk, v in res.items()}
+        for (m, kern, r, wts), us in res.items():
+            tbps = nbytes / (us * 1e-6) / 1e12
+            lines.append(f"| {fmt} | {m} | {kern} | {r} | {wts} | {us:.2f} | {tbps:.2f} | {100 * tbps * 1e12 / bw:.0f} |")
+            print(lines[-1], flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "gguf_mmvq_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(a.out, "gguf_mmvq_bench.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
     return 0
 
 

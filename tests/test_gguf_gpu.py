@@ -298,3 +298,31 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="data"):
         G.matmul(x, type(qt)(qt.format, qt.shape, qt.data[:, :-1].contiguous()))
     torch.cuda.synchronize()
+
+
+# ---- both mmvq kernels: several shared-memory stages, unaligned weight addresses ------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mmvq_kernels_stages_and_alignment(fmt):
+    """The staged mmvq (16-byte cp.async copies of the aligned cover of each block run) and the
+    direct one, every rows-per-CTA instance: K with one partial stage (nb < 128), several stages
+    with a tail (nb = 300), and the weight bytes placed at a 4/8/12-byte offset from a 16-byte
+    boundary inside a larger buffer, so the first and last 16-byte chunks stick out of the tensor
+    (those must be copied piecewise -- compute-sanitizer sees reads outside only if they happen)."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    for n, k, pad in [(5, 96, 4), (37, 9600, 8), (130, 4160, 12), (3, 4096 + 32, 0)]:
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt0 = qt_cpu.to(DEV)
+        nbytes = qt0.data.numel()
+        big = torch.zeros(nbytes + 32, dtype=torch.uint8, device=DEV)
+        big[pad:pad + nbytes].copy_(qt0.data.reshape(-1))
+        qt = type(qt0)(qt0.format, qt0.shape, big[pad:pad + nbytes].view(qt0.data.shape))
+        assert qt.data.data_ptr() % 16 == pad % 16
+        for m in (1, 2, 5, 8, 13):
+            x16 = rng.standard_normal((m, k)).astype(np.float16)
+            x_t = torch.from_numpy(x16).to(DEV)
+            for kern in G.MMVQ_KERNELS:
+                for rows in G.MMVQ_ROW_CHOICES:
+                    out = _poisoned((m, n))
+                    G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel=kern)
+                    _check_emulated(out.float().cpu().numpy(), x16, qt_cpu,
+                                    f"{fmt} mmvq {kern} R={rows} M={m} N={n} K={k} offset {pad}")
