@@ -63,14 +63,14 @@ def time_calls(calls, reps=15):
 
 
 def copy_bandwidth():
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(100):  # ~100 ms of copies first: let the clocks settle
-        b.copy_(a)
-    us = time_calls([lambda: b.copy_(a)] * 4, reps=10)
-    del a, b
-    return 2 * n / (us * 1e-6)  # bytes/s, read + write
+    """Bytes/s (read + write) of a 1 GiB device-to-device copy: quantzoo.bench.timing's method, so the
+    GGUF bench and `quantzoo bench` quote the same ceiling. Not timed inside a CUDA graph: a graph's
+    memcpy node of >= 1 GiB ran at 2.71 TB/s on the H200 where the same copy launched eagerly (or
+    an elementwise kernel, in a graph or not) ran at 4.18-4.23 (copy_study); this bench's earlier
+    2.43 TB/s on the H100 (vs DESIGN.md's 2.99) came from that graph-captured copy."""
+    from quantzoo.bench import timing as T
+
+    return T.copy_bandwidth(1 << 30)["copy_tbps"] * 1e12
 
 
 def copy_study():
@@ -106,39 +106,35 @@ def copy_study():
     return res
 
 
-def mmvq_launch(fmt, qt, xq, y, m, rows, kernel):
+def mmvq_launch(fmt, qt, xq, y, m, rows):
     """The mmvq kernel alone on an already quantized activation (what G.matmul launches after Q8_1)."""
     n, k = qt.shape
-    kern = G._kernel("gguf_mmvq.cu", f"{G.MMVQ_KERNELS[kernel]}<{G.BLOCKS[fmt]}, {m}, {rows}>")
+    kern = G._kernel("gguf_mmvq.cu", f"mmvq<{G.BLOCKS[fmt]}, {m}, {rows}>")
     G.launch(kern, ((n + rows - 1) // rows,), (G.MMVQ_THREADS,),
              (qt.data.data_ptr(), xq.data_ptr(), y.data_ptr(), np.int32(n), np.int32(k // G.QK)))
 
 
-def bench_mmvq_kernels(fmt, ms=(1, 2, 4, 8)):
-    """us per call (Q8_1 quantization included) of both mmvq kernels x rows per CTA, rotated and
-    reused weights; and at M = 1 the split: quantize alone, staged mmvq alone."""
+def bench_mmvq_split(fmt, ms=(1, 2, 4, 8)):
+    """us per call (Q8_1 quantization included) of mmvq x rows per CTA, rotated and (M = 1, 8)
+    reused weights; at M = 1 also the split: quantize alone, mmvq kernel alone."""
     qts = make_weights(fmt, n_copies(qz.formats.get(fmt).nbytes((N, K))))
     res = {}
     for m in ms:
         x = torch.randn((m, K), device="cuda", dtype=torch.float16)
         y = torch.empty((m, N), device="cuda", dtype=torch.float16)
-        for kern in G.MMVQ_KERNELS:
-            for r in G.MMVQ_ROW_CHOICES:
-                calls = [lambda qt=qts[i % len(qts)], r=r, kern=kern: G.matmul(x, qt, out=y, path="mmvq", mmvq_rows=r,
-                                                                               mmvq_kernel=kern)
-                         for i in range(max(12, len(qts)))]
-                res[(m, kern, r, "rotated")] = time_calls(calls)
-                if m in (1, 8):
-                    res[(m, kern, r, "reused")] = time_calls([lambda r=r, kern=kern: G.matmul(
-                        x, qts[0], out=y, path="mmvq", mmvq_rows=r, mmvq_kernel=kern)] * 12)
+        for r in G.MMVQ_ROW_CHOICES:
+            calls = [lambda qt=qts[i % len(qts)], r=r: G.matmul(x, qt, out=y, path="mmvq", mmvq_rows=r)
+                     for i in range(max(12, len(qts)))]
+            res[(m, "mmvq", r, "rotated")] = time_calls(calls)
+            if m in (1, 8):
+                res[(m, "mmvq", r, "reused")] = time_calls(
+                    [lambda r=r: G.matmul(x, qts[0], out=y, path="mmvq", mmvq_rows=r)] * 12)
         if m == 1:
             xq = G.quantize_q8_1(x)
             res[(m, "quantize only", 0, "-")] = time_calls([lambda: G.quantize_q8_1(x, out=xq)] * 12)
-            for kern in G.MMVQ_KERNELS:
-                for r in G.MMVQ_ROW_CHOICES:
-                    res[(m, kern + " kernel only", r, "rotated")] = time_calls(
-                        [lambda qt=qts[i % len(qts)], r=r, kern=kern: mmvq_launch(fmt, qt, xq, y, m, r, kern)
-                         for i in range(max(12, len(qts)))])
+            for r in G.MMVQ_ROW_CHOICES:
+                res[(m, "kernel only", r, "rotated")] = time_calls(
+                    [lambda qt=qts[i % len(qts)], r=r: mmvq_launch(fmt, qt, xq, y, m, r) for i in range(max(12, len(qts)))])
     del qts
     torch.cuda.empty_cache()
     return res
@@ -226,16 +222,15 @@ def sanitize_run():
     """Tail shapes through every path once, for `compute-sanitizer --tool memcheck` (no timing)."""
     rng = np.random.default_rng()
     shapes = [(1, 67, 96), (3, 1, 32), (5, 130, 160), (8, 33, 544), (9, 65, 32), (70, 129, 96), (130, 7, 64),
-              (2, 37, 9600)]  # the last: several mmvq shared-memory stages with a tail
+              (2, 37, 9600)]  # the last: several mmvq passes with a tail
     for fmt in G.BLOCKS:
         for m, n, k in shapes:
             qt = qz.formats.get(fmt).quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).to("cuda")
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).cuda()
             for p in G.PATHS:
                 for rows in (G.MMVQ_ROW_CHOICES if p == "mmvq" else (None,)):
-                    for kern in (G.MMVQ_KERNELS if p == "mmvq" else (None,)):
-                        y = G.matmul(x, qt, path=p, mmvq_rows=rows, mmvq_kernel=kern)
-                        assert torch.isfinite(y).all(), (fmt, m, n, k, p, rows, kern)
+                    y = G.matmul(x, qt, path=p, mmvq_rows=rows)
+                    assert torch.isfinite(y).all(), (fmt, m, n, k, p, rows)
             G.dequantize(qt)
             G.quantize_q8_1(x.float())
     torch.cuda.synchronize()
@@ -249,7 +244,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only")
     ap.add_argument("--no-tuning", action="store_true", help="skip the rows-per-CTA and buffer sweeps")
     ap.add_argument("--sanitize", action="store_true", help="tail shapes once, no timing (for compute-sanitizer)")
-    ap.add_argument("--mmvq", action="store_true", help="copy-bandwidth study + both mmvq kernels x rows per CTA, M=1,2,4,8")
+    ap.add_argument("--mmvq", action="store_true", help="copy-bandwidth study + mmvq x rows per CTA (M=1,2,4,8) with the M=1 time split")
     a = ap.parse_args(argv)
     if a.sanitize:
         sanitize_run()
@@ -326,14 +321,13 @@ def mmvq_main(a):
         print(f"  {kk}: {v:.3f}", flush=True)
     tb = T.copy_bandwidth()
     out["timing_py_copy"] = tb
-    bw = copy_bandwidth()
-    out["gguf_bench_copy_TBps"] = bw / 1e12
-    print(f"quantzoo.bench.timing.copy_bandwidth: {tb['copy_tbps']:.3f} TB/s; gguf_bench.copy_bandwidth: "
-          f"{bw / 1e12:.3f} TB/s", flush=True)
-    lines = ["| fmt | M | kernel | R | weights | us | TB/s blocks | % of copy |", "|---|---|---|---|---|---|---|---|"]
+    bw = tb["copy_tbps"] * 1e12
+    print(f"copy bandwidth (quantzoo.bench.timing.copy_bandwidth, used for the % column): "
+          f"{tb['copy_tbps']:.3f} TB/s", flush=True)
+    lines = ["| fmt | M | what | R | weights | us | TB/s blocks | % of copy |", "|---|---|---|---|---|---|---|---|"]
     for fmt in a.formats.split(","):
         nbytes = qz.formats.get(fmt).nbytes((N, K))
-        res = bench_mmvq_kernels(fmt)
+        res = bench_mmvq_split(fmt)
         out[fmt] = {"/".join(map(str, kk)): v for kk, v in res.items()}
         for (m, kern, r, wts), us in res.items():
             tbps = nbytes / (us * 1e-6) / 1e12

@@ -139,22 +139,3 @@ def test_launch_plumbing_dry_run(fmt, monkeypatch):
                     assert kern == [f"mmq<{G.BLOCKS[fmt]}>"]
                     assert calls[1][1] == (-(-n // G.MMQ_TILE), -(-m // G.MMQ_TILE))
 
-
-@pytest.mark.parametrize("kern", sorted(G.MMVQ_KERNELS))
-def test_mmvq_kernel_choice_dry_run(kern, monkeypatch):
-    """mmvq_kernel picks the staged (mmvq) or direct (mmvq_direct) template; both declared, each in
-    its own compile group; anything else is a ValueError naming the argument."""
-    calls = []
-    monkeypatch.setattr(G, "_kernel", lambda src, name: (name in G.SOURCES[src] and name) or pytest.fail(name))
-    monkeypatch.setattr(G, "launch", lambda k, grid, block, args, shared_mem=0: calls.append((k, grid)))
-    monkeypatch.setattr(G, "_workspace", lambda kind, nbytes, device: torch.zeros(nbytes, dtype=torch.uint8))
-    monkeypatch.setattr(G, "check_weight", lambda qt, arg="qt": (qt.format, *qt.shape))
-    monkeypatch.setattr(G, "_check_act", lambda x, k, arg="x", dtypes=None: (x.numel() // x.shape[-1], x.shape[-1]))
-    qt = _cpu_qt("q5_0", 70, 96)
-    for r in G.MMVQ_ROW_CHOICES:
-        calls.clear()
-        G.matmul(torch.zeros((3, 96), dtype=torch.float16), qt, path="mmvq", mmvq_rows=r, mmvq_kernel=kern)
-        assert calls[1] == (f"{G.MMVQ_KERNELS[kern]}<BlockQ5_0, 3, {r}>", (-(-70 // r),))
-        assert calls[1][0] in G._MMVQ_GROUPS[kern]
-    with pytest.raises(ValueError, match="mmvq_kernel"):
-        G.matmul(torch.zeros((3, 96), dtype=torch.float16), qt, path="mmvq", mmvq_kernel="fast")

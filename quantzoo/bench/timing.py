@@ -185,13 +185,24 @@ def benchmark(fn: Callable[[int], object], *, copies: int = 1, target_s: float =
 # ceilings
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> dict:
-    """Device-to-device copy of `nbytes` (torch copy_), bytes read + written per second."""
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20, warmup_s: float = 0.1) -> dict:
+    """Device-to-device copy of `nbytes` (torch copy_), bytes read + written per second.
+
+    Eager copies with events around each one, after `warmup_s` seconds of the same copy (clocks
+    settle). Deliberately not inside a CUDA graph: a captured memcpy node of >= 1 GiB ran at 2.71
+    TB/s on an H200 where the eager copy (and an elementwise kernel, captured or not) ran at 4.2
+    (bench/notes-gguf.md, "copy bandwidth")."""
+    import time
+
     import torch
 
     n = nbytes // 2
     src = torch.randn(n, device="cuda", dtype=torch.float32).to(torch.float16)
     dst = torch.empty_like(src)
+    t_end = time.perf_counter() + warmup_s
+    while time.perf_counter() < t_end:
+        dst.copy_(src)
+        torch.cuda.synchronize()
     samples = time_eager(lambda i: dst.copy_(src), inner=1, reps=reps, warmup=3)
     t = statistics.median(samples)
     moved = 2 * src.numel() * src.element_size()

@@ -60,25 +60,17 @@ MMQ_MAX_M = {"q4_0": 0, "q4_1": 0, "q5_0": 0, "q5_1": 0, "q8_0": 0}
 DEQUANT_BUFFER_BYTES = 128 << 20
 PATHS = ("mmvq", "mmq", "dequant")
 
-# mmvq kernels in cuda/gguf_mmvq.cu: "direct" (template mmvq, dispatched: 2/4-byte loads straight
-# from global memory) and "staged" (mmvq_staged, an experiment: weight and activation bytes through
-# shared memory by 16-byte cp.async; 1.3-5x slower on the H200, bench/notes-gguf.md).
-MMVQ_KERNELS = {"direct": "mmvq", "staged": "mmvq_staged"}
-MMVQ_KERNEL = "direct"
-_MMVQ_GROUPS = {kind: tuple(f"{t}<{b}, {m}, {r}>" for b in BLOCKS.values() for m in range(1, MMVQ_COLS + 1)
-                            for r in MMVQ_ROW_CHOICES) for kind, t in MMVQ_KERNELS.items()}
 SOURCES = {
     "q8_1_quantize.cu": ("quantize_q8_1<__half>", "quantize_q8_1<float>"),
-    "gguf_mmvq.cu": _MMVQ_GROUPS["staged"] + _MMVQ_GROUPS["direct"],
+    "gguf_mmvq.cu": tuple(f"mmvq<{b}, {m}, {r}>" for b in BLOCKS.values() for m in range(1, MMVQ_COLS + 1)
+                          for r in MMVQ_ROW_CHOICES),
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
 }
 
 
 def _kernel(source: str, name: str):
-    # the two mmvq kernels compile as separate modules (each 120 instances), the second only if asked
-    group = next((g for g in _MMVQ_GROUPS.values() if name in g), None) if source == "gguf_mmvq.cu" else None
-    return get_kernel(source, name, group or SOURCES[source])
+    return get_kernel(source, name, SOURCES[source])
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -231,13 +223,11 @@ def choose_path(m: int, qt) -> str:
     return "dequant"
 
 
-def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None,
-           mmvq_kernel: str | None = None):
+def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None):
     """y = x @ W.T: x fp16 CUDA (..., K) contiguous, qt on the same device -> fp16 (..., N).
 
     `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS,
-    otherwise choose_path decides; `mmvq_rows` (1, 2, 4) overrides MMVQ_ROWS and `mmvq_kernel`
-    ("direct" / "staged") overrides MMVQ_KERNEL (for the bench and the tests).
+    otherwise choose_path decides; `mmvq_rows` (1, 2, 4) overrides MMVQ_ROWS (for the bench).
     """
     import torch
 
@@ -256,8 +246,6 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         raise ValueError(f"path: {path!r}, one of {PATHS}")
     if mmvq_rows is not None and mmvq_rows not in MMVQ_ROW_CHOICES:
         raise ValueError(f"mmvq_rows: {mmvq_rows!r}, one of {MMVQ_ROW_CHOICES}")
-    if mmvq_kernel is not None and mmvq_kernel not in MMVQ_KERNELS:
-        raise ValueError(f"mmvq_kernel: {mmvq_kernel!r}, one of {tuple(MMVQ_KERNELS)}")
     if m == 0:
         return out
     if m >= 2**31 // 2:
@@ -274,8 +262,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
             mc = min(MMVQ_COLS, m - c0)
             r = mmvq_rows or MMVQ_ROWS[fmt][mc]
-            tmpl = MMVQ_KERNELS[mmvq_kernel or MMVQ_KERNEL]
-            kern = _kernel("gguf_mmvq.cu", f"{tmpl}<{BLOCKS[fmt]}, {mc}, {r}>")
+            kern = _kernel("gguf_mmvq.cu", f"mmvq<{BLOCKS[fmt]}, {mc}, {r}>")
             launch(kern, ((n + r - 1) // r,), (MMVQ_THREADS,),
                    (w.data_ptr(), xq.data_ptr() + c0 * nb * Q8_1_BYTES, y2.data_ptr() + c0 * n * 2,
                     np.int32(n), np.int32(nb)))
