@@ -4,6 +4,19 @@ import numpy as np
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _gpu_tier_needs_a_gpu(request):
+    """A test marked gpu that runs where there is no GPU fails; it is deselected, never skipped."""
+    if request.node.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail("this test is in the GPU tier (-m gpu) but no CUDA device is visible")
+        from quantzoo.cuda_launch import import_cupy
+
+        import_cupy()  # a CUDA machine without CuPy is an error, not a skip
+
+
 @pytest.fixture
 def rng(request):
     """A fresh random generator per test; the seed is printed so a failure can be replayed."""

@@ -28,12 +28,13 @@ from __future__ import annotations
 import numpy as np
 
 from quantzoo.cuda_launch import get_kernel, launch
+from quantzoo.formats import get, weight_formats
 
 QK = 32
-Q8_1_BYTES = 36
-BLOCKS = {"q4_0": "BlockQ4_0", "q4_1": "BlockQ4_1", "q5_0": "BlockQ5_0", "q5_1": "BlockQ5_1",
-          "q8_0": "BlockQ8_0"}
-BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
+Q8_1_BYTES = get("q8_1").bytes_per_block
+# The registry's weight formats served here, each with its block struct in cuda/gguf_common.cuh.
+BLOCKS = {f.name: f"Block{f.gguf_type}" for f in weight_formats() if f.kernels == "gguf"}
+BYTES = {name: get(name).bytes_per_block for name in BLOCKS}
 MMVQ_COLS = 8          # activation rows one mmvq launch takes (template instances 1..8)
 MMVQ_THREADS = 128
 MMVQ_ROW_CHOICES = (1, 2, 4)
@@ -48,12 +49,12 @@ MMQ_THREADS = 256
 MMVQ_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
 # Largest M that takes mmvq (in chunks of 8 rows, ~34 us each for q4_0): above it the dequant
 # path (~100 us flat up to M = 64) wins. M=16: mmvq 64 vs dequant 103 us; M=32: 126 vs 106.
-MMVQ_MAX_M = {"q4_0": 24, "q4_1": 24, "q5_0": 24, "q5_1": 24, "q8_0": 16}
+MMVQ_MAX_M = {f: 16 if f == "q8_0" else 24 for f in BLOCKS}
 # Largest M that takes the DP4A tiled GEMM: 0 -- it never won on the H100. At M=16..64 it ran
 # 345..410 us (64 CTAs: too few for 132 SMs), at M >= 256 it peaks near 52 TOP/s while cuBLAS
 # fp16 on tensor cores runs 600+ TFLOP/s, so dequant + cuBLAS takes every M above MMVQ_MAX_M.
 # It stays available as path="mmq" (and tested) for GPUs where DP4A vs fp16 MMA differ.
-MMQ_MAX_M = {"q4_0": 0, "q4_1": 0, "q5_0": 0, "q5_1": 0, "q8_0": 0}
+MMQ_MAX_M = {f: 0 for f in BLOCKS}
 # Bound on the transient fp16 copy of W used by the dequant path (bytes); W is converted and
 # multiplied a slice of rows at a time. q4_0 4096x14336 (117 MB as fp16): M=512 180 us with a
 # 32 MB buffer, 136 us with 128 MB; M=2048 384 vs 360 us -- fewer, larger cuBLAS calls win.
