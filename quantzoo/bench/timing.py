@@ -284,11 +284,18 @@ def machine_info() -> dict:
         "cuda_available": bool(torch.cuda.is_available()),
     }
     try:
-        import cupy
-
+        try:
+            from quantzoo.cuda_launch import import_cupy  # past the repo's own cuda/ folder
+        except ImportError:
+            import_cupy = None
+        if import_cupy is not None:
+            cupy = import_cupy()
+        else:
+            import cupy
         info["cupy"] = cupy.__version__
-    except Exception:  # noqa: BLE001 - CuPy is optional
+    except Exception as e:  # noqa: BLE001 - CuPy is optional; say why it is missing
         info["cupy"] = None
+        info["cupy_error"] = f"{type(e).__name__}: {e}"[:200]
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
         info.update(gpu=p.name, compute_capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
