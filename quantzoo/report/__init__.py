@@ -31,6 +31,14 @@ from . import sizes, speed
 HEADLINE_M = (1, 16, 512)
 
 
+def _num(v) -> str:
+    """A number at a sensible precision for a table cell."""
+    if v is None or not math.isfinite(v):
+        return "-"
+    a = abs(v)
+    return format(v, ".0f" if a >= 100 else ".1f" if a >= 1 else ".3f")
+
+
 def _f(v, spec: str, missing: str = "-") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return missing
@@ -159,8 +167,8 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         if bench.get("FIXTURE"):
             L.append(f"**This bench file is a test fixture, not a measurement:** {bench['FIXTURE']}.\n")
         L.append(f"Speed figures come from `quantzoo bench kernels` run on **{m.get('gpu')}** "
-                 f"(driver {m.get('driver', '?')}, torch {m.get('torch')}, CuPy {m.get('cupy')}, "
-                 f"commit `{m.get('git_commit')}`, {m.get('time_utc')}). Ceilings measured in that "
+                 f"(driver {m.get('driver', '?')}, torch {m.get('torch')}, CuPy {m.get('cupy') or 'not recorded'}, "
+                 f"commit `{m.get('git_commit') or 'not recorded'}`, {m.get('time_utc')}). Ceilings measured in that "
                  f"run: device copy **{c['copy_tbps']:.2f} TB/s** (read + write) and cuBLAS fp16 "
                  f"{c['cublas_size']}^3 **{c['cublas_fp16_tflops']:.0f} TFLOP/s**"
                  + (f" (at the end of the run: {bench['ceilings_end']['copy_tbps']:.2f} TB/s, "
@@ -270,7 +278,13 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         L.append("## Model throughput (`quantzoo bench model`)\n")
         try:
             hdr, rows = model_bench_rows(rep["model_bench"])
-            L.append(_table([[_f(v, ".1f") if isinstance(v, float) else ("-" if v is None else str(v))
+            mm = rep["model_bench"].get("machine", {}) if isinstance(rep["model_bench"], dict) else {}
+            if mm:
+                L.append(f"Measured on {mm.get('gpu')} ({mm.get('time_utc')}), from the runner's own "
+                         "bench JSON; a Qwen3-8B-shaped model with random weights, its decoder linears in the "
+                         "format (embedding and lm_head as that bench stores them). roofline_tok_s: the copy bandwidth over the weight bytes read per "
+                         "decode step.\n")
+            L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
                               for v in r] for r in rows], hdr))
             recs = rep["model_bench"].get("results", []) if isinstance(rep["model_bench"], dict) else []
             for r in recs:
