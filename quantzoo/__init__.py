@@ -4,7 +4,17 @@
     qt = qz.formats.get("q4_0").quantize(w)     # w: float (out_features, in_features)
     y = qz.ops.matmul(x, qt)                    # y = x @ W.T; CPU runs the reference
 """
-from . import formats, ops, reference  # noqa: F401
+import os as _os
+
+# Installed, formats/, reference/ and cuda/ are subpackages of quantzoo (pyproject's package-dir
+# mapping). Run from a source checkout instead (the repository root on sys.path, as with
+# `python -m quantzoo.cli` there), they sit beside this folder: look for them there too.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "formats")) and \
+        _os.path.isfile(_os.path.join(_root, "formats", "base.py")):
+    __path__.append(_root)
+
+from . import formats, ops, reference  # noqa: E402,F401
 from .formats import QuantizedTensor
 from .nn import QuantLinear
 
