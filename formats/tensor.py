@@ -1,6 +1,7 @@
 """QuantizedTensor: a weight in a format's native storage, on CPU (numpy) or CUDA (torch)."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -14,8 +15,11 @@ def _move(arr: Any, device: str) -> Any:
         if isinstance(arr, torch.Tensor):
             return arr.detach().cpu().numpy()
         return arr
-    t = arr if isinstance(arr, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(arr))
-    return t.to(device).contiguous()
+    if not isinstance(arr, torch.Tensor):
+        with warnings.catch_warnings():  # a read-only (memory-mapped) array: .to() copies it,
+            warnings.simplefilter("ignore", UserWarning)  # nothing ever writes through this view
+            arr = torch.from_numpy(np.ascontiguousarray(arr))
+    return arr.to(device).contiguous()
 
 
 @dataclass(frozen=True)
