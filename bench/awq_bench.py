@@ -2,7 +2,7 @@
 
     python bench/awq_bench.py [--ms 1,2,4,...] [--shapes 4096x12288,...] [--out log.json]
 
-Method (DESIGN.md §6): each measured call is captured R times in a CUDA graph, the R calls
+Method (DESIGN.md §6, helpers in quantzoo/bench/timing.py): each measured call is captured R times in a CUDA graph, the R calls
 rotating over enough weight copies (>= 150 MB together) that the 50 MB L2 cannot serve them;
 the graph is replayed many times, timed with CUDA events, and the median replay / R is the
 time per call. Weights are random bit patterns made on the GPU (the kernels' speed does not
@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from quantzoo.bench import timing
 from quantzoo.kernels import awq
 
 SHAPES = ((4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096))   # (K, N) Qwen3-8B
@@ -31,38 +32,13 @@ G = 128
 
 def time_graph(fn_list, reps=20, replays=15):
     """Median µs per call of fn_list[i % len] captured `reps` times in one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fn_list:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn_list[i % len(fn_list)]()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    del g
-    return statistics.median(times)
+    g = timing.capture_graph(lambda i: fn_list[i % len(fn_list)](), reps)
+    return statistics.median(timing.time_graph(g, inner=reps, reps=replays, warmup=3)) * 1e6
 
 
 def copy_bandwidth():
-    n = 1 << 29  # 1 GiB of bytes, as 2-byte elements
-    a = torch.empty(n, dtype=torch.float16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    t = time_graph([lambda: b.copy_(a)], reps=5, replays=10)
-    return 2 * a.numel() * 2 / (t * 1e-6) / 1e12
+    # timed eagerly (timing.copy_bandwidth): a graph-captured 1 GiB copy under-reads (2.43 TB/s)
+    return timing.copy_bandwidth()["copy_tbps"]
 
 
 def make_weights(k, n, copies):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import quantzoo as qz
+from quantzoo.bench import timing as T
 from quantzoo.kernels import gguf as G
 
 N, K = 4096, 14336   # llama.cpp's test shape (Qwen3-8B / Llama-3-8B ffn_down transposed)
@@ -37,29 +38,8 @@ L2_BYTES = 50 << 20
 
 def time_calls(calls, reps=15):
     """Median us per call of `calls` (callables) captured back to back in one CUDA graph."""
-    cur = torch.cuda.current_stream()
-    s = torch.cuda.Stream()
-    s.wait_stream(cur)
-    with torch.cuda.stream(s):
-        for f in calls:
-            f()
-    cur.wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / len(calls))
-    del g
-    return statistics.median(ts)
+    g = T.capture_graph(lambda i: calls[i](), len(calls))
+    return statistics.median(T.time_graph(g, inner=len(calls), reps=reps, warmup=1)) * 1e6
 
 
 def copy_bandwidth():
@@ -68,7 +48,6 @@ def copy_bandwidth():
     memcpy node of >= 1 GiB ran at 2.71 TB/s on the H200 where the same copy launched eagerly (or
     an elementwise kernel, in a graph or not) ran at 4.18-4.23 (copy_study); this bench's earlier
     2.43 TB/s on the H100 (vs DESIGN.md's 2.99) came from that graph-captured copy."""
-    from quantzoo.bench import timing as T
 
     return T.copy_bandwidth(1 << 30)["copy_tbps"] * 1e12
 
@@ -310,7 +289,6 @@ def main(argv=None):
 
 
 def mmvq_main(a):
-    from quantzoo.bench import timing as T
 
     dev = torch.cuda.get_device_name()
     out = {"device": dev}

@@ -188,8 +188,6 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    from quantzoo.formats import get
-
     dst = Path(dst)
     c = src.config
     if fmt == "awq":
@@ -331,8 +329,6 @@ def add_gguf_tokenizer(writer, src: Source) -> None:
 def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     import gguf
     from tqdm import tqdm
-
-    from quantzoo.formats import get
 
     c = src.config
     qfmt = get(fmt)
