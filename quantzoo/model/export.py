@@ -35,6 +35,7 @@ import numpy as np
 
 from quantzoo.formats import get, names
 
+from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
 from .hf_loader import LINEARS, to_numpy_float
 
 # Every stored (non-activation) format of the registry can be exported.
@@ -218,18 +219,9 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
 # ---------------------------------------------------------------------------------------
 # GGUF
 # ---------------------------------------------------------------------------------------
-GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+# llama.cpp's tensor names, the inverse of the loader's table (one mapping for both directions)
+GGUF_NAMES = {hf: g for g, hf in TENSOR_NAMES.items()}
+GGUF_LAYER_NAMES = {hf: g for g, hf in LAYER_NAMES.items()}
 
 
 def gguf_name(hf_name: str) -> str:
