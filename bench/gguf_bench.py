@@ -93,9 +93,9 @@ def mmvq_launch(fmt, qt, xq, y, m, rows):
              (qt.data.data_ptr(), xq.data_ptr(), y.data_ptr(), np.int32(n), np.int32(k // G.QK)))
 
 
-def bench_mmvq_split(fmt, ms=(1, 2, 4, 8)):
-    """us per call (Q8_1 quantization included) of mmvq x rows per CTA, rotated and (M = 1, 8)
-    reused weights; at M = 1 also the split: quantize alone, mmvq kernel alone."""
+def bench_mmvq_split(fmt, ms=(1, 2, 4, 8), detail=True):
+    """us per call (Q8_1 quantization included) of mmvq x rows per CTA, rotated weights; with
+    `detail` also reused weights (M = 1, 8) and at M = 1 the split: quantize alone, kernel alone."""
     qts = make_weights(fmt, n_copies(qz.formats.get(fmt).nbytes((N, K))))
     res = {}
     for m in ms:
@@ -105,10 +105,10 @@ def bench_mmvq_split(fmt, ms=(1, 2, 4, 8)):
             calls = [lambda qt=qts[i % len(qts)], r=r: G.matmul(x, qt, out=y, path="mmvq", mmvq_rows=r)
                      for i in range(max(12, len(qts)))]
             res[(m, "mmvq", r, "rotated")] = time_calls(calls)
-            if m in (1, 8):
+            if detail and m in (1, 8):
                 res[(m, "mmvq", r, "reused")] = time_calls(
                     [lambda r=r: G.matmul(x, qts[0], out=y, path="mmvq", mmvq_rows=r)] * 12)
-        if m == 1:
+        if detail and m == 1:
             xq = G.quantize_q8_1(x)
             res[(m, "quantize only", 0, "-")] = time_calls([lambda: G.quantize_q8_1(x, out=xq)] * 12)
             for r in G.MMVQ_ROW_CHOICES:
@@ -168,21 +168,6 @@ def bench_gguf(fmt, ms, paths, rotate=True):
     return res, nbytes
 
 
-def bench_mmvq_rows(fmt, ms=(1, 2, 4, 8)):
-    """us per call of mmvq for each rows-per-CTA choice, rotated weights (picks MMVQ_ROWS)."""
-    qts = make_weights(fmt, n_copies(qz.formats.get(fmt).nbytes((N, K))))
-    res = {}
-    for m in ms:
-        x = torch.randn((m, K), device="cuda", dtype=torch.float16)
-        y = torch.empty((m, N), device="cuda", dtype=torch.float16)
-        for r in G.MMVQ_ROW_CHOICES:
-            calls = [lambda qt=qts[i % len(qts)], r=r: G.matmul(x, qt, out=y, path="mmvq", mmvq_rows=r)
-                     for i in range(max(12, len(qts)))]
-            res[(m, r)] = time_calls(calls)
-    del qts
-    return res
-
-
 def bench_dequant_buffer(fmt, ms=(512, 2048), sizes_mb=(8, 16, 32, 128)):
     qts = make_weights(fmt, n_copies(qz.formats.get(fmt).nbytes((N, K))))
     res = {}
@@ -240,7 +225,7 @@ def main(argv=None):
     sweep = [1, 8] if a.quick else [1, 8, 16, 32, 64, 128, 256, 512, 2048]
     if not (a.quick or a.no_tuning):
         for fmt in fmts:
-            rr = bench_mmvq_rows(fmt)
+            rr = {(m, r): v for (m, _, r, _), v in bench_mmvq_split(fmt, detail=False).items()}
             print(f"mmvq rows-per-CTA sweep {fmt} (us, rotated): " +
                   ", ".join(f"M={m} R={r}: {v:.1f}" for (m, r), v in rr.items()), flush=True)
         db = bench_dequant_buffer("q4_0")

@@ -139,13 +139,7 @@ def estimate_seconds(fn: Callable[[int], object], n: int = 3) -> float:
 
     fn(0)
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for i in range(n):
-        fn(i)
-    b.record()
-    b.synchronize()
-    return max(a.elapsed_time(b) * 1e-3 / n, 1e-7)
+    return max(time_eager(fn, inner=n, reps=1, warmup=0)[0], 1e-7)
 
 
 def benchmark(fn: Callable[[int], object], *, copies: int = 1, target_s: float = 0.05,
