@@ -119,6 +119,87 @@ def bench_mmvq_split(fmt, ms=(1, 2, 4, 8), detail=True):
     return res
 
 
+MMVQ16_VARIANTS = [(16, True), (16, False), (8, True), (8, False)]  # (load width, L1::no_allocate)
+
+
+def bench_mmvq16_variants(fmt, ms=(1, 8), detail=True):
+    """us per call (Q8_1 quantization included, rotated weights) of the vector-load mmvq for
+    every (load width, no_allocate) variant x rows per warp, against the scalar-load mmvq; each
+    variant's output is checked against the scalar kernel's (flag 'BAD' in the table if off)."""
+    nbytes = qz.formats.get(fmt).nbytes((N, K))
+    qts = make_weights(fmt, n_copies(nbytes))
+    exprs = tuple(G.mmvq16_name(fmt, m, r, lw, na) for m in ms for r in G.MMVQ_ROW_CHOICES
+                  for lw, na in MMVQ16_VARIANTS)
+    nb = K // G.QK
+    res, bad = {}, set()
+    for m in ms:
+        x = torch.randn((m, K), device="cuda", dtype=torch.float16)
+        y = torch.empty((m, N), device="cuda", dtype=torch.float16)
+        xq = torch.empty(m * nb * 36, device="cuda", dtype=torch.uint8)
+        ref = G.matmul(x, qts[0], path="mmvq", mmvq_kernel="scalar").float()
+        for r in G.MMVQ_ROW_CHOICES:
+            calls = [lambda qt=qts[i % len(qts)], r=r: G.matmul(x, qt, out=y, path="mmvq", mmvq_rows=r, mmvq_kernel="scalar")
+                     for i in range(max(12, len(qts)))]
+            res[(m, "scalar", r)] = time_calls(calls)
+
+        def vcall(qt, r, lw, na, quant=True):
+            if quant:
+                G._launch_quantize(x, xq, m * nb, split=True)
+            G.launch_mmvq16(fmt, qt.data, xq.data_ptr(), xq.data_ptr() + m * nb * 32, y.data_ptr(), N, nb, m, r,
+                            lw=lw, noalloc=na, name_expressions=exprs)
+
+        for lw, na in MMVQ16_VARIANTS:
+            for r in G.MMVQ_ROW_CHOICES:
+                y.fill_(float("nan"))
+                vcall(qts[0], r, lw, na)
+                err = (y.float() - ref).abs()
+                if not bool(torch.all(err <= ref.abs() * 2.0 ** -9 + 1e-3)):
+                    bad.add((m, f"vec{lw}{'na' if na else ''}", r))
+                calls = [lambda qt=qts[i % len(qts)], r=r, lw=lw, na=na: vcall(qt, r, lw, na) for i in range(max(12, len(qts)))]
+                key = f"vec{lw}{'na' if na else ''}"
+                res[(m, key, r)] = time_calls(calls)
+                if detail and lw == 16:
+                    res[(m, key + " reused", r)] = time_calls([lambda r=r, lw=lw, na=na: vcall(qts[0], r, lw, na)] * 12)
+                    res[(m, key + " kernel only", r)] = time_calls(
+                        [lambda qt=qts[i % len(qts)], r=r, lw=lw, na=na: vcall(qt, r, lw, na, False) for i in range(max(12, len(qts)))])
+        if detail:
+            for r in G.MMVQ_ROW_CHOICES:
+                res[(m, "scalar reused", r)] = time_calls(
+                    [lambda r=r: G.matmul(x, qts[0], out=y, path="mmvq", mmvq_rows=r, mmvq_kernel="scalar")] * 12)
+            res[(m, "quantize split only", 0)] = time_calls([lambda: G._launch_quantize(x, xq, m * nb, split=True)] * 12)
+    del qts
+    torch.cuda.empty_cache()
+    return res, bad, nbytes
+
+
+def mmvq16_main(a):
+    dev = torch.cuda.get_device_name()
+    bw = T.copy_bandwidth(1 << 30)["copy_tbps"] * 1e12
+    print(f"# {dev}; copy bandwidth {bw / 1e12:.3f} TB/s; N={N} K={K}", flush=True)
+    ms = tuple(int(v) for v in a.ms.split(","))
+    out = {"device": dev, "copy_Bps": bw}
+    lines = ["| fmt | M | kernel | R=1 us | R=2 us | R=4 us | best % of copy |", "|---|---|---|---|---|---|---|"]
+    for fmt in a.formats.split(","):
+        res, bad, nbytes = bench_mmvq16_variants(fmt, ms)
+        out[fmt] = {"/".join(map(str, kk)): v for kk, v in res.items()}
+        out[fmt + "_bad"] = sorted(map(str, bad))
+        for m in ms:
+            for kern in dict.fromkeys(k for (mm, k, _) in res if mm == m):
+                vals = {r: res[(m, kern, r)] for (mm, k, r) in res if mm == m and k == kern}
+                best = min(vals.values())
+                cells = [f"{vals[r]:.2f}" + (" BAD" if (m, kern, r) in bad else "") if r in vals else ""
+                         for r in G.MMVQ_ROW_CHOICES]
+                lines.append(f"| {fmt} | {m} | {kern} | " + " | ".join(cells) +
+                             f" | {100 * nbytes / (best * 1e-6) / bw:.0f} |")
+                print(lines[-1], flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "gguf_mmvq16_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(a.out, "gguf_mmvq16_bench.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return 0
+
+
 def n_copies(nbytes):
     return max(3, math.ceil(3 * L2_BYTES / nbytes))
 
@@ -208,6 +289,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only")
     ap.add_argument("--no-tuning", action="store_true", help="skip the rows-per-CTA and buffer sweeps")
     ap.add_argument("--sanitize", action="store_true", help="tail shapes once, no timing (for compute-sanitizer)")
+    ap.add_argument("--mmvq16", action="store_true", help="vector-load mmvq variants x rows per warp vs the scalar mmvq")
+    ap.add_argument("--ms", default="1,8", help="activation rows for --mmvq16")
     ap.add_argument("--mmvq", action="store_true", help="copy-bandwidth study + mmvq x rows per CTA (M=1,2,4,8) with the M=1 time split")
     a = ap.parse_args(argv)
     if a.sanitize:
@@ -215,6 +298,8 @@ def main(argv=None):
         return 0
     if a.mmvq:
         return mmvq_main(a)
+    if a.mmvq16:
+        return mmvq16_main(a)
     fmts = a.formats.split(",")
     t0 = time.time()
     dev = torch.cuda.get_device_name()

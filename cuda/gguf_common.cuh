@@ -103,6 +103,34 @@ struct GGUFBlock {
         }
     }
 
+    // The same unpacking from any word source: get(k) returns the 4 bytes at in-block byte
+    // offset k (k even, a compile-time constant once inlined). Used by the vector-load MMVQ,
+    // which holds a block as a byte window in registers (gguf_mmvq16.cu).
+    template <class Get>
+    __device__ __forceinline__ static void unpack_from(const Get& get, float& d, float& m, int (&q)[8]) {
+        const uint32_t h = uint32_t(get(0));
+        d = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu)));
+        m = HAS_MIN ? __half2float(__ushort_as_half((unsigned short)(h >> 16))) : 0.0f;
+        constexpr int P = HAS_MIN ? 4 : 2;
+        if constexpr (BITS == 8) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) q[i] = get(P + 4 * i);
+        } else {
+            constexpr int PQ = P + (BITS == 5 ? 4 : 0);
+            const uint32_t qh = BITS == 5 ? uint32_t(get(P)) : 0u;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int v = get(PQ + 4 * i);
+                q[i] = v & 0x0F0F0F0F;
+                q[i + 4] = (v >> 4) & 0x0F0F0F0F;
+                if constexpr (BITS == 5) {
+                    q[i] |= gguf::q5_high_bits(qh >> (4 * i));
+                    q[i + 4] |= gguf::q5_high_bits(qh >> (16 + 4 * i));
+                }
+            }
+        }
+    }
+
     // The per-block term, exactly formats.gguf_blocks.<fmt>.block_dot in float32.
     __device__ __forceinline__ static float term(int sumi, float dw, float mw, float da, float sa) {
         const float fs = float(sumi);  // exact: |sumi| <= 32 * 127 * 31 < 2^24

@@ -123,6 +123,22 @@ def test_quantize_q8_1_bit_equal(dtype, m, k):
     assert diff.size == 0, f"first differing (row, byte): {diff[:5].tolist()}"
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("m,k", [(1, 32), (3, 576), (5, 4096)])
+def test_quantize_q8_1_split_layout(dtype, m, k):
+    """The split workspace (qs of block i at 32 i, half2 (d, s) at 32 n + 4 i) holds exactly the
+    codec's bytes, rearranged."""
+    x = RNG.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0.0
+    x = x.astype(dtype)
+    n = m * k // 32
+    out = torch.full((n * 36,), 0xAB, dtype=torch.uint8, device=DEV)
+    got = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV), out=out).cpu().numpy()
+    want = qz.formats.get("q8_1").quantize(x.astype(np.float32)).data.reshape(n, 36)
+    assert np.array_equal(got[: 32 * n].reshape(n, 32), want[:, 4:])
+    assert np.array_equal(got[32 * n:].reshape(n, 4), want[:, :4])
+
+
 # ---- dequantize kernel -----------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_bit_equal(fmt):
@@ -175,8 +191,29 @@ def test_matmul_magnitudes(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_mmvq16_rows_per_warp_tails(fmt):
+    """The vector-load mmvq, every rows-per-warp instance: N not a multiple of the rows per CTA,
+    rows that start off a 16-byte boundary (K/32 * bytes not a multiple of 16: the window offset
+    then differs row to row), nb < 32 and nb = 130 (a partial last pass), every M of one launch
+    and chunked; NaN-poisoned outputs against the emulation."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    for n, k in [(67, 256), (72, 96), (1, 512), (136, 4160), (24, 576)]:
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        assert G.mmvq16_ok(qt)
+        for m in list(range(1, G.MMVQ_COLS + 1)) + [11, 19]:
+            x16 = rng.standard_normal((m, k)).astype(np.float16)
+            x_t = torch.from_numpy(x16).to(DEV)
+            for rows in G.MMVQ_ROW_CHOICES:
+                out = _poisoned((m, n))
+                G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel="vec")
+                _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mmvq16 R={rows} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_mmvq_rows_per_cta_tails(fmt):
-    """Every rows-per-CTA instance, N not a multiple of it, every M of one launch (1..8) and chunked."""
+    """The scalar-load mmvq, every rows-per-CTA instance, N not a multiple of it, every M of one
+    launch (1..8) and chunked."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k in [(67, 96), (1, 32), (130, 352)]:
         _, qt_cpu = _weight(fmt, n, k, rng)
@@ -186,7 +223,7 @@ def test_mmvq_rows_per_cta_tails(fmt):
             x_t = torch.from_numpy(x16).to(DEV)
             for rows in G.MMVQ_ROW_CHOICES:
                 out = _poisoned((m, n))
-                G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows)
+                G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel="scalar")
                 _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mmvq R={rows} M={m} N={n} K={k}")
 
 
@@ -291,6 +328,14 @@ def test_bad_inputs_raise_value_error():
         G.quantize_q8_1(torch.zeros((2, 48), dtype=torch.float16, device=DEV))
     with pytest.raises(ValueError, match="data"):
         G.matmul(x, type(qt)(qt.format, qt.shape, qt.data[:, :-1].contiguous()))
+    with pytest.raises(ValueError, match="mmvq_kernel"):
+        G.matmul(x, qt, mmvq_kernel="fast")
+    big = torch.zeros(qt.data.numel() + 16, dtype=torch.uint8, device=DEV)
+    odd = type(qt)(qt.format, qt.shape, big[4:4 + qt.data.numel()].view(qt.data.shape))
+    with pytest.raises(ValueError, match="mmvq_kernel"):  # the vector kernel needs 16-byte alignment
+        G.matmul(x, odd, path="mmvq", mmvq_kernel="vec")
+    with pytest.raises(ValueError, match="x"):
+        G.quantize_q8_1_split(torch.zeros((2, 48), dtype=torch.float16, device=DEV))
     torch.cuda.synchronize()
 
 
@@ -301,7 +346,7 @@ def test_mmvq_long_k_and_unaligned_weight(fmt):
     passes with a tail (nb = 300, 130), and the weight bytes placed at a 4/8/12-byte offset from a
     16-byte boundary inside a larger buffer (a view, as a weight sliced out of a file buffer can be)."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
-    for n, k, pad in [(5, 96, 4), (37, 9600, 8), (130, 4160, 12), (3, 4096 + 32, 0)]:
+    for n, k, pad in [(5, 96, 4), (37, 9600, 8), (130, 4160, 12), (3, 4096 + 32, 0), (40, 4160, 16), (8, 9600, 32)]:
         _, qt_cpu = _weight(fmt, n, k, rng)
         qt0 = qt_cpu.to(DEV)
         nbytes = qt0.data.numel()
@@ -312,7 +357,10 @@ def test_mmvq_long_k_and_unaligned_weight(fmt):
         for m in (1, 2, 5, 8, 13):
             x16 = rng.standard_normal((m, k)).astype(np.float16)
             x_t = torch.from_numpy(x16).to(DEV)
+            kernels = ("scalar", "vec") if G.mmvq16_ok(qt) else ("scalar",)
             for rows in G.MMVQ_ROW_CHOICES:
-                out = _poisoned((m, n))
-                G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows)
-                _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mmvq R={rows} M={m} N={n} K={k} offset {pad}")
+                for kern in kernels:
+                    out = _poisoned((m, n))
+                    G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel=kern)
+                    _check_emulated(out.float().cpu().numpy(), x16, qt_cpu,
+                                    f"{fmt} mmvq {kern} R={rows} M={m} N={n} K={k} offset {pad}")

@@ -27,6 +27,7 @@ def test_registry_formats_have_kernels():
         assert f"dequant<{block}>" in G.SOURCES["gguf_dequant.cu"]
         for m in range(1, G.MMVQ_COLS + 1):
             assert f"mmvq<{block}, {m}, {G.MMVQ_ROWS[name][m]}>" in G.SOURCES["gguf_mmvq.cu"]
+            assert G.mmvq16_name(name, m, G.MMVQ16_ROWS[name][m]) in G.SOURCES["gguf_mmvq16.cu"]
 
 
 @pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
@@ -95,11 +96,12 @@ def test_import_needs_no_cupy():
     import sys
 
     assert "cupy" not in sys.modules or sys.modules["cupy"] is not None  # lazily imported
-    assert set(G.SOURCES) == {"q8_1_quantize.cu", "gguf_mmvq.cu", "gguf_mmq.cu", "gguf_dequant.cu"}
+    assert set(G.SOURCES) == {"q8_1_quantize.cu", "gguf_mmvq.cu", "gguf_mmvq16.cu", "gguf_mmq.cu", "gguf_dequant.cu"}
 
 
+@pytest.mark.parametrize("mmvq_kernel", G.MMVQ_KERNELS)
 @pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
-def test_launch_plumbing_dry_run(fmt, monkeypatch):
+def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     """Every path up to the launch on CPU tensors, kernels and launches stubbed: each kernel asked
     for must be a declared instance (CuPy compiles only SOURCES), grids and pointer offsets sane."""
     calls = []
@@ -112,6 +114,7 @@ def test_launch_plumbing_dry_run(fmt, monkeypatch):
     monkeypatch.setattr(G, "launch", lambda k, grid, block, args, shared_mem=0: calls.append((k, grid, block, args)))
     monkeypatch.setattr(G, "_workspace", lambda kind, nbytes, device: torch.zeros(nbytes, dtype=torch.uint8))
     monkeypatch.setattr(G, "check_weight", lambda qt, arg="qt": (qt.format, *qt.shape))
+    monkeypatch.setattr(G, "mmvq16_ok", lambda qt: True)  # CPU tensors: any alignment will do here
     monkeypatch.setattr(G, "_check_act", lambda x, k, arg="x", dtypes=None: (x.numel() // x.shape[-1], x.shape[-1]))
     n, k = 70, 96
     qt = _cpu_qt(fmt, n, k)
@@ -119,12 +122,26 @@ def test_launch_plumbing_dry_run(fmt, monkeypatch):
         x = torch.zeros((m, k), dtype=torch.float16)
         for path in G.PATHS:
             calls.clear()
-            y = G.matmul(x, qt, path=path)
+            y = G.matmul(x, qt, path=path, mmvq_kernel=mmvq_kernel)
             assert y.shape == (m, n)
             names = [c[0] for c in calls]
+            nb = k // 32
             if path == "dequant":
                 assert names == [f"dequant<{G.BLOCKS[fmt]}>"]
                 assert calls[0][1][0] * 256 >= n * (k // 32) * 4
+            elif path == "mmvq" and mmvq_kernel == "vec":
+                assert names[0].startswith("quantize_q8_1_split<")
+                assert len(names) == 1 + -(-m // G.MMVQ_COLS)
+                a0 = calls[1][3][1]  # qs pointer of the first chunk = workspace base
+                for i, (name, grid, block, args) in enumerate(calls[1:]):
+                    mc = min(G.MMVQ_COLS, m - i * G.MMVQ_COLS)
+                    r = G.MMVQ16_ROWS[fmt][mc]
+                    assert name == G.mmvq16_name(fmt, mc, r)
+                    assert grid == (-(-n // (r * G.MMVQ16_WARPS)),) and block == (32 * G.MMVQ16_WARPS,)
+                    c0 = i * G.MMVQ_COLS
+                    assert args[1] - a0 == c0 * nb * 32                   # qs of chunk rows
+                    assert args[2] - a0 == m * nb * 32 + c0 * nb * 4      # (d, s) after all qs
+                    assert args[3] - calls[1][3][3] == c0 * n * 2         # y offset, bytes
             else:
                 assert names[0].startswith("quantize_q8_1<")
                 kern = names[1:]

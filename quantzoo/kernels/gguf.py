@@ -36,6 +36,7 @@ Q8_1_BYTES = get("q8_1").bytes_per_block
 BLOCKS = {f.name: f"Block{f.gguf_type}" for f in weight_formats() if f.kernels == "gguf"}
 BYTES = {name: get(name).bytes_per_block for name in BLOCKS}
 MMVQ_COLS = 8          # activation rows one mmvq launch takes (template instances 1..8)
+MMVQ16_WARPS = 4       # warps per CTA of the vector-load mmvq (cuda/gguf_mmvq16.cu), R rows per warp
 MMVQ_THREADS = 128
 MMVQ_ROW_CHOICES = (1, 2, 4)
 MMQ_TILE = 64          # the tiled GEMM's output tile is MMQ_TILE x MMQ_TILE (cuda/gguf_mmq.cu)
@@ -47,6 +48,14 @@ MMQ_THREADS = 256
 # best with rotated weights for every format and much faster with reused (L2-resident) ones
 # (q4_1: 11.5 us at R=2 vs 14.0 at R=1; q5_1: 13.3 vs 18.0).
 MMVQ_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
+# The vector-load mmvq (cuda/gguf_mmvq16.cu): weight windows read with MMVQ16_LW-byte loads
+# (16 or 8), L1::no_allocate on the weight stream (MMVQ16_NOALLOC), Q8_1 activations in the
+# split layout. It needs the weight's base address and byte size to be multiples of MMVQ16_LW;
+# other weights (a view at an odd offset, N * K/32 * bytes not a multiple of 16) run the
+# scalar-load mmvq (cuda/gguf_mmvq.cu). Rows per warp by M: see MMVQ16_ROWS.
+MMVQ16_LW = 16
+MMVQ16_NOALLOC = True
+MMVQ16_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
 # Largest M that takes mmvq (in chunks of 8 rows, ~34 us each for q4_0): above it the dequant
 # path (~100 us flat up to M = 64) wins. M=16: mmvq 64 vs dequant 103 us; M=32: 126 vs 106.
 MMVQ_MAX_M = {f: 16 if f == "q8_0" else 24 for f in BLOCKS}
@@ -61,10 +70,21 @@ MMQ_MAX_M = {f: 0 for f in BLOCKS}
 DEQUANT_BUFFER_BYTES = 128 << 20
 PATHS = ("mmvq", "mmq", "dequant")
 
+
+
+def mmvq16_name(fmt: str, m: int, r: int, lw: int | None = None, noalloc: bool | None = None) -> str:
+    lw = MMVQ16_LW if lw is None else lw
+    noalloc = MMVQ16_NOALLOC if noalloc is None else noalloc
+    return f"mmvq16<{BLOCKS[fmt]}, {m}, {r}, {lw}, {'true' if noalloc else 'false'}>"
+
+
 SOURCES = {
-    "q8_1_quantize.cu": ("quantize_q8_1<__half>", "quantize_q8_1<float>"),
+    "q8_1_quantize.cu": ("quantize_q8_1<__half>", "quantize_q8_1<float>",
+                         "quantize_q8_1_split<__half>", "quantize_q8_1_split<float>"),
     "gguf_mmvq.cu": tuple(f"mmvq<{b}, {m}, {r}>" for b in BLOCKS.values() for m in range(1, MMVQ_COLS + 1)
                           for r in MMVQ_ROW_CHOICES),
+    "gguf_mmvq16.cu": tuple(mmvq16_name(f, m, r) for f in BLOCKS for m in range(1, MMVQ_COLS + 1)
+                            for r in MMVQ_ROW_CHOICES),
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
 }
@@ -179,12 +199,29 @@ def quantize_q8_1(x, out=None):
     return out
 
 
-def _launch_quantize(x, out, n_blocks: int):
+def quantize_q8_1_split(x, out=None):
+    """Like quantize_q8_1, in the split layout the vector-load mmvq reads: a flat uint8 buffer of
+    n = M*K/32 blocks, qs of block i at bytes [32 i, 32 i + 32), half2 (d, s) of block i at
+    32 n + 4 i (cuda/q8_1_quantize.cu). Same bytes as quantize_q8_1's, placed differently."""
+    import torch
+
+    m, k = _check_act(x, None, "x", (torch.float16, torch.float32))
+    nbytes = m * (k // QK) * Q8_1_BYTES
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    else:
+        _check_out(out, (nbytes,), torch.uint8, x.device, align=16)
+    _launch_quantize(x, out, m * (k // QK), split=True)
+    return out
+
+
+def _launch_quantize(x, out, n_blocks: int, split: bool = False):
     import torch
 
     if n_blocks == 0:
         return
-    name = "quantize_q8_1<__half>" if x.dtype == torch.float16 else "quantize_q8_1<float>"
+    kname = "quantize_q8_1_split" if split else "quantize_q8_1"
+    name = f"{kname}<__half>" if x.dtype == torch.float16 else f"{kname}<float>"
     per_cta = 8  # warps (= blocks) per 256-thread CTA
     launch(_kernel("q8_1_quantize.cu", name), ((n_blocks + per_cta - 1) // per_cta,), (32 * per_cta,),
            (x.data_ptr(), out.data_ptr(), np.int64(n_blocks)))
@@ -224,11 +261,22 @@ def choose_path(m: int, qt) -> str:
     return "dequant"
 
 
-def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None):
+def mmvq16_ok(qt) -> bool:
+    """Whether the vector-load mmvq can read this (checked) weight: base and size multiples of LW."""
+    return qt.data.data_ptr() % MMVQ16_LW == 0 and qt.data.numel() % MMVQ16_LW == 0
+
+
+MMVQ_KERNELS = ("vec", "scalar")
+
+
+def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None,
+           mmvq_kernel: str | None = None):
     """y = x @ W.T: x fp16 CUDA (..., K) contiguous, qt on the same device -> fp16 (..., N).
 
     `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS,
-    otherwise choose_path decides; `mmvq_rows` (1, 2, 4) overrides MMVQ_ROWS (for the bench).
+    otherwise choose_path decides; `mmvq_rows` (1, 2, 4) overrides the rows per CTA / warp (for
+    the bench); `mmvq_kernel` forces "vec" (cuda/gguf_mmvq16.cu; ValueError if the weight is not
+    aligned for it) or "scalar" (cuda/gguf_mmvq.cu); by default vec whenever mmvq16_ok(qt).
     """
     import torch
 
@@ -247,6 +295,13 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         raise ValueError(f"path: {path!r}, one of {PATHS}")
     if mmvq_rows is not None and mmvq_rows not in MMVQ_ROW_CHOICES:
         raise ValueError(f"mmvq_rows: {mmvq_rows!r}, one of {MMVQ_ROW_CHOICES}")
+    if mmvq_kernel is not None and mmvq_kernel not in MMVQ_KERNELS:
+        raise ValueError(f"mmvq_kernel: {mmvq_kernel!r}, one of {MMVQ_KERNELS}")
+    vec = mmvq16_ok(qt) if mmvq_kernel is None else mmvq_kernel == "vec"
+    if vec and mmvq_kernel == "vec" and not mmvq16_ok(qt):
+        raise ValueError(f"mmvq_kernel: 'vec' needs qt.data's address and size to be multiples of "
+                         f"{MMVQ16_LW} bytes (address % {MMVQ16_LW} = {qt.data.data_ptr() % MMVQ16_LW}, "
+                         f"size {qt.data.numel()})")
     if m == 0:
         return out
     if m >= 2**31 // 2:
@@ -257,8 +312,16 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         _dequant_matmul(fmt, x.view(m, k), qt.data, y2, n, k)
         return out
     xq = _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
-    _launch_quantize(x, xq, m * nb)
     w = qt.data
+    if path == "mmvq" and vec:
+        _launch_quantize(x, xq, m * nb, split=True)
+        for c0 in range(0, m, MMVQ_COLS):
+            mc = min(MMVQ_COLS, m - c0)
+            r = mmvq_rows or MMVQ16_ROWS[fmt][mc]
+            launch_mmvq16(fmt, w, xq.data_ptr() + c0 * nb * 32, xq.data_ptr() + m * nb * 32 + c0 * nb * 4,
+                          y2.data_ptr() + c0 * n * 2, n, nb, mc, r)
+        return out
+    _launch_quantize(x, xq, m * nb)
     if path == "mmvq":
         for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
             mc = min(MMVQ_COLS, m - c0)
@@ -274,6 +337,20 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         launch(_kernel("gguf_mmq.cu", f"mmq<{BLOCKS[fmt]}>"), grid, (MMQ_THREADS,),
                (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(nb)))
     return out
+
+
+def launch_mmvq16(fmt, w, aqs_ptr: int, ads_ptr: int, y_ptr: int, n: int, nb: int, m: int, r: int,
+                  lw: int | None = None, noalloc: bool | None = None, name_expressions=None):
+    """One vector-load mmvq launch (no checks: matmul validated everything). The bench passes
+    lw / noalloc / name_expressions to time variants that SOURCES does not list."""
+    name = mmvq16_name(fmt, m, r, lw, noalloc)
+    if name_expressions:
+        kern = get_kernel("gguf_mmvq16.cu", name, tuple(name_expressions))
+    else:
+        kern = _kernel("gguf_mmvq16.cu", name)
+    rows_per_cta = MMVQ16_WARPS * r
+    launch(kern, ((n + rows_per_cta - 1) // rows_per_cta,), (32 * MMVQ16_WARPS,),
+           (w.data_ptr(), aqs_ptr, ads_ptr, y_ptr, np.int32(n), np.int32(nb)))
 
 
 def _dequant_matmul(fmt, x2, w, y2, n, k, buffer_bytes: int | None = None):
