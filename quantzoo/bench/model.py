@@ -224,6 +224,11 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     r["roofline_tok_s"] = bw / wbytes if bw else None
     r["decode_tok_s_graph"] = time_decode(m, args.decode_tokens, graph=True) if m.is_cuda else None
     r["decode_tok_s_eager"] = time_decode(m, args.eager_tokens, graph=False)
+    r["fused_layer_ops"] = m.fused_ops
+    if m.fused_ops and m.is_cuda:   # the same graph decode with the per-layer ops left to torch
+        m.fused_ops, m._graph = False, None
+        r["decode_tok_s_graph_torch_ops"] = time_decode(m, args.decode_tokens, graph=True)
+        m.fused_ops, m._graph = True, None
     if r["decode_tok_s_graph"]:
         r["graph_gain"] = r["decode_tok_s_graph"] / r["decode_tok_s_eager"]
         if bw:
@@ -313,7 +318,8 @@ def render(out: dict, args) -> str:
                fmt_n(r.get("decode_tok_s_graph")),
                "-" if r.get("roofline_fraction") is None else f"{100 * r['roofline_fraction']:.0f}%",
                fmt_n(r.get("decode_tok_s_eager")),
-               "-" if r.get("graph_gain") is None else f"{r['graph_gain']:.2f}x"]
+               "-" if r.get("graph_gain") is None else f"{r['graph_gain']:.2f}x",
+               fmt_n(r.get("decode_tok_s_graph_torch_ops"))]
         for n in lens:
             v = r[f"prefill_tok_s_{n}"]
             rel = f" ({v / fp16[f'prefill_tok_s_{n}']:.2f}x)" if fp16 and r is not fp16 else ""
@@ -325,7 +331,7 @@ def render(out: dict, args) -> str:
         row.append("/".join(str(lc.get(k, "-")) for k in ("tg128", "pp512", "pp2048")) if lc else "-")
         rows.append(row)
     hdr = (["format", "weights GB", "roofline tok/s", "decode tok/s (graph)", "of roofline",
-            "decode eager", "graph gain"] + [f"prefill {n}" for n in lens] +
+            "decode eager", "graph gain", "decode, torch layer ops"] + [f"prefill {n}" for n in lens] +
            ["peak GiB decode / prefill (vs W+emb+KV)", "llama.cpp tg128/pp512/pp2048"])
     s = tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
     bw = out.get("copy_bandwidth_bytes_s")
@@ -333,7 +339,8 @@ def render(out: dict, args) -> str:
     s += (f"\n\nQwen3-8B-shaped ({c['num_layers']} layers, hidden {c['hidden_size']}, vocab "
           f"{c['vocab_size']}), random weights, batch 1, {out['device']}. Roofline = copy bandwidth "
           f"{'-' if not bw else f'{bw / 1e12:.2f} TB/s'} (measured now) / weight bytes per token "
-          "(embedding excluded). Prefill in parentheses: ratio to the fp16 runner.")
+          "(embedding excluded). Prefill in parentheses: ratio to the fp16 runner. 'torch layer ops': "
+          "graph decode with norms, RoPE, attention and SwiGLU as torch ops instead of the fused kernels.")
     for r in res:
         if r.get("fallbacks"):
             s += f"\n{r['format']}: FALLBACK " + "; ".join(r["fallbacks"])

@@ -230,7 +230,8 @@ class Model:
 
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu",
                  max_seq: int | None = None, matmul_mode: str = "cached", cuda_graph: bool = True,
-                 dtype=None, progress: bool = False, fuse: bool | None = None):
+                 dtype=None, progress: bool = False, fuse: bool | None = None,
+                 fused_ops: bool | None = None):
         if matmul_mode not in MATMUL_MODES:
             raise ValueError(f"matmul_mode={matmul_mode!r}: choose one of {MATMUL_MODES}")
         device = str(torch.device(device))
@@ -261,11 +262,29 @@ class Model:
         self.max_seq = int(min(max_seq or cfg.max_position, cfg.max_position))
         self.formats = self._formats()
         self.fallbacks = sorted({ln.fallback for ln in self._all_linears() if ln.fallback})
+        self.fused_ops, why = self._fused_ops_status(fused_ops)
+        if why and fused_ops:
+            raise ValueError(f"fused_ops=True: {why}")
         self._cache_len = 0
         self.k_cache = self.v_cache = None
         self._graph = None
 
     # ---- bookkeeping ----------------------------------------------------------------------
+    def _fused_ops_status(self, want) -> tuple[bool, str | None]:
+        """Whether _forward uses the fused CUDA layer ops, and if not, why (None: not asked)."""
+        if want is False:
+            return False, None
+        if not self.is_cuda or self.dtype != torch.float16:
+            return False, "the fused layer ops run on CUDA in float16"
+        if any(lay.qkv is None or lay.gate_up is None for lay in self.layers):
+            return False, "q/k/v or gate/up projections could not be fused (their formats differ)"
+        from ..kernels import layer_ops
+
+        cfg = self.config
+        why = layer_ops.supports(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim,
+                                 cfg.num_heads, cfg.num_kv_heads)
+        return why is None, why
+
     def _all_linears(self):
         for lay in self.layers:
             yield from lay.linears()
@@ -302,6 +321,10 @@ class Model:
             self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.cos, self.sin = rope_tables(cfg, n, self.device, self.dtype)
+            if self.fused_ops:
+                from ..kernels.layer_ops import DecodeWork
+
+                self._decode_work = DecodeWork(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, n, self.device)
             self._graph = None
         self._cache_len = n
         return n
@@ -310,6 +333,57 @@ class Model:
         return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     # ---- forward ------------------------------------------------------------------------------
+    def _attend(self, q, kc, vc, T: int, from_start: bool, mask):
+        """SDPA over the cache: q (1, T, H, hd), kc/vc (1, KV, S, hd) -> (1, T, H*hd)."""
+        H, KV = self.config.num_heads, self.config.num_kv_heads
+        G, hd = H // KV, q.shape[-1]
+        if from_start:
+            # causal over the first T rows. K/V are repeated per query head here (T rows,
+            # cheap) rather than with enable_gqa, so SDPA's flash kernel is always eligible
+            # and never falls back to the math path's (H, T, T) score matrix.
+            kr, vr = kc[:, :, :T], vc[:, :, :T]
+            if G > 1:
+                kr, vr = kr.repeat_interleave(G, dim=1), vr.repeat_interleave(G, dim=1)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, is_causal=True)
+            return a.transpose(1, 2).reshape(1, T, H * hd)
+        # GQA without copying the cache per head: the G query heads sharing a KV head
+        # become G*T query rows of that head (head h = kv*G + g, as HF's repeat_kv).
+        qg = q.reshape(1, T, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(1, KV, G * T, hd)
+        a = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
+        return a.view(1, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(1, T, H * hd)
+
+    def _mask(self, pos):
+        """(G*T, S) bool: row g*T + t of the grouped queries sees keys at positions <= pos[t]."""
+        G = self.config.num_heads // self.config.num_kv_heads
+        S = self.k_cache.shape[3]
+        return (torch.arange(S, device=pos.device)[None, :] <= pos[:, None]).repeat(G, 1)
+
+    def _forward_fused(self, ids, pos, all_logits: bool, from_start: bool) -> torch.Tensor:
+        """_forward on CUDA with the per-layer small ops fused (quantzoo.kernels.layer_ops):
+        add+RMSNorm, q/k-norm+RoPE+KV-cache write, SiLU*up, and for one token the split-cache
+        decode attention -- the same arithmetic as _forward, ~10 launches per layer fewer."""
+        from ..kernels import layer_ops as lo
+
+        cfg = self.config
+        T, eps = ids.shape[0], cfg.rms_norm_eps
+        H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        mask = None if from_start or T == 1 else self._mask(pos)
+        h = self.embed(ids).reshape(T, -1)          # the residual stream, updated in place
+        delta = None
+        for li, lay in enumerate(self.layers):
+            x = lo.add_rms_norm(h, delta, lay.attn_norm, eps)
+            kc, vc = self.k_cache[li, 0], self.v_cache[li, 0]            # (KV, S, hd)
+            q = lo.qk_rope_store(lay.qkv(x), lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
+            if T == 1:
+                a = lo.attn_decode(q, kc, vc, pos, self._decode_work)
+            else:
+                a = self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd)
+            x = lo.add_rms_norm(h, lay.o(a), lay.mlp_norm, eps)
+            delta = lay.down(lo.silu_mul(lay.gate_up(x)))
+        if not all_logits:
+            h, delta = h[-1:], delta[-1:]
+        return self.lm_head(lo.add_rms_norm(h, delta, self.norm, eps))
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, all_logits: bool,
                  from_start: bool = False) -> torch.Tensor:
         """ids (T,) at positions pos (T,) (int64 tensors on the device) -> logits (T or 1, V).
@@ -319,15 +393,13 @@ class Model:
         prompt that starts at position 0 (`from_start`) attends to the first T cache rows with
         is_causal instead, which lets SDPA pick its flash kernel for long prefills.
         """
+        if self.fused_ops:
+            return self._forward_fused(ids, pos, all_logits, from_start)
         cfg = self.config
         T = ids.shape[0]
         H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        G = H // KV
-        S = self.k_cache.shape[3]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]        # (T, 1, hd)
-        if not from_start:
-            # (G*T, S): row g*T + t of the grouped queries (below) sees keys at positions <= pos[t]
-            mask = (torch.arange(S, device=ids.device)[None, :] <= pos[:, None]).repeat(G, 1)
+        mask = None if from_start else self._mask(pos)
         h = self.embed(ids)[None]                                        # (1, T, hidden)
         for li, lay in enumerate(self.layers):
             x = rms_norm(h, lay.attn_norm, cfg.rms_norm_eps)
@@ -349,21 +421,7 @@ class Model:
             kc, vc = self.k_cache[li], self.v_cache[li]                  # (1, KV, S, hd)
             kc.index_copy_(2, pos, k.transpose(1, 2))
             vc.index_copy_(2, pos, v.transpose(1, 2))
-            if from_start:
-                # causal over the first T rows. K/V are repeated per query head here (T rows,
-                # cheap) rather than with enable_gqa, so SDPA's flash kernel is always eligible
-                # and never falls back to the math path's (H, T, T) score matrix.
-                kr, vr = kc[:, :, :T], vc[:, :, :T]
-                if G > 1:
-                    kr, vr = kr.repeat_interleave(G, dim=1), vr.repeat_interleave(G, dim=1)
-                a = F.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, is_causal=True)
-                a = a.transpose(1, 2).reshape(1, T, H * hd)
-            else:
-                # GQA without copying the cache per head: the G query heads sharing a KV head
-                # become G*T query rows of that head (head h = kv*G + g, as HF's repeat_kv).
-                qg = q.view(1, T, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(1, KV, G * T, hd)
-                a = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
-                a = a.view(1, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(1, T, H * hd)
+            a = self._attend(q, kc, vc, T, from_start, mask)
             h = h + lay.o(a)
             h = h + lay.mlp(rms_norm(h, lay.mlp_norm, cfg.rms_norm_eps))
         h = h[0] if all_logits else h[0, -1:]
@@ -456,7 +514,8 @@ def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str 
     opts: max_seq (the largest KV cache the model may allocate, default the context length;
     the cache itself is sized on demand: prompt + new tokens rounded up to 256), matmul_mode
     ("cached" | "dequant" | "emulate", CPU only), cuda_graph (default True on CUDA), fuse
-    (q/k/v and gate/up as one linear each; default on CUDA), dtype (activation dtype),
-    progress (tqdm while placing layers).
+    (q/k/v and gate/up as one linear each; default on CUDA), fused_ops (norms, RoPE + cache
+    write, SiLU and decode attention as fused CUDA kernels; default on CUDA when the shapes
+    allow, False = the torch ops), dtype (activation dtype), progress (tqdm while placing layers).
     """
     return Model(config, weights, tokenizer, device, **opts)

@@ -1,0 +1,170 @@
+"""The decoder's small per-layer ops as fused CUDA kernels (cuda/layer_ops.cu), for the runner.
+
+    add_rms_norm(h, delta, w, eps)        h += delta in place; returns rms_norm(h) * w
+    qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H, KV, eps) -> q (T, H, hd)
+                                          q/k RMSNorm (optional) + RoPE; k, v written to the cache
+    silu_mul(gu)                          [gate | up] (T, 2F) -> silu(gate) * up (T, F)
+    attn_decode(q, k_cache, v_cache, pos, work) -> (1, H*hd)   one token against cache rows <= pos
+
+Each equals the torch code it replaces in quantzoo/model/llm.py with the same fp16 roundings
+(tests/test_layer_ops_gpu.py checks them against that code). Every tensor is fp16 and contiguous
+on one CUDA device; nothing allocates except the returned outputs (torch), and positions are
+read from a device tensor, so the decode step that uses them can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from quantzoo.cuda_launch import get_kernel, launch
+
+HEAD_DIMS = {64: 2, 128: 4}      # head_dim -> elements per lane (E)
+MAX_GROUP = 8                    # query heads per KV head served by attn_decode
+SPLITS_MAX = 256                 # attn_decode cuts the context into at most this many runs
+NORM_CHUNKS = (1, 2, 4)         # 16-byte chunks per thread in add_rms_norm: D <= 8 * 1024 * 4
+SOURCES = {"layer_ops.cu": tuple(f"add_rms_norm<{a}, {v}>" for a in ("true", "false") for v in NORM_CHUNKS)
+           + ("silu_mul",)
+           + tuple(f"qk_rope_store<{e}, {b}>" for e in HEAD_DIMS.values() for b in ("true", "false"))
+           + tuple(f"attn_decode<{e}, {g}>" for e in HEAD_DIMS.values() for g in range(1, MAX_GROUP + 1))}
+
+
+def _k(name: str):
+    return get_kernel("layer_ops.cu", name, SOURCES["layer_ops.cu"])
+
+
+def supports(hidden: int, ffn: int, head_dim: int, heads: int, kv_heads: int) -> str | None:
+    """None when the fused kernels serve this shape, else why not (the runner then uses torch)."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (fused kernels take {sorted(HEAD_DIMS)})"
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        return f"{heads} heads over {kv_heads} KV heads (at most {MAX_GROUP} per KV head)"
+    if hidden % 8 or hidden > 8 * 1024 * NORM_CHUNKS[-1] or ffn % 2:
+        return (f"hidden {hidden} (a multiple of 8 up to {8 * 1024 * NORM_CHUNKS[-1]}) / "
+                f"intermediate {ffn} (even)")
+    return None
+
+
+def _check(name, t, shape=None, dtype=None):
+    import torch
+
+    if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        raise ValueError(f"{name}: expected a CUDA tensor, got {type(t).__name__}"
+                         + ("" if not isinstance(t, torch.Tensor) else f" on {t.device}"))
+    if t.dtype != (dtype or torch.float16):
+        raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype or torch.float16}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: not contiguous")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def add_rms_norm(h, delta, w, eps: float):
+    """h (T, D) fp16 (updated in place to h + delta when delta is not None) -> fp16 (T, D)."""
+    import torch
+
+    _check("h", h)
+    limit = 8 * 1024 * NORM_CHUNKS[-1]
+    if h.dim() != 2 or h.shape[1] % 8 or h.shape[1] > limit:
+        raise ValueError(f"h: shape {tuple(h.shape)}, expected (T, D) with D a multiple of 8, at most {limit}")
+    T, D = h.shape
+    if delta is not None:
+        _check("delta", delta, (T, D))
+    _check("w", w, (D,))
+    out = torch.empty_like(h)
+    V = next(v for v in NORM_CHUNKS if D <= 8 * 1024 * v)
+    threads = -(-D // (8 * V * 32)) * 32
+    launch(_k(f"add_rms_norm<{'true' if delta is not None else 'false'}, {V}>"), (T,), (threads,),
+           (h.data_ptr(), delta.data_ptr() if delta is not None else 0, w.data_ptr(), out.data_ptr(),
+            np.int32(D), np.float32(eps)))
+    return out
+
+
+def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int, eps: float):
+    """qkv (T, (H + 2 KV) hd); norm_w (H + KV, hd) or None; cos/sin (S, hd); pos (T,) int64;
+    k_cache/v_cache (KV, S, hd) of one layer. Returns q (T, H, hd); k and v land in the caches."""
+    import torch
+
+    _check("k_cache", k_cache)
+    if k_cache.dim() != 3 or k_cache.shape[0] != KV:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)}, expected ({KV}, S, head_dim)")
+    _, S, hd = k_cache.shape
+    if hd not in HEAD_DIMS:
+        raise ValueError(f"k_cache: head_dim {hd}, the fused kernels take {sorted(HEAD_DIMS)}")
+    _check("v_cache", v_cache, (KV, S, hd))
+    _check("qkv", qkv)
+    if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * KV) * hd:
+        raise ValueError(f"qkv: shape {tuple(qkv.shape)}, expected (T, {(H + 2 * KV) * hd})")
+    T = qkv.shape[0]
+    _check("pos", pos, (T,), torch.int64)
+    _check("cos", cos, (S, hd))
+    _check("sin", sin, (S, hd))
+    if norm_w is not None:
+        _check("norm_w", norm_w, (H + KV, hd))
+    q = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
+    items = T * (H + 2 * KV)
+    name = f"qk_rope_store<{HEAD_DIMS[hd]}, {'true' if norm_w is not None else 'false'}>"
+    launch(_k(name), (math.ceil(items / 4),), (128,),
+           (qkv.data_ptr(), norm_w.data_ptr() if norm_w is not None else 0, cos.data_ptr(), sin.data_ptr(),
+            pos.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            np.int32(T), np.int32(H), np.int32(KV), np.int32(S), np.float32(eps)))
+    return q
+
+
+def silu_mul(gu):
+    """gu (T, 2F) fp16 = [gate | up] -> silu(gate) * up (T, F) fp16."""
+    import torch
+
+    _check("gu", gu)
+    if gu.dim() != 2 or gu.shape[1] % 4:
+        raise ValueError(f"gu: shape {tuple(gu.shape)}, expected (T, 2F) with F even")
+    T, F2 = gu.shape
+    out = torch.empty((T, F2 // 2), dtype=gu.dtype, device=gu.device)
+    pairs = T * F2 // 4
+    blocks = max(1, min(math.ceil(pairs / 256), 132 * 8))
+    launch(_k("silu_mul"), (blocks,), (256,), (gu.data_ptr(), out.data_ptr(), np.int64(T), np.int32(F2 // 2)))
+    return out
+
+
+class DecodeWork:
+    """fp32 scratch of attn_decode for one cache size S: the runs' partial outputs. The kernel
+    cuts rows 0..pos into at most n_split runs of >= 64 positions (cuda/layer_ops.cu)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, S: int, device):
+        import torch
+
+        self.n_split = max(1, min(SPLITS_MAX, S // 64))
+        self.S = S
+        self.o = torch.empty((heads, self.n_split, head_dim), dtype=torch.float32, device=device)
+        self.ml = torch.empty((heads, self.n_split, 2), dtype=torch.float32, device=device)
+        self.count = torch.zeros(kv_heads, dtype=torch.int32, device=device)  # finished CTAs
+
+
+def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
+    """q (1, H, hd) one token; k_cache/v_cache (KV, S, hd); pos (1,) int64 -> (1, H*hd) fp16:
+    softmax(q k^T / sqrt(hd)) v over cache rows 0..pos (GQA: head h reads KV head h // G)."""
+    import torch
+
+    _check("k_cache", k_cache)
+    KV, S, hd = k_cache.shape
+    _check("v_cache", v_cache, (KV, S, hd))
+    _check("q", q)
+    if q.dim() != 3 or q.shape[0] != 1 or q.shape[2] != hd or q.shape[1] % KV:
+        raise ValueError(f"q: shape {tuple(q.shape)}, expected (1, H, {hd}) with H a multiple of {KV}")
+    H = q.shape[1]
+    G = H // KV
+    if hd not in HEAD_DIMS or G > MAX_GROUP:
+        raise ValueError(f"attn_decode: head_dim {hd} / group {G} not served "
+                         f"(head_dim in {sorted(HEAD_DIMS)}, group <= {MAX_GROUP})")
+    _check("pos", pos, (1,), torch.int64)
+    if work.S != S or work.o.shape[0] != H or work.count.shape[0] != KV:
+        raise ValueError(f"work: made for S={work.S}, {work.o.shape[0]} heads / {work.count.shape[0]} KV heads;"
+                         f" the cache has S={S}, {H} / {KV}")
+    E = HEAD_DIMS[hd]
+    scale_log2 = math.log2(math.e) / math.sqrt(hd)
+    out = torch.empty((1, H * hd), dtype=q.dtype, device=q.device)
+    launch(_k(f"attn_decode<{E}, {G}>"), (work.n_split, KV), (128,),
+           (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos.data_ptr(), work.o.data_ptr(),
+            work.ml.data_ptr(), work.count.data_ptr(), out.data_ptr(), np.int32(S), np.int32(work.n_split),
+            np.float32(scale_log2)))
+    return out
