@@ -119,7 +119,7 @@ def bench_mmvq_split(fmt, ms=(1, 2, 4, 8), detail=True):
     return res
 
 
-MMVQ16_VARIANTS = [(16, True), (16, False), (8, True), (8, False)]  # (load width, L1::no_allocate)
+MMVQ16_VARIANTS = [(16, True), (16, False)]  # (load width, L1::no_allocate); 8-byte loads lost in round 3
 
 
 def bench_mmvq16_variants(fmt, ms=(1, 8), detail=True):
@@ -158,11 +158,11 @@ def bench_mmvq16_variants(fmt, ms=(1, 8), detail=True):
                 calls = [lambda qt=qts[i % len(qts)], r=r, lw=lw, na=na: vcall(qt, r, lw, na) for i in range(max(12, len(qts)))]
                 key = f"vec{lw}{'na' if na else ''}"
                 res[(m, key, r)] = time_calls(calls)
-                if detail and lw == 16:
+                if detail and lw == 16 and m == 1:
                     res[(m, key + " reused", r)] = time_calls([lambda r=r, lw=lw, na=na: vcall(qts[0], r, lw, na)] * 12)
                     res[(m, key + " kernel only", r)] = time_calls(
                         [lambda qt=qts[i % len(qts)], r=r, lw=lw, na=na: vcall(qt, r, lw, na, False) for i in range(max(12, len(qts)))])
-        if detail:
+        if detail and m == 1:
             for r in G.MMVQ_ROW_CHOICES:
                 res[(m, "scalar reused", r)] = time_calls(
                     [lambda r=r: G.matmul(x, qts[0], out=y, path="mmvq", mmvq_rows=r, mmvq_kernel="scalar")] * 12)
@@ -198,6 +198,23 @@ def mmvq16_main(a):
     with open(os.path.join(a.out, "gguf_mmvq16_bench.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     return 0
+
+
+def bench_mma_splits(fmt, ms=(16, 32, 64, 128, 256, 512), splits=(None, 1, 2, 4, 8)):
+    """us per call of the mma path (Q8_1 quantization and the split-K reduce included) by forced
+    K splits (None = mma_plan's choice), rotated weights."""
+    qts = make_weights(fmt, n_copies(qz.formats.get(fmt).nbytes((N, K))))
+    res = {}
+    for m in ms:
+        x = torch.randn((m, K), device="cuda", dtype=torch.float16)
+        y = torch.empty((m, N), device="cuda", dtype=torch.float16)
+        for sp in splits:
+            calls = [lambda qt=qts[i % len(qts)], sp=sp: G.matmul(x, qt, out=y, path="mma", mma_split=sp)
+                     for i in range(max(8, len(qts)))]
+            res[(m, sp)] = time_calls(calls, reps=8)
+    del qts
+    torch.cuda.empty_cache()
+    return res
 
 
 def n_copies(nbytes):
@@ -239,7 +256,7 @@ def bench_gguf(fmt, ms, paths, rotate=True):
         x = torch.randn((m, K), device="cuda", dtype=torch.float16)
         y = torch.empty((m, N), device="cuda", dtype=torch.float16)
         for path in paths:
-            if path == "mmvq" and m > 64:
+            if (path == "mmvq" and m > 64) or (path == "mma" and m > 512):
                 continue
             reps = max(len(qts), 12 if m <= 64 else 4)
             calls = [lambda qt=qts[i % len(qts)], p=path: G.matmul(x, qt, out=y, path=p) for i in range(reps)]
@@ -267,15 +284,19 @@ def sanitize_run():
     """Tail shapes through every path once, for `compute-sanitizer --tool memcheck` (no timing)."""
     rng = np.random.default_rng()
     shapes = [(1, 67, 96), (3, 1, 32), (5, 130, 160), (8, 33, 544), (9, 65, 32), (70, 129, 96), (130, 7, 64),
-              (2, 37, 9600)]  # the last: several mmvq passes with a tail
+              (2, 37, 9600),  # several mmvq passes with a tail
+              (1, 72, 96), (7, 8, 4160), (40, 200, 4160), (130, 72, 96)]  # 16-byte aligned: mmvq16 and mma
     for fmt in G.BLOCKS:
         for m, n, k in shapes:
             qt = qz.formats.get(fmt).quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).to("cuda")
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).cuda()
             for p in G.PATHS:
+                if p == "mma" and not G._aligned16(qt):
+                    continue
                 for rows in (G.MMVQ_ROW_CHOICES if p == "mmvq" else (None,)):
-                    y = G.matmul(x, qt, path=p, mmvq_rows=rows)
-                    assert torch.isfinite(y).all(), (fmt, m, n, k, p, rows)
+                    for kern in (G.MMVQ_KERNELS if p == "mmvq" and G.mmvq16_ok(qt) else (None,)):
+                        y = G.matmul(x, qt, path=p, mmvq_rows=rows, mmvq_kernel=kern)
+                        assert torch.isfinite(y).all(), (fmt, m, n, k, p, rows, kern)
             G.dequantize(qt)
             G.quantize_q8_1(x.float())
     torch.cuda.synchronize()
@@ -289,6 +310,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only")
     ap.add_argument("--no-tuning", action="store_true", help="skip the rows-per-CTA and buffer sweeps")
     ap.add_argument("--sanitize", action="store_true", help="tail shapes once, no timing (for compute-sanitizer)")
+    ap.add_argument("--mma", action="store_true", help="mma path by forced K splits (M = 16..512)")
+    ap.add_argument("--with-mmq", action="store_true", help="also time the DP4A tiled GEMM (slow: 0.3-5 ms per call)")
     ap.add_argument("--mmvq16", action="store_true", help="vector-load mmvq variants x rows per warp vs the scalar mmvq")
     ap.add_argument("--ms", default="1,8", help="activation rows for --mmvq16")
     ap.add_argument("--mmvq", action="store_true", help="copy-bandwidth study + mmvq x rows per CTA (M=1,2,4,8) with the M=1 time split")
@@ -300,6 +323,13 @@ def main(argv=None):
         return mmvq_main(a)
     if a.mmvq16:
         return mmvq16_main(a)
+    if a.mma:
+        for fmt in a.formats.split(","):
+            res = bench_mma_splits(fmt)
+            print(f"mma {fmt} us by K splits (auto = mma_plan): " + "; ".join(
+                f"M={m} " + ",".join(f"{'auto' if sp is None else sp}:{v:.1f}" for (mm, sp), v in res.items() if mm == m)
+                for m in dict.fromkeys(mm for mm, _ in res)), flush=True)
+        return 0
     fmts = a.formats.split(",")
     t0 = time.time()
     dev = torch.cuda.get_device_name()
@@ -323,7 +353,7 @@ def main(argv=None):
 
     rows, raw = [], {"device": dev, "copy_Bps": bw, "cublas_fp16_us": cub, "cublas_fp16_reused_us": cub_reused}
     for fmt in fmts:
-        rot, nbytes = bench_gguf(fmt, sweep, ["mmvq", "mmq", "dequant"])
+        rot, nbytes = bench_gguf(fmt, sweep, ["mmvq", "mma", "dequant"] + (["mmq"] if a.with_mmq else []))
         reu, _ = bench_gguf(fmt, [1, 8], ["mmvq"], rotate=False)
         raw[fmt] = {"bytes": nbytes, "rotated": {f"{m}/{p}": v for (m, p), v in rot.items()},
                     "reused": {f"{m}/{p}": v for (m, p), v in reu.items()}}

@@ -13,7 +13,7 @@
 // 5 or 9 L1 cache lines ("wavefronts") for 64 or 128 useful bytes; at M = 1 that is ~170
 // wavefronts per 1152 weight bytes, and the SM's load pipeline -- not DRAM -- set the speed
 // (66-78 % of the H100's copy bandwidth). Here:
-//  * Weights: lane l still owns block b = 32 i + l of its row, but reads the 16-byte-aligned
+//  * Weights (gguf_window.cuh): lane l still owns block b = 32 i + l of its row, but reads the 16-byte-aligned
 //    window that covers the block with 16-byte `ld.global.nc` loads (LW = 16; LW = 8 is the
 //    8-byte variant): 2 loads for Q4_0/Q4_1/Q5_1, 2-3 for Q5_0, 3 for Q8_0, each spanning the
 //    same ~5 lines as before but carrying 8x the bytes. The block sits at a run-time byte offset
@@ -26,6 +26,9 @@
 //    codec's 36-byte blocks, only placed differently: 3 loads per block instead of 9.
 //  * One warp owns R whole rows (4 warps per CTA): no shared memory and no __syncthreads, the
 //    fp32 sums are reduced with xor shuffles and lane (m R + r) stores y[m, n0 + r].
+// The loop is software-pipelined: a lane's next weight window is in flight while it decodes
+// and multiplies the current one (measured without it, bench/notes-gguf.md: the wide loads alone
+// did not move M = 1 -- the limit was a warp's chain of serial memory latencies, not the LSU).
 // Weight loads may use L1::no_allocate (NOALLOC): the weight is streamed once, the activation
 // is what every warp of the SM re-reads, so the weight should not evict it from L1.
 //
@@ -34,83 +37,10 @@
 // LW-aligned window that covers a block lies inside the tensor. Rows themselves need not be
 // aligned (the window offset is computed per block). Rows past N (the last warp when R does
 // not divide N) are computed on row N - 1 and not stored.
-#include "gguf_common.cuh"
+#include "gguf_window.cuh"
 
 constexpr int MMVQ16_WARPS = 4;
 
-namespace vec16 {
-
-constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
-
-// One LW-byte load (LW = 16 or 8) of read-only data into words w[0 .. LW/4 - 1].
-template <int LW, bool NOALLOC>
-__device__ __forceinline__ void load_chunk(const uint8_t* p, uint32_t* w) {
-    if constexpr (LW == 16) {
-        if constexpr (NOALLOC)
-            asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
-        else
-            asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
-    } else {
-        if constexpr (NOALLOC)
-            asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
-        else
-            asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
-    }
-}
-
-// A weight block held as an LW-aligned byte window in registers, shifted to its start.
-template <class F, int LW, bool NOALLOC>
-struct Window {
-    static constexpr int G = gcd(F::BYTES, LW);
-    static constexpr int OMAX = LW - G;                        // largest offset of a block in its window
-    static constexpr int NC = (OMAX + F::BYTES + LW - 1) / LW; // loads per block (worst case)
-    static constexpr int NW = NC * LW / 4;                     // window words
-    static constexpr int NS = (F::BYTES + 3) / 4 + 1;          // shifted words kept (block + 1)
-    static constexpr int JMAX = OMAX / 4;                      // largest word offset o / 4
-
-    uint32_t sel[NS];  // sel[i] = window word (o / 4) + i (0 past the window)
-    int half;          // o & 2: the block starts mid-word
-
-    __device__ __forceinline__ void load(const uint8_t* W, long long off) {
-        const int o = int(off & (LW - 1));
-        const uint8_t* base = W + (off - o);
-        uint32_t w[NW];
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            if (c * LW < F::BYTES || c * LW < o + F::BYTES) {  // the first test is compile-time
-                load_chunk<LW, NOALLOC>(base + c * LW, &w[c * LW / 4]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < LW / 4; ++i) w[c * LW / 4 + i] = 0u;
-            }
-        }
-        // sel[i] = w[j + i], j = o >> 2 in 0..JMAX: one select level per bit of j.
-        const int j = o >> 2;
-        uint32_t t[NW];
-#pragma unroll
-        for (int i = 0; i < NW; ++i) t[i] = w[i];
-#pragma unroll
-        for (int step = 1; step <= JMAX; step *= 2) {
-            const bool take = (j & step) != 0;
-#pragma unroll
-            for (int i = 0; i < NW; ++i) t[i] = take ? (i + step < NW ? t[i + step] : 0u) : t[i];
-        }
-#pragma unroll
-        for (int i = 0; i < NS; ++i) sel[i] = i < NW ? t[i] : 0u;
-        half = o & 2;
-    }
-
-    // The 4 bytes at in-block offset k (even; constant after unrolling).
-    __device__ __forceinline__ int get(int k) const {
-        const uint32_t lo = sel[k >> 2], hi = sel[(k >> 2) + 1];
-        const uint32_t mid = __byte_perm(lo, hi, 0x5432);  // bytes 2..5 of (lo, hi)
-        return int((k & 2) ? (half ? hi : mid) : (half ? mid : lo));
-    }
-};
-
-}  // namespace vec16
 
 // W: GGUF block bytes (N rows of nb blocks). Aqs: Q8_1 qs, block (m, b) at 32 (m nb + b);
 // Ads: half2 (d, s) of block (m, b) at index m nb + b. y: fp16 (M, N).
@@ -131,14 +61,26 @@ mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __h
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
 
+    // Software pipelining: the weight windows of this lane's next block are loaded before the
+    // current block is decoded and multiplied, so each warp always has a load in flight (without
+    // it a warp's K loop was a chain of nb/32 full memory latencies with idle gaps between).
+    vec16::Window<F, LW, NOALLOC> win[R];
+    if (lane < nb) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) win[r].load_raw(W, row_off[r] + (long long)lane * F::BYTES);
+    }
     for (int kb = lane; kb < nb; kb += 32) {
         float dw[R], mw[R];
         int q[R][8];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            vec16::Window<F, LW, NOALLOC> win;
-            win.load(W, row_off[r] + (long long)kb * F::BYTES);
-            F::unpack_from([&](int k) { return win.get(k); }, dw[r], mw[r], q[r]);
+            win[r].finish();
+            const vec16::Window<F, LW, NOALLOC>& wr = win[r];
+            F::unpack_from([&](int k) { return wr.get(k); }, dw[r], mw[r], q[r]);
+        }
+        if (kb + 32 < nb) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) win[r].load_raw(W, row_off[r] + (long long)(kb + 32) * F::BYTES);
         }
 #pragma unroll
         for (int m = 0; m < M; ++m) {

@@ -69,8 +69,10 @@ def _run(x_t, qt, path):
     return y.float().cpu().numpy()
 
 
-def _paths(m):
-    return (["mmvq"] if m <= 128 else []) + ["mmq", "dequant"]  # mmvq runs M > 8 in chunks of 8
+def _paths(m, qt=None):
+    """mmvq runs M > 8 in chunks of 8; mma needs a 16-byte-aligned weight (qt on CUDA)."""
+    return ((["mmvq"] if m <= 128 else []) + (["mma"] if qt is not None and G._aligned16(qt) else [])
+            + ["mmq", "dequant"])
 
 
 def _check_all_paths(fmt, w, qt_cpu, ms, rng, x_scale=1.0):
@@ -84,7 +86,7 @@ def _check_all_paths(fmt, w, qt_cpu, ms, rng, x_scale=1.0):
         x16 = (rng.standard_normal((m, k)) * x_scale).astype(np.float16)
         x_t = torch.from_numpy(x16).to(DEV)
         exact = x16.astype(np.float64) @ w.astype(np.float64).T
-        for path in _paths(m):
+        for path in _paths(m, qt):
             what = f"{fmt} {path} M={m} N={n} K={k}"
             y = _run(x_t, qt, path)
             if path == "dequant":
@@ -184,7 +186,7 @@ def test_matmul_magnitudes(fmt):
         x[-1, 96:128] *= 1e-3
         x16 = x.astype(np.float16)
         x_t = torch.from_numpy(x16).to(DEV)
-        for path in _paths(m):
+        for path in _paths(m, qt):
             if path == "dequant":
                 continue
             _check_emulated(_run(x_t, qt, path), x16, qt_cpu, f"{fmt} {path} M={m} magnitudes")
@@ -208,6 +210,26 @@ def test_mmvq16_rows_per_warp_tails(fmt):
                 out = _poisoned((m, n))
                 G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel="vec")
                 _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mmvq16 R={rows} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mma_tiles_splits_tails(fmt):
+    """The int8 tensor-core GEMM: every BM tile (16 / 32 / 64 by M), forced K splits 1..7 (the
+    fp32 partials then summed by mma_reduce), N not a multiple of the 64-row tile, M not a
+    multiple of BM, nb not a multiple of the 4-block step nor of the split; rows off 16-byte
+    boundaries (K = 96, 4160); NaN-poisoned outputs against the emulation."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    for n, k, ms in [(200, 4160, (9, 16, 17, 40, 64, 100)), (72, 96, (1, 33, 65)), (8, 512, (130,))]:
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        assert G._aligned16(qt)
+        for m in ms:
+            x16 = rng.standard_normal((m, k)).astype(np.float16)
+            x_t = torch.from_numpy(x16).to(DEV)
+            for split in (None, 1, 3, 7):
+                out = _poisoned((m, n))
+                G.matmul(x_t, qt, out=out, path="mma", mma_split=split)
+                _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mma split={split} M={m} N={n} K={k}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -283,7 +305,7 @@ def test_matmul_gguf_file_tensor(fmt, tmp_path):
 
 
 # ---- CUDA graph capture -------------------------------------------------------------------------
-@pytest.mark.parametrize("m", [1, 8, 24, 300])
+@pytest.mark.parametrize("m", [1, 8, 24, 40, 300])
 def test_graph_capture_replays(m):
     rng = np.random.default_rng(RNG.integers(1 << 32))
     _, qt_cpu = _weight("q5_1", 1000, 1024, rng)
@@ -336,6 +358,11 @@ def test_bad_inputs_raise_value_error():
         G.matmul(x, odd, path="mmvq", mmvq_kernel="vec")
     with pytest.raises(ValueError, match="x"):
         G.quantize_q8_1_split(torch.zeros((2, 48), dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError, match="path"):  # the mma path needs the same alignment
+        G.matmul(x, odd, path="mma")
+    with pytest.raises(ValueError, match="mma_split"):
+        G.matmul(x, qt, path="mma", mma_split=0)
+    assert G.choose_path(40, odd) != "mma"
     torch.cuda.synchronize()
 
 

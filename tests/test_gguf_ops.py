@@ -36,9 +36,26 @@ def test_choose_path_thresholds(fmt):
     assert [G.choose_path(m, qt) for m in (1, 8)] == ["mmvq", "mmvq"]
     top = max(G.MMVQ_COLS, G.MMVQ_MAX_M[fmt])
     assert G.choose_path(top, qt) == "mmvq"
+    # a format name stands for an aligned weight; a CPU numpy tensor is never "aligned16"
+    assert G.choose_path(top + 1, fmt) == ("mma" if G.MMA_MAX_M[fmt] > top else
+                                           "mmq" if G.MMQ_MAX_M[fmt] > top else "dequant")
     assert G.choose_path(top + 1, qt) == ("mmq" if G.MMQ_MAX_M[fmt] > top else "dequant")
-    assert G.choose_path(max(top, G.MMQ_MAX_M[fmt]) + 1, qt) == "dequant"
+    assert G.choose_path(max(top, G.MMA_MAX_M[fmt], G.MMQ_MAX_M[fmt]) + 1, fmt) == "dequant"
     assert G.choose_path(4096, fmt) == "dequant"
+
+
+def test_mma_plan():
+    """BM is the smallest tile holding M (<= 64); K splits fill ~2 CTAs per SM, each split a
+    multiple of the 4-block step, and the splits cover all nb blocks with none empty."""
+    for m, n, nb in [(9, 4096, 448), (17, 4096, 448), (64, 4096, 128), (100, 12288, 448), (256, 576, 18),
+                     (1, 8, 1), (40, 200, 130)]:
+        for split in (None, 1, 3, 7, 1000):
+            bm, s, kc = G.mma_plan(m, n, nb, 132, split)
+            assert bm == next((b for b in G.MMA_BM_CHOICES if m <= b), 64)
+            assert kc % G.MMA_BK == 0 and 1 <= s <= max(1, -(-nb // G.MMA_BK))
+            assert (s - 1) * kc < nb <= s * kc
+            if split is None:
+                assert s <= G.MMA_MAX_SPLIT and -(-n // 64) * -(-m // bm) * s <= max(264, -(-n // 64) * -(-m // bm))
 
 
 def test_choose_path_rejects_other_formats():
@@ -96,7 +113,7 @@ def test_import_needs_no_cupy():
     import sys
 
     assert "cupy" not in sys.modules or sys.modules["cupy"] is not None  # lazily imported
-    assert set(G.SOURCES) == {"q8_1_quantize.cu", "gguf_mmvq.cu", "gguf_mmvq16.cu", "gguf_mmq.cu", "gguf_dequant.cu"}
+    assert set(G.SOURCES) == {"q8_1_quantize.cu", "gguf_mmvq.cu", "gguf_mmvq16.cu", "gguf_mma.cu", "gguf_mmq.cu", "gguf_dequant.cu"}
 
 
 @pytest.mark.parametrize("mmvq_kernel", G.MMVQ_KERNELS)
@@ -115,6 +132,8 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     monkeypatch.setattr(G, "_workspace", lambda kind, nbytes, device: torch.zeros(nbytes, dtype=torch.uint8))
     monkeypatch.setattr(G, "check_weight", lambda qt, arg="qt": (qt.format, *qt.shape))
     monkeypatch.setattr(G, "mmvq16_ok", lambda qt: True)  # CPU tensors: any alignment will do here
+    monkeypatch.setattr(G, "_aligned16", lambda qt: True)
+    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
     monkeypatch.setattr(G, "_check_act", lambda x, k, arg="x", dtypes=None: (x.numel() // x.shape[-1], x.shape[-1]))
     n, k = 70, 96
     qt = _cpu_qt(fmt, n, k)
@@ -129,6 +148,13 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
             if path == "dequant":
                 assert names == [f"dequant<{G.BLOCKS[fmt]}>"]
                 assert calls[0][1][0] * 256 >= n * (k // 32) * 4
+            elif path == "mma":
+                assert names[0].startswith("quantize_q8_1_split<")
+                bm, split, kchunk = G.mma_plan(m, n, nb, G._sm_count(None), None)
+                assert names[1] == f"mma_gemm<{G.BLOCKS[fmt]}, {bm}>"
+                assert calls[1][1] == (-(-n // G.MMA_BN), -(-m // bm), split) and calls[1][2] == (G.MMA_THREADS,)
+                assert int(calls[1][3][8]) == kchunk
+                assert names[2:] == (["mma_reduce"] if split > 1 else [])
             elif path == "mmvq" and mmvq_kernel == "vec":
                 assert names[0].startswith("quantize_q8_1_split<")
                 assert len(names) == 1 + -(-m // G.MMVQ_COLS)

@@ -2,19 +2,25 @@
 
     y = matmul(x, qt)        x fp16 CUDA (..., K), qt = fmt.quantize(w).to("cuda") -> fp16 (..., N)
 
-The weight stays in its .gguf block bytes (uint8 (N, K/32 * bytes), file order). Three paths,
+The weight stays in its .gguf block bytes (uint8 (N, K/32 * bytes), file order). Four paths,
 picked by M (rows of x) and format -- `choose_path` -- with thresholds measured on the H100
 (bench/gguf_bench.py, numbers in bench/notes-gguf.md):
 
   "mmvq"     M <= MMVQ_MAX_M[fmt]  quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused
                         GEMV-like kernel per format, M (1..8) and rows per CTA (cuda/gguf_mmvq.cu):
                         a stream over W, DP4A; M > 8 runs it on chunks of 8 activation rows.
+                        Weights whose address and size are multiples of 16 bytes (all normal
+                        ones) take the vector-load variant (cuda/gguf_mmvq16.cu, Q8_1 in a split
+                        layout); others the scalar-load one (cuda/gguf_mmvq.cu).
+  "mma"      M <= MMA_MAX_M[fmt]   Q8_1 (split layout) + int8 tensor-core GEMM, one m16n8k32 MMA per
+                        block and tile, exact per-block terms on the fragments, split K
+                        (cuda/gguf_mma.cu); needs the same 16-byte alignment, else dequant.
   "mmq"      M <= MMQ_MAX_M[fmt]   Q8_1 + shared-memory tiled DP4A GEMM (cuda/gguf_mmq.cu);
                         on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
 
-mmvq and mmq compute exactly what reference/gguf_dot.py emulates (per-block terms bit-equal;
+mmvq, mma and mmq compute exactly what reference/gguf_dot.py emulates (per-block terms bit-equal;
 only the fp32 order of the sum over blocks differs); dequant is fp16 x fp16 with fp32
 accumulation in cuBLAS, on weights bit-equal to fmt.dequantize(qt) rounded to half.
 
@@ -59,6 +65,16 @@ MMVQ16_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for
 # Largest M that takes mmvq (in chunks of 8 rows, ~34 us each for q4_0): above it the dequant
 # path (~100 us flat up to M = 64) wins. M=16: mmvq 64 vs dequant 103 us; M=32: 126 vs 106.
 MMVQ_MAX_M = {f: 16 if f == "q8_0" else 24 for f in BLOCKS}
+# int8 tensor-core GEMM (cuda/gguf_mma.cu): M in (MMVQ_MAX_M, MMA_MAX_M] when the weight is
+# aligned for 16-byte window loads (mmvq16_ok). Activation rows per CTA tile by M; split K so
+# that about MMA_TARGET_CTAS_PER_SM CTAs per SM run (2 fit: 256 threads, <= 96 registers, 40 KB).
+MMA_MAX_M = {f: 256 for f in BLOCKS}
+MMA_BM_CHOICES = (16, 32, 64)
+MMA_BN = 64
+MMA_BK = 4
+MMA_THREADS = 256
+MMA_TARGET_CTAS_PER_SM = 2
+MMA_MAX_SPLIT = 16
 # Largest M that takes the DP4A tiled GEMM: 0 -- it never won on the H100. At M=16..64 it ran
 # 345..410 us (64 CTAs: too few for 132 SMs), at M >= 256 it peaks near 52 TOP/s while cuBLAS
 # fp16 on tensor cores runs 600+ TFLOP/s, so dequant + cuBLAS takes every M above MMVQ_MAX_M.
@@ -68,7 +84,7 @@ MMQ_MAX_M = {f: 0 for f in BLOCKS}
 # multiplied a slice of rows at a time. q4_0 4096x14336 (117 MB as fp16): M=512 180 us with a
 # 32 MB buffer, 136 us with 128 MB; M=2048 384 vs 360 us -- fewer, larger cuBLAS calls win.
 DEQUANT_BUFFER_BYTES = 128 << 20
-PATHS = ("mmvq", "mmq", "dequant")
+PATHS = ("mmvq", "mma", "mmq", "dequant")
 
 
 
@@ -85,6 +101,8 @@ SOURCES = {
                           for r in MMVQ_ROW_CHOICES),
     "gguf_mmvq16.cu": tuple(mmvq16_name(f, m, r) for f in BLOCKS for m in range(1, MMVQ_COLS + 1)
                             for r in MMVQ_ROW_CHOICES),
+    "gguf_mma.cu": tuple(f"mma_gemm<{b}, {bm}>" for b in BLOCKS.values() for bm in MMA_BM_CHOICES)
+                   + ("mma_reduce",),
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
 }
@@ -256,6 +274,9 @@ def choose_path(m: int, qt) -> str:
         raise ValueError(f"m: {m} rows")
     if m <= max(MMVQ_COLS, MMVQ_MAX_M[fmt]):
         return "mmvq"
+    aligned = isinstance(qt, str) or _aligned16(qt)
+    if m <= MMA_MAX_M[fmt] and aligned:
+        return "mma"
     if m <= MMQ_MAX_M[fmt]:
         return "mmq"
     return "dequant"
@@ -266,17 +287,52 @@ def mmvq16_ok(qt) -> bool:
     return qt.data.data_ptr() % MMVQ16_LW == 0 and qt.data.numel() % MMVQ16_LW == 0
 
 
+def _aligned16(qt) -> bool:
+    """The mma path's 16-byte window loads need base address and byte size multiples of 16."""
+    data = getattr(qt, "data", None)
+    try:
+        return data.data_ptr() % 16 == 0 and data.numel() % 16 == 0
+    except AttributeError:
+        return False
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    import torch
+
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[key]
+
+
+def mma_plan(m: int, n: int, nb: int, sms: int = 132, split: int | None = None):
+    """(BM, split, blocks per split) for the mma path: the smallest BM tile that holds M (up to
+    64), then split K until about MMA_TARGET_CTAS_PER_SM CTAs per SM exist."""
+    bm = next((b for b in MMA_BM_CHOICES if m <= b), MMA_BM_CHOICES[-1])
+    tiles = -(-n // MMA_BN) * -(-m // bm)
+    if split is None:
+        split = max(1, min(MMA_MAX_SPLIT, MMA_TARGET_CTAS_PER_SM * sms // tiles, nb // (2 * MMA_BK) or 1))
+    split = max(1, min(int(split), -(-nb // MMA_BK)))
+    kchunk = -(-(-(-nb // split)) // MMA_BK) * MMA_BK  # blocks per split, a multiple of BK
+    split = -(-nb // kchunk)
+    return bm, split, kchunk
+
+
 MMVQ_KERNELS = ("vec", "scalar")
 
 
 def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None,
-           mmvq_kernel: str | None = None):
+           mmvq_kernel: str | None = None, mma_split: int | None = None):
     """y = x @ W.T: x fp16 CUDA (..., K) contiguous, qt on the same device -> fp16 (..., N).
 
     `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS,
     otherwise choose_path decides; `mmvq_rows` (1, 2, 4) overrides the rows per CTA / warp (for
     the bench); `mmvq_kernel` forces "vec" (cuda/gguf_mmvq16.cu; ValueError if the weight is not
     aligned for it) or "scalar" (cuda/gguf_mmvq.cu); by default vec whenever mmvq16_ok(qt).
+    `mma_split` forces the number of K splits of the mma path (tests and bench).
     """
     import torch
 
@@ -290,7 +346,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     else:
         _check_out(out, lead + (n,), torch.float16, x.device)
     if path is None:
-        path = choose_path(m, fmt)
+        path = choose_path(m, qt)
     elif path not in PATHS:
         raise ValueError(f"path: {path!r}, one of {PATHS}")
     if mmvq_rows is not None and mmvq_rows not in MMVQ_ROW_CHOICES:
@@ -298,6 +354,11 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if mmvq_kernel is not None and mmvq_kernel not in MMVQ_KERNELS:
         raise ValueError(f"mmvq_kernel: {mmvq_kernel!r}, one of {MMVQ_KERNELS}")
     vec = mmvq16_ok(qt) if mmvq_kernel is None else mmvq_kernel == "vec"
+    if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
+        raise ValueError(f"mma_split: {mma_split!r}, a positive int")
+    if path == "mma" and not _aligned16(qt):
+        raise ValueError("path: 'mma' needs qt.data's address and size to be multiples of 16 bytes "
+                         f"(address % 16 = {qt.data.data_ptr() % 16}, size {qt.data.numel()})")
     if vec and mmvq_kernel == "vec" and not mmvq16_ok(qt):
         raise ValueError(f"mmvq_kernel: 'vec' needs qt.data's address and size to be multiples of "
                          f"{MMVQ16_LW} bytes (address % {MMVQ16_LW} = {qt.data.data_ptr() % MMVQ16_LW}, "
@@ -313,6 +374,10 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         return out
     xq = _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
     w = qt.data
+    if path == "mma":
+        _launch_quantize(x, xq, m * nb, split=True)
+        _launch_mma(fmt, w, xq, y2, m, n, nb, mma_split)
+        return out
     if path == "mmvq" and vec:
         _launch_quantize(x, xq, m * nb, split=True)
         for c0 in range(0, m, MMVQ_COLS):
@@ -337,6 +402,25 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         launch(_kernel("gguf_mmq.cu", f"mmq<{BLOCKS[fmt]}>"), grid, (MMQ_THREADS,),
                (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(nb)))
     return out
+
+
+def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
+    import torch
+
+    bm, split, kchunk = mma_plan(m, n, nb, _sm_count(y2.device), split)
+    grid = (-(-n // MMA_BN), -(-m // bm), split)
+    if grid[1] > 65535:
+        raise ValueError(f"x: {m} rows is too many for the mma path")
+    part = 0
+    if split > 1:
+        part = _workspace("mma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()
+    launch(_kernel("gguf_mma.cu", f"mma_gemm<{BLOCKS[fmt]}, {bm}>"), grid, (MMA_THREADS,),
+           (w.data_ptr(), xq.data_ptr(), xq.data_ptr() + m * nb * 32, y2.data_ptr(), part,
+            np.int32(m), np.int32(n), np.int32(nb), np.int32(kchunk)))
+    if split > 1:
+        total = m * n
+        launch(_kernel("gguf_mma.cu", "mma_reduce"), (-(-total // 256),), (256,),
+               (part, y2.data_ptr(), np.int64(total), np.int32(split)))
 
 
 def launch_mmvq16(fmt, w, aqs_ptr: int, ads_ptr: int, y_ptr: int, n: int, nb: int, m: int, r: int,
