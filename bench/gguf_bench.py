@@ -178,6 +178,20 @@ def mmvq16_main(a):
     print(f"# {dev}; copy bandwidth {bw / 1e12:.3f} TB/s; N={N} K={K}", flush=True)
     ms = tuple(int(v) for v in a.ms.split(","))
     out = {"device": dev, "copy_Bps": bw}
+    # The same bytes as a q4_0 4096 x 14336 weight (33 MB) read by tuned library kernels, rotated:
+    # cuBLAS fp16 GEMV (M = 1) on a 4096 x 4032 fp16 weight, and torch.sum of a 33 MB fp16 buffer.
+    kq = 4032
+    ws = [torch.randn((N, kq), device="cuda", dtype=torch.float16) for _ in range(n_copies(N * kq * 2))]
+    x1 = torch.randn((1, kq), device="cuda", dtype=torch.float16)
+    y1 = torch.empty((1, N), device="cuda", dtype=torch.float16)
+    t_gemv = time_calls([lambda w=ws[i % len(ws)]: torch.mm(x1, w.t(), out=y1) for i in range(max(12, len(ws)))])
+    acc = torch.empty((), device="cuda", dtype=torch.float16)
+    t_sum = time_calls([lambda w=ws[i % len(ws)]: torch.sum(w, out=acc) for i in range(max(12, len(ws)))])
+    nbq = N * kq * 2
+    out["same_bytes_ceiling"] = {"bytes": nbq, "cublas_gemv_us": t_gemv, "sum_us": t_sum}
+    print(f"same bytes as q4_0 ({nbq / 1e6:.1f} MB) rotated: cuBLAS fp16 GEMV {t_gemv:.2f} us "
+          f"({nbq / t_gemv / 1e6:.2f} TB/s), torch.sum {t_sum:.2f} us ({nbq / t_sum / 1e6:.2f} TB/s)", flush=True)
+    del ws
     lines = ["| fmt | M | kernel | R=1 us | R=2 us | R=4 us | best % of copy |", "|---|---|---|---|---|---|---|"]
     for fmt in a.formats.split(","):
         res, bad, nbytes = bench_mmvq16_variants(fmt, ms)
