@@ -4,7 +4,7 @@
 //   sumi[m, n, b] = sum_{j<32} q_w[n, b, j] * q_a[m, b, j]         exact int32
 //   y[m, n]       = sum_b term(sumi[m, n, b], d_w, m_w, d_a, s_a)   fp32, fp16 out
 // but sumi comes from `mma.sync.m16n8k32.row.col.s32.s8.s8.s32`: its K = 32 is exactly one GGUF
-// block, so one MMA with a zero accumulator gives a 16 (m) x 8 (n) tile of whole-block sumi,
+// block, so one MMA with a fresh accumulator gives a 16 (m) x 8 (n) tile of whole-block sumi,
 // and the format's term (d_w, m_w per n; d_a, s_a per m) is applied to each fragment element in
 // fp32 with the emulation's exact operation order. Every term is bit-identical to
 // reference/gguf_dot.py's; only the fp32 order of the sum over blocks differs (split K too).
@@ -45,12 +45,15 @@ constexpr int MMA_BN = 64, MMA_BK = 4, MMA_THREADS = 256;
 // Word position of word i (0..7) of shared row r after the swizzle.
 __device__ __forceinline__ int swz(int r, int i) { return i ^ (((r >> 2) & 1) << 2); }
 
+// c = A B + SUMI_MAGIC: the accumulator input is the magic constant, not 0, so each c[i] holds the
+// float bits of 1.5 * 2^23 + sumi and one fp32 subtraction recovers sumi exactly
+// (gguf_common.cuh) -- the I2F conversion it replaces runs at a quarter of the FADD rate.
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %11, %12, %13};"
+        "{%10, %10, %10, %10};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(SUMI_MAGIC));
 }
 
 template <class F, int BM>
@@ -64,7 +67,7 @@ struct MmaSmem {
 // W: GGUF blocks (N x nb). Aqs / Ads: Q8_1 split layout of M rows (qs of block (m, b) at
 // 32 (m nb + b), half2 (d, s) at index m nb + b). kchunk: blocks per split (multiple of BK).
 template <class F, int BM>
-__global__ void __launch_bounds__(MMA_THREADS)
+__global__ void __launch_bounds__(MMA_THREADS, 2)
 mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __half2* __restrict__ Ads,
          __half* __restrict__ y, float* __restrict__ part, int M, int N, int nb, int kchunk) {
     constexpr int NT = BM / 16;                 // n-tiles per warp
@@ -163,10 +166,10 @@ mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const _
                 const int nc = wn0 + 8 * j + 2 * t;
                 const float dw0 = sm.wd[buf][c][nc], dw1 = sm.wd[buf][c][nc + 1];
                 const float mw0 = sm.wm[buf][c][nc], mw1 = sm.wm[buf][c][nc + 1];
-                acc[j][0] += F::term(s[0], dw0, mw0, da0, sa0);
-                acc[j][1] += F::term(s[1], dw1, mw1, da0, sa0);
-                acc[j][2] += F::term(s[2], dw0, mw0, da1, sa1);
-                acc[j][3] += F::term(s[3], dw1, mw1, da1, sa1);
+                acc[j][0] += F::term_f(magic_to_float(s[0]), dw0, mw0, da0, sa0);
+                acc[j][1] += F::term_f(magic_to_float(s[1]), dw1, mw1, da0, sa0);
+                acc[j][2] += F::term_f(magic_to_float(s[2]), dw0, mw0, da1, sa1);
+                acc[j][3] += F::term_f(magic_to_float(s[3]), dw1, mw1, da1, sa1);
             }
         }
         if (more) stash(buf ^ 1);
