@@ -62,13 +62,18 @@ MMVQ_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f
 MMVQ16_LW = 16
 MMVQ16_NOALLOC = True
 MMVQ16_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
-# Largest M that takes mmvq (in chunks of 8 rows, ~34 us each for q4_0): above it the dequant
-# path (~100 us flat up to M = 64) wins. M=16: mmvq 64 vs dequant 103 us; M=32: 126 vs 106.
-MMVQ_MAX_M = {f: 16 if f == "q8_0" else 24 for f in BLOCKS}
+# Largest M that takes mmvq (in chunks of 8 rows, 26-40 us each): above it the int8 MMA GEMM
+# wins (H100, N=4096 K=14336, rotated, 2026-11-22 round 3: q4_0 M=16 mma 41.8 us vs chunked mmvq
+# ~50-64 and dequant 104; q8_0 47.0 vs ~80 / 112). Before the mma path existed this was 16/24.
+MMVQ_MAX_M = {f: 8 for f in BLOCKS}
 # int8 tensor-core GEMM (cuda/gguf_mma.cu): M in (MMVQ_MAX_M, MMA_MAX_M] when the weight is
 # aligned for 16-byte window loads (mmvq16_ok). Activation rows per CTA tile by M; split K so
 # that about MMA_TARGET_CTAS_PER_SM CTAs per SM run (2 fit: 256 threads, <= 96 registers, 40 KB).
-MMA_MAX_M = {f: 256 for f in BLOCKS}
+# Measured (same bench, us, auto split): q4_0 M=16/32/64/128/256/512: 41.8/54.1/77.3/148.9/282.8/549;
+# q8_0 47.0/55.2/75.5/148.9/284.2/548; dequant + cuBLAS ~104-112 at M = 16..128: the crossover
+# is near M = 96. The exact per-block fp32 terms (5-6 FP32 ops per output and block) bound this
+# kernel at >= ~0.3 us per activation row for this shape, so it cannot win at M >= ~400.
+MMA_MAX_M = {f: 96 for f in BLOCKS}
 MMA_BM_CHOICES = (16, 32, 64)
 MMA_BN = 64
 MMA_BK = 4
