@@ -160,7 +160,10 @@ def test_model_fused_equals_torch_ops(fmt):
     ids = [(37 * i + 11) % 1000 for i in range(40)]
     a, b = fused.logits(ids), plain.logits(ids)
     scale = float(b.abs().max())
-    assert float((a - b).abs().max()) < 1e-2 * scale
+    # fp16/awq measured <= 0.8 % of the largest logit on the H100, q4_0 up to 1.6 %: its Q8_1
+    # activation quantization turns a 1-ulp fp16 difference into a changed int8 code. A wrong
+    # cache row, position or head gives differences of the order of the logits themselves.
+    assert float((a - b).abs().max()) < 3e-2 * scale
     for graph in (False, True):
         for m in (fused, plain):
             m.use_graph = graph
@@ -175,9 +178,6 @@ def test_model_fused_equals_torch_ops(fmt):
             if float(top2[0] - top2[1]) > 0.05 * scale:
                 assert int(lf.argmax()) == int(lp.argmax())
                 agree += 1
-        # fp16/awq measured <= 0.8 % of the largest logit on the H100; q4_0 1.6 %: its Q8_1
-        # activation quantization turns a 1-ulp fp16 difference into a changed int8 code (a
-        # wrong cache row, position or head gives differences of the order of the logits)
         assert max(steps) < 3e-2 * scale, (graph, steps)
         print(f"\n{fmt} graph={graph}: max |diff| per step {max(steps):.3g} of {scale:.3g}, {agree} decisive steps")
         assert agree >= 2, "too few decisive steps to compare the argmax"

@@ -1,8 +1,53 @@
-"""fp16 baseline on GPU: cuBLAS through torch (what every format is measured against)."""
+"""fp16 weights on GPU.
+
+matmul(x, qt) is the baseline every format is measured against: cuBLAS through torch
+(F.linear), unchanged. linear(x, w) is what the runner uses for its fp16 weights: the same
+cuBLAS call, except at decode-sized M (<= GEMV_MAX_M rows) where our own streaming GEMV
+(cuda/fp16_gemv.cu) reads the weight faster than cuBLAS's split-K GEMVs (bench/notes-runner.md).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
 import torch
+
+from quantzoo.cuda_launch import get_kernel, launch
+
+GEMV_MAX_M = 4
+GEMV_ROWS_PER_CTA = 16     # GEMV_WARPS (8) x GEMV_R (2) in cuda/fp16_gemv.cu
+SOURCES = {"fp16_gemv.cu": tuple(f"fp16_gemv<{m}>" for m in range(1, GEMV_MAX_M + 1))}
 
 
 def matmul(x: torch.Tensor, qt) -> torch.Tensor:
     if x.dtype != torch.float16:
         raise ValueError(f"x: dtype {x.dtype}, the CUDA kernels take float16 activations")
     return torch.nn.functional.linear(x, qt.data)
+
+
+def gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether gemv serves this call (else cuBLAS): fp16 CUDA operands, M <= GEMV_MAX_M,
+    K % 8 == 0, contiguous 16-byte aligned rows."""
+    return (x.is_cuda and w.is_cuda and x.dtype == torch.float16 and w.dtype == torch.float16
+            and w.dim() == 2 and x.shape[-1] == w.shape[1] and w.shape[1] % 8 == 0
+            and 0 < x.numel() // w.shape[1] <= GEMV_MAX_M and x.is_contiguous() and w.is_contiguous()
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (..., K) fp16 with at most GEMV_MAX_M rows, w (N, K) fp16 -> (..., N), fp32 accumulation."""
+    if not gemv_ok(x, w):
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}: needs fp16 "
+                         f"contiguous CUDA tensors, K % 8 == 0, 16-byte alignment, <= {GEMV_MAX_M} rows")
+    n, k = w.shape
+    m = x.numel() // k
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float16, device=x.device)
+    launch(get_kernel("fp16_gemv.cu", f"fp16_gemv<{m}>", SOURCES["fp16_gemv.cu"]),
+           (math.ceil(n / GEMV_ROWS_PER_CTA),), (256,),
+           (w.data_ptr(), x.data_ptr(), y.data_ptr(), np.int32(n), np.int32(k)))
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) for the runner: gemv at decode-sized M, cuBLAS otherwise."""
+    return gemv(x, w) if gemv_ok(x, w) else torch.nn.functional.linear(x, w)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
 from .config import ModelConfig
 
@@ -46,7 +47,8 @@ class Linear:
     call; "dequant" / "emulate" call ops.matmul every time ("emulate" = what the GPU kernel
     computes, Q8_1 activations included). CUDA: ops.matmul on the CUDA tensor, i.e. the
     format's kernel; when the format has no kernel module yet, the weight is dequantized to
-    fp16 once and cuBLAS runs it (`fallback` says so).
+    fp16 once and cuBLAS runs it (`fallback` says so). Unquantized fp16 weights on CUDA go through
+    quantzoo.kernels.fp16.linear: cuBLAS, or at M <= 4 the streaming GEMV.
     """
 
     def __init__(self, w, device: str, dtype, mode: str = "cached"):
@@ -74,9 +76,13 @@ class Linear:
             self.w = torch.from_numpy(w.dequantize()).to(device=device, dtype=dtype)
             return
         self.qt, self.mode = (w if w.device != "cpu" else w.to(device)), "emulate"
+        if w.format == "fp16":   # unquantized: the plain tensor, through fp16_kernels.linear
+            self.w, self.qt = self.qt.data.to(dtype), None
 
     def __call__(self, x):
         if self.w is not None:
+            if self.w.is_cuda and self.w.dtype == torch.float16:   # decode-sized M: our GEMV
+                return fp16_kernels.linear(x, self.w)
             return F.linear(x, self.w)
         return ops.matmul(x, self.qt, mode=self.mode)
 
