@@ -20,10 +20,10 @@
 // through s_a in the term, as in the DP4A kernels.
 //
 // Shape of the work. A CTA of 8 warps owns a 64 (n) x BM (m) output tile (BM = 16, 32, 64) and
-// walks its share of K (split K over grid.z) in steps of BK = 4 blocks. Per step every thread
-// fetches one weight block (a 16-byte-aligned window, as gguf_mmvq16.cu: 2-3 16-byte loads) and,
-// for BM x 4 <= 256 threads, one Q8_1 block of the split activation layout (two 16-byte qs loads
-// and the (d, s) word); the loads for step s + 1 are issued before the MMAs of step s and only
+// walks its share of K (split K over grid.z) in steps of BK = 8 blocks (BM <= 32) or 4 (BM = 64).
+// Per step every thread fetches BK / 4 weight blocks (16-byte-aligned windows, gguf_window.cuh:
+// 2-3 16-byte loads each) and, for BM x BK <= 256 threads, one Q8_1 block of the split
+// activation layout (two 16-byte qs loads and the (d, s) word); the loads for step s + 1 are issued before the MMAs of step s and only
 // decoded (nibbles, Q5 bits) into the other shared-memory buffer afterwards, so global latency
 // hides under the tensor-core and fp32 work: one __syncthreads per step. Warps are arranged
 // BM/16 (m) x 8/(BM/16) (n); a warp's tile is 16 x 8 NT with NT = BM / 16 n-tiles.
@@ -40,7 +40,7 @@
 // (the window loads), as for the vector-load mmvq.
 #include "gguf_window.cuh"
 
-constexpr int MMA_BN = 64, MMA_BK = 4, MMA_THREADS = 256;
+constexpr int MMA_BN = 64, MMA_THREADS = 256;
 
 // Word position of word i (0..7) of shared row r after the swizzle.
 __device__ __forceinline__ int swz(int r, int i) { return i ^ (((r >> 2) & 1) << 2); }
@@ -56,12 +56,19 @@ __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const uint32_t (&a)[4]
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(SUMI_MAGIC));
 }
 
-template <class F, int BM>
+// BK blocks per pipeline step: 8 for the small tiles (more bytes in flight per step, which is
+// what limits small M), 4 for BM = 64 (static shared memory).
+template <int BM>
+struct MmaCfg {
+    static constexpr int BK = BM <= 32 ? 8 : 4;
+};
+
+template <int BM, int BK>
 struct MmaSmem {
-    int w[2][MMA_BK][MMA_BN][8];
-    int a[2][MMA_BK][BM][8];
-    float wd[2][MMA_BK][MMA_BN], wm[2][MMA_BK][MMA_BN];
-    float ad[2][MMA_BK][BM], as[2][MMA_BK][BM];
+    int w[2][BK][MMA_BN][8];     // unpacked weight words, swizzled rows
+    int a[2][BK][BM][8];         // Q8_1 qs words, swizzled rows
+    float2 wdm[2][BK][MMA_BN];   // (d_w, m_w) per weight row
+    float2 ads[2][BK][BM];       // (d_a, s_a) per activation row
 };
 
 // W: GGUF blocks (N x nb). Aqs / Ads: Q8_1 split layout of M rows (qs of block (m, b) at
@@ -70,9 +77,12 @@ template <class F, int BM>
 __global__ void __launch_bounds__(MMA_THREADS, 2)
 mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __half2* __restrict__ Ads,
          __half* __restrict__ y, float* __restrict__ part, int M, int N, int nb, int kchunk) {
+    constexpr int BK = MmaCfg<BM>::BK;
     constexpr int NT = BM / 16;                 // n-tiles per warp
     constexpr int WARPS_M = BM / 16;            // warps along m
-    __shared__ __align__(16) MmaSmem<F, BM> sm;
+    constexpr int WSLOTS = MMA_BN * BK / MMA_THREADS;  // weight blocks per thread per step
+    extern __shared__ __align__(16) unsigned char mma_smem[];  // sizeof(MmaSmem<BM, BK>), dynamic:
+    MmaSmem<BM, BK>& sm = *reinterpret_cast<MmaSmem<BM, BK>*>(mma_smem);  // 40-60 KB (> 48 KB static)
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, t = lane % 4;
@@ -81,55 +91,63 @@ mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const _
     const int wm0 = (warp % WARPS_M) * 16;      // warp's m offset in the tile
     const int wn0 = (warp / WARPS_M) * 8 * NT;  // warp's n offset in the tile
 
-    // This thread's loader slots: weight block (lr, lc), activation block (ar, ac) if tid < BM*4.
-    const int lr = tid / MMA_BK, lc = tid % MMA_BK;
-    const long long wrow = (long long)min(n0 + lr, N - 1) * nb;
-    const bool has_a = tid < BM * MMA_BK;
-    const long long arow = (long long)min(m0 + lr, M - 1) * nb;  // lr == tid / 4 for the act slot too
+    // Loader slots: weight block (row tid / BK + i * 256 / BK, block tid % BK) for i < WSLOTS;
+    // activation block (row tid / BK, block tid % BK) for tid < BM * BK.
+    const int lc = tid % BK, lr = tid / BK;
+    long long wrow[WSLOTS];
+#pragma unroll
+    for (int i = 0; i < WSLOTS; ++i) wrow[i] = (long long)min(n0 + lr + i * (MMA_THREADS / BK), N - 1) * nb;
+    const bool has_a = tid < BM * BK;
+    const long long arow = (long long)min(m0 + lr, M - 1) * nb;
 
-    vec16::Window<F, 16, false> win;
+    vec16::Window<F, 16, false> win[WSLOTS];
     uint4 aq0, aq1;
-    uint32_t ads = 0;
+    uint32_t adsw = 0;
     bool valid = false;
 
     auto fetch = [&](int k0) {  // issue the global loads of step k0 (no use of the results)
         const int kb = k0 + lc;
         valid = kb < kb1;
         const int kbc = valid ? kb : kb1 - 1;  // stay inside the tensor
-        win.load_raw(W, (wrow + kbc) * F::BYTES);
+#pragma unroll
+        for (int i = 0; i < WSLOTS; ++i) win[i].load_raw(W, (wrow[i] + kbc) * F::BYTES);
         if (has_a) {
             const long long ab = arow + kbc;
             aq0 = __ldg(reinterpret_cast<const uint4*>(Aqs + ab * 32));
             aq1 = __ldg(reinterpret_cast<const uint4*>(Aqs + ab * 32 + 16));
-            ads = __ldg(reinterpret_cast<const unsigned int*>(Ads + ab));
+            adsw = __ldg(reinterpret_cast<const unsigned int*>(Ads + ab));
         }
     };
     auto stash = [&](int buf) {  // decode what fetch loaded into shared buffer `buf`
-        win.finish();
-        int q[8];
-        float d, m;
-        F::unpack_from([&](int k) { return win.get(k); }, d, m, q);
-        if (!valid) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) q[i] = 0;
-            d = 0.0f;
-            m = 0.0f;
+        for (int i = 0; i < WSLOTS; ++i) {
+            win[i].finish();
+            int q[8];
+            float d, m;
+            const vec16::Window<F, 16, false>& wi = win[i];
+            F::unpack_from([&](int k) { return wi.get(k); }, d, m, q);
+            if (!valid) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) q[j] = 0;
+                d = 0.0f;
+                m = 0.0f;
+            }
+            const int r = lr + i * (MMA_THREADS / BK);
+            int4* dst = reinterpret_cast<int4*>(&sm.w[buf][lc][r][0]);
+            const int h = (r >> 2) & 1;  // the swizzle: halves swapped when (row / 4) is odd
+            dst[h] = make_int4(q[0], q[1], q[2], q[3]);
+            dst[h ^ 1] = make_int4(q[4], q[5], q[6], q[7]);
+            sm.wdm[buf][lc][r] = make_float2(d, m);
         }
-        int4* dst = reinterpret_cast<int4*>(&sm.w[buf][lc][lr][0]);
-        const int h = (lr >> 2) & 1;  // the swizzle: halves swapped when (row / 4) is odd
-        dst[h] = make_int4(q[0], q[1], q[2], q[3]);
-        dst[h ^ 1] = make_int4(q[4], q[5], q[6], q[7]);
-        sm.wd[buf][lc][lr] = d;
-        sm.wm[buf][lc][lr] = m;
         if (has_a) {
             int4* da = reinterpret_cast<int4*>(&sm.a[buf][lc][lr][0]);
+            const int h = (lr >> 2) & 1;
             const uint4 z = make_uint4(0, 0, 0, 0);
             const uint4 v0 = valid ? aq0 : z, v1 = valid ? aq1 : z;
             da[h] = make_int4(int(v0.x), int(v0.y), int(v0.z), int(v0.w));
             da[h ^ 1] = make_int4(int(v1.x), int(v1.y), int(v1.z), int(v1.w));
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ads));
-            sm.ad[buf][lc][lr] = valid ? f.x : 0.0f;
-            sm.as[buf][lc][lr] = valid ? f.y : 0.0f;
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&adsw));
+            sm.ads[buf][lc][lr] = valid ? f : make_float2(0.0f, 0.0f);
         }
     };
 
@@ -139,37 +157,36 @@ mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const _
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
 
-    if (kb0 < kb1) {
-        fetch(kb0);
-        stash(0);
-    }
+    fetch(kb0);  // kb0 < kb1: the host never makes an empty split
+    stash(0);
     __syncthreads();
     int buf = 0;
-    for (int k0 = kb0; k0 < kb1; k0 += MMA_BK) {
-        const bool more = k0 + MMA_BK < kb1;
-        if (more) fetch(k0 + MMA_BK);
+    for (int k0 = kb0; k0 < kb1; k0 += BK) {
+        const bool more = k0 + BK < kb1;
+        if (more) fetch(k0 + BK);
 #pragma unroll
-        for (int c = 0; c < MMA_BK; ++c) {
+        for (int c = 0; c < BK; ++c) {
             uint32_t a[4];
             const int ra = wm0 + g;
             a[0] = uint32_t(sm.a[buf][c][ra][swz(ra, t)]);
             a[1] = uint32_t(sm.a[buf][c][ra + 8][swz(ra + 8, t)]);
             a[2] = uint32_t(sm.a[buf][c][ra][swz(ra, t + 4)]);
             a[3] = uint32_t(sm.a[buf][c][ra + 8][swz(ra + 8, t + 4)]);
-            const float da0 = sm.ad[buf][c][ra], da1 = sm.ad[buf][c][ra + 8];
-            const float sa0 = sm.as[buf][c][ra], sa1 = sm.as[buf][c][ra + 8];
+            const float2 as0 = sm.ads[buf][c][ra], as1 = sm.ads[buf][c][ra + 8];
+            int s[NT][4];
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {  // all MMAs first: their latencies overlap
+                const int rb = wn0 + 8 * j + g;
+                mma_s8_16832(s[j], a, uint32_t(sm.w[buf][c][rb][swz(rb, t)]), uint32_t(sm.w[buf][c][rb][swz(rb, t + 4)]));
+            }
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
-                const int rb = wn0 + 8 * j + g;
-                int s[4];
-                mma_s8_16832(s, a, uint32_t(sm.w[buf][c][rb][swz(rb, t)]), uint32_t(sm.w[buf][c][rb][swz(rb, t + 4)]));
-                const int nc = wn0 + 8 * j + 2 * t;
-                const float dw0 = sm.wd[buf][c][nc], dw1 = sm.wd[buf][c][nc + 1];
-                const float mw0 = sm.wm[buf][c][nc], mw1 = sm.wm[buf][c][nc + 1];
-                acc[j][0] += F::term_f(magic_to_float(s[0]), dw0, mw0, da0, sa0);
-                acc[j][1] += F::term_f(magic_to_float(s[1]), dw1, mw1, da0, sa0);
-                acc[j][2] += F::term_f(magic_to_float(s[2]), dw0, mw0, da1, sa1);
-                acc[j][3] += F::term_f(magic_to_float(s[3]), dw1, mw1, da1, sa1);
+                // (d, m) of weight rows 2t and 2t + 1 of this n-tile: one 16-byte shared load
+                const float4 wq = *reinterpret_cast<const float4*>(&sm.wdm[buf][c][wn0 + 8 * j + 2 * t]);
+                acc[j][0] += F::term_f(magic_to_float(s[j][0]), wq.x, wq.y, as0.x, as0.y);
+                acc[j][1] += F::term_f(magic_to_float(s[j][1]), wq.z, wq.w, as0.x, as0.y);
+                acc[j][2] += F::term_f(magic_to_float(s[j][2]), wq.x, wq.y, as1.x, as1.y);
+                acc[j][3] += F::term_f(magic_to_float(s[j][3]), wq.z, wq.w, as1.x, as1.y);
             }
         }
         if (more) stash(buf ^ 1);

@@ -52,7 +52,7 @@ def test_mma_plan():
         for split in (None, 1, 3, 7, 1000):
             bm, s, kc = G.mma_plan(m, n, nb, 132, split)
             assert bm == next((b for b in G.MMA_BM_CHOICES if m <= b), 64)
-            assert kc % G.MMA_BK == 0 and 1 <= s <= max(1, -(-nb // G.MMA_BK))
+            assert kc % G.MMA_BK[bm] == 0 and 1 <= s <= max(1, -(-nb // G.MMA_BK[bm]))
             assert (s - 1) * kc < nb <= s * kc
             if split is None:
                 assert s <= G.MMA_MAX_SPLIT and -(-n // 64) * -(-m // bm) * s <= max(264, -(-n // 64) * -(-m // bm))
@@ -128,7 +128,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
         return name
 
     monkeypatch.setattr(G, "_kernel", fake_kernel)
-    monkeypatch.setattr(G, "launch", lambda k, grid, block, args, shared_mem=0: calls.append((k, grid, block, args)))
+    monkeypatch.setattr(G, "launch", lambda k, grid, block, args, shared_mem=0: calls.append((k, grid, block, args, shared_mem)))
     monkeypatch.setattr(G, "_workspace", lambda kind, nbytes, device: torch.zeros(nbytes, dtype=torch.uint8))
     monkeypatch.setattr(G, "check_weight", lambda qt, arg="qt": (qt.format, *qt.shape))
     monkeypatch.setattr(G, "mmvq16_ok", lambda qt: True)  # CPU tensors: any alignment will do here
@@ -154,12 +154,13 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 assert names[1] == f"mma_gemm<{G.BLOCKS[fmt]}, {bm}>"
                 assert calls[1][1] == (-(-n // G.MMA_BN), -(-m // bm), split) and calls[1][2] == (G.MMA_THREADS,)
                 assert int(calls[1][3][8]) == kchunk
+                assert calls[1][4] == G.mma_smem_bytes(bm) and calls[1][4] <= 100 * 1024
                 assert names[2:] == (["mma_reduce"] if split > 1 else [])
             elif path == "mmvq" and mmvq_kernel == "vec":
                 assert names[0].startswith("quantize_q8_1_split<")
                 assert len(names) == 1 + -(-m // G.MMVQ_COLS)
                 a0 = calls[1][3][1]  # qs pointer of the first chunk = workspace base
-                for i, (name, grid, block, args) in enumerate(calls[1:]):
+                for i, (name, grid, block, args, _) in enumerate(calls[1:]):
                     mc = min(G.MMVQ_COLS, m - i * G.MMVQ_COLS)
                     r = G.MMVQ16_ROWS[fmt][mc]
                     assert name == G.mmvq16_name(fmt, mc, r)
@@ -173,7 +174,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 kern = names[1:]
                 if path == "mmvq":
                     assert len(kern) == -(-m // G.MMVQ_COLS)
-                    for i, (name, grid, block, args) in enumerate(calls[1:]):
+                    for i, (name, grid, block, args, _) in enumerate(calls[1:]):
                         mc = min(G.MMVQ_COLS, m - i * G.MMVQ_COLS)
                         r = G.MMVQ_ROWS[fmt][mc]
                         assert name == f"mmvq<{G.BLOCKS[fmt]}, {mc}, {r}>" and grid == (-(-n // r),)

@@ -76,7 +76,7 @@ MMVQ_MAX_M = {f: 8 for f in BLOCKS}
 MMA_MAX_M = {f: 96 for f in BLOCKS}
 MMA_BM_CHOICES = (16, 32, 64)
 MMA_BN = 64
-MMA_BK = 4
+MMA_BK = {16: 8, 32: 8, 64: 4}  # blocks per pipeline step by BM (MmaCfg in cuda/gguf_mma.cu)
 MMA_THREADS = 256
 MMA_TARGET_CTAS_PER_SM = 2
 MMA_MAX_SPLIT = 16
@@ -313,15 +313,22 @@ def _sm_count(device) -> int:
     return _SM_COUNT[key]
 
 
+def mma_smem_bytes(bm: int) -> int:
+    """sizeof(MmaSmem<BM, BK>) in cuda/gguf_mma.cu: two buffers of BK steps of 64 weight rows
+    (32 B words + 8 B scales) and BM activation rows (32 B + 8 B)."""
+    return 2 * MMA_BK[bm] * (MMA_BN * 40 + bm * 40)
+
+
 def mma_plan(m: int, n: int, nb: int, sms: int = 132, split: int | None = None):
     """(BM, split, blocks per split) for the mma path: the smallest BM tile that holds M (up to
     64), then split K until about MMA_TARGET_CTAS_PER_SM CTAs per SM exist."""
     bm = next((b for b in MMA_BM_CHOICES if m <= b), MMA_BM_CHOICES[-1])
+    bk = MMA_BK[bm]
     tiles = -(-n // MMA_BN) * -(-m // bm)
     if split is None:
-        split = max(1, min(MMA_MAX_SPLIT, MMA_TARGET_CTAS_PER_SM * sms // tiles, nb // (2 * MMA_BK) or 1))
-    split = max(1, min(int(split), -(-nb // MMA_BK)))
-    kchunk = -(-(-(-nb // split)) // MMA_BK) * MMA_BK  # blocks per split, a multiple of BK
+        split = max(1, min(MMA_MAX_SPLIT, MMA_TARGET_CTAS_PER_SM * sms // tiles, nb // (2 * bk) or 1))
+    split = max(1, min(int(split), -(-nb // bk)))
+    kchunk = -(-(-(-nb // split)) // bk) * bk  # blocks per split, a multiple of the step
     split = -(-nb // kchunk)
     return bm, split, kchunk
 
@@ -419,9 +426,13 @@ def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
     part = 0
     if split > 1:
         part = _workspace("mma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()
-    launch(_kernel("gguf_mma.cu", f"mma_gemm<{BLOCKS[fmt]}, {bm}>"), grid, (MMA_THREADS,),
+    kern = _kernel("gguf_mma.cu", f"mma_gemm<{BLOCKS[fmt]}, {bm}>")
+    smem = mma_smem_bytes(bm)
+    if getattr(kern, "max_dynamic_shared_size_bytes", smem) < smem:  # opt in above 48 KB, once
+        kern.max_dynamic_shared_size_bytes = smem
+    launch(kern, grid, (MMA_THREADS,),
            (w.data_ptr(), xq.data_ptr(), xq.data_ptr() + m * nb * 32, y2.data_ptr(), part,
-            np.int32(m), np.int32(n), np.int32(nb), np.int32(kchunk)))
+            np.int32(m), np.int32(n), np.int32(nb), np.int32(kchunk)), shared_mem=smem)
     if split > 1:
         total = m * n
         launch(_kernel("gguf_mma.cu", "mma_reduce"), (-(-total // 256),), (256,),
