@@ -155,9 +155,10 @@ def time_decode(m, steps: int, prompt: int = 16, graph: bool = True) -> float:
     return steps / (time.perf_counter() - t)
 
 
-def time_prefill(m, n: int, reps: int = 3) -> float:
+def time_prefill(m, n: int, reps: int = 5) -> float:
     ids = [(7 * i + 3) % m.config.vocab_size for i in range(n)]
-    m.prefill(ids)   # warm-up
+    m.prefill(ids)   # warm-up (twice: kernel compiles, then cuBLAS heuristics and allocator)
+    m.prefill(ids)
     ts = []
     for _ in range(reps):
         _sync(m.device)
@@ -171,19 +172,34 @@ def time_prefill(m, n: int, reps: int = 3) -> float:
 
 def decode_breakdown(m, pos: int = 16, top: int = 12) -> list[dict]:
     """GPU time per kernel name over one eager decode step (torch.profiler / CUPTI)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     graph = m.use_graph
     m.use_graph = False
     try:
         m.decode_step(1, pos)
         _sync(m.device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            m.decode_step(1, pos)
-            _sync(m.device)
+        return profile_kernels(lambda: m.decode_step(1, pos), m.device, top)
     finally:
         m.use_graph = graph
+
+
+def prefill_breakdown(m, n: int, top: int = 12) -> list[dict]:
+    """GPU time per kernel name over one n-token prefill, and the wall time around it."""
+    ids = [(7 * i + 3) % m.config.vocab_size for i in range(n)]
+    m.prefill(ids)
+    return profile_kernels(lambda: m.prefill(ids), m.device, top)
+
+
+def profile_kernels(fn, device, top: int) -> list[dict]:
+    """[{total_gpu_us, wall_us, kernels}, then the top kernels by GPU time] for one call of fn."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - t
     rows = {}
     for e in prof.events():
         dt = getattr(e, "device_time", None)
@@ -199,7 +215,7 @@ def decode_breakdown(m, pos: int = 16, top: int = 12) -> list[dict]:
     for r in out:
         r["share"] = r["us"] / total
         r["us"] = round(r["us"], 1)
-    return [{"total_gpu_us": round(total, 1), "kernels": len(out)}] + out[:top]
+    return [{"total_gpu_us": round(total, 1), "wall_us": round(wall * 1e6, 1), "kernels": len(out)}] + out[:top]
 
 
 def bench_format(fmt, cfg, args, device, bw) -> dict:
@@ -250,6 +266,11 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     r["kv_cache_bytes"] = m.kv_cache_bytes()
     for n in prompt_lens:
         r[f"prefill_tok_s_{n}"] = time_prefill(m, n)
+    if device.startswith("cuda") and not args.no_breakdown and prompt_lens:
+        try:
+            r["prefill_breakdown"] = prefill_breakdown(m, min(prompt_lens))
+        except Exception as e:  # noqa: BLE001 - the profile is a nicety
+            r["prefill_breakdown"] = [{"error": f"{type(e).__name__}: {e}"}]
     if device.startswith("cuda"):   # prefill phase: cache of pre_seq positions, T=2048 activations
         peak = torch.cuda.max_memory_allocated(device)
         r["peak_gpu_bytes"] = peak
@@ -344,13 +365,23 @@ def render(out: dict, args) -> str:
     for r in res:
         if r.get("fallbacks"):
             s += f"\n{r['format']}: FALLBACK " + "; ".join(r["fallbacks"])
-        bd = r.get("decode_breakdown")
-        if bd and "error" not in bd[0]:
-            s += (f"\n\n{r['format']}: one eager decode step, {bd[0]['total_gpu_us']:.0f} us GPU time in "
-                  f"{bd[0]['kernels']} kernel names (top):\n")
-            s += tabulate([[k["kernel"][:70], k["calls"], f"{k['us']:.0f}", f"{100 * k['share']:.1f}%"]
-                           for k in bd[1:]], headers=["kernel", "calls", "us", "share"],
-                          tablefmt="github", disable_numparse=True)
-        elif bd:
-            s += f"\n{r['format']}: breakdown unavailable ({bd[0]['error']})"
+        s += _breakdown_text(r["format"], "one eager decode step", r.get("decode_breakdown"))
+        if lens:
+            s += _breakdown_text(r["format"], f"one {min(lens)}-token prefill", r.get("prefill_breakdown"))
     return s
+
+
+def _breakdown_text(fmt: str, what: str, bd) -> str:
+    from tabulate import tabulate
+
+    if not bd:
+        return ""
+    if "error" in bd[0]:
+        return f"\n{fmt}: {what}: breakdown unavailable ({bd[0]['error']})"
+    head = bd[0]
+    wall = f", {head['wall_us']:.0f} us wall (profiled)" if "wall_us" in head else ""
+    return (f"\n\n{fmt}: {what}, {head['total_gpu_us']:.0f} us GPU time{wall} in {head['kernels']} "
+            "kernel names (top):\n" +
+            tabulate([[k["kernel"][:70], k["calls"], f"{k['us']:.0f}", f"{100 * k['share']:.1f}%"]
+                      for k in bd[1:]], headers=["kernel", "calls", "us", "share"],
+                     tablefmt="github", disable_numparse=True))
