@@ -9,9 +9,9 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
   "mmvq"     M <= MMVQ_MAX_M[fmt]  quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused
                         GEMV-like kernel per format, M (1..8) and rows per CTA (cuda/gguf_mmvq.cu):
                         a stream over W, DP4A; M > 8 runs it on chunks of 8 activation rows.
-                        Weights whose address and size are multiples of 16 bytes (all normal
-                        ones) take the vector-load variant (cuda/gguf_mmvq16.cu, Q8_1 in a split
-                        layout); others the scalar-load one (cuda/gguf_mmvq.cu).
+                        Per format and M (MMVQ_CHOICE, measured) either the scalar-load kernel
+                        (cuda/gguf_mmvq.cu) or the vector-load one (cuda/gguf_mmvq16.cu, Q8_1 in a
+                        split layout; needs address and size of W multiples of 16 bytes).
   "mma"      M <= MMA_MAX_M[fmt]   Q8_1 (split layout) + int8 tensor-core GEMM, one m16n8k32 MMA per
                         block and tile, exact per-block terms on the fragments, split K
                         (cuda/gguf_mma.cu); needs the same 16-byte alignment, else dequant.
@@ -60,8 +60,28 @@ MMVQ_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f
 # other weights (a view at an odd offset, N * K/32 * bytes not a multiple of 16) run the
 # scalar-load mmvq (cuda/gguf_mmvq.cu). Rows per warp by M: see MMVQ16_ROWS.
 MMVQ16_LW = 16
-MMVQ16_NOALLOC = True
+MMVQ16_NOALLOC = False
 MMVQ16_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
+# Which mmvq kernel (and rows per CTA / warp) each format and M take, from the H100 round-3 sweep
+# (bench/gguf_bench.py --mmvq16, N=4096 K=14336, rotated, us incl. Q8_1; bench/notes-gguf.md).
+# M = 1: the two kernels tie within run-to-run noise (~1 us) -- both stream ~2.0-2.2 TB/s, as
+# cuBLAS's fp16 GEMV does on the same 33 MB (15.7 us) -- so the scalar kernel stays. The vector
+# kernel wins clearly where the activation traffic grows: q4_0 M=8 27.3 vs 33.9, q5_0 M=8 30.7 vs
+# 34.6, q8_0 M=4 28.0 vs 34.0, q4_0 M=2 17.3 vs 18.1; elsewhere scalar won or tied. M = 3 takes
+# M = 4's choice, M = 5..7 M = 8's (not measured).
+_MEASURED = {  # fmt: {M: (kernel, R)}
+    "q4_0": {1: ("scalar", 2), 2: ("vec", 2), 4: ("scalar", 4), 8: ("vec", 4)},
+    "q4_1": {1: ("scalar", 1), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
+    "q5_0": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 4), 8: ("vec", 4)},
+    "q5_1": {1: ("scalar", 1), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
+    "q8_0": {1: ("scalar", 2), 2: ("vec", 4), 4: ("vec", 4), 8: ("scalar", 4)},
+}
+MMVQ_CHOICE = {f: {m: _MEASURED.get(f, {}).get(1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8,
+                                              ("vec", MMVQ16_ROWS[f][m]))
+                   for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
+for _f in BLOCKS:
+    for _m, (_k, _r) in MMVQ_CHOICE[_f].items():
+        (MMVQ16_ROWS if _k == "vec" else MMVQ_ROWS)[_f][_m] = _r
 # Largest M that takes mmvq (in chunks of 8 rows, 26-40 us each): above it the int8 MMA GEMM
 # wins (H100, N=4096 K=14336, rotated, 2026-11-22 round 3: q4_0 M=16 mma 41.8 us vs chunked mmvq
 # ~50-64 and dequant 104; q8_0 47.0 vs ~80 / 112). Before the mma path existed this was 16/24.
@@ -76,7 +96,7 @@ MMVQ_MAX_M = {f: 8 for f in BLOCKS}
 MMA_MAX_M = {f: 96 for f in BLOCKS}
 MMA_BM_CHOICES = (16, 32, 64)
 MMA_BN = 64
-MMA_BK = {16: 8, 32: 8, 64: 4}  # blocks per pipeline step by BM (MmaCfg in cuda/gguf_mma.cu)
+MMA_BK = {16: 4, 32: 4, 64: 4}  # blocks per pipeline step by BM (MmaCfg in cuda/gguf_mma.cu)
 MMA_THREADS = 256
 MMA_TARGET_CTAS_PER_SM = 2
 MMA_MAX_SPLIT = 16
@@ -343,7 +363,8 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS,
     otherwise choose_path decides; `mmvq_rows` (1, 2, 4) overrides the rows per CTA / warp (for
     the bench); `mmvq_kernel` forces "vec" (cuda/gguf_mmvq16.cu; ValueError if the weight is not
-    aligned for it) or "scalar" (cuda/gguf_mmvq.cu); by default vec whenever mmvq16_ok(qt).
+    aligned for it) or "scalar" (cuda/gguf_mmvq.cu); by default MMVQ_CHOICE decides (vec only
+    when mmvq16_ok(qt)).
     `mma_split` forces the number of K splits of the mma path (tests and bench).
     """
     import torch
@@ -365,7 +386,10 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         raise ValueError(f"mmvq_rows: {mmvq_rows!r}, one of {MMVQ_ROW_CHOICES}")
     if mmvq_kernel is not None and mmvq_kernel not in MMVQ_KERNELS:
         raise ValueError(f"mmvq_kernel: {mmvq_kernel!r}, one of {MMVQ_KERNELS}")
-    vec = mmvq16_ok(qt) if mmvq_kernel is None else mmvq_kernel == "vec"
+    if mmvq_kernel is None:  # the measured choice for this format and M (first chunk), if aligned
+        vec = MMVQ_CHOICE[fmt][max(1, min(MMVQ_COLS, m))][0] == "vec" and mmvq16_ok(qt)
+    else:
+        vec = mmvq_kernel == "vec"
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
         raise ValueError(f"mma_split: {mma_split!r}, a positive int")
     if path == "mma" and not _aligned16(qt):
