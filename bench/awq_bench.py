@@ -58,6 +58,9 @@ def main(argv=None):
     ap.add_argument("--paths", default="all", help="'all' (every path) or 'dispatch'")
     ap.add_argument("--out", default=None)
     ap.add_argument("--slabs", action="store_true", help="also time dequant+cublas in L2-sized slabs")
+    ap.add_argument("--small-sweep", action="store_true",
+                    help="M <= 16: time every small-kernel config (SMALL_CFGS) and split counts")
+    ap.add_argument("--no-mma-sweep", action="store_true", help="skip the mma tile-config sweep")
     a = ap.parse_args(argv)
     ms = [int(v) for v in a.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
@@ -78,7 +81,8 @@ def main(argv=None):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
             t_cublas = time_graph([lambda w=w: torch.nn.functional.linear(x, w, out=None) for w in fw])
-            paths = (["gemv"] if m <= 8 else []) + ["mma", "dequant+cublas"]
+            paths = ((["gemv"] if m <= 8 else []) + (["small"] if m <= awq.SMALL_MAX_M else [])
+                     + ["mma"] + (["dequant+cublas"] if m >= 16 else []))
             times = {}
             for p in paths:
                 fns = [lambda w=w, p=p: awq.gemm(x, *w, G, out=y, path=p) for w in ws]
@@ -91,7 +95,22 @@ def main(argv=None):
                     fns = [lambda w=w, mb=mb: awq._dequant_cublas(x, w[0], w[1], w[2], y, m, k, n, G,
                                                                   slab_bytes=mb * 2**20) for w in ws]
                     times[f"slab{mb}MB"] = time_graph(fns)
-            if m <= 256:   # which mma tile shape is best
+            if a.small_sweep and m <= awq.SMALL_MAX_M:
+                for cfg in awq.SMALL_CFGS:
+                    if m > 8 * cfg[0]:
+                        continue
+                    tiles = -(-(n // 8) // (8 * cfg[1] * cfg[3]))
+                    s_plan = awq.small_plan(tiles, k, cfg[2] // cfg[3], torch.cuda.get_device_properties(0)
+                                            .multi_processor_count)[0]
+                    for sp in sorted({s_plan, max(1, s_plan // 2), 2 * s_plan, 4 * s_plan}):
+                        fns = [lambda w=w, c=cfg, sp=sp: awq._small(x, w[0], w[1], w[2], y, m, k, n, G,
+                                                                    cfg=c, splits=sp) for w in ws]
+                        try:
+                            times["small" + "".join(map(str, cfg)) + f"S{sp}"] = time_graph(fns)
+                        except Exception as e:  # report and go on
+                            print(f"  {k}->{n} M={m} small {cfg} S={sp}: {type(e).__name__}: {e}",
+                                  file=sys.stderr)
+            if m <= 256 and not a.no_mma_sweep:   # which mma tile shape is best
                 cfgs = (((1, 1, 1), (1, 2, 1), (1, 2, 4)) if m <= 16 else
                         ((2, 1, 1), (2, 2, 1), (4, 1, 1)) if m <= 128 else ((4, 1, 1),))
                 for cfg in cfgs:

@@ -40,3 +40,58 @@ def fp16_matmul(x, w16, return_bound: bool = False):
 
 def emulate_matmul(x, qt, return_bound: bool = False):
     return fp16_matmul(x, dequantize_fp16(qt), return_bound=return_bound)
+
+
+# ---- the small-M kernel (cuda/awq_small.cu): no fp16 weight, the scale applied per group
+#
+#   y = fp16( sum_g s_g * sum_{k in g} (q_k - z_g) * x_k )
+#
+# Every product (q - z) * x is exact and each group's partial is summed in fp32 (tensor cores),
+# the zero either subtracted exactly in fp16 or taken out as z * sum_k x_k (one more fp32
+# partial), then multiplied by s in fp32 and accumulated over groups, warps and K splits. The
+# exact value of that expression is x16 @ ((q - z) * s) with the weight NOT rounded to fp16
+# ((q - z) * s is exact in float64). Bound on any fp32 order, allowing tensor-core truncation
+# (one ulp, 2^-23, per addition):
+#     |y - y_exact| <= 2^-23 * (G + K/G + 80) * T  +  2^-11 |y_exact|
+#     T = sum_g |s_g| * (sum_{k in g} q_k |x_k| + z_g * sum_{k in g} |x_k|)
+# (G additions inside a group, the z * sum x and scale steps, K/G groups, <= 80 warp and split
+# partials; T bounds every intermediate, both for q - z formed exactly and for q x - z sum x.)
+EPS_TC = 2.0 ** -23
+EXTRA_TERMS = 80
+
+
+def group_scaled_terms(qt):
+    """(W float64 (K, N) = (q - z) * s exact, Q|s| float64 (K, N), z|s| float64 (K/G, N), G)."""
+    f = qt.fmt.fields(qt)
+    g = qt.group_size
+    q = f["q"].astype(np.float64)
+    z = f["z"].astype(np.float64)
+    s = f["s"].astype(np.float64)
+    k, n = q.shape
+    s_k = np.repeat(s, g, axis=0)
+    w = (q - np.repeat(z, g, axis=0)) * s_k
+    return w, q * np.abs(s_k), z * np.abs(s), g
+
+
+def group_scaled_bound(x_abs, qs, zs, g, y_exact):
+    """The bound above from |x| (M, K) float64 and the terms of group_scaled_terms."""
+    m, k = x_abs.shape
+    xg = x_abs.reshape(m, k // g, g).sum(axis=2)
+    t = x_abs @ qs + xg @ zs
+    return EPS_TC * (g + k // g + EXTRA_TERMS) * t + np.abs(y_exact) * 2.0 ** -11
+
+
+def emulate_group_scaled(x, qt, return_bound: bool = False):
+    """What cuda/awq_small.cu computes: y = x16 @ ((q - z) * s), fp32 result (before fp16)."""
+    x = np.asarray(x)
+    lead = x.shape[:-1]
+    x16 = x.reshape(-1, x.shape[-1]).astype(np.float16).astype(np.float64)
+    w, qs, zs, g = group_scaled_terms(qt)
+    if x16.shape[1] != w.shape[0]:
+        raise ValueError(f"x has {x16.shape[1]} features, the weight expects K={w.shape[0]}")
+    y = x16 @ w
+    out = y.astype(np.float32).reshape(*lead, w.shape[1])
+    if not return_bound:
+        return out
+    bound = group_scaled_bound(np.abs(x16), qs, zs, g, y)
+    return out, bound.reshape(*lead, w.shape[1])

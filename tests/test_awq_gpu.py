@@ -57,14 +57,48 @@ def emulate_gpu(x16, w16):
     return y, bound
 
 
+def emulate_small_gpu(x16, qt):
+    """reference.awq_fp16.emulate_group_scaled (the small-M kernel's function) in float64 on the
+    GPU: (y, bound)."""
+    f = qt.fmt.fields(qt)
+    g = qt.group_size
+    q = torch.as_tensor(f["q"]).cuda().double()
+    z = torch.as_tensor(f["z"]).cuda().double()
+    s = torch.as_tensor(f["s"].astype(np.float32)).cuda().double()
+    s_k = s.repeat_interleave(g, dim=0)
+    w = (q - z.repeat_interleave(g, dim=0)) * s_k
+    x = torch.as_tensor(x16).cuda().double()
+    y = x @ w
+    m, k = x.shape
+    xa = x.abs()
+    t = xa @ (q * s_k.abs()) + xa.view(m, k // g, g).sum(2) @ (z * s.abs())
+    bound = awq_fp16.EPS_TC * (g + k // g + awq_fp16.EXTRA_TERMS) * t + y.abs() * 2.0 ** -11
+    return y, bound
+
+
+def effective_path(label, m, qt):
+    """The path a check label names ("small", "graph mma", "slabs", ...), else dispatch's pick."""
+    for tok in str(label).split():
+        if tok in ("gemv", "mma", "dequant+cublas", "small"):
+            return tok
+        if tok == "slabs":
+            return "dequant+cublas"
+    return awq_mod().choose_path(m, qt)
+
+
 def check(y, x16, qt, w16, path=""):
-    """Assert y (torch fp16 CUDA) is the kernel function of x16 and qt within the fp32 bound."""
+    """Assert y (torch fp16 CUDA) is the kernel function of x16 and qt within the fp32 bound.
+    The small-M kernel computes a different function (no fp16 weight): its own emulation."""
     m, k = x16.shape
     assert y.shape == (m, qt.shape[0]) and y.dtype == torch.float16
     assert not torch.isnan(y).any(), f"{path}: NaN left in the output (unwritten or NaN math)"
+    small = effective_path(path, m, qt) == "small"
     if m * k * qt.shape[0] <= 2e8:
-        ref, bound = qt.fmt.emulate(x16.astype(np.float32), qt, return_bound=True)
+        emul = awq_fp16.emulate_group_scaled if small else qt.fmt.emulate
+        ref, bound = emul(x16.astype(np.float32), qt, return_bound=True)
         ref, bound = torch.as_tensor(ref, dtype=torch.float64).cuda(), torch.as_tensor(bound).cuda()
+    elif small:
+        ref, bound = emulate_small_gpu(x16, qt)
     else:
         ref, bound = emulate_gpu(x16, w16)
     over = ref.abs() >= 65520          # rounds to +-inf in fp16: the kernel must give that inf
@@ -89,7 +123,7 @@ def run(x16, qt_cuda, path=None):
 
 
 def paths_for(m):
-    return (["gemv"] if m <= 8 else []) + ["mma", "dequant+cublas"]
+    return (["gemv"] if m <= 8 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"]
 
 
 # ---------------------------------------------------------------- dequant kernel
@@ -209,12 +243,16 @@ def test_group_sizes(g, m):
 
 
 def test_emulate_gpu_matches_numpy():
-    """The float64 GPU oracle used for large cases is the numpy reference's formula."""
+    """The float64 GPU oracles used for large cases are the numpy references' formulas."""
     rng = np.random.default_rng()
     _, qt, _, w16 = weight(256, 136, 64)
     x16 = rand_x(rng, 5, 256)
     y, b = emulate_gpu(x16, w16)
     y0, b0 = FMT.emulate(x16.astype(np.float32), qt, return_bound=True)
+    assert np.allclose(y.cpu().numpy(), y0, rtol=1e-6, atol=1e-7)
+    assert np.allclose(b.cpu().numpy(), b0, rtol=1e-9, atol=0)
+    y, b = emulate_small_gpu(x16, qt)
+    y0, b0 = awq_fp16.emulate_group_scaled(x16.astype(np.float32), qt, return_bound=True)
     assert np.allclose(y.cpu().numpy(), y0, rtol=1e-6, atol=1e-7)
     assert np.allclose(b.cpu().numpy(), b0, rtol=1e-9, atol=0)
 
@@ -260,6 +298,8 @@ def test_bad_inputs_raise_before_launch():
         awq.matmul(x, qtc, out=torch.empty(4, 8, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="path"):
         awq.matmul(x[:1].contiguous().repeat(9, 1), qtc, path="gemv")
+    with pytest.raises(ValueError, match="path: 'small'"):
+        awq.matmul(x[:1].contiguous().repeat(17, 1), qtc, path="small")
 
 
 @pytest.mark.parametrize("m", [33, 300])
@@ -312,4 +352,4 @@ def test_choose_path_names():
     awq = awq_mod()
     _, _, qtc, _ = weight(4096, 1024, 128)
     for m in MS:
-        assert awq.choose_path(m, qtc) in ("gemv", "mma", "dequant+cublas")
+        assert awq.choose_path(m, qtc) in ("gemv", "small", "mma", "dequant+cublas")

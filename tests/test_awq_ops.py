@@ -77,8 +77,13 @@ def test_group_size_inferred_from_scales():
 
 def test_choose_path_and_sources():
     names = {awq.choose_path(m) for m in (1, 2, 8, 9, 16, 100, 256, 1000, 4096)}
-    assert names <= {"gemv", "mma", "dequant+cublas"}
-    assert awq.choose_path(1) == ("gemv" if awq.GEMV_MAX_M >= 1 else "mma")
+    assert names <= {"gemv", "small", "mma", "dequant+cublas"}
+    assert awq.choose_path(1) == ("gemv" if awq.GEMV_MAX_M >= 1 else
+                                  "small" if awq.SMALL_MAX_M >= 1 else "mma")
+    small = set(awq.SOURCES["awq_small.cu"])
+    for m in range(1, awq.SMALL_MAX_M + 1):
+        cfg = awq.small_config(m, 4096)
+        assert m <= 8 * cfg[0] and "awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*cfg) in small
     assert awq.choose_path(10**6) == "dequant+cublas"
     assert all(m in awq.GEMV_MS for m in range(1, awq.GEMV_MAX_M + 1))
     decl = set(awq.SOURCES["awq_mma.cu"])
@@ -97,3 +102,28 @@ def test_split_plan():
                 assert per >= min(min_rows, -(-k // 32) * 32)
     assert awq._splits(192, 4096, 32, 264)[0] == 4      # 768 blocks in 3 waves of 264 beat 1 wave of 192
     assert awq._splits(16, 4096, 32, 528, 128)[0] == 32
+
+
+def test_small_split_plan():
+    """small_plan: rows per split a multiple of 16 covering K once, every warp >= SMALL_MIN_STEPS
+    k-steps unless K itself is shorter; the tuned table names compiled configs only."""
+    for tiles in (1, 5, 32, 96, 192):
+        for k in (32, 576, 4096, 12288):
+            for ks in (1, 2, 4, 8):
+                s, per = awq.small_plan(tiles, k, ks, 132)
+                assert per % 16 == 0 and s * per >= k and (s - 1) * per < k, (tiles, k, ks, s, per)
+                assert s == 1 or per // 16 >= ks * awq.SMALL_MIN_STEPS
+    assert awq.small_plan(32, 12288, 8, 132)[0] == 8      # two 8-warp blocks per SM
+    decl = set(awq.SOURCES["awq_small.cu"])
+    for (k, n, mb), (cfg, splits) in awq.SMALL_TUNED.items():
+        assert cfg[0] == mb or (mb == 1 and cfg[0] == 2)
+        assert "awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*cfg) in decl and splits >= 1
+
+
+def test_small_dispatch_thresholds():
+    """Where the bench put them: small up to M = 4 everywhere, to 8 unless N >= 8192, to 16 for
+    weights up to 4096 x 4096; mma beyond."""
+    shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
+    assert [awq.choose_path(m, shape(12288, 4096)) for m in (1, 4, 5, 8, 9)] == ["small"] * 2 + ["mma"] * 3
+    assert [awq.choose_path(m, shape(4096, 12288)) for m in (1, 8, 9, 16)] == ["small"] * 2 + ["mma"] * 2
+    assert [awq.choose_path(m, shape(1024, 4096)) for m in (1, 8, 16, 17)] == ["small"] * 3 + ["mma"]

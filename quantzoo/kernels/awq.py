@@ -5,6 +5,8 @@
 
 Paths (choose_path(m, qt) names the one matmul takes):
     "gemv"            cuda/awq_gemv.cu   fp32 FMAs on CUDA cores, M <= 8
+    "small"           cuda/awq_small.cu  M <= 16: weights as the MMA's A operand, streamed to
+                                         registers, scale applied per group to fp32 partials
     "mma"             cuda/awq_mma.cu    mma.sync m16n8k16, dequant in registers, any M
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
@@ -30,6 +32,13 @@ SOURCES = {
     "awq_gemv.cu": tuple(f"awq_gemv_kernel<{m}>" for m in GEMV_MS),
     "awq_mma.cu": tuple(f"awq_mma_kernel<{mt}, {ng}, {occ}>" for mt, ng, occ in MMA_CFGS),
 }
+# small-M kernel (cuda/awq_small.cu): (MB, NW, WARPS, CW, MODE, D) = batch tiles of 8 rows,
+# column words per thread, warps per block, warps side by side along N, 0 subnormal nibbles +
+# sum(x) zero fix-up / 1 exact q - z via the magic number, stages of each warp's cp.async ring
+SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2, 4, 1, 0, 12),
+              (1, 2, 8, 4, 0, 4), (1, 2, 8, 1, 1, 4),
+              (2, 1, 4, 1, 0, 8), (2, 1, 8, 1, 0, 8), (2, 1, 4, 1, 1, 8))
+SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
 
 # ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; tables in bench/notes-awq.md)
 # GEMV (CUDA-core FMAs) never beat the tensor-core kernel there, not even at M = 1 (4096->12288:
@@ -42,6 +51,30 @@ GEMV_MAX_M = 0          # M <= this: gemv
 MMA_MAX_M = 96          # gemv < M <= this: mma; above: dequant + cuBLAS ...
 MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
 MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
+# small-M kernel vs mma (bench run 8, µs, H100; bench/notes-awq.md): small wins at M <= 4 on all
+# four Qwen3-8B shapes (4096->12288 M = 1: 17.9 vs 19.8; 12288->4096: 16.5 vs 20.7; 4096->4096:
+# 8.7 vs 11.0; 4096->1024: 6.7 vs 8.8), at M <= 8 except N = 12288 (M = 8: 23.1 vs 20.8), and at
+# M <= 16 only for the small weights (4096->1024 M = 16: 7.8 vs 11.1; 4096->4096: 13.5 vs 14.3;
+# 12288->4096: 27.3 vs 22.5).
+SMALL_MAX_M = 16        # M <= this: the small-M kernel (awq_small.cu), except ...
+SMALL_MMA_N = 8192      # ... 4 < M <= 8 with N >= this, and ...
+SMALL_MMA_NK = 1 << 24  # ... 8 < M <= 16 with N * K > this: there the mma kernel is faster
+SMALL_M1 = (1, 2, 8, 1, 0, 4)   # config for M <= 8 on untuned shapes ...
+SMALL_M2 = (2, 1, 4, 1, 0, 8)   # ... and for 8 < M <= 16
+SMALL_BLOCKS_PER_SM = 2  # small_plan: target blocks per SM
+SMALL_MIN_STEPS = 4      # small_plan: fewest k-steps (16 rows) per warp
+# (K, N, MB) -> (config, K splits): the fastest measured per Qwen3-8B shape (bench run 8,
+# bench/notes-awq.md; MB = 2 also serves M <= 8 where it won)
+SMALL_TUNED = {
+    (4096, 4096, 1): ((1, 2, 8, 1, 0, 8), 4),
+    (4096, 1024, 1): ((2, 1, 4, 1, 0, 8), 8),
+    (4096, 12288, 1): ((1, 2, 4, 1, 0, 8), 4),
+    (12288, 4096, 1): ((1, 2, 8, 1, 0, 4), 8),
+    (4096, 4096, 2): ((2, 1, 4, 1, 0, 8), 4),
+    (4096, 1024, 2): ((2, 1, 4, 1, 0, 8), 8),
+    (4096, 12288, 2): ((2, 1, 4, 1, 0, 8), 2),
+    (12288, 4096, 2): ((2, 1, 4, 1, 0, 8), 4),
+}
 SLAB_BYTES = 0          # dequant+cublas: fp16 slab size (0 = whole weight); see slab_columns
 
 # mma kernel shared memory (must match MmaCfg in awq_mma.cu)
@@ -166,7 +199,7 @@ _SMEM_SET: set = set()
 
 
 def _set_smem(kern, key, nbytes):
-    if key in _SMEM_SET or nbytes <= 48 * 1024:
+    if key in _SMEM_SET or nbytes <= 40 * 1024:   # static shared memory counts against 48 KB too
         return
     try:
         from quantzoo.cuda_launch import import_cupy
@@ -224,6 +257,8 @@ def choose_path(m: int, qt=None) -> str:
     n, k = qt.shape if qt is not None else (4096, 4096)
     if m <= GEMV_MAX_M:
         return "gemv"
+    if m <= 4 or (m <= 8 and n < SMALL_MMA_N) or (8 < m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
+        return "small"
     limit = MMA_MAX_M_BIG if (n >= 8192 or k >= 8192) else MMA_MAX_M
     return "mma" if m <= limit else "dequant+cublas"
 
@@ -337,7 +372,65 @@ class _Shape:
         self.shape = (n, k)
 
 
-_PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas}
+def small_config(m: int, n: int, k: int = 4096) -> tuple:
+    """(MB, NW, WARPS, CW, MODE, D) of the small-M kernel: the tuned entry for this shape, else
+    SMALL_M1 (M <= 8) / SMALL_M2 (M <= 16)."""
+    mb = 1 if m <= 8 else 2
+    tuned = SMALL_TUNED.get((k, n, mb))
+    if tuned is not None:
+        return tuned[0]
+    return SMALL_M1 if mb == 1 else SMALL_M2
+
+
+def small_plan(tiles: int, k: int, kslices: int, sms: int) -> tuple[int, int]:
+    """Split K into S chunks (multiples of 16 rows) for `tiles` column tiles: about
+    SMALL_BLOCKS_PER_SM blocks per SM (the sweeps in bench/notes-awq.md: one 8-warp block per
+    SM leaves the weight stream latency-bound, two fill it; more only add split-K partials),
+    but every warp (K is cut into `kslices` per block) keeps >= SMALL_MIN_STEPS k-steps.
+    Returns (S, rows per split)."""
+    steps = max(1, k // 16)
+    s = max(1, round(SMALL_BLOCKS_PER_SM * sms / max(1, tiles)))
+    s = max(1, min(s, steps // (kslices * SMALL_MIN_STEPS)))
+    per = -(-steps // s)
+    return -(-steps // per), 16 * per
+
+
+def _small_smem(m: int, mb: int, nw: int, warps: int, d: int) -> int:
+    """Dynamic shared memory of awq_small_kernel (SmallRing in awq_small.cu): the per-warp
+    cp.async rings, reused after the main loop for the warps' [M][64*NW] fp32 partials."""
+    ring = warps * d * (16 * (8 * nw + 4) + 64 * mb) * 4
+    return max(ring, warps * m * 64 * nw * 4)
+
+
+def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
+    dev = x2.device
+    mb, nw, warps, cw, mode, d = cfg or small_config(m, n, k)
+    if m > 8 * mb:
+        raise ValueError(f"path: the small-M kernel with MB={mb} takes M <= {8 * mb}, got M={m}")
+    tiles = -(-(n // 8) // (8 * nw * cw))
+    name = "awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(mb, nw, warps, cw, mode, d)
+    kern = _kernel("awq_small.cu", name)
+    smem = _small_smem(m, mb, nw, warps, d)
+    # the largest this kernel ever asks for (M = 8 * MB), so one attribute serves every M
+    _set_smem(kern, (str(dev), name), _small_smem(8 * mb, mb, nw, warps, d))
+    tuned = SMALL_TUNED.get((k, n, mb))
+    if splits is None and tuned is not None and tuned[0] == (mb, nw, warps, cw, mode, d):
+        splits = tuned[1]
+    if splits is None:
+        splits, per = small_plan(tiles, k, warps // cw, _sm_count(dev))
+    else:
+        steps = k // 16
+        per = 16 * -(-steps // splits)
+        splits = -(-k // per)
+    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
+    ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
+    _launch(kern, (tiles, splits), (32 * warps,),
+            (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
+             ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
+             np.int32(per)), smem)
+
+
+_PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small}
 
 
 def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
@@ -357,6 +450,8 @@ def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
         raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if path == "gemv" and m > max(GEMV_MS):
         raise ValueError(f"path: 'gemv' takes M <= {max(GEMV_MS)}, got M={m}")
+    if path == "small" and m > SMALL_MAX_M:
+        raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
     if m > 2**31 // max(k, n):
         raise ValueError(f"x: M={m} is too large for 32-bit row indexing")
     _PATHS[path](x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g)

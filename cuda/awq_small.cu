@@ -1,0 +1,374 @@
+// awq_small.cu -- AWQ W4A16 for few rows of x (M <= 16: decode and small batches) on the tensor
+// cores, weights streamed straight from global memory into registers.
+//
+//   y[m, n] = fp16( sum_g  s[g, n] * sum_{k in g} (q[k, n] - z[g, n]) * x[m, k] )
+//
+// The inner sum is formed exactly per product and accumulated in fp32 over one group; the scale
+// is applied once per group to that fp32 partial (acc += s * partial). No weight is ever rounded
+// to fp16, so this is more accurate than fp16((q - z) * s) (awq_mma.cu); its emulation is
+// reference/awq_fp16.py::emulate_group_scaled (exact math plus an fp32-order bound).
+//
+// Why the tricks:
+// * Roles swapped: the weight is the MMA's A operand (16 "rows" = 16 output columns x 16 k) and
+//   x the B operand (16 k x 8 batch rows), C = 16 columns x 8 batch rows. With M <= 8 one
+//   m16n8k16 does 256 weights; with the usual roles (x as A) 15/16 of a 16-row tile would be
+//   padding at M = 1, here 7/8 of the n8 side is (and it is the cheap side). M = 9..16: MB = 2.
+// * k pairs before unpacking. The A fragment wants, per register, two consecutive k of ONE
+//   column (a0 = A[g][2t, 2t+1]); an AWQ word holds 8 columns of one k. A thread loads the words
+//   of rows 2t, 2t+1, 2t+8, 2t+9 of its column word; one byte permute of the words of rows k and
+//   k+1, prmt(w0, w1, 0x5410) = [w0.b0 w0.b1 w1.b0 w1.b1], puts row k in the low half and row
+//   k+1 in the high half, so each mask below yields a k-pair of one column directly:
+//      r & 0x000f000f -> column 0 (slot 0), r & 0x00f000f0 -> column 2 (slot 1),
+//      (r >> 8) & ... -> columns 4 and 6;  prmt(.., 0x7632) likewise gives columns 1 3 5 7.
+//   2 PRMT + 2 SHF + 8 LOP per 16 weights, no shuffle after the unpack (awq_mma.cu needs 4 PRMT
+//   per 8 weights to turn column pairs into k pairs).
+// * No magic number, no subtraction (MODE 0): a masked nibble read as a half is a subnormal,
+//   q * 2^-24 (low mask) or 16 q * 2^-24 = q * 2^-20 (high mask) -- exact, and the tensor cores
+//   multiply fp16 subnormals exactly (tests/test_awq_small_gpu.py checks it). The zero point
+//   leaves the inner loop: per group
+//      sum_k (q - z) x_k = sum_k q x_k - z * sum_k x_k,
+//   and sum_k x_k (one per batch row, shared by every column) comes from one extra MMA with an
+//   all-ones A. The per-group fix-up is two fp32 FMAs per accumulator:
+//      acc += s * (P - z' * Sx)   (z' = z * 2^-24 or 2^-20, from the zero word by the same masks)
+//   and the power of two is taken off once at the end. 6 ALU instructions per packed word.
+//   MODE 1 is the exact-subtraction variant (magic 0x64006400 + hsub2 / hfma2 -> q - z in the
+//   A operand; 10 per word): kept to measure against, and as the fallback if a GPU ever flushed
+//   subnormal MMA inputs.
+// * Memory: what limits a weight stream on the H100 is bytes in flight (Little's law: ~3 TB/s x
+//   ~1.5-2 us loaded latency = 4-6 MB, i.e. 35-45 KB per SM). A register pipeline (first
+//   version: D k-steps of ld.global.nc per warp) ran out of registers at ~32 KB per SM. So each
+//   warp owns a ring of D shared-memory stages filled with cp.async.cg (16-byte copies, L1
+//   bypassed): D-1 k-steps of 16 rows in flight per warp at no register cost, synchronised with
+//   cp.async.wait_group + __syncwarp only (no block barrier in the main loop). The stage rows
+//   are padded to 8*NW+4 words so that one LDS of rows 2t.. / words 2g.. is conflict-free.
+//   The stage also carries the step's x slice (8*MB rows x 16 k): x fragments read straight
+//   from global memory one step ahead stalled every warp on an L2 round trip per step (the
+//   first version was as slow at M = 1 as at M = 8 relative to its weight stream).
+// * Grid: block = WARPS warps: CW side by side along N (8*NW column words each), WARPS/CW
+//   slices of the block's K range; the slices meet in shared memory (fixed order), and K is
+//   split across blocks (gridDim.y) to fill the SMs; the split partials meet in an fp32
+//   workspace, summed in split order by the tile's last block (awq_common.cuh): deterministic,
+//   one launch, graph-replayable.
+#include "awq_common.cuh"
+
+namespace awq_small {
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned and_mask(unsigned a, unsigned m) { return a & m; }
+
+// The 16 A registers (4 MMA tiles) of one column word from its 4 rows 2t, 2t+1, 2t+8, 2t+9.
+// Tile i covers columns (ca[i], cb[i]) = (0,1) (4,5) (2,3) (6,7): rows g and g+8 of the MMA.
+// MODE 0: subnormal nibbles (tiles 0,1 in units of 2^-24, tiles 2,3 in 2^-20).
+// MODE 1: exact q - z via the magic number (zl: 1024 + z, zh: -(64 + z), per column, both lanes).
+template <int MODE>
+__device__ __forceinline__ void unpack_a(const unsigned* w, unsigned (&a)[4][4], const half2* zl,
+                                         const half2* zh) {
+  const unsigned p0 = __byte_perm(w[0], w[1], 0x5410), p1 = __byte_perm(w[0], w[1], 0x7632);
+  const unsigned p2 = __byte_perm(w[2], w[3], 0x5410), p3 = __byte_perm(w[2], w[3], 0x7632);
+  const unsigned src[4][4] = {{p0, p1, p2, p3}, {p0 >> 8, p1 >> 8, p2 >> 8, p3 >> 8},
+                              {p0, p1, p2, p3}, {p0 >> 8, p1 >> 8, p2 >> 8, p3 >> 8}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if (MODE == 0) {
+        a[i][r] = and_mask(src[i][r], i < 2 ? awq::kLowMask : awq::kHighMask);
+      } else {
+        // column of register r: rows g (r = 0, 2) -> ca[i], rows g+8 (r = 1, 3) -> cb[i]
+        const int col = (r & 1) ? (i == 0 ? 1 : i == 1 ? 5 : i == 2 ? 3 : 7)
+                                : (i == 0 ? 0 : i == 1 ? 4 : i == 2 ? 2 : 6);
+        if (i < 2) {
+          a[i][r] = awq::as_u32(__hsub2(awq::as_h2(awq::lop3_and_or(src[i][r], awq::kLowMask, awq::kMagic)),
+                                        zl[col]));
+        } else {
+          a[i][r] = awq::as_u32(__hfma2(awq::as_h2(awq::lop3_and_or(src[i][r], awq::kHighMask, awq::kMagic)),
+                                        awq::as_h2(0x2c002c00u), zh[col]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace awq_small
+
+// Shared memory ring of one warp: D stages of 16 rows x RS words (8*NW words used; padded so
+// that the LDS of rows 2t (t = 0..3) x words 2g.. fall in distinct banks).
+template <int MB, int NW, int D>
+struct SmallRing {
+  static constexpr int RS = 8 * NW + 4;
+  static constexpr int X_OFF = 16 * RS;                 // then x: 8*MB rows x 16 halves (8 words)
+  static constexpr int STAGE_WORDS = 16 * RS + 64 * MB;
+  static constexpr int WARP_BYTES = D * STAGE_WORDS * 4;
+};
+
+// grid (ceil(N/8 / (8*NW*CW)), splits); block 32*WARPS threads = CW warps side by side along N
+// (each 8*NW column words; CW = 4 or 8 makes one SM read 256-512 contiguous bytes of a row at
+// once instead of 32-64) x WARPS/CW slices of the block's K range; dynamic shared memory
+// max(WARPS * SmallRing::WARP_BYTES, WARPS * M * 64*NW * 4). rows_per_split: a multiple of 16.
+// MB = 1 (M <= 8) or 2 (M <= 16). D: stages of the per-warp cp.async ring (D-1 k-steps of 16
+// rows in flight per warp while one is computed).
+template <int MB, int NW, int WARPS, int CW, int MODE, int D>
+__global__ void __launch_bounds__(32 * WARPS)
+awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
+                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
+                 half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
+                 int M, int K, int N, int G, int rows_per_split) {
+  using namespace awq_small;
+  using R = SmallRing<MB, NW, D>;
+  constexpr int TW = 8 * NW;          // column words per warp tile
+  constexpr int TC = 8 * TW;          // columns per warp tile
+  constexpr int KS = WARPS / CW;      // k slices per block (CW warps side by side along N)
+  constexpr int BW = CW * TW;         // column words per block tile
+  constexpr int BC = 8 * BW;          // columns per block tile
+  static_assert(WARPS % CW == 0, "CW must divide WARPS");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* red = reinterpret_cast<float*>(smem_raw);   // [WARPS][M][TC], after the main loop
+  __shared__ int last_flag;
+  const int n8 = N / 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wn = warp % CW, wk = warp / CW;     // column slot and k slice of this warp
+  const int blk_w0 = blockIdx.x * BW;
+  const int tile_w0 = blk_w0 + wn * TW;
+  const int cw0 = tile_w0 + NW * g;   // this thread's first column word
+  const bool vec = (n8 % 4) == 0;     // 16-byte copies need 16-byte row strides
+  bool cw_ok[NW];
+#pragma unroll
+  for (int j = 0; j < NW; ++j) cw_ok[j] = cw0 + j < n8;
+  const int splits = gridDim.y;
+  const int kb = blockIdx.y * rows_per_split;
+  const int ke = min(K, kb + rows_per_split);
+  const int steps_blk = max(0, (ke - kb) / 16);
+  const int s0 = kb / 16 + (steps_blk * wk) / KS;      // this warp's k-steps [s0, s1)
+  const int s1 = kb / 16 + (steps_blk * (wk + 1)) / KS;
+  const int steps_per_group = G / 16;
+
+  // ---- per-warp cp.async ring: stage of step s = 16 rows from row 16 s, words tile_w0..+TW
+  unsigned* ring = reinterpret_cast<unsigned*>(smem_raw + warp * R::WARP_BYTES);
+  auto issue_step = [&](int s) {
+    if (s < s1) {
+      unsigned* dst = ring + (s % D) * R::STAGE_WORDS;
+      if (lane < 16 * MB) {   // x rows 0..8*MB-1, k 16 s .. 16 s + 15; rows >= M zero-filled
+        const int b = lane >> 1, h = 8 * (lane & 1);
+        const bool ok = b < M;
+        awq::cp_async16(dst + R::X_OFF + 8 * b + h / 2, ok ? x + (size_t)b * K + 16 * s + h : x, ok);
+      }
+      const unsigned* src = qweight + (size_t)(16 * s) * n8 + tile_w0;
+      if (vec) {
+        // 16 rows x 2*NW chunks of 16 bytes; chunks past N are zero-filled
+#pragma unroll
+        for (int c = lane; c < 16 * 2 * NW; c += 32) {
+          const int r = c / (2 * NW), q4 = 4 * (c % (2 * NW));
+          const bool ok = tile_w0 + q4 < n8;
+          awq::cp_async16(dst + r * R::RS + q4, ok ? src + (size_t)r * n8 + q4 : qweight, ok);
+        }
+      } else {
+#pragma unroll
+        for (int c = lane; c < 16 * TW; c += 32) {
+          const int r = c / TW, q = c % TW;
+          const bool ok = tile_w0 + q < n8;
+          awq::cp_async4(dst + r * R::RS + q, ok ? src + (size_t)r * n8 + q : qweight, ok);
+        }
+      }
+    }
+    awq::cp_async_commit();   // one group per step, empty past the range: the count stays fixed
+  };
+
+  float acc[NW][4][MB][4];
+  float part[NW][4][MB][4];
+  float sx[MB][4];
+#pragma unroll
+  for (int j = 0; j < NW; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][i][mb][e] = part[j][i][mb][e] = 0.f;
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sx[mb][e] = 0.f;
+
+  // per-group scale and zero words of this thread's columns (loaded for the group of step s)
+  uint4 sv[NW];
+  unsigned zv[NW];
+  auto load_group = [&](int s) {
+    const int grp = (16 * s) / G;
+#pragma unroll
+    for (int j = 0; j < NW; ++j) {
+      const bool ok = cw_ok[j] && s < s1;
+      sv[j] = ok ? __ldg(reinterpret_cast<const uint4*>(scales + (size_t)grp * N + 8 * (cw0 + j)))
+                 : make_uint4(0u, 0u, 0u, 0u);
+      zv[j] = ok ? __ldg(qzeros + (size_t)grp * n8 + cw0 + j) : 0u;
+    }
+  };
+
+  // MODE 1: (1024 + z) and -(64 + z) per column, both lanes
+  half2 zl[NW][8], zh[NW][8];
+  auto make_mode1_zeros = [&]() {
+    if (MODE == 1) {
+#pragma unroll
+      for (int j = 0; j < NW; ++j) {
+        const awq::Zeros zz = awq::make_zeros(zv[j]);
+        // zz.lo[0] = (1024+z0, 1024+z1), zz.lo[1] = (z4, z5); zz.hi[0] = -(64+z2, 64+z3), hi[1]: z6, z7
+        zl[j][0] = __low2half2(zz.lo[0]); zl[j][1] = __high2half2(zz.lo[0]);
+        zl[j][4] = __low2half2(zz.lo[1]); zl[j][5] = __high2half2(zz.lo[1]);
+        zh[j][2] = __low2half2(zz.hi[0]); zh[j][3] = __high2half2(zz.hi[0]);
+        zh[j][6] = __low2half2(zz.hi[1]); zh[j][7] = __high2half2(zz.hi[1]);
+        zl[j][2] = zl[j][3] = zl[j][6] = zl[j][7] = zl[j][0];
+        zh[j][0] = zh[j][1] = zh[j][4] = zh[j][5] = zh[j][2];
+      }
+    }
+  };
+
+  // acc += s * (part - z' * sx), then clear the group's partials
+  auto flush_group = [&]() {
+#pragma unroll
+    for (int j = 0; j < NW; ++j) {
+      float sf[8], zf[8];
+      const unsigned su[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const float2 f = __half22float2(awq::as_h2(su[p]));
+        sf[2 * p] = f.x; sf[2 * p + 1] = f.y;
+      }
+      if (MODE == 0) {
+        const unsigned zs = zv[j] >> 8;
+        const float2 z01 = __half22float2(awq::as_h2(zv[j] & awq::kLowMask));
+        const float2 z23 = __half22float2(awq::as_h2(zv[j] & awq::kHighMask));
+        const float2 z45 = __half22float2(awq::as_h2(zs & awq::kLowMask));
+        const float2 z67 = __half22float2(awq::as_h2(zs & awq::kHighMask));
+        zf[0] = z01.x; zf[1] = z01.y; zf[2] = z23.x; zf[3] = z23.y;
+        zf[4] = z45.x; zf[5] = z45.y; zf[6] = z67.x; zf[7] = z67.y;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int ca = i == 0 ? 0 : i == 1 ? 4 : i == 2 ? 2 : 6;
+        const int cb = ca + 1;
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = e < 2 ? ca : cb;
+            float v = part[j][i][mb][e];
+            if (MODE == 0) v = fmaf(-zf[c], sx[mb][e & 1], v);
+            acc[j][i][mb][e] = fmaf(sf[c], v, acc[j][i][mb][e]);
+            part[j][i][mb][e] = 0.f;
+          }
+      }
+    }
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sx[mb][e] = 0.f;
+  };
+
+  const unsigned ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
+  if (s0 < s1) {
+    load_group(s0);
+    make_mode1_zeros();
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d) issue_step(s0 + d);
+    int left_in_group = steps_per_group - (s0 % steps_per_group);
+    for (int st = s0; st < s1; ++st) {
+      awq::cp_async_wait<D - 2>();   // this lane's copies of step st have landed ...
+      __syncwarp();                  // ... and every lane's; slot (st - 1) % D is free again
+      issue_step(st + D - 1);
+      const unsigned* stage = ring + (st % D) * R::STAGE_WORDS + NW * g;
+      unsigned xb[MB][2];   // B fragments: x[row 8 mb + g][k 2t, 2t+1] and [k 2t+8, 2t+9]
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        const unsigned* xs = ring + (st % D) * R::STAGE_WORDS + R::X_OFF + 8 * (8 * mb + g);
+        xb[mb][0] = xs[t];
+        xb[mb][1] = xs[4 + t];
+      }
+      unsigned wv[NW][4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const unsigned* p = stage + (2 * t + (r & 1) + 8 * (r >> 1)) * R::RS;
+        if (NW == 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(p);
+          wv[0][r] = v.x;
+          wv[NW - 1][r] = v.y;
+        } else {
+          wv[0][r] = p[0];
+        }
+      }
+      if (MODE == 0) {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) mma16816(sx[mb], ones, xb[mb][0], xb[mb][1]);
+      }
+#pragma unroll
+      for (int j = 0; j < NW; ++j) {
+        unsigned a[4][4];
+        unpack_a<MODE>(wv[j], a, zl[j], zh[j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int mb = 0; mb < MB; ++mb) mma16816(part[j][i][mb], a[i], xb[mb][0], xb[mb][1]);
+      }
+      if (--left_in_group == 0 || st + 1 == s1) {   // group ends (or the warp's range does)
+        flush_group();
+        left_in_group = steps_per_group;
+        if (st + 1 < s1) {
+          load_group(st + 1);
+          make_mode1_zeros();
+        }
+      }
+    }
+  }
+  awq::cp_async_wait<0>();
+  __syncthreads();   // the rings are dead: their shared memory becomes the reduction buffer
+
+  // ---- the warps of the block meet in shared memory: red[warp][b][col]
+  const float unit[4] = {MODE == 0 ? 16777216.f : 1.f, MODE == 0 ? 16777216.f : 1.f,
+                         MODE == 0 ? 1048576.f : 1.f, MODE == 0 ? 1048576.f : 1.f};
+#pragma unroll
+  for (int j = 0; j < NW; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int ca = i == 0 ? 0 : i == 1 ? 4 : i == 2 ? 2 : 6;
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int b = 8 * mb + 2 * t + (e & 1);
+          const int col = 8 * (NW * g + j) + ca + (e >> 1);
+          if (b < M) red[((size_t)wk * M + b) * BC + wn * TC + col] = acc[j][i][mb][e] * unit[i];
+        }
+    }
+  __syncthreads();
+  const int tasks = M * BW;   // (row, column word) pairs of the block tile, 8 columns each
+  for (int task = threadIdx.x; task < tasks; task += 32 * WARPS) {
+    const int b = task / BW, cwl = task % BW, cw = blk_w0 + cwl;
+    if (cw >= n8) continue;
+    float v[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) v[c] = 0.f;
+#pragma unroll
+    for (int w = 0; w < KS; ++w) {
+      const float4* p = reinterpret_cast<const float4*>(red + ((size_t)w * M + b) * BC + 8 * cwl);
+      const float4 u0 = p[0], u1 = p[1];
+      v[0] += u0.x; v[1] += u0.y; v[2] += u0.z; v[3] += u0.w;
+      v[4] += u1.x; v[5] += u1.y; v[6] += u1.z; v[7] += u1.w;
+    }
+    if (splits == 1) awq::store8_half(y + (size_t)b * N + 8 * cw, v);
+    else awq::store8_float(ws + ((size_t)blockIdx.y * M + b) * N + 8 * cw, v);
+  }
+  if (splits == 1) return;
+  if (!awq::last_block_of_tile(counters + blockIdx.x, splits, &last_flag)) return;
+  for (int task = threadIdx.x; task < tasks; task += 32 * WARPS) {
+    const int b = task / BW, cw = blk_w0 + task % BW;
+    if (cw >= n8) continue;
+    float v[8];
+    awq::sum8_partials(v, ws + (size_t)b * N + 8 * cw, (size_t)M * N, splits);
+    awq::store8_half(y + (size_t)b * N + 8 * cw, v);
+  }
+}
