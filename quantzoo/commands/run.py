@@ -89,6 +89,9 @@ def run(args) -> int:
             print("fallbacks    " + "; ".join(m.fallbacks))
         else:
             print("kernels      every quantized linear ran its format's CUDA kernel (quantzoo.ops)")
+        print("layer ops    " + ("fused CUDA kernels (norms, q/k-norm + RoPE + KV write, SiLU*up, decode "
+                                 "attention: quantzoo.kernels.layer_ops)" if m.fused_ops else
+                                 "torch (norms, RoPE, SDPA, SiLU)"))
     else:
         how = {"cached": "float32 on weights dequantized once (= ops.matmul mode='dequant')",
                "dequant": "quantzoo.ops.matmul(mode='dequant') per call",
