@@ -68,12 +68,14 @@ MMVQ16_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for
 # cuBLAS's fp16 GEMV does on the same 33 MB (15.7 us) -- so the scalar kernel stays. The vector
 # kernel wins clearly where the activation traffic grows: q4_0 M=8 27.3 vs 33.9, q5_0 M=8 30.7 vs
 # 34.6, q8_0 M=4 28.0 vs 34.0, q4_0 M=2 17.3 vs 18.1; elsewhere scalar won or tied. M = 3 takes
-# M = 4's choice, M = 5..7 M = 8's (not measured).
+# M = 4's choice, M = 5..7 M = 8's (not measured). q4_1 / q5_1 at M = 1 keep R = 2 although R = 1
+# was 0.5-0.6 us faster rotated: with reused (L2-resident) weights R = 2 is much faster (q4_1
+# 13.7 us at R = 1 in the final run vs 11.5 at R = 2 in round 1).
 _MEASURED = {  # fmt: {M: (kernel, R)}
     "q4_0": {1: ("scalar", 2), 2: ("vec", 2), 4: ("scalar", 4), 8: ("vec", 4)},
-    "q4_1": {1: ("scalar", 1), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
+    "q4_1": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
     "q5_0": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 4), 8: ("vec", 4)},
-    "q5_1": {1: ("scalar", 1), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
+    "q5_1": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
     "q8_0": {1: ("scalar", 2), 2: ("vec", 4), 4: ("vec", 4), 8: ("scalar", 4)},
 }
 MMVQ_CHOICE = {f: {m: _MEASURED.get(f, {}).get(1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8,
