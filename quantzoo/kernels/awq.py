@@ -51,7 +51,7 @@ GEMV_MAX_M = 0          # M <= this: gemv
 MMA_MAX_M = 96          # gemv < M <= this: mma; above: dequant + cuBLAS ...
 MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
 MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
-# small-M kernel vs mma (bench run 8, µs, H100; bench/notes-awq.md): small wins at M <= 4 on all
+# small-M kernel vs mma (bench run 10, µs, H100; bench/notes-awq.md): small wins at M <= 4 on all
 # four Qwen3-8B shapes (4096->12288 M = 1: 17.9 vs 19.8; 12288->4096: 16.5 vs 20.7; 4096->4096:
 # 8.7 vs 11.0; 4096->1024: 6.7 vs 8.8), at M <= 8 except N = 12288 (M = 8: 23.1 vs 20.8), and at
 # M <= 16 only for the small weights (4096->1024 M = 16: 7.8 vs 11.1; 4096->4096: 13.5 vs 14.3;
@@ -63,7 +63,7 @@ SMALL_M1 = (1, 2, 8, 1, 0, 4)   # config for M <= 8 on untuned shapes ...
 SMALL_M2 = (2, 1, 4, 1, 0, 8)   # ... and for 8 < M <= 16
 SMALL_BLOCKS_PER_SM = 2  # small_plan: target blocks per SM
 SMALL_MIN_STEPS = 4      # small_plan: fewest k-steps (16 rows) per warp
-# (K, N, MB) -> (config, K splits): the fastest measured per Qwen3-8B shape (bench run 8,
+# (K, N, MB) -> (config, K splits): the fastest measured per Qwen3-8B shape (bench run 10,
 # bench/notes-awq.md; MB = 2 also serves M <= 8 where it won)
 SMALL_TUNED = {
     (4096, 4096, 1): ((1, 2, 8, 1, 0, 8), 4),
