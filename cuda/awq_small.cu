@@ -1,5 +1,5 @@
 // awq_small.cu -- AWQ W4A16 for few rows of x (M <= 16: decode and small batches) on the tensor
-// cores, weights streamed straight from global memory into registers.
+// cores, weights streamed through a small per-warp shared-memory ring, no fp16 weight formed.
 //
 //   y[m, n] = fp16( sum_g  s[g, n] * sum_{k in g} (q[k, n] - z[g, n]) * x[m, k] )
 //
@@ -34,16 +34,16 @@
 //   MODE 1 is the exact-subtraction variant (magic 0x64006400 + hsub2 / hfma2 -> q - z in the
 //   A operand; 10 per word): kept to measure against, and as the fallback if a GPU ever flushed
 //   subnormal MMA inputs.
-// * Memory: what limits a weight stream on the H100 is bytes in flight (Little's law: ~3 TB/s x
-//   ~1.5-2 us loaded latency = 4-6 MB, i.e. 35-45 KB per SM). A register pipeline (first
-//   version: D k-steps of ld.global.nc per warp) ran out of registers at ~32 KB per SM. So each
-//   warp owns a ring of D shared-memory stages filled with cp.async.cg (16-byte copies, L1
-//   bypassed): D-1 k-steps of 16 rows in flight per warp at no register cost, synchronised with
-//   cp.async.wait_group + __syncwarp only (no block barrier in the main loop). The stage rows
-//   are padded to 8*NW+4 words so that one LDS of rows 2t.. / words 2g.. is conflict-free.
-//   The stage also carries the step's x slice (8*MB rows x 16 k): x fragments read straight
-//   from global memory one step ahead stalled every warp on an L2 round trip per step (the
-//   first version was as slow at M = 1 as at M = 8 relative to its weight stream).
+// * Memory: each warp owns a ring of D shared-memory stages filled with cp.async.cg (16-byte
+//   copies, L1 bypassed): D-1 k-steps of 16 rows in flight per warp at no register cost,
+//   synchronised with cp.async.wait_group + __syncwarp only (no block barrier in the main loop).
+//   (A first version kept D k-steps of ld.global.nc in registers and ran out of registers at
+//   ~32 KB in flight per SM; the ring holds 40-110 KB. Measured on the H100: no faster by itself,
+//   bytes in flight were not the limit -- bench/notes-awq.md.) Stage rows are padded to 8*NW+4
+//   words so that one LDS of rows 2t.. / words 2g.. is conflict-free.
+//   The stage also carries the step's x slice (8*MB rows x 16 k). Reading x fragments from global
+//   memory one step ahead stalled every warp on an L2 round trip per step: that version ran
+//   M = 8 3-4 us slower than M = 1; with x in the stage M = 8 costs little more than M = 1.
 // * Grid: block = WARPS warps: CW side by side along N (8*NW column words each), WARPS/CW
 //   slices of the block's K range; the slices meet in shared memory (fixed order), and K is
 //   split across blocks (gridDim.y) to fill the SMs; the split partials meet in an fp32
