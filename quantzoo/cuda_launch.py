@@ -53,13 +53,25 @@ def _module(source: str, name_expressions: tuple, options: tuple, arch: str):
     return cupy.RawModule(code=read_source(source), options=opts, name_expressions=name_expressions)
 
 
-def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tuple = ()):
-    """The compiled kernel `name` (a name expression for templates) from cuda/<source>."""
-    import torch
+_KERNELS: dict = {}
 
-    major, minor = torch.cuda.get_device_capability()
-    mod = _module(source, tuple(name_expressions) or (name,), tuple(options), f"sm_{major}{minor}")
-    return mod.get_function(name)
+
+def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tuple = ()):
+    """The compiled kernel `name` (a name expression for templates) from cuda/<source>.
+
+    Compiled for the current device's architecture on first use; later calls are one dict
+    lookup (a prefill launches hundreds of kernels, and each microsecond of Python here is paid
+    per launch). One process is assumed to use GPUs of one architecture.
+    """
+    key = (source, name, options)
+    fn = _KERNELS.get(key)
+    if fn is None:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        mod = _module(source, tuple(name_expressions) or (name,), tuple(options), f"sm_{major}{minor}")
+        fn = _KERNELS[key] = mod.get_function(name)
+    return fn
 
 
 class _StreamHandle:
@@ -85,9 +97,20 @@ def _cupy_stream(ptr: int):
     return cupy.cuda.ExternalStream(ptr)
 
 
-def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
-    """Launch on torch's current stream (so graph capture and stream semantics hold)."""
+def _current_stream_ptr() -> int:
+    """torch's current CUDA stream as a raw handle. torch.cuda.current_stream() builds a Stream
+    object and resolves the device through several Python layers (~5-10 us); the C binding below
+    is what torch itself uses for this, with the public call as the fallback."""
     import torch
 
-    with _cupy_stream(torch.cuda.current_stream().cuda_stream):
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    dev = getattr(torch._C, "_cuda_getDevice", None)
+    if raw is not None and dev is not None:
+        return raw(dev())
+    return torch.cuda.current_stream().cuda_stream
+
+
+def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch on torch's current stream (so graph capture and stream semantics hold)."""
+    with _cupy_stream(_current_stream_ptr()):
         kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
