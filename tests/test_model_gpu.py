@@ -5,8 +5,9 @@
   quantzoo.ops, fp16 activations, decode replayed from a CUDA graph) its greedy 32 tokens
   equal the CPU path's, its logits are close, and graph decode equals eager decode.
 - The real default model, when its file is in the cache (QUANTZOO_CACHE; the device machine
-  has no network, the file travels in two carried halves, see bench/notes-runner.md): greedy
-  output on GPU equals the CPU path for 32 tokens, perplexity agrees.
+  has no network, the file travels in two carried halves, see bench/notes-runner.md): every
+  linear call of a real forward equals the emulation on its inputs, confident greedy steps and
+  perplexity agree with the CPU (the test's docstring says why not every token).
 """
 from __future__ import annotations
 
@@ -90,30 +91,62 @@ def test_graph_decode_equals_eager(synthetic_path):
         torch.testing.assert_close(eager, graph_logits[i], rtol=0, atol=1e-3)
 
 
-def test_real_default_model_gpu_equals_cpu():
-    """The GPU runs Q8_1 activations (DP4A kernels), the CPU path float32 on the dequantized
-    weights, so their logits differ by the activation rounding; greedy decoding agrees exactly
-    as long as the CPU's top-1 margin is larger than that difference. Measured on CPU for this
-    prompt: the emulation of the GPU arithmetic (matmul_mode="emulate") already leaves the
-    float32 path at token 6, where the margin is 0.12. So the test asserts what holds for any
-    correct kernel: teacher-forced on the CPU's 32 greedy tokens, the GPU's argmax equals the
-    CPU's wherever the CPU margin exceeds MARGIN, and free-running greedy output is identical
-    up to the first step with a smaller margin (checked to cover at least 6 tokens)."""
+def test_real_default_model_gpu_equals_cpu(monkeypatch):
+    """The GPU's integer kernels run Q8_1 activations; the CPU's float32 path does not. On this
+    model that rounding alone moves the logits by 0.9-2.6 (measured on CPU: matmul_mode="emulate",
+    the numpy emulation of the GPU arithmetic, against float32, teacher-forced on the greedy
+    tokens below), and the GPU differs from both by up to 3.0 (fp16 activations feed the Q8_1
+    rounding differently), so an end-to-end logit or token equality is not what a correct
+    kernel guarantees. What is asserted:
+    1. exactness where it holds: every quantized linear of a real GPU prefill (int8 MMA path,
+       M = 20) and decode step (MMVQ, M = 1) equals the emulation on the very fp16 inputs it
+       received, within the emulation's fp32-order bound plus the fp16 output rounding;
+    2. end to end: the GPU's argmax equals the CPU's wherever the CPU top-1 margin exceeds
+       MARGIN (above the largest difference measured), and the perplexity of an English
+       paragraph is within 3 % of the CPU emulation's and 6 % of the float32 path's."""
     _need_cuda()
-    from quantzoo.model import load_model
+    from quantzoo import ops
+    from quantzoo.model import llm, load_model
     from quantzoo.model.default_model import default_model_path
 
     try:
         path = default_model_path(download=False)
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    MARGIN = 0.5
+    MARGIN = 3.5
     cpu = load_model(path, device="cpu", progress=False)
+    emu = load_model(path, device="cpu", progress=False, matmul_mode="emulate")
     gpu = load_model(path, device="cuda", progress=False)
     assert not gpu.fallbacks, gpu.fallbacks
     tok = cpu.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Write two sentences about the Moon."}])
-    ids = tok.encode(prompt)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write two sentences about the Moon."}]))
+
+    calls = []
+    real_matmul = ops.matmul
+
+    def spy(x, qt, mode="emulate"):
+        y = real_matmul(x, qt, mode=mode)
+        calls.append((x.clone(), qt, y.clone()))
+        return y
+
+    monkeypatch.setattr(llm.ops, "matmul", spy)
+    gpu.logits(ids[:20])
+    gpu.setup_cache(256)
+    gpu.use_graph = False
+    gpu.prefill(ids[:1])
+    gpu.decode_step(ids[1], 1)
+    monkeypatch.undo()
+    gpu.use_graph = True
+    # (prefill of 20, prefill of 1, decode step) x (30 layers x (qkv, o, gate_up, down) + lm_head)
+    assert len(calls) == 3 * (30 * 4 + 1)
+    for x, qt, y in calls:
+        q = qt.numpy()
+        xe = x.float().cpu().numpy().reshape(-1, x.shape[-1])
+        ref, bound = q.fmt.emulate(xe, q, return_bound=True)
+        ref, bound = torch.from_numpy(ref), torch.from_numpy(bound)
+        err = (y.float().cpu().reshape(ref.shape) - ref).abs()
+        assert (err <= bound + 2.0**-11 * ref.abs() + 2.0**-24).all(), (q.format, q.shape, tuple(x.shape))
+
     a = cpu.generate(ids, max_new_tokens=32, eos_token_ids=[])
     b = gpu.generate(ids, max_new_tokens=32, eos_token_ids=[])
     print("\nCPU:", repr(tok.decode(a)), "\nGPU:", repr(tok.decode(b)))
@@ -121,14 +154,11 @@ def test_real_default_model_gpu_equals_cpu():
     lg = gpu.logits(ids + a)[len(ids) - 1:-1]
     top = lc.topk(2, -1).values
     margin = top[:, 0] - top[:, 1]
-    diff = (lc - lg).abs().max(-1).values
     print("CPU margins  ", [round(float(x), 2) for x in margin])
-    print("max |dlogit| ", [round(float(x), 2) for x in diff])
+    print("max |dlogit| ", [round(float(x), 2) for x in (lc - lg).abs().max(-1).values])
     sure = margin > MARGIN
-    assert int(sure.sum()) >= 20, "too few confident steps for a meaningful check"
+    assert int(sure.sum()) >= 5, "too few confident steps for a meaningful check"
     assert torch.equal(lg.argmax(-1)[sure], lc.argmax(-1)[sure])
-    first_close = int((~sure).nonzero()[0]) if (~sure).any() else 32
-    assert first_close >= 6 and b[:first_close] == a[:first_close], (first_close, a, b)
     text = ("The sun rose slowly over the quiet village, and the farmers walked out to their "
             "fields. Children ran along the river, laughing and throwing stones into the water.")
     ids = tok.encode(text)
@@ -137,9 +167,10 @@ def test_real_default_model_gpu_equals_cpu():
         lg = m.logits(ids)
         return math.exp(-torch.log_softmax(lg[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
 
-    p_cpu, p_gpu = ppl(cpu), ppl(gpu)
-    print(f"perplexity CPU {p_cpu:.3f} GPU {p_gpu:.3f}")
-    assert abs(p_gpu / p_cpu - 1) < 0.03
+    p_cpu, p_emu, p_gpu = ppl(cpu), ppl(emu), ppl(gpu)
+    print(f"perplexity CPU float32 {p_cpu:.3f} CPU emulate {p_emu:.3f} GPU {p_gpu:.3f}")
+    assert abs(p_gpu / p_emu - 1) < 0.03
+    assert abs(p_gpu / p_cpu - 1) < 0.06
 
 
 def test_bench_model_tiny_gpu(tmp_path):
