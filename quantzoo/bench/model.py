@@ -10,7 +10,9 @@ made), one run measures:
   peak GPU memory (torch's max allocated) against weights + KV cache (+10 % allowed);
   the bandwidth roofline: copy bandwidth measured in the same run / bytes of every weight read
       once per token (embedding excluded), and the fraction of it decode reaches;
-  a per-op breakdown of one eager decode step (torch.profiler, GPU time per kernel name).
+  the same graph decode with the per-layer ops as torch ops (fused_ops off), for the fusion's gain;
+  a per-op breakdown of one eager decode step and of one prefill (torch.profiler, GPU time per
+      kernel name, and the prefill's wall time: where GPU time < wall time, Python is the limit).
 
 Weights are built on the GPU directly: random block bytes with a fixed, finite scale per block
 (GGUF), random nibbles with small scales (AWQ), Gaussian fp16: setup takes seconds, not the

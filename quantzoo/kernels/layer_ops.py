@@ -10,6 +10,9 @@ Each equals the torch code it replaces in quantzoo/model/llm.py with the same fp
 (tests/test_layer_ops_gpu.py checks them against that code). Every tensor is fp16 and contiguous
 on one CUDA device; nothing allocates except the returned outputs (torch), and positions are
 read from a device tensor, so the decode step that uses them can be captured in a CUDA graph.
+Because they live on the device, position values are not checked here (that would cost a host
+sync per call): they must lie in [0, S); the runner (Model.prefill / decode_step) checks them
+on the host before anything is launched.
 """
 from __future__ import annotations
 

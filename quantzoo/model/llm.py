@@ -7,9 +7,11 @@
                 h      += down_proj(silu(gate(rms(h))) * up(rms(h)))   (gate|up fused on CUDA)
     logits = lm_head(rms(h))                                (lm_head = embed_tokens when tied)
 
-Norms, RoPE, attention (torch SDPA; grouped-query heads) and SwiGLU are torch; every quantized
-linear is a `QuantizedTensor` applied through `quantzoo.ops.matmul`, so the registry picks the
-kernel.
+Every quantized linear is a `QuantizedTensor` applied through `quantzoo.ops.matmul`, so the
+registry picks the kernel. Norms, RoPE, attention (SDPA; grouped-query heads) and SwiGLU are
+torch; on CUDA (fp16) `_forward_fused` runs the same arithmetic as four fused kernels per layer
+(quantzoo.kernels.layer_ops: add+RMSNorm, q/k-norm+RoPE+KV-cache write, SiLU*up, and for one
+token a split-cache decode attention), which is what makes a decode step mostly matmul time.
 
 RoPE is rotate-half (NeoX): dims i and i + head_dim/2 form a pair. Loaders hand Q/K rows in
 that (HF) order; llama-arch GGUF files store them permuted for llama.cpp's adjacent-pair
