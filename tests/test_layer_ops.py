@@ -1,0 +1,46 @@
+"""CPU tier of the fused layer ops and the fp16 GEMV: which shapes they serve, and the clear
+errors a CPU model gives when asked for them (the kernels themselves: tests/test_layer_ops_gpu.py,
+tests/test_fp16_gemv_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_supports_names_what_is_not_served():
+    from quantzoo.kernels import layer_ops as lo
+
+    assert lo.supports(4096, 12288, 128, 32, 8) is None          # Qwen3-8B
+    assert lo.supports(576, 1536, 64, 9, 3) is None              # SmolLM2-135M
+    assert "head_dim 96" in lo.supports(4096, 12288, 96, 32, 8)
+    assert "KV heads" in lo.supports(4096, 12288, 128, 32, 2)    # 16 query heads per KV head
+    assert "hidden 4100" in lo.supports(4100, 12288, 128, 32, 8)
+
+
+def test_decode_work_runs(rng):
+    from quantzoo.kernels.layer_ops import SPLITS_MAX, DecodeWork
+
+    for S in (16, 64, 256, 4096, 40960, int(rng.integers(1, 50000))):
+        w = DecodeWork(32, 8, 128, S, "cpu")
+        assert 1 <= w.n_split <= SPLITS_MAX and w.n_split * 64 <= max(S, 64)
+        assert tuple(w.o.shape) == (32, w.n_split, 128) and int(w.count.sum()) == 0
+
+
+def test_cpu_model_refuses_fused_ops():
+    from quantzoo.bench.model import make_config, synthetic_model
+
+    cfg = make_config(1, tiny=True)
+    m = synthetic_model("q4_0", cfg, "cpu")
+    assert m.fused_ops is False
+    with pytest.raises(ValueError, match="fused_ops=True: the fused layer ops run on CUDA"):
+        synthetic_model("q4_0", cfg, "cpu", fused_ops=True)
+
+
+def test_gemv_declines_cpu_tensors():
+    from quantzoo.kernels import fp16
+
+    w = torch.zeros(16, 64, dtype=torch.float16)
+    x = torch.zeros(1, 64, dtype=torch.float16)
+    assert not fp16.gemv_ok(x, w)
+    with pytest.raises(ValueError, match="gemv"):
+        fp16.gemv(x, w)
