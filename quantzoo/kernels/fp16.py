@@ -26,9 +26,10 @@ def matmul(x: torch.Tensor, qt) -> torch.Tensor:
 
 
 def gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gemv serves this call (else cuBLAS): fp16 CUDA operands, M <= GEMV_MAX_M,
+    """Whether gemv serves this call (else cuBLAS): fp16 operands on one CUDA device, M <= GEMV_MAX_M,
     K % 8 == 0, contiguous 16-byte aligned rows."""
-    return (x.is_cuda and w.is_cuda and x.dtype == torch.float16 and w.dtype == torch.float16
+    return (x.is_cuda and w.is_cuda and x.device == w.device
+            and x.dtype == torch.float16 and w.dtype == torch.float16
             and w.dim() == 2 and x.shape[-1] == w.shape[1] and w.shape[1] % 8 == 0
             and 0 < x.numel() // w.shape[1] <= GEMV_MAX_M and x.is_contiguous() and w.is_contiguous()
             and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
