@@ -48,12 +48,14 @@ def supports(hidden: int, ffn: int, head_dim: int, heads: int, kv_heads: int) ->
     return None
 
 
-def _check(name, t, shape=None, dtype=None):
+def _check(name, t, shape=None, dtype=None, device=None):
     import torch
 
     if not isinstance(t, torch.Tensor) or not t.is_cuda:
         raise ValueError(f"{name}: expected a CUDA tensor, got {type(t).__name__}"
                          + ("" if not isinstance(t, torch.Tensor) else f" on {t.device}"))
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, the other operands are on {device}")
     if t.dtype != (dtype or torch.float16):
         raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype or torch.float16}")
     if not t.is_contiguous():
@@ -72,8 +74,8 @@ def add_rms_norm(h, delta, w, eps: float):
         raise ValueError(f"h: shape {tuple(h.shape)}, expected (T, D) with D a multiple of 8, at most {limit}")
     T, D = h.shape
     if delta is not None:
-        _check("delta", delta, (T, D))
-    _check("w", w, (D,))
+        _check("delta", delta, (T, D), device=h.device)
+    _check("w", w, (D,), device=h.device)
     out = torch.empty_like(h)
     V = next(v for v in NORM_CHUNKS if D <= 8 * 1024 * v)
     threads = -(-D // (8 * V * 32)) * 32
@@ -94,16 +96,16 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     _, S, hd = k_cache.shape
     if hd not in HEAD_DIMS:
         raise ValueError(f"k_cache: head_dim {hd}, the fused kernels take {sorted(HEAD_DIMS)}")
-    _check("v_cache", v_cache, (KV, S, hd))
-    _check("qkv", qkv)
+    _check("v_cache", v_cache, (KV, S, hd), device=k_cache.device)
+    _check("qkv", qkv, device=k_cache.device)
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * KV) * hd:
         raise ValueError(f"qkv: shape {tuple(qkv.shape)}, expected (T, {(H + 2 * KV) * hd})")
     T = qkv.shape[0]
-    _check("pos", pos, (T,), torch.int64)
-    _check("cos", cos, (S, hd))
-    _check("sin", sin, (S, hd))
+    _check("pos", pos, (T,), torch.int64, k_cache.device)
+    _check("cos", cos, (S, hd), device=k_cache.device)
+    _check("sin", sin, (S, hd), device=k_cache.device)
     if norm_w is not None:
-        _check("norm_w", norm_w, (H + KV, hd))
+        _check("norm_w", norm_w, (H + KV, hd), device=k_cache.device)
     q = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
     items = T * (H + 2 * KV)
     name = f"qk_rope_store<{HEAD_DIMS[hd]}, {'true' if norm_w is not None else 'false'}>"
@@ -150,8 +152,8 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
 
     _check("k_cache", k_cache)
     KV, S, hd = k_cache.shape
-    _check("v_cache", v_cache, (KV, S, hd))
-    _check("q", q)
+    _check("v_cache", v_cache, (KV, S, hd), device=k_cache.device)
+    _check("q", q, device=k_cache.device)
     if q.dim() != 3 or q.shape[0] != 1 or q.shape[2] != hd or q.shape[1] % KV:
         raise ValueError(f"q: shape {tuple(q.shape)}, expected (1, H, {hd}) with H a multiple of {KV}")
     H = q.shape[1]
@@ -159,7 +161,9 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     if hd not in HEAD_DIMS or G > MAX_GROUP:
         raise ValueError(f"attn_decode: head_dim {hd} / group {G} not served "
                          f"(head_dim in {sorted(HEAD_DIMS)}, group <= {MAX_GROUP})")
-    _check("pos", pos, (1,), torch.int64)
+    _check("pos", pos, (1,), torch.int64, k_cache.device)
+    if work.o.device != k_cache.device:
+        raise ValueError(f"work: on {work.o.device}, the cache is on {k_cache.device}")
     if work.S != S or work.o.shape[0] != H or work.count.shape[0] != KV:
         raise ValueError(f"work: made for S={work.S}, {work.o.shape[0]} heads / {work.count.shape[0]} KV heads;"
                          f" the cache has S={S}, {H} / {KV}")
