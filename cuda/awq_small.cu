@@ -38,8 +38,9 @@
 //   copies, L1 bypassed): D-1 k-steps of 16 rows in flight per warp at no register cost,
 //   synchronised with cp.async.wait_group + __syncwarp only (no block barrier in the main loop).
 //   (A first version kept D k-steps of ld.global.nc in registers and ran out of registers at
-//   ~32 KB in flight per SM; the ring holds 40-110 KB. Measured on the H100: no faster by itself,
-//   bytes in flight were not the limit -- bench/notes-awq.md.) Stage rows are padded to 8*NW+4
+//   ~32 KB in flight per SM; the rings of one block take 40-96 KB in the SMALL_CFGS
+//   configurations. Measured on the H100: no faster by itself, bytes in flight were not the
+//   limit -- bench/notes-awq.md.) Stage rows are padded to 8*NW+4
 //   words so that one LDS of rows 2t.. / words 2g.. is conflict-free.
 //   The stage also carries the step's x slice (8*MB rows x 16 k). Reading x fragments from global
 //   memory one step ahead stalled every warp on an L2 round trip per step (12288->4096, M = 8:

@@ -23,16 +23,18 @@
 // walks its share of K (split K over grid.z) in steps of BK = 4 blocks.
 // Per step every thread fetches BK / 4 weight blocks (16-byte-aligned windows, gguf_window.cuh:
 // 2-3 16-byte loads each) and, for BM x BK <= 256 threads, one Q8_1 block of the split
-// activation layout (two 16-byte qs loads and the (d, s) word); the loads for step s + 1 are issued before the MMAs of step s and only
-// decoded (nibbles, Q5 bits) into the other shared-memory buffer afterwards, so global latency
-// hides under the tensor-core and fp32 work: one __syncthreads per step. Warps are arranged
-// BM/16 (m) x 8/(BM/16) (n); a warp's tile is 16 x 8 NT with NT = BM / 16 n-tiles.
+// activation layout (two 16-byte qs loads and the (d, s) word); the loads for step s + 1 are
+// issued before the MMAs of step s and only decoded (nibbles, Q5 bits) into the other
+// shared-memory buffer afterwards, so global latency hides under the tensor-core and fp32 work:
+// one __syncthreads per step. Warps are arranged BM/16 (m) x 8/(BM/16) (n); a warp's tile is
+// 16 x 8 NT with NT = BM / 16 n-tiles.
 // Shared rows are 8 words (32 bytes), swizzled: rows r with (r / 4) odd keep their two 16-byte
 // halves swapped, so the 8 rows g of a fragment read (word t of each) hit banks
-// 8 g + (t ^ 4 ((g / 4) & 1)) mod 32 -- all distinct -- without padding (the BM = 64 tile would
-// otherwise not fit the 48 KB of static shared memory).
+// 8 g + (t ^ 4 ((g / 4) & 1)) mod 32 -- all distinct -- without padding (rows padded to 12 words,
+// keeping the 16-byte stores aligned, would take the BM = 64 tile from 40 KB to 56 KB, past the
+// 48 KB a launch gets without the opt-in).
 // With split K (grid.z > 1) each CTA writes fp32 partial sums to `part` [z][M][N] and
-// gguf_mma_reduce adds them in z order and rounds to fp16 (deterministic); with grid.z = 1 the
+// mma_reduce adds them in z order and rounds to fp16 (deterministic); with grid.z = 1 the
 // CTA rounds and stores y itself.
 // Tails: weight rows past N are computed on row N - 1 and not stored; activation rows past M on
 // row M - 1, not stored; blocks past this split's range are zeroed on both sides (term = 0).

@@ -8,6 +8,9 @@ must match w16 bit for bit. The matmul kernels multiply fp16 x by w16 (products 
 and accumulate in fp32, then round y to fp16. The emulation sums in float64 and bounds any fp32
 summation order by K * 2^-24 * sum_k |x_k w_k|, plus half an fp16 ulp of y for the output
 rounding (y is fp16 on the GPU).
+
+The small-M kernel (cuda/awq_small.cu, path "small") is the exception: it forms no fp16 weight
+and applies s per group to fp32 partials; emulate_group_scaled below is its function and bound.
 """
 from __future__ import annotations
 
@@ -67,7 +70,6 @@ def group_scaled_terms(qt):
     q = f["q"].astype(np.float64)
     z = f["z"].astype(np.float64)
     s = f["s"].astype(np.float64)
-    k, n = q.shape
     s_k = np.repeat(s, g, axis=0)
     w = (q - np.repeat(z, g, axis=0)) * s_k
     return w, q * np.abs(s_k), z * np.abs(s), g

@@ -48,7 +48,8 @@ def cfgs_for(m):
 @pytest.mark.parametrize("g", [32, 64])
 @pytest.mark.parametrize("m", MS)
 def test_every_config_tail_shape(m, g):
-    """N = 72*8 (9 column words: a partial tile of 8 or 16), K = 9*64."""
+    """N = 72*8 (72 column words: a partial last tile for the 16- and 64-word block tiles),
+    K = 9*64."""
     rng = np.random.default_rng()
     k, n = 9 * 64, 72 * 8
     _, qt, qtc, w16 = weight(k, n, g, seed=m)
@@ -74,7 +75,8 @@ def test_every_config_small_shapes(m, k, n, g):
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
 @pytest.mark.parametrize("m", [1, 9])
 def test_forced_splits(m, splits):
-    """The split-K workspace path for any split count (64: one k-step per warp at K = 4096)."""
+    """The split-K workspace path for any split count (64 at K = 4096: 4 k-steps per block, so
+    0 to 2 per warp)."""
     rng = np.random.default_rng()
     k, n = 4096, 1024
     _, qt, qtc, w16 = weight(k, n, 64)

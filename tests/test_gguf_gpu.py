@@ -370,8 +370,9 @@ def test_bad_inputs_raise_value_error():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mmvq_long_k_and_unaligned_weight(fmt):
     """mmvq, every rows-per-CTA instance: K with fewer blocks than threads (nb < 128), several
-    passes with a tail (nb = 300, 130), and the weight bytes placed at a 4/8/12-byte offset from a
-    16-byte boundary inside a larger buffer (a view, as a weight sliced out of a file buffer can be)."""
+    passes with a tail (nb = 300, 130), and the weight bytes placed at a 0/4/8/12/16/32-byte offset
+    inside a larger buffer (a view, as a weight sliced out of a file buffer can be): the scalar-load
+    kernel always, the vector-load one too where the view is 16-byte aligned (mmvq16_ok)."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k, pad in [(5, 96, 4), (37, 9600, 8), (130, 4160, 12), (3, 4096 + 32, 0), (40, 4160, 16), (8, 9600, 32)]:
         _, qt_cpu = _weight(fmt, n, k, rng)

@@ -1,13 +1,18 @@
-"""AWQ W4A16 on CUDA: dequant, GEMV (CUDA cores), tensor-core GEMM, dequant + cuBLAS; dispatch by M.
+"""AWQ W4A16 on CUDA: dequant, GEMV (CUDA cores), small-M and tensor-core GEMMs, dequant + cuBLAS;
+dispatch by M.
 
     y = x @ W  with  W[k, n] = fp16((q - z) * s)  from qweight int32 [K, N/8], qzeros int32
     [K/G, N/8], scales fp16 [K/G, N] (HF "gemm" layout, formats/awq.py); x fp16 [.., K].
 
-Paths (choose_path(m, qt) names the one matmul takes):
-    "gemv"            cuda/awq_gemv.cu   fp32 FMAs on CUDA cores, M <= 8
-    "small"           cuda/awq_small.cu  M <= 16: weights as the MMA's A operand, streamed to
-                                         registers, scale applied per group to fp32 partials
-    "mma"             cuda/awq_mma.cu    mma.sync m16n8k16, dequant in registers, any M
+Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within the M it takes):
+    "gemv"            cuda/awq_gemv.cu   fp32 FMAs on CUDA cores, M <= 8; never chosen
+                                         (GEMV_MAX_M = 0), only path="gemv" runs it
+    "small"           cuda/awq_small.cu  M <= 16: weights as the MMA's A operand, streamed through
+                                         a per-warp shared-memory ring, scale applied per group to
+                                         fp32 partials (no fp16 weight); chosen for M <= 4, M <= 8
+                                         with N < SMALL_MMA_N, M <= 16 with N * K <= SMALL_MMA_NK
+    "mma"             cuda/awq_mma.cu    mma.sync m16n8k16, dequant in registers, any M; chosen
+                                         up to MMA_MAX_M (MMA_MAX_M_BIG for N or K >= 8192)
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
@@ -48,7 +53,7 @@ SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".forma
 # 29.3 vs 28.7 us, 13.9 vs 13.6 us), 4096->12288 at ~128 (90.0 vs 92.2 us), 12288->4096 between
 # 128 and 192 (80.0 vs 93.7; 125.1 vs 115.9 us).
 GEMV_MAX_M = 0          # M <= this: gemv
-MMA_MAX_M = 96          # gemv < M <= this: mma; above: dequant + cuBLAS ...
+MMA_MAX_M = 96          # M <= this and not small: mma; above: dequant + cuBLAS ...
 MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
 MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
 # small-M kernel vs mma (bench run 10, µs, H100; bench/notes-awq.md): small wins at M <= 4 on all

@@ -26,7 +26,7 @@ accumulation in cuBLAS, on weights bit-equal to fmt.dequantize(qt) rounded to ha
 
 Everything is checked in Python before a launch (ValueError naming the argument); kernels go on
 torch's current stream; nothing here allocates with CuPy, and the per-stream workspaces (Q8_1
-activations, the dequant buffer) are torch tensors reused across calls, so a call can be
+activations, the dequant buffer, the mma path's split-K partials) are torch tensors reused across calls, so a call can be
 captured in a CUDA graph (during a capture, workspaces come from the graph's own pool).
 """
 from __future__ import annotations
@@ -52,7 +52,8 @@ MMQ_THREADS = 256
 # Q8_1 activations from L2 once per weight row, which at M = 8 costs more than the weight itself
 # (q4_0 rotated: 62.7 us at R=1, 39.3 at R=2, 34.2 at R=4). At M = 1, R = 2 is within 3 % of the
 # best with rotated weights for every format and much faster with reused (L2-resident) ones
-# (q4_1: 11.5 us at R=2 vs 14.0 at R=1; q5_1: 13.3 vs 18.0).
+# (q4_1: 11.5 us at R=2 vs 14.0 at R=1; q5_1: 13.3 vs 18.0). These are defaults: MMVQ_CHOICE
+# below overwrites the entries of every (format, M) it assigns to the scalar kernel.
 MMVQ_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
 # The vector-load mmvq (cuda/gguf_mmvq16.cu): weight windows read with MMVQ16_LW-byte loads
 # (16 or 8), L1::no_allocate on the weight stream (MMVQ16_NOALLOC), Q8_1 activations in the
@@ -89,8 +90,9 @@ for _f in BLOCKS:
 # ~50-64 and dequant 104; q8_0 47.0 vs ~80 / 112). Before the mma path existed this was 16/24.
 MMVQ_MAX_M = {f: 8 for f in BLOCKS}
 # int8 tensor-core GEMM (cuda/gguf_mma.cu): M in (MMVQ_MAX_M, MMA_MAX_M] when the weight is
-# aligned for 16-byte window loads (mmvq16_ok). Activation rows per CTA tile by M; split K so
-# that about MMA_TARGET_CTAS_PER_SM CTAs per SM run (2 fit: 256 threads, <= 96 registers, 40 KB).
+# aligned for 16-byte window loads (_aligned16). Activation rows per CTA tile by M; split K so
+# that about MMA_TARGET_CTAS_PER_SM CTAs per SM run (2 fit: 256 threads, __launch_bounds__(256, 2)
+# caps registers at 128 -- nvcc 13 for sm_90 gives 80-124 -- and at most 40 KB shared memory).
 # Measured (same bench, us, auto split): q4_0 M=16/32/64/128/256/512: 41.8/54.1/77.3/148.9/282.8/549;
 # q8_0 47.0/55.2/75.5/148.9/284.2/548; dequant + cuBLAS ~104-112 at M = 16..128: the crossover
 # is near M = 96. The exact per-block fp32 terms (5-6 FP32 ops per output and block) bound this
@@ -104,7 +106,8 @@ MMA_TARGET_CTAS_PER_SM = 2
 MMA_MAX_SPLIT = 16
 # Largest M that takes the DP4A tiled GEMM: 0 -- it never won on the H100. At M=16..64 it ran
 # 345..410 us (64 CTAs: too few for 132 SMs), at M >= 256 it peaks near 52 TOP/s while cuBLAS
-# fp16 on tensor cores runs 600+ TFLOP/s, so dequant + cuBLAS takes every M above MMVQ_MAX_M.
+# fp16 on tensor cores runs 600+ TFLOP/s, so dequant + cuBLAS takes every M above MMA_MAX_M
+# (above MMVQ_MAX_M for a weight not aligned for the mma path).
 # It stays available as path="mmq" (and tested) for GPUs where DP4A vs fp16 MMA differ.
 MMQ_MAX_M = {f: 0 for f in BLOCKS}
 # Bound on the transient fp16 copy of W used by the dequant path (bytes); W is converted and
@@ -112,7 +115,6 @@ MMQ_MAX_M = {f: 0 for f in BLOCKS}
 # 32 MB buffer, 136 us with 128 MB; M=2048 384 vs 360 us -- fewer, larger cuBLAS calls win.
 DEQUANT_BUFFER_BYTES = 128 << 20
 PATHS = ("mmvq", "mma", "mmq", "dequant")
-
 
 
 def mmvq16_name(fmt: str, m: int, r: int, lw: int | None = None, noalloc: bool | None = None) -> str:
