@@ -448,11 +448,11 @@ def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
         out = torch.empty(lead + (n,), dtype=torch.float16, device=x.device)
     else:
         _check_tensor("out", out, torch.float16, lead + (n,), x.device)
+    if path is not None and path not in _PATHS:
+        raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if m == 0:
         return out
     path = path or choose_path(m, _Shape(n, k))
-    if path not in _PATHS:
-        raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if path == "gemv" and m > max(GEMV_MS):
         raise ValueError(f"path: 'gemv' takes M <= {max(GEMV_MS)}, got M={m}")
     if path == "small" and m > SMALL_MAX_M:

@@ -386,7 +386,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         path = choose_path(m, qt)
     elif path not in PATHS:
         raise ValueError(f"path: {path!r}, one of {PATHS}")
-    if mmvq_rows is not None and mmvq_rows not in MMVQ_ROW_CHOICES:
+    if mmvq_rows is not None and (isinstance(mmvq_rows, bool) or mmvq_rows not in MMVQ_ROW_CHOICES):
         raise ValueError(f"mmvq_rows: {mmvq_rows!r}, one of {MMVQ_ROW_CHOICES}")
     if mmvq_kernel is not None and mmvq_kernel not in MMVQ_KERNELS:
         raise ValueError(f"mmvq_kernel: {mmvq_kernel!r}, one of {MMVQ_KERNELS}")
