@@ -17,6 +17,16 @@ def _gpu_tier_needs_a_gpu(request):
         import_cupy()  # a CUDA machine without CuPy is an error, not a skip
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny-model tests: `pytestmark = pytest.mark.usefixtures("one_torch_thread")`.
+    Tiny models run fastest on one thread, also outside xdist (helpers_models.torch_threads)."""
+    from helpers_models import torch_threads
+
+    with torch_threads(1):
+        yield
+
+
 @pytest.fixture
 def rng(request):
     """A fresh random generator per test; the seed is printed so a failure can be replayed."""

@@ -181,7 +181,7 @@ PROMPT = "The quick brown fox jumps over 12 models. Hello, world!"
 def torch_threads(n: int = 1):
     """Tiny models run fastest on one thread; with pytest-xdist's 2 workers on 2 cores, more
     threads oversubscribe the CPU (measured: 32 greedy steps 0.08 s on 1 thread, 4.7 s on 2
-    under load). Used as an autouse fixture by the tests of these models."""
+    under load). The conftest fixture one_torch_thread wraps it for whole test modules."""
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -16,10 +16,7 @@ from quantzoo.model.hf_loader import load_hf, parse_quantization_config
 SPEC = "qwen3-gqa-hd64-tied"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with H.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,7 @@ from quantzoo.model.hf_loader import load_hf
 from quantzoo.model.kuiper import HEADER_BYTES, MAGIC, load_kuiper, read_header
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with H.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

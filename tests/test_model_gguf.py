@@ -16,12 +16,7 @@ gguf = pytest.importorskip("gguf")
 DIMS = dict(vocab=160, hidden=128, inter=192, layers=2, heads=4, kv_heads=2, ctx=256)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)    # 2 CI cores shared by 2 xdist workers: avoid oversubscription
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_model(arch: str, seed: int = 0, tied: bool = False):

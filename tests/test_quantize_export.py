@@ -19,10 +19,7 @@ from quantzoo.formats import get
 SPEC = "qwen3-hd128-untied"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with H.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

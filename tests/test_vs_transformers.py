@@ -30,10 +30,7 @@ N_GEN = 32
 GGUF_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with H.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
