@@ -27,6 +27,20 @@ def one_torch_thread():
         yield
 
 
+@pytest.fixture(scope="session")
+def default_model_file():
+    """Path of the default real model, fetched once into the cache; the tests that need it skip
+    only when it cannot be downloaded (an offline machine without the cached file)."""
+    from quantzoo.model.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        if "could not download" in str(e):
+            pytest.skip(f"default model unavailable offline: {e}")
+        raise
+
+
 @pytest.fixture
 def rng(request):
     """A fresh random generator per test; the seed is printed so a failure can be replayed."""

@@ -21,20 +21,10 @@ PPL_BOUND = 40.0
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(default_model_file, one_torch_thread):
     from quantzoo.model import load_model
-    from quantzoo.model.default_model import default_model_path
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)      # 2 CI cores shared by 2 xdist workers
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        if "could not download" in str(e):
-            pytest.skip(f"default model unavailable offline: {e}")
-        raise
-    yield load_model(None, device="cpu", progress=False)
-    torch.set_num_threads(n)
+    return load_model(default_model_file, device="cpu", progress=False)
 
 
 def perplexity(m, text: str) -> float:

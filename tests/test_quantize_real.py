@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from quantzoo.cli import main as cli
 
@@ -21,23 +20,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    from quantzoo.model.default_model import default_model_path
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        src = default_model_path()
-    except FileNotFoundError as e:
-        if "could not download" in str(e):
-            pytest.skip(f"default model unavailable offline: {e}")
-        raise
+def chain(tmp_path_factory, default_model_file, one_torch_thread):
+    src = default_model_file
     root = tmp_path_factory.mktemp("real")
     awq, q8 = root / "smol-awq-g64", root / "smol-q8_0.gguf"
     assert cli(["quantize", src, str(awq), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
     assert cli(["quantize", str(awq), str(q8), "--format", "q8_0", "--quiet"]) == 0
-    yield {"src": src, "awq": awq, "q8": q8, "root": root}
-    torch.set_num_threads(n)
+    return {"src": src, "awq": awq, "q8": q8, "root": root}
 
 
 def _check_model(path):

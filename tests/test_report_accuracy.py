@@ -5,16 +5,9 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def result():
-    from quantzoo.model.default_model import default_model_path
+def result(default_model_file):
     from quantzoo.report import accuracy
 
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        if "could not download" in str(e):
-            pytest.skip(f"default model unavailable offline: {e}")
-        raise
     text = accuracy.english_text()[:400]
     return accuracy.accuracy(["q8_0", "q4_0"], text=text, max_tokens=64)
 
