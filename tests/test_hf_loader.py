@@ -117,44 +117,44 @@ def test_modules_to_not_convert_is_honoured(dirs, tmp_path):
         load_hf(tmp_path / "noskip", progress=False)
 
 
-def test_shard_missing_a_tensor_names_the_file_and_tensor(dirs, tmp_path):
+def _edited_copy(src, dst, shard, edit):
+    """A copy of checkpoint dir src at dst whose safetensors file `shard` went through edit(dict)."""
     from safetensors.numpy import load_file, save_file
 
-    d = tmp_path / "sharded"
-    shutil.copytree(dirs["sharded"], d)
-    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / shard))
+    edit(t)
+    save_file(t, str(dst / shard), metadata={"format": "pt"})
+    return dst
+
+
+def test_shard_missing_a_tensor_names_the_file_and_tensor(dirs, tmp_path):
+    index = json.loads((dirs["sharded"] / "model.safetensors.index.json").read_text())
     name = "model.layers.1.self_attn.k_norm.weight"
     shard = index["weight_map"][name]
-    t = load_file(str(d / shard))
-    del t[name]
-    save_file(t, str(d / shard), metadata={"format": "pt"})
+    d = _edited_copy(dirs["sharded"], tmp_path / "sharded", shard, lambda t: t.pop(name))
     with pytest.raises(ValueError) as e:
         load_hf(d, progress=False)
     assert shard in str(e.value) and name in str(e.value)
 
 
 def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    d = tmp_path / "one"
-    shutil.copytree(dirs["awq"], d)
-    t = load_file(str(d / "model.safetensors"))
-    del t["model.layers.0.self_attn.o_proj.scales"]
-    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    st = "model.safetensors"
+    d = _edited_copy(dirs["awq"], tmp_path / "one", st, lambda t: t.pop("model.layers.0.self_attn.o_proj.scales"))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.scales.*model\.safetensors"):
         load_hf(d, progress=False)
-    d2 = tmp_path / "shape"
-    shutil.copytree(dirs["fp32"], d2)
-    t = load_file(str(d2 / "model.safetensors"))
-    t["model.norm.weight"] = t["model.norm.weight"][:-1].copy()
-    save_file(t, str(d2 / "model.safetensors"), metadata={"format": "pt"})
+
+    def shorten_norm(t):
+        t["model.norm.weight"] = t["model.norm.weight"][:-1].copy()
+
+    d2 = _edited_copy(dirs["fp32"], tmp_path / "shape", st, shorten_norm)
     with pytest.raises(ValueError, match=r"model\.norm\.weight.*shape \[255\].*\[256\]"):
         load_hf(d2, progress=False)
-    d3 = tmp_path / "dtype"
-    shutil.copytree(dirs["awq"], d3)
-    t = load_file(str(d3 / "model.safetensors"))
-    t["model.layers.0.mlp.up_proj.scales"] = t["model.layers.0.mlp.up_proj.scales"].astype(np.float32)
-    save_file(t, str(d3 / "model.safetensors"), metadata={"format": "pt"})
+
+    def widen_scales(t):
+        t["model.layers.0.mlp.up_proj.scales"] = t["model.layers.0.mlp.up_proj.scales"].astype(np.float32)
+
+    d3 = _edited_copy(dirs["awq"], tmp_path / "dtype", st, widen_scales)
     with pytest.raises(ValueError, match=r"up_proj\.scales is float32\[2, 384\], expected float16\[2, 384\]"):
         load_hf(d3, progress=False)
 
