@@ -36,6 +36,15 @@ LLAMA_CPP = {("q4_0", 1): 14.8, ("q4_1", 1): 12.6, ("q5_0", 1): 18.8, ("q5_1", 1
 L2_BYTES = 50 << 20
 
 
+
+def write_results(folder: str, stem: str, text: str, data) -> None:
+    """folder/stem.md (the table as text) and folder/stem.json (the raw numbers)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, stem + ".md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(folder, stem + ".json"), "w") as f:
+        json.dump(data, f, indent=1, default=str)
+
 def time_calls(calls, reps=15):
     """Median us per call of `calls` (callables) captured back to back in one CUDA graph."""
     g = T.capture_graph(lambda i: calls[i](), len(calls))
@@ -205,11 +214,7 @@ def mmvq16_main(a):
                 lines.append(f"| {fmt} | {m} | {kern} | " + " | ".join(cells) +
                              f" | {100 * nbytes / (best * 1e-6) / bw:.0f} |")
                 print(lines[-1], flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gguf_mmvq16_bench.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(a.out, "gguf_mmvq16_bench.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
+    write_results(a.out, "gguf_mmvq16_bench", "\n".join(lines), out)
     return 0
 
 
@@ -392,11 +397,8 @@ def main(argv=None):
         lines.append(f"| {r['fmt']} | {r['M']} | {r['weights']} | {r['path']} | {r['us']:.1f} | {r['TBps']:.2f} | "
                      f"{r['pct_copy']:.0f} | {r['TFLOPs']:.1f} | {r['x_cublas']:.2f} | {r['dispatch']} | {r['llama']} |")
     table = "\n".join(lines)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gguf_bench.md"), "w") as f:
-        f.write(f"{dev}; copy {bw / 1e12:.3f} TB/s; cuBLAS fp16 rotated us {cub}; reused {cub_reused}\n\n{table}\n")
-    with open(os.path.join(a.out, "gguf_bench.json"), "w") as f:
-        json.dump(raw, f, indent=1, default=str)
+    write_results(a.out, "gguf_bench", f"{dev}; copy {bw / 1e12:.3f} TB/s; cuBLAS fp16 rotated us {cub}; "
+                  f"reused {cub_reused}\n\n{table}", raw)
     print(table)
     return 0
 
@@ -424,11 +426,7 @@ def mmvq_main(a):
             tbps = nbytes / (us * 1e-6) / 1e12
             lines.append(f"| {fmt} | {m} | {kern} | {r} | {wts} | {us:.2f} | {tbps:.2f} | {100 * tbps * 1e12 / bw:.0f} |")
             print(lines[-1], flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gguf_mmvq_bench.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(a.out, "gguf_mmvq_bench.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
+    write_results(a.out, "gguf_mmvq_bench", "\n".join(lines), out)
     return 0
 
 
