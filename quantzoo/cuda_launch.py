@@ -74,6 +74,20 @@ def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tu
     return fn
 
 
+_SM_COUNTS: dict = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (for grid sizing), looked up once per device."""
+    key = str(device)
+    n = _SM_COUNTS.get(key)
+    if n is None:
+        import torch
+
+        n = _SM_COUNTS[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
 class _StreamHandle:
     """A raw cudaStream_t (int) wearing the CUDA stream protocol that Stream.from_external wants."""
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -225,10 +226,6 @@ def _launch(kern, grid, block, args, smem=0):
     from quantzoo.cuda_launch import launch
 
     launch(kern, grid, block, args, shared_mem=smem)
-
-
-def _sm_count(dev) -> int:
-    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def _splits(tiles: int, k: int, unit: int, slots: int, min_rows: int = 0) -> tuple[int, int]:

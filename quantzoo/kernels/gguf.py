@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from quantzoo.cuda_launch import get_kernel, launch
+from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
 
 QK = 32
@@ -323,18 +324,6 @@ def _aligned16(qt) -> bool:
         return data.data_ptr() % 16 == 0 and data.numel() % 16 == 0
     except AttributeError:
         return False
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    import torch
-
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[key]
 
 
 def mma_smem_bytes(bm: int) -> int:
