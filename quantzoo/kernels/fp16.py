@@ -40,6 +40,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not gemv_ok(x, w):
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}: needs fp16 "
                          f"contiguous CUDA tensors, K % 8 == 0, 16-byte alignment, <= {GEMV_MAX_M} rows")
+    return _launch_gemv(x, w)
+
+
+def _launch_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     m = x.numel() // k
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float16, device=x.device)
@@ -51,4 +55,4 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) for the runner: gemv at decode-sized M, cuBLAS otherwise."""
-    return gemv(x, w) if gemv_ok(x, w) else torch.nn.functional.linear(x, w)
+    return _launch_gemv(x, w) if gemv_ok(x, w) else torch.nn.functional.linear(x, w)
