@@ -97,9 +97,7 @@ def copy_study():
 def mmvq_launch(fmt, qt, xq, y, m, rows):
     """The mmvq kernel alone on an already quantized activation (what G.matmul launches after Q8_1)."""
     n, k = qt.shape
-    kern = G._kernel("gguf_mmvq.cu", f"mmvq<{G.BLOCKS[fmt]}, {m}, {rows}>")
-    G.launch(kern, ((n + rows - 1) // rows,), (G.MMVQ_THREADS,),
-             (qt.data.data_ptr(), xq.data_ptr(), y.data_ptr(), np.int32(n), np.int32(k // G.QK)))
+    G.launch_mmvq(fmt, qt.data, xq.data_ptr(), y.data_ptr(), n, k // G.QK, m, rows)
 
 
 def bench_mmvq_split(fmt, ms=(1, 2, 4, 8), detail=True):

@@ -19,6 +19,7 @@
 // reference. (A single hfma2 q*s - z*s would be cheaper but rounds differently.)
 #pragma once
 #include <cuda_fp16.h>
+#include "pdl.cuh"
 
 namespace awq {
 

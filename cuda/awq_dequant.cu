@@ -16,6 +16,7 @@ __global__ void __launch_bounds__(256)
 awq_dequant_kernel(const unsigned* __restrict__ qweight, const unsigned* __restrict__ qzeros,
                    const half* __restrict__ scales, half* __restrict__ out, int K, int N, int G,
                    int c0, int nw) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   const int n8 = N / 8;
   const long long total = (long long)K * nw;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;

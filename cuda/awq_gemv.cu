@@ -58,6 +58,7 @@ awq_gemv_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight
                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                 half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
                 int K, int N, int G, int rows_per_split) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace gemv;
   __shared__ __align__(16) Smem<M> sm;
   __shared__ int last_flag;

@@ -66,6 +66,7 @@ awq_mma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
                const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
                int M, int K, int N, int G, int rows_per_split) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using C = MmaCfg<MT, NG, OCC>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_flag;

@@ -120,6 +120,7 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
                  const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                  half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
                  int M, int K, int N, int G, int rows_per_split) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace awq_small;
   using R = SmallRing<MB, NW, D>;
   constexpr int TW = 8 * NW;          // column words per warp tile

@@ -14,6 +14,7 @@
 // K % 8 == 0 and 16-byte aligned rows are required (the Python side checks, else cuBLAS).
 // The sum over k runs per lane in chunk order, then a xor-butterfly across the warp.
 #include <cuda_fp16.h>
+#include "pdl.cuh"
 
 namespace fp16_gemv_detail {
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
@@ -41,6 +42,7 @@ constexpr int GEMV_U = 4;       // chunks per row in flight per lane
 template <int M>
 __global__ void __launch_bounds__(32 * GEMV_WARPS)
 fp16_gemv(const __half* __restrict__ W, const __half* __restrict__ x, __half* __restrict__ y, int N, int K) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace fp16_gemv_detail;
   constexpr int R = GEMV_R, U = GEMV_U;
   const int lane = threadIdx.x % 32;

@@ -36,6 +36,7 @@
 //   emulation's bound covers any order.
 #pragma once
 #include <cuda_fp16.h>
+#include "pdl.cuh"
 #ifdef __CUDACC_RTC__  // NVRTC (CuPy) ships no C library headers
 typedef signed char int8_t;
 typedef unsigned char uint8_t;

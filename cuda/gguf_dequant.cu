@@ -18,6 +18,7 @@
 template <class F>
 __global__ void __launch_bounds__(256)
 dequant(const uint8_t* __restrict__ W, __half* __restrict__ out, long long row0, int rows, int nb) {
+    pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)rows * nb * 4) return;
     const long long blk = t / 4;  // block index within the slice (row-major over rows x nb)

@@ -80,6 +80,7 @@ template <class F, int BM>
 __global__ void __launch_bounds__(MMA_THREADS, 2)
 mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __half2* __restrict__ Ads,
          __half* __restrict__ y, float* __restrict__ part, int M, int N, int nb, int kchunk) {
+    pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
     constexpr int BK = MmaCfg<BM>::BK;
     constexpr int NT = BM / 16;                 // n-tiles per warp
     constexpr int WARPS_M = BM / 16;            // warps along m
@@ -213,6 +214,7 @@ mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const _
 
 // y[i] = half(sum_z part[z][i]), z in order 0..S-1 (i over M x N).
 __global__ void mma_reduce(const float* __restrict__ part, __half* __restrict__ y, long long total, int S) {
+    pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= total) return;
     float s = part[i];

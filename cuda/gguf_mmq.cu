@@ -31,6 +31,7 @@ constexpr int MMQ_BM = 64, MMQ_BN = 64, MMQ_BK = 4, MMQ_THREADS = 256, MMQ_PAD =
 template <class F>
 __global__ void __launch_bounds__(MMQ_THREADS)
 mmq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ A, __half* __restrict__ y, int M, int N, int nb) {
+    pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
     __shared__ __align__(16) int sW[MMQ_BK][MMQ_BN][MMQ_PAD];
     __shared__ __align__(16) int sA[MMQ_BK][MMQ_BM][MMQ_PAD];
     __shared__ float sWd[MMQ_BK][MMQ_BN], sWm[MMQ_BK][MMQ_BN], sAd[MMQ_BK][MMQ_BM], sAs[MMQ_BK][MMQ_BM];

@@ -31,6 +31,7 @@ constexpr int MMVQ_THREADS = 128;
 template <class F, int M, int R>
 __global__ void __launch_bounds__(MMVQ_THREADS)
 mmvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ A, __half* __restrict__ y, int N, int nb) {
+    pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
     const int n0 = blockIdx.x * R;
     const uint8_t* wrow[R];
 #pragma unroll

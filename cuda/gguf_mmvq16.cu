@@ -43,11 +43,13 @@ constexpr int MMVQ16_WARPS = 4;
 
 
 // W: GGUF block bytes (N rows of nb blocks). Aqs: Q8_1 qs, block (m, b) at 32 (m nb + b);
-// Ads: half2 (d, s) of block (m, b) at index m nb + b. y: fp16 (M, N).
-template <class F, int M, int R, int LW, bool NOALLOC>
+// Ads: half2 (d, s) of block (m, b) at index m nb + b. y: fp16 (M, N). U: the pipeline depth,
+// blocks per row a lane has in flight (U = 1: the next block loads while this one is used).
+template <class F, int M, int R, int LW, bool NOALLOC, int U = 1>
 __global__ void __launch_bounds__(MMVQ16_WARPS * 32)
 mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __half2* __restrict__ Ads,
        __half* __restrict__ y, int N, int nb) {
+    pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
     const int lane = threadIdx.x % 32;
     const int n0 = (blockIdx.x * MMVQ16_WARPS + threadIdx.x / 32) * R;
     if (n0 >= N) return;  // whole warps: the shuffles below stay full
@@ -61,40 +63,48 @@ mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __h
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
 
-    // Software pipelining: the weight windows of this lane's next block are loaded before the
-    // current block is decoded and multiplied, so each warp always has a load in flight (without
-    // it a warp's K loop was a chain of nb/32 full memory latencies with idle gaps between).
-    vec16::Window<F, LW, NOALLOC> win[R];
-    if (lane < nb) {
+    // Software pipelining: a ring of U windows per row. Window u holds this lane's block
+    // lane + 32 (i U + u) of step i; once it is decoded, the same slot loads the block U steps
+    // ahead, so each warp always has U loads per row in flight (with none, a warp's K loop was
+    // a chain of nb/32 full memory latencies with idle gaps between).
+    vec16::Window<F, LW, NOALLOC> win[U][R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) win[r].load_raw(W, row_off[r] + (long long)lane * F::BYTES);
-    }
-    for (int kb = lane; kb < nb; kb += 32) {
-        float dw[R], mw[R];
-        int q[R][8];
+    for (int u = 0; u < U; ++u)
+        if (lane + 32 * u < nb) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            win[r].finish();
-            const vec16::Window<F, LW, NOALLOC>& wr = win[r];
-            F::unpack_from([&](int k) { return wr.get(k); }, dw[r], mw[r], q[r]);
+            for (int r = 0; r < R; ++r) win[u][r].load_raw(W, row_off[r] + (long long)(lane + 32 * u) * F::BYTES);
         }
-        if (kb + 32 < nb) {
+    for (int kb0 = lane; kb0 < nb; kb0 += 32 * U) {
 #pragma unroll
-            for (int r = 0; r < R; ++r) win[r].load_raw(W, row_off[r] + (long long)(kb + 32) * F::BYTES);
-        }
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const long long ab = (long long)m * nb + kb;
-            const uint4 a0 = __ldg(reinterpret_cast<const uint4*>(Aqs + ab * 32));
-            const uint4 a1 = __ldg(reinterpret_cast<const uint4*>(Aqs + ab * 32 + 16));
-            const float2 ds = __half22float2(__ldg(Ads + ab));
-            const int a[8] = {int(a0.x), int(a0.y), int(a0.z), int(a0.w), int(a1.x), int(a1.y), int(a1.z), int(a1.w)};
+        for (int u = 0; u < U; ++u) {
+            const int kb = kb0 + 32 * u;
+            if (kb >= nb) break;
+            float dw[R], mw[R];
+            int q[R][8];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                int sumi = 0;
+                win[u][r].finish();
+                const vec16::Window<F, LW, NOALLOC>& wr = win[u][r];
+                F::unpack_from([&](int k) { return wr.get(k); }, dw[r], mw[r], q[r]);
+            }
+            if (kb + 32 * U < nb) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) sumi = __dp4a(q[r][i], a[i], sumi);
-                acc[m][r] += F::term(sumi, dw[r], mw[r], ds.x, ds.y);
+                for (int r = 0; r < R; ++r) win[u][r].load_raw(W, row_off[r] + (long long)(kb + 32 * U) * F::BYTES);
+            }
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const long long ab = (long long)m * nb + kb;
+                const uint4 a0 = __ldg(reinterpret_cast<const uint4*>(Aqs + ab * 32));
+                const uint4 a1 = __ldg(reinterpret_cast<const uint4*>(Aqs + ab * 32 + 16));
+                const float2 ds = __half22float2(__ldg(Ads + ab));
+                const int a[8] = {int(a0.x), int(a0.y), int(a0.z), int(a0.w), int(a1.x), int(a1.y), int(a1.z), int(a1.w)};
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    int sumi = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) sumi = __dp4a(q[r][i], a[i], sumi);
+                    acc[m][r] += F::term(sumi, dw[r], mw[r], ds.x, ds.y);
+                }
             }
         }
     }

@@ -31,6 +31,7 @@
 // i + hd/2 sit in the same lane (e and e + E/2) -- the rotation needs no shuffle; attn_decode's
 // lanes hold E consecutive elements instead (one vector load per cache row).
 #include <cuda_fp16.h>
+#include "pdl.cuh"
 
 namespace layer_ops {
 
@@ -63,6 +64,7 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 template <bool ADD, int V>
 __global__ void add_rms_norm(__half* __restrict__ h, const __half* __restrict__ delta,
                              const __half* __restrict__ w, __half* __restrict__ out, int D, float eps) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace layer_ops;
   __shared__ float red[32];
   const long long row = (long long)blockIdx.x * D;
@@ -120,6 +122,7 @@ __global__ void qk_rope_store(const __half* __restrict__ qkv, const __half* __re
                               const long long* __restrict__ pos, __half* __restrict__ q_out,
                               __half* __restrict__ k_cache, __half* __restrict__ v_cache,
                               int T, int H, int KV, int S, float eps) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace layer_ops;
   constexpr int HD = 32 * E;
   const int heads = H + 2 * KV;
@@ -157,6 +160,7 @@ __global__ void qk_rope_store(const __half* __restrict__ qkv, const __half* __re
 
 // grid-stride over T * F/2 pairs; F even.
 __global__ void silu_mul(const __half* __restrict__ gu, __half* __restrict__ out, long long T, int F) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace layer_ops;
   const long long pairs = T * (F / 2);
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pairs;
@@ -200,6 +204,7 @@ __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q,
                             float* __restrict__ part_o, float* __restrict__ part_ml,
                             int* __restrict__ count, __half* __restrict__ out,
                             int S, int n_split, float scale_log2) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using layer_ops::neg_inf;
   constexpr int HD = 32 * E, W = 4;
   const int split = blockIdx.x, kv = blockIdx.y;

@@ -46,6 +46,7 @@ __device__ __forceinline__ int quantize_lane(const T* __restrict__ x, long long 
 // grid.x * (blockDim.x / 32) >= number of blocks; blockDim.x a multiple of 32.
 template <typename T>
 __global__ void quantize_q8_1(const T* __restrict__ x, uint8_t* __restrict__ out, long long n_blocks) {
+    pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
     const long long blk = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (blk >= n_blocks) return;  // whole warps exit together: the shuffles below stay full
@@ -59,6 +60,7 @@ __global__ void quantize_q8_1(const T* __restrict__ x, uint8_t* __restrict__ out
 // Split layout (see the header): qs of block i at out + 32 i, (d, s) at out + 32 n_blocks + 4 i.
 template <typename T>
 __global__ void quantize_q8_1_split(const T* __restrict__ x, uint8_t* __restrict__ out, long long n_blocks) {
+    pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
     const long long blk = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (blk >= n_blocks) return;

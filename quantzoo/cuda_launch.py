@@ -125,6 +125,91 @@ def _current_stream_ptr() -> int:
 
 
 def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
-    """Launch on torch's current stream (so graph capture and stream semantics hold)."""
+    """Launch on torch's current stream (so graph capture and stream semantics hold); inside
+    `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh)."""
+    if _PDL:
+        _launch_pdl(kernel, grid, block, args, shared_mem)
+        return
     with _cupy_stream(_current_stream_ptr()):
         kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+
+
+# ---- programmatic dependent launch ---------------------------------------------------------
+# CuPy launches through cuLaunchKernel, which takes no launch attributes; PDL needs
+# cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, so these launches
+# go to the driver through ctypes. Building the ctypes structures costs a few microseconds of
+# Python per launch, which is why PDL is opt-in (`programmatic_launches()`): the runner turns it
+# on while it captures its decode graph, where Python cost is paid once and replays are free.
+_PDL = False
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID (cuda.h, CUDA >= 12.0)
+
+
+class programmatic_launches:
+    """Context manager: kernels launched inside it use programmatic dependent launch, so each
+    may start while the previous kernel on the stream finishes (every kernel of cuda/ waits
+    for its predecessor with griddepcontrol.wait before touching memory it could share).
+    Nested uses keep the outer setting on exit."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = bool(enabled)
+
+    def __enter__(self):
+        global _PDL
+        self._saved, _PDL = _PDL, self.enabled
+        return self
+
+    def __exit__(self, *exc):
+        global _PDL
+        _PDL = self._saved
+        return False
+
+
+@lru_cache(maxsize=1)
+def _driver():
+    import ctypes
+    import ctypes.util
+
+    lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+
+    class Attribute(ctypes.Structure):     # CUlaunchAttribute: id, 4 bytes pad, a 64-byte union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+    class Config(ctypes.Structure):        # CUlaunchConfig
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attribute)),
+                    ("num_attrs", ctypes.c_uint)]
+
+    fn = lib.cuLaunchKernelEx
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return ctypes, lib, Attribute, Config, fn
+
+
+def _ctype_arg(ctypes, a):
+    import numpy as np
+
+    if isinstance(a, (bool, np.bool_)):
+        raise TypeError(f"kernel argument {a!r}: pass an np.int32 flag, not a bool")
+    if isinstance(a, int):            # device pointers, as CuPy passes them: 8 bytes
+        return ctypes.c_uint64(a & 0xFFFFFFFFFFFFFFFF)
+    if isinstance(a, np.generic):
+        return np.ctypeslib.as_ctypes(np.asarray(a))
+    raise TypeError(f"kernel argument of type {type(a).__name__}: expected an int pointer or a numpy scalar")
+
+
+def _launch_pdl(kernel, grid, block, args, shared_mem: int) -> None:
+    ctypes, lib, Attribute, Config, fn = _driver()
+    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    attr = Attribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    cfg = Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
+                 ctypes.c_void_p(_current_stream_ptr()), ctypes.pointer(attr), 1)
+    vals = [_ctype_arg(ctypes, a) for a in args]
+    params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
+    func = getattr(kernel, "ptr", None) or kernel.kernel.ptr   # cupy Function, or RawKernel.kernel
+    err = fn(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
+    if err:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: "
+                           f"{(name.value or b'?').decode()} ({err})")

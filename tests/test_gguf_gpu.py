@@ -370,7 +370,8 @@ def test_bad_inputs_raise_value_error():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mmvq_long_k_and_unaligned_weight(fmt):
     """mmvq, every rows-per-CTA instance: K with fewer blocks than threads (nb < 128), several
-    passes with a tail (nb = 300, 130), and the weight bytes placed at a 0/4/8/12/16/32-byte offset
+    passes with a tail (nb = 300, 130; at M = 1 the vector kernel's pipeline depth U = 2 where
+    MMVQ1_LONG applies), and the weight bytes placed at a 0/4/8/12/16/32-byte offset
     inside a larger buffer (a view, as a weight sliced out of a file buffer can be): the scalar-load
     kernel always, the vector-load one too where the view is 16-byte aligned (mmvq16_ok)."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
@@ -386,7 +387,7 @@ def test_mmvq_long_k_and_unaligned_weight(fmt):
             x16 = rng.standard_normal((m, k)).astype(np.float16)
             x_t = torch.from_numpy(x16).to(DEV)
             kernels = ("scalar", "vec") if G.mmvq16_ok(qt) else ("scalar",)
-            for rows in G.MMVQ_ROW_CHOICES:
+            for rows in G.MMVQ_ROW_CHOICES + (None,):   # None: the dispatch's rows (and depth U)
                 for kern in kernels:
                     out = _poisoned((m, n))
                     G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel=kern)

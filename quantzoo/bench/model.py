@@ -10,6 +10,7 @@ made), one run measures:
   peak GPU memory (torch's max allocated) against weights + KV cache (+10 % allowed);
   the bandwidth roofline: copy bandwidth measured in the same run / bytes of every weight read
       once per token (embedding excluded), and the fraction of it decode reaches;
+  the same graph decode with plain launches (pdl off), for programmatic dependent launch's gain;
   the same graph decode with the per-layer ops as torch ops (fused_ops off), for the fusion's gain;
   a per-op breakdown of one eager decode step and of one prefill (torch.profiler, GPU time per
       kernel name, and the prefill's wall time: where GPU time < wall time, Python is the limit).
@@ -229,7 +230,7 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     _sync(device)
     setup_s = time.perf_counter() - t0
     dec_seq = -(-(16 + args.decode_tokens + 8) // 256) * 256
-    pre_seq = -(-max(prompt_lens) // 256) * 256
+    pre_seq = -(-max(prompt_lens, default=0) // 256) * 256
     m.setup_cache(dec_seq)   # decode attends over the whole cache: keep it as short as the run
     if device.startswith("cuda"):   # peak from here: the random-init transients do not count
         torch.cuda.empty_cache()
@@ -243,6 +244,10 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     r["decode_tok_s_graph"] = time_decode(m, args.decode_tokens, graph=True) if m.is_cuda else None
     r["decode_tok_s_eager"] = time_decode(m, args.eager_tokens, graph=False)
     r["fused_layer_ops"] = m.fused_ops
+    if m.is_cuda:   # the same graph with plain launches: what programmatic dependent launch gains
+        m.pdl, m._graph = False, None
+        r["decode_tok_s_graph_no_pdl"] = time_decode(m, args.decode_tokens, graph=True)
+        m.pdl, m._graph = True, None
     if m.fused_ops and m.is_cuda:   # the same graph decode with the per-layer ops left to torch
         m.fused_ops, m._graph = False, None
         r["decode_tok_s_graph_torch_ops"] = time_decode(m, args.decode_tokens, graph=True)
@@ -264,6 +269,8 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    if not prompt_lens:   # decode only (--prompt-lens ''): no prefill phase
+        return r
     m.setup_cache(pre_seq)
     r["kv_cache_bytes"] = m.kv_cache_bytes()
     for n in prompt_lens:
@@ -340,7 +347,7 @@ def render(out: dict, args) -> str:
         row = [r["format"], f"{r['weight_bytes'] / 1e9:.2f}", fmt_n(r.get("roofline_tok_s")),
                fmt_n(r.get("decode_tok_s_graph")),
                "-" if r.get("roofline_fraction") is None else f"{100 * r['roofline_fraction']:.0f}%",
-               fmt_n(r.get("decode_tok_s_eager")),
+               fmt_n(r.get("decode_tok_s_graph_no_pdl")), fmt_n(r.get("decode_tok_s_eager")),
                "-" if r.get("graph_gain") is None else f"{r['graph_gain']:.2f}x",
                fmt_n(r.get("decode_tok_s_graph_torch_ops"))]
         for n in lens:
@@ -354,7 +361,7 @@ def render(out: dict, args) -> str:
         row.append("/".join(str(lc.get(k, "-")) for k in ("tg128", "pp512", "pp2048")) if lc else "-")
         rows.append(row)
     hdr = (["format", "weights GB", "roofline tok/s", "decode tok/s (graph)", "of roofline",
-            "decode eager", "graph gain", "decode, torch layer ops"] + [f"prefill {n}" for n in lens] +
+            "decode, no PDL", "decode eager", "graph gain", "decode, torch layer ops"] + [f"prefill {n}" for n in lens] +
            ["peak GiB decode / prefill (vs W+emb+KV)", "llama.cpp tg128/pp512/pp2048"])
     s = tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
     bw = out.get("copy_bandwidth_bytes_s")
@@ -362,7 +369,8 @@ def render(out: dict, args) -> str:
     s += (f"\n\nQwen3-8B-shaped ({c['num_layers']} layers, hidden {c['hidden_size']}, vocab "
           f"{c['vocab_size']}), random weights, batch 1, {out['device']}. Roofline = copy bandwidth "
           f"{'-' if not bw else f'{bw / 1e12:.2f} TB/s'} (measured now) / weight bytes per token "
-          "(embedding excluded). Prefill in parentheses: ratio to the fp16 runner. 'torch layer ops': "
+          "(embedding excluded). Prefill in parentheses: ratio to the fp16 runner. 'no PDL': the same "
+          "graph with plain launches instead of programmatic dependent launch. 'torch layer ops': "
           "graph decode with norms, RoPE, attention and SwiGLU as torch ops instead of the fused kernels.")
     for r in res:
         if r.get("fallbacks"):

@@ -72,6 +72,9 @@ SMALL_MIN_STEPS = 4      # small_plan: fewest k-steps (16 rows) per warp
 # (K, N, MB) -> (config, K splits): the fastest measured per Qwen3-8B shape (bench run 10,
 # bench/notes-awq.md; MB = 2 also serves M <= 8 where it won)
 SMALL_TUNED = {
+    # the runner's fused q/k/v projection of Qwen3-8B (session 3, timed as the decode graph runs
+    # it: back to back with programmatic dependent launch): 10.5 us vs 14.1 for small_plan's pick
+    (4096, 6144, 1): ((1, 2, 4, 1, 0, 12), 8),
     (4096, 4096, 1): ((1, 2, 8, 1, 0, 8), 4),
     (4096, 1024, 1): ((2, 1, 4, 1, 0, 8), 8),
     (4096, 12288, 1): ((1, 2, 4, 1, 0, 8), 4),

@@ -73,13 +73,24 @@ MMVQ16_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for
 # M = 4's choice, M = 5..7 M = 8's (not measured). q4_1 / q5_1 at M = 1 keep R = 2 although R = 1
 # was 0.5-0.6 us faster rotated: with reused (L2-resident) weights R = 2 is much faster (q4_1
 # 13.7 us at R = 1 in the final run vs 11.5 at R = 2 in round 1).
+# M = 1 revisited in session 3 with the decode graph's conditions (programmatic dependent launch,
+# back to back, rotated; Qwen3-8B's four shapes and 14336 -> 4096; the table is in
+# bench/NOTES.md, session 3): the vector kernel now wins for q4_0 (R = 1: 7.85 vs 8.46 us at 4096 -> 6144)
+# and q8_0 (R = 2: 12.1 vs 13.0), and for K >= 8192 a pipeline depth U = 2 (MMVQ1_LONG) gains
+# another 5-8 % (q4_0 12288 -> 4096: 13.1 vs 14.0 scalar; q8_0 21.6 vs 23.3). q4_1 / q5_0 /
+# q5_1 stay scalar (ties within 0.5 us, or scalar faster at K = 4096).
 _MEASURED = {  # fmt: {M: (kernel, R)}
-    "q4_0": {1: ("scalar", 2), 2: ("vec", 2), 4: ("scalar", 4), 8: ("vec", 4)},
+    "q4_0": {1: ("vec", 1), 2: ("vec", 2), 4: ("scalar", 4), 8: ("vec", 4)},
     "q4_1": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
     "q5_0": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 4), 8: ("vec", 4)},
     "q5_1": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
-    "q8_0": {1: ("scalar", 2), 2: ("vec", 4), 4: ("vec", 4), 8: ("scalar", 4)},
+    "q8_0": {1: ("vec", 2), 2: ("vec", 4), 4: ("vec", 4), 8: ("scalar", 4)},
 }
+# M = 1 with the vector kernel and a long row (nb >= MMVQ1_LONG_NB blocks): rows per warp R and
+# pipeline depth U (blocks per row a lane has in flight; cuda/gguf_mmvq16.cu). U = 4 was slower
+# everywhere (registers: q8_0 R = 4 U = 4 spills), U = 2 at K = 4096 no better than U = 1.
+MMVQ1_LONG_NB = 256
+MMVQ1_LONG = {"q4_0": (1, 2), "q8_0": (2, 2)}
 MMVQ_CHOICE = {f: {m: _MEASURED.get(f, {}).get(1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8,
                                               ("vec", MMVQ16_ROWS[f][m]))
                    for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
@@ -118,10 +129,12 @@ DEQUANT_BUFFER_BYTES = 128 << 20
 PATHS = ("mmvq", "mma", "mmq", "dequant")
 
 
-def mmvq16_name(fmt: str, m: int, r: int, lw: int | None = None, noalloc: bool | None = None) -> str:
+def mmvq16_name(fmt: str, m: int, r: int, lw: int | None = None, noalloc: bool | None = None,
+                u: int = 1) -> str:
     lw = MMVQ16_LW if lw is None else lw
     noalloc = MMVQ16_NOALLOC if noalloc is None else noalloc
-    return f"mmvq16<{BLOCKS[fmt]}, {m}, {r}, {lw}, {'true' if noalloc else 'false'}>"
+    tail = "" if u == 1 else f", {u}"
+    return f"mmvq16<{BLOCKS[fmt]}, {m}, {r}, {lw}, {'true' if noalloc else 'false'}{tail}>"
 
 
 SOURCES = {
@@ -130,7 +143,8 @@ SOURCES = {
     "gguf_mmvq.cu": tuple(f"mmvq<{b}, {m}, {r}>" for b in BLOCKS.values() for m in range(1, MMVQ_COLS + 1)
                           for r in MMVQ_ROW_CHOICES),
     "gguf_mmvq16.cu": tuple(mmvq16_name(f, m, r) for f in BLOCKS for m in range(1, MMVQ_COLS + 1)
-                            for r in MMVQ_ROW_CHOICES),
+                            for r in MMVQ_ROW_CHOICES)
+                      + tuple(mmvq16_name(f, 1, r, u=u) for f, (r, u) in MMVQ1_LONG.items()),
     "gguf_mma.cu": tuple(f"mma_gemm<{b}, {bm}>" for b in BLOCKS.values() for bm in MMA_BM_CHOICES)
                    + ("mma_reduce",),
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
@@ -411,19 +425,18 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         _launch_quantize(x, xq, m * nb, split=True)
         for c0 in range(0, m, MMVQ_COLS):
             mc = min(MMVQ_COLS, m - c0)
-            r = mmvq_rows or MMVQ16_ROWS[fmt][mc]
+            r, u = mmvq_rows or MMVQ16_ROWS[fmt][mc], 1
+            if mc == 1 and mmvq_rows is None and nb >= MMVQ1_LONG_NB and fmt in MMVQ1_LONG:
+                r, u = MMVQ1_LONG[fmt]
             launch_mmvq16(fmt, w, xq.data_ptr() + c0 * nb * 32, xq.data_ptr() + m * nb * 32 + c0 * nb * 4,
-                          y2.data_ptr() + c0 * n * 2, n, nb, mc, r)
+                          y2.data_ptr() + c0 * n * 2, n, nb, mc, r, u=u)
         return out
     _launch_quantize(x, xq, m * nb)
     if path == "mmvq":
         for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
             mc = min(MMVQ_COLS, m - c0)
             r = mmvq_rows or MMVQ_ROWS[fmt][mc]
-            kern = _kernel("gguf_mmvq.cu", f"mmvq<{BLOCKS[fmt]}, {mc}, {r}>")
-            launch(kern, ((n + r - 1) // r,), (MMVQ_THREADS,),
-                   (w.data_ptr(), xq.data_ptr() + c0 * nb * Q8_1_BYTES, y2.data_ptr() + c0 * n * 2,
-                    np.int32(n), np.int32(nb)))
+            launch_mmvq(fmt, w, xq.data_ptr() + c0 * nb * Q8_1_BYTES, y2.data_ptr() + c0 * n * 2, n, nb, mc, r)
     else:
         grid = ((n + MMQ_TILE - 1) // MMQ_TILE, (m + MMQ_TILE - 1) // MMQ_TILE)
         if grid[1] > 65535:
@@ -457,10 +470,11 @@ def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
 
 
 def launch_mmvq16(fmt, w, aqs_ptr: int, ads_ptr: int, y_ptr: int, n: int, nb: int, m: int, r: int,
-                  lw: int | None = None, noalloc: bool | None = None, name_expressions=None):
+                  lw: int | None = None, noalloc: bool | None = None, name_expressions=None,
+                  u: int | None = None):
     """One vector-load mmvq launch (no checks: matmul validated everything). The bench passes
-    lw / noalloc / name_expressions to time variants that SOURCES does not list."""
-    name = mmvq16_name(fmt, m, r, lw, noalloc)
+    lw / noalloc / u / name_expressions to time variants that SOURCES does not list."""
+    name = mmvq16_name(fmt, m, r, lw, noalloc, u)
     if name_expressions:
         kern = get_kernel("gguf_mmvq16.cu", name, tuple(name_expressions))
     else:
@@ -468,6 +482,12 @@ def launch_mmvq16(fmt, w, aqs_ptr: int, ads_ptr: int, y_ptr: int, n: int, nb: in
     rows_per_cta = MMVQ16_WARPS * r
     launch(kern, ((n + rows_per_cta - 1) // rows_per_cta,), (32 * MMVQ16_WARPS,),
            (w.data_ptr(), aqs_ptr, ads_ptr, y_ptr, np.int32(n), np.int32(nb)))
+
+
+def launch_mmvq(fmt, w, a_ptr: int, y_ptr: int, n: int, nb: int, m: int, r: int):
+    """One scalar-load mmvq launch (cuda/gguf_mmvq.cu) over Q8_1 activations at a_ptr; no checks."""
+    launch(_kernel("gguf_mmvq.cu", f"mmvq<{BLOCKS[fmt]}, {m}, {r}>"), ((n + r - 1) // r,), (MMVQ_THREADS,),
+           (w.data_ptr(), a_ptr, y_ptr, np.int32(n), np.int32(nb)))
 
 
 def _dequant_matmul(fmt, x2, w, y2, n, k, buffer_bytes: int | None = None):

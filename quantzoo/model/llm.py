@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..cuda_launch import programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
 from .config import ModelConfig
@@ -239,7 +240,7 @@ class Model:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu",
                  max_seq: int | None = None, matmul_mode: str = "cached", cuda_graph: bool = True,
                  dtype=None, progress: bool = False, fuse: bool | None = None,
-                 fused_ops: bool | None = None):
+                 fused_ops: bool | None = None, pdl: bool = True):
         if matmul_mode not in MATMUL_MODES:
             raise ValueError(f"matmul_mode={matmul_mode!r}: choose one of {MATMUL_MODES}")
         device = str(torch.device(device))
@@ -252,6 +253,9 @@ class Model:
         self.dtype = dtype or (torch.float16 if self.is_cuda else torch.float32)
         self.matmul_mode = matmul_mode
         self.use_graph = cuda_graph and self.is_cuda
+        # Our kernels in the decode graph start while their predecessor finishes (programmatic
+        # dependent launch, cuda/pdl.cuh); False captures plain launches (the bench's comparison).
+        self.pdl = bool(pdl)
         cfg = config
         missing = [n for n in cfg.expected_shapes() if n not in weights]
         if missing:
@@ -492,7 +496,7 @@ class Model:
                 self._forward(self._g_tok, self._g_pos, False)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g), programmatic_launches(self.pdl):
             self._g_out = self._forward(self._g_tok, self._g_pos, False)
         self._graph = g
 
@@ -524,6 +528,7 @@ def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str 
     ("cached" | "dequant" | "emulate", CPU only), cuda_graph (default True on CUDA), fuse
     (q/k/v and gate/up as one linear each; default on CUDA), fused_ops (norms, RoPE + cache
     write, SiLU and decode attention as fused CUDA kernels; default on CUDA when the shapes
-    allow, False = the torch ops), dtype (activation dtype), progress (tqdm while placing layers).
+    allow, False = the torch ops), pdl (the decode graph's kernels launched with programmatic
+    dependent launch, default True), dtype (activation dtype), progress (tqdm while placing layers).
     """
     return Model(config, weights, tokenizer, device, **opts)

@@ -1,0 +1,84 @@
+"""GPU tier: programmatic dependent launch (cuda/pdl.cuh, cuda_launch.programmatic_launches).
+
+With PDL a kernel may be launched while its predecessor still runs; each kernel must wait
+(griddepcontrol.wait) before touching memory the chain shares. A kernel that forgot would race,
+and a race shows as results that differ from plain launches. Every kernel here is deterministic
+(fixed summation orders, split-K partials merged in a fixed order), so a chain of dependent
+launches captured with PDL must reproduce plain eager launches bit for bit, replay after replay.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantzoo import ops
+from quantzoo.bench.model import random_weight
+from quantzoo.cuda_launch import programmatic_launches
+from quantzoo.formats import weight_formats
+from quantzoo.kernels import fp16 as fp16_kernels
+from quantzoo.kernels import layer_ops
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = sorted({f.name for f in weight_formats()} | {"fp16"})
+
+
+def _chain(h0, h, ws, norm_w, steps):
+    """h <- h0; then `steps` times: x = rms_norm(h += delta); delta = x @ W.T (W alternating)."""
+    h.copy_(h0)
+    delta = None
+    for i in range(steps):
+        x = layer_ops.add_rms_norm(h, delta, norm_w, 1e-6)
+        w = ws[i % len(ws)]
+        delta = fp16_kernels.linear(x, w) if isinstance(w, torch.Tensor) else ops.matmul(x, w)
+    return layer_ops.add_rms_norm(h, delta, norm_w, 1e-6)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pdl_graph_equals_plain_launches(fmt, M, rng):
+    seed = int(rng.integers(2**31))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    D = 1024   # square weights so the chain can continue; several CTAs per kernel
+    ws = [random_weight(fmt, D, D, "cuda", gen, std=0.03) for _ in range(2)]
+    if fmt == "fp16":
+        ws = [w.data for w in ws]
+    h0 = torch.randn(M, D, device="cuda", generator=gen).half()
+    norm_w = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).half()
+    h = torch.empty_like(h0)
+    ref = _chain(h0, h, ws, norm_w, 6).clone()       # plain launches, eager
+    ref_h = h.clone()
+    assert torch.isfinite(ref).all()
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _chain(h0, h, ws, norm_w, 6)                   # warm-up: workspaces, compiles
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), programmatic_launches():
+        out = _chain(h0, h, ws, norm_w, 6)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        h.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), f"{fmt} M={M}: PDL graph differs from plain launches (seed {seed})"
+        assert torch.equal(h, ref_h)
+
+    with programmatic_launches():                      # eager PDL launches (ctypes path) too
+        out_e = _chain(h0, h, ws, norm_w, 6)
+    torch.cuda.synchronize()
+    assert torch.equal(out_e, ref)
+
+
+def test_programmatic_launches_nests_and_restores():
+    from quantzoo import cuda_launch
+
+    assert cuda_launch._PDL is False
+    with programmatic_launches():
+        assert cuda_launch._PDL is True
+        with programmatic_launches(False):
+            assert cuda_launch._PDL is False
+        assert cuda_launch._PDL is True
+    assert cuda_launch._PDL is False
