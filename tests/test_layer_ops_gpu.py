@@ -184,3 +184,87 @@ def test_model_fused_equals_torch_ops(fmt):
         assert agree >= 2, "too few decisive steps to compare the argmax"
         if graph:
             assert fused._graph is not None
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "split"])
+@pytest.mark.parametrize("T,D", [(1, 4096), (3, 576), (2, 12288), (1, 32)])
+def test_q8_1_out_equals_quantize_kernel(rng, layout, T, D):
+    """add_rms_norm / silu_mul with q8: the Q8_1 bytes equal quantize_q8_1 of their fp16 output
+    (same butterfly sum order: bit for bit, d, s and qs), in both layouts, and a GGUF matmul fed
+    those bytes equals the one that quantizes x itself, bit for bit."""
+    from quantzoo.bench.model import random_weight
+    from quantzoo.kernels import gguf
+    from quantzoo.kernels import layer_ops as lo
+
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    h = (torch.randn(T, D, device="cuda", generator=g) * 3).half()
+    h[0, :32] = 0                                             # an all-zero block: d = 0, q = 0
+    h[-1, -32:] *= 1e-3                                      # tiny magnitudes
+    delta = torch.randn(T, D, device="cuda", generator=g).half()
+    w = (torch.rand(D, device="cuda", generator=g) + 0.5).half()
+    gu = (torch.randn(T, 2 * D, device="cuda", generator=g) * 4).half()
+    quantize = gguf.quantize_q8_1_split if layout == "split" else gguf.quantize_q8_1
+    h2 = h.clone()
+    for name, run, again in (
+            ("add_rms_norm", lambda q8: lo.add_rms_norm(h, delta, w, 1e-6, q8=q8),
+             lambda: lo.add_rms_norm(h2, delta, w, 1e-6)),
+            ("silu_mul", lambda q8: lo.silu_mul(gu, q8=q8), lambda: lo.silu_mul(gu))):
+        q8 = gguf.Q8_1Activations(T, D, layout, "cuda")
+        q8.buf.fill_(0xA5)                                   # poison: every byte must be written
+        out = run(q8)
+        assert torch.equal(out, again()), name               # the fp16 output is unchanged
+        assert torch.equal(q8.buf.view(-1), quantize(out).view(-1)), f"{name} {layout} T={T} D={D}"
+    if D >= 256:
+        for fmt in ("q4_0", "q8_0", "q5_1"):
+            qt = random_weight(fmt, 96, D, "cuda", g)
+            if gguf.q8_1_layout(T, qt) != layout:
+                continue
+            q8 = gguf.Q8_1Activations(T, D, layout, "cuda")
+            x = lo.add_rms_norm(h, None, w, 1e-6, q8=q8)
+            assert torch.equal(gguf.matmul(x, qt, xq=q8), gguf.matmul(x, qt)), fmt
+
+
+def test_q8_1_out_bad_inputs():
+    from quantzoo.kernels import gguf
+    from quantzoo.kernels import layer_ops as lo
+    from quantzoo.bench.model import random_weight
+
+    h = torch.randn(2, 256, device="cuda").half()
+    w = torch.ones(256, device="cuda").half()
+    with pytest.raises(ValueError, match="q8"):
+        lo.add_rms_norm(h, None, w, 1e-6, q8=gguf.Q8_1Activations(1, 256, "split", "cuda"))
+    with pytest.raises(ValueError, match="layout"):
+        gguf.Q8_1Activations(1, 256, "packed", "cuda")
+    qt = random_weight("q4_1", 64, 256, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    wrong = "split" if gguf.q8_1_layout(2, qt) == "interleaved" else "interleaved"
+    with pytest.raises(ValueError, match="xq"):
+        gguf.matmul(h, qt, xq=gguf.Q8_1Activations(2, 256, wrong, "cuda"))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
+def test_model_prequantized_activations_change_nothing(fmt, monkeypatch):
+    """The fused forward with Q8_1 written by the norm / SiLU kernels equals the same forward that
+    quantizes before each matmul, bit for bit: prefill logits and graph decode steps."""
+    from quantzoo.bench.model import synthetic_weights
+    from quantzoo.model import build_model, llm
+    from quantzoo.model.config import ModelConfig
+
+    cfg = ModelConfig(arch="qwen3", vocab_size=1000, hidden_size=512, intermediate_size=1536,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
+    w = synthetic_weights(fmt, cfg, "cuda", seed=3)
+    ids = [(31 * i + 7) % 1000 for i in range(30)]
+
+    def run():
+        m = build_model(cfg, w, None, device="cuda")
+        assert m.fused_ops and m.use_graph
+        m.setup_cache(256)
+        logits = [m.prefill(ids[:20]).float()]
+        logits += [m.decode_step(t, 20 + i).float() for i, t in enumerate(ids[20:])]
+        return torch.stack(logits)
+
+    pre = run()
+    monkeypatch.setattr(llm.Linear, "q8_1_activations", lambda self, m: None)
+    plain = run()
+    assert torch.isfinite(pre).all()
+    assert torch.equal(pre, plain)
