@@ -26,15 +26,6 @@
 //                  The grid is fixed by the cache size S, CTAs past pos exit at once, and pos is
 //                  read from device memory, so one CUDA graph serves every decode position.
 //
-// Q8_1 out (add_rms_norm and silu_mul_q8): the fp16 output is also written as the Q8_1 blocks the
-// GGUF matmuls take (q8_1_quantize.cu's arithmetic, bit for bit), so a decode step does not launch
-// a separate quantize kernel before each GGUF GEMV. Four consecutive threads hold one 32-element
-// block (8 elements each); q8_1_group() below reproduces the quantize kernel's xor-butterfly sum
-// order exactly (see there), so the blocks equal quantize_q8_1(out) byte for byte. The block
-// goes where the kernel's q8_* arguments say: qs of block i at qs + i * qs_stride, half2 (d, s) at ds + i * ds_stride
-// -- the 36-byte interleaved layout (qs = base + 4, strides 36) or the split one (qs = base,
-// stride 32; ds = base + 32 n, stride 4) that the vector-load MMVQ reads.
-//
 // Layouts: row-major fp16, contiguous. head_dim hd = 32*E (E = 2: hd 64, E = 4: hd 128), one warp
 // per head. In qk_rope_store lane l holds elements l + 32e, so element i and its RoPE partner
 // i + hd/2 sit in the same lane (e and e + E/2) -- the rotation needs no shuffle; attn_decode's
@@ -64,61 +55,15 @@ __device__ __forceinline__ float r16(float v) { return __half2float(__float2half
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }  // NVRTC: no INFINITY
 
-struct Q8Out {
-  unsigned char* qs;
-  unsigned char* ds;
-  int qs_stride, ds_stride;
-};
-
-// One Q8_1 block from four consecutive lanes (lane % 4 = p) holding elements 8p .. 8p+7 in v.
-// All 32 lanes of the warp must call it (the shuffles are full-warp); `store` false on lanes
-// whose group is past the row. The quantize kernel gives lane e element e and sums with xor
-// offsets 16, 8, 4, 2, 1: element e meets e^16 first, then e^8, ... Here e = 8p + i, so bit 4
-// and bit 3 of e are bits 1 and 0 of p (shuffles with xor 2, then 1, per i), and bits 2, 1, 0
-// are i (local adds: i^4, then i^2, then i^1). fp32 addition is commutative, so each pairwise
-// sum is the same number in either lane: the result is bit-identical to the butterfly's.
-__device__ __forceinline__ void q8_1_group(const float (&v)[8], long long blk, const Q8Out& q, bool store) {
-  float amax = 0.0f, s[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    amax = fmaxf(amax, fabsf(v[i]));
-    s[i] = v[i] + __shfl_xor_sync(0xffffffffu, v[i], 2);
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s[i] += __shfl_xor_sync(0xffffffffu, s[i], 1);
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) s[i] += s[i + 4];
-  s[0] += s[2];
-  s[1] += s[3];
-  const float sum = s[0] + s[1];
-  const float d = amax / 127.0f;
-  unsigned w[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int qi = amax == 0.0f ? 0 : int(roundf(v[i] / d));
-    w[i / 4] |= unsigned(qi & 0xff) << (8 * (i % 4));
-  }
-  if (!store) return;
-  const int p = threadIdx.x % 4;
-  unsigned* dst = reinterpret_cast<unsigned*>(q.qs + blk * q.qs_stride + 8 * p);  // 4-byte aligned
-  dst[0] = w[0];
-  dst[1] = w[1];
-  if (p == 0)
-    *reinterpret_cast<__half2*>(q.ds + blk * q.ds_stride) = __halves2half2(__float2half_rn(d), __float2half_rn(sum));
-}
-
 }  // namespace layer_ops
 
 // grid (T), block ceil(D / (8 V)) threads rounded up to a warp; D % 8 == 0. Thread i holds the
 // 16-byte chunks i, i + blockDim, ... (V of them) of the row in registers: every load of the
 // row is issued before the first use, and the second pass re-reads nothing (a loop that loaded,
 // added and stored one chunk at a time paid one memory latency per chunk: 4.6 us per call).
-template <bool ADD, int V, bool Q8 = false>
+template <bool ADD, int V>
 __global__ void add_rms_norm(__half* __restrict__ h, const __half* __restrict__ delta,
-                             const __half* __restrict__ w, __half* __restrict__ out, int D, float eps,
-                             unsigned char* q8_qs, unsigned char* q8_ds, int qs_stride, int ds_stride) {
+                             const __half* __restrict__ w, __half* __restrict__ out, int D, float eps) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace layer_ops;
   __shared__ float red[32];
@@ -158,26 +103,15 @@ __global__ void add_rms_norm(__half* __restrict__ h, const __half* __restrict__ 
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int c = threadIdx.x + j * blockDim.x;
-    uint4 o = make_uint4(0u, 0u, 0u, 0u);
-    if (c < chunks) {
+    if (c >= chunks) continue;
+    uint4 o;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 v = __half22float2(reinterpret_cast<const __half2*>(&hv[j])[i]);
-        const float2 s = __half22float2(reinterpret_cast<const __half2*>(&wv[j])[i]);
-        reinterpret_cast<__half2*>(&o)[i] = __floats2half2_rn(s.x * r16(v.x * r), s.y * r16(v.y * r));
-      }
-      reinterpret_cast<uint4*>(out + row)[c] = o;
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(reinterpret_cast<const __half2*>(&hv[j])[i]);
+      const float2 s = __half22float2(reinterpret_cast<const __half2*>(&wv[j])[i]);
+      reinterpret_cast<__half2*>(&o)[i] = __floats2half2_rn(s.x * r16(v.x * r), s.y * r16(v.y * r));
     }
-    if (Q8) {  // every thread of the warp takes part (D % 32 == 0: a block's 4 chunks are all valid or all past)
-      float f[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 t = __half22float2(reinterpret_cast<const __half2*>(&o)[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-      }
-      q8_1_group(f, (long long)blockIdx.x * (D / 32) + c / 4, Q8Out{q8_qs, q8_ds, qs_stride, ds_stride}, c < chunks);
-    }
+    reinterpret_cast<uint4*>(out + row)[c] = o;
   }
 }
 
@@ -236,43 +170,6 @@ __global__ void silu_mul(const __half* __restrict__ gu, __half* __restrict__ out
     const float2 u = __half22float2(reinterpret_cast<const __half2*>(gu + t * 2 * F + F)[f2]);
     const float sx = r16(g.x / (1.0f + expf(-g.x))), sy = r16(g.y / (1.0f + expf(-g.y)));
     reinterpret_cast<__half2*>(out + t * F)[f2] = __floats2half2_rn(sx * u.x, sy * u.y);
-  }
-}
-
-// silu_mul with Q8_1 out: thread i takes outputs 8i .. 8i+7 of the (T, F) result (grid-stride
-// over T * F/8 chunks, F % 32 == 0, so four consecutive threads hold one Q8_1 block); same
-// per-element arithmetic as silu_mul.
-__global__ void silu_mul_q8(const __half* __restrict__ gu, __half* __restrict__ out, long long T, int F,
-                            unsigned char* q8_qs, unsigned char* q8_ds, int qs_stride, int ds_stride) {
-  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
-  using namespace layer_ops;
-  const long long chunks = T * (F / 8);
-  const long long stride = (long long)gridDim.x * blockDim.x;   // a multiple of 4 (blockDim % 32 == 0)
-  const long long end = (chunks + 31) / 32 * 32;                // whole warps stay in the loop
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride) {
-    const bool ok = i < chunks;
-    const long long t = ok ? i / (F / 8) : 0, c = ok ? i % (F / 8) : 0;
-    float f[8];
-    uint4 o = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) {
-      const uint4 gv = reinterpret_cast<const uint4*>(gu + t * 2 * F)[c];
-      const uint4 uv = reinterpret_cast<const uint4*>(gu + t * 2 * F + F)[c];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 g = __half22float2(reinterpret_cast<const __half2*>(&gv)[k]);
-        const float2 u = __half22float2(reinterpret_cast<const __half2*>(&uv)[k]);
-        const float sx = r16(g.x / (1.0f + expf(-g.x))), sy = r16(g.y / (1.0f + expf(-g.y)));
-        reinterpret_cast<__half2*>(&o)[k] = __floats2half2_rn(sx * u.x, sy * u.y);
-      }
-      reinterpret_cast<uint4*>(out + t * F)[c] = o;
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 t2 = __half22float2(reinterpret_cast<const __half2*>(&o)[k]);
-      f[2 * k] = t2.x;
-      f[2 * k + 1] = t2.y;
-    }
-    q8_1_group(f, i / 4, Q8Out{q8_qs, q8_ds, qs_stride, ds_stride}, ok);
   }
 }
 

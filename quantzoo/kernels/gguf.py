@@ -246,52 +246,6 @@ def _workspace(kind: str, nbytes: int, device):
     return buf[:nbytes]
 
 
-# ---- activations quantized by their producer ---------------------------------------------------
-class Q8_1Activations:
-    """Q8_1 blocks of an activation x (M, K), written by the kernel that produced x
-    (layer_ops.add_rms_norm / silu_mul with q8=...; the same bytes quantize_q8_1 would write), so
-    that matmul(x, qt, xq=...) skips its own quantize launch. `layout` is "interleaved" (36-byte
-    blocks: the scalar mmvq and mmq) or "split" (qs, then all (d, s): the vector mmvq and mma);
-    q8_1_layout(m, qt) says which one a matmul reads. The buffer is a torch tensor (a graph's
-    pool during capture)."""
-
-    LAYOUTS = ("interleaved", "split")
-
-    def __init__(self, m: int, k: int, layout: str, device):
-        import torch
-
-        if layout not in self.LAYOUTS:
-            raise ValueError(f"layout: {layout!r}, one of {self.LAYOUTS}")
-        if m <= 0 or k <= 0 or k % QK:
-            raise ValueError(f"Q8_1Activations: ({m}, {k}) needs M > 0 and K a positive multiple of {QK}")
-        self.m, self.k, self.layout = int(m), int(k), layout
-        self.buf = torch.empty(m * (k // QK) * Q8_1_BYTES, dtype=torch.uint8, device=device)
-
-    def pointers(self) -> tuple:
-        """(qs, ds, qs_stride, ds_stride): qs of block i at qs + i qs_stride, half2 (d, s) at ds + i ds_stride."""
-        base, n = self.buf.data_ptr(), self.m * (self.k // QK)
-        if self.layout == "split":
-            return base, base + 32 * n, np.int32(32), np.int32(4)
-        return base + 4, base, np.int32(Q8_1_BYTES), np.int32(Q8_1_BYTES)
-
-
-def _mmvq_vec(fmt: str, m: int, qt, mmvq_kernel: str | None = None) -> bool:
-    """Whether the mmvq path takes the vector-load kernel for M rows (the measured choice for the
-    first chunk, if the weight is aligned for it), or mmvq_kernel's forced choice."""
-    if mmvq_kernel is None:
-        return MMVQ_CHOICE[fmt][max(1, min(MMVQ_COLS, m))][0] == "vec" and mmvq16_ok(qt)
-    return mmvq_kernel == "vec"
-
-
-def q8_1_layout(m: int, qt) -> str | None:
-    """The Q8_1 layout matmul(x, qt) reads for M rows by default (None: its path takes fp16 x)."""
-    fmt = check_weight(qt)[0]
-    path = choose_path(m, qt)
-    if path == "dequant":
-        return None
-    return "split" if path == "mma" or (path == "mmvq" and _mmvq_vec(fmt, m, qt)) else "interleaved"
-
-
 # ---- public entry points ----------------------------------------------------------------------
 def quantize_q8_1(x, out=None):
     """x fp16/fp32 CUDA (..., K), contiguous, K % 32 == 0 -> uint8 (M, K/32*36) Q8_1 blocks."""
@@ -410,7 +364,7 @@ MMVQ_KERNELS = ("vec", "scalar")
 
 
 def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None,
-           mmvq_kernel: str | None = None, mma_split: int | None = None, xq=None):
+           mmvq_kernel: str | None = None, mma_split: int | None = None):
     """y = x @ W.T: x fp16 CUDA (..., K) contiguous, qt on the same device -> fp16 (..., N).
 
     `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS,
@@ -419,7 +373,6 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     aligned for it) or "scalar" (cuda/gguf_mmvq.cu); by default MMVQ_CHOICE decides (vec only
     when mmvq16_ok(qt)).
     `mma_split` forces the number of K splits of the mma path (tests and bench).
-    `xq` (Q8_1Activations of this very x, in the layout the path reads) replaces the quantize launch.
     """
     import torch
 
@@ -440,7 +393,10 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         raise ValueError(f"mmvq_rows: {mmvq_rows!r}, one of {MMVQ_ROW_CHOICES}")
     if mmvq_kernel is not None and mmvq_kernel not in MMVQ_KERNELS:
         raise ValueError(f"mmvq_kernel: {mmvq_kernel!r}, one of {MMVQ_KERNELS}")
-    vec = _mmvq_vec(fmt, m, qt, mmvq_kernel)
+    if mmvq_kernel is None:  # the measured choice for this format and M (first chunk), if aligned
+        vec = MMVQ_CHOICE[fmt][max(1, min(MMVQ_COLS, m))][0] == "vec" and mmvq16_ok(qt)
+    else:
+        vec = mmvq_kernel == "vec"
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
         raise ValueError(f"mma_split: {mma_split!r}, a positive int")
     if path == "mma" and not _aligned16(qt):
@@ -450,12 +406,6 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         raise ValueError(f"mmvq_kernel: 'vec' needs qt.data's address and size to be multiples of "
                          f"{MMVQ16_LW} bytes (address % {MMVQ16_LW} = {qt.data.data_ptr() % MMVQ16_LW}, "
                          f"size {qt.data.numel()})")
-    if xq is not None:
-        need = None if path == "dequant" else "split" if path == "mma" or (path == "mmvq" and vec) else "interleaved"
-        if not isinstance(xq, Q8_1Activations) or (xq.m, xq.k) != (m, k) or xq.buf.device != x.device:
-            raise ValueError(f"xq: expected Q8_1Activations of this x ({m}, {k}) on {x.device}")
-        if xq.layout != need:
-            raise ValueError(f"xq: {xq.layout} layout, the {path} path reads {need or 'fp16 x, not Q8_1'}")
     if m == 0:
         return out
     if m >= 2**31 // 2:
@@ -465,17 +415,14 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if path == "dequant":
         _dequant_matmul(fmt, x.view(m, k), qt.data, y2, n, k)
         return out
-    given = xq is not None
-    xq = xq.buf if given else _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
+    xq = _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
     w = qt.data
     if path == "mma":
-        if not given:
-            _launch_quantize(x, xq, m * nb, split=True)
+        _launch_quantize(x, xq, m * nb, split=True)
         _launch_mma(fmt, w, xq, y2, m, n, nb, mma_split)
         return out
     if path == "mmvq" and vec:
-        if not given:
-            _launch_quantize(x, xq, m * nb, split=True)
+        _launch_quantize(x, xq, m * nb, split=True)
         for c0 in range(0, m, MMVQ_COLS):
             mc = min(MMVQ_COLS, m - c0)
             r, u = mmvq_rows or MMVQ16_ROWS[fmt][mc], 1
@@ -484,8 +431,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
             launch_mmvq16(fmt, w, xq.data_ptr() + c0 * nb * 32, xq.data_ptr() + m * nb * 32 + c0 * nb * 4,
                           y2.data_ptr() + c0 * n * 2, n, nb, mc, r, u=u)
         return out
-    if not given:
-        _launch_quantize(x, xq, m * nb)
+    _launch_quantize(x, xq, m * nb)
     if path == "mmvq":
         for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
             mc = min(MMVQ_COLS, m - c0)

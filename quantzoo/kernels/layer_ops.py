@@ -26,9 +26,8 @@ HEAD_DIMS = {64: 2, 128: 4}      # head_dim -> elements per lane (E)
 MAX_GROUP = 8                    # query heads per KV head served by attn_decode
 SPLITS_MAX = 256                 # attn_decode cuts the context into at most this many runs
 NORM_CHUNKS = (1, 2, 4)         # 16-byte chunks per thread in add_rms_norm: D <= 8 * 1024 * 4
-SOURCES = {"layer_ops.cu": tuple(f"add_rms_norm<{a}, {v}, {q}>" for a in ("true", "false") for v in NORM_CHUNKS
-                                 for q in ("true", "false"))
-           + ("silu_mul", "silu_mul_q8")
+SOURCES = {"layer_ops.cu": tuple(f"add_rms_norm<{a}, {v}>" for a in ("true", "false") for v in NORM_CHUNKS)
+           + ("silu_mul",)
            + tuple(f"qk_rope_store<{e}, {b}>" for e in HEAD_DIMS.values() for b in ("true", "false"))
            + tuple(f"attn_decode<{e}, {g}>" for e in HEAD_DIMS.values() for g in range(1, MAX_GROUP + 1))}
 
@@ -65,18 +64,8 @@ def _check(name, t, shape=None, dtype=None, device=None):
         raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
-def _q8_args(q8, m: int, k: int, device) -> tuple:
-    """Kernel arguments for an optional Q8_1 output (gguf.Q8_1Activations of the (m, k) result)."""
-    if q8 is None:
-        return (0, 0, np.int32(0), np.int32(0))
-    if not hasattr(q8, "pointers") or (q8.m, q8.k) != (m, k) or q8.buf.device != device:
-        raise ValueError(f"q8: expected gguf.Q8_1Activations for a ({m}, {k}) output on {device}")
-    return q8.pointers()
-
-
-def add_rms_norm(h, delta, w, eps: float, q8=None):
-    """h (T, D) fp16 (updated in place to h + delta when delta is not None) -> fp16 (T, D);
-    with q8 (gguf.Q8_1Activations (T, D)) the result is also written there as Q8_1 blocks."""
+def add_rms_norm(h, delta, w, eps: float):
+    """h (T, D) fp16 (updated in place to h + delta when delta is not None) -> fp16 (T, D)."""
     import torch
 
     _check("h", h)
@@ -87,14 +76,12 @@ def add_rms_norm(h, delta, w, eps: float, q8=None):
     if delta is not None:
         _check("delta", delta, (T, D), device=h.device)
     _check("w", w, (D,), device=h.device)
-    q8a = _q8_args(q8, T, D, h.device)
     out = torch.empty_like(h)
     V = next(v for v in NORM_CHUNKS if D <= 8 * 1024 * v)
     threads = -(-D // (8 * V * 32)) * 32
-    name = f"add_rms_norm<{'true' if delta is not None else 'false'}, {V}, {'true' if q8 is not None else 'false'}>"
-    launch(_k(name), (T,), (threads,),
+    launch(_k(f"add_rms_norm<{'true' if delta is not None else 'false'}, {V}>"), (T,), (threads,),
            (h.data_ptr(), delta.data_ptr() if delta is not None else 0, w.data_ptr(), out.data_ptr(),
-            np.int32(D), np.float32(eps)) + q8a)
+            np.int32(D), np.float32(eps)))
     return out
 
 
@@ -129,9 +116,8 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     return q
 
 
-def silu_mul(gu, q8=None):
-    """gu (T, 2F) fp16 = [gate | up] -> silu(gate) * up (T, F) fp16; with q8
-    (gguf.Q8_1Activations (T, F), F % 32 == 0) the result is also written there as Q8_1 blocks."""
+def silu_mul(gu):
+    """gu (T, 2F) fp16 = [gate | up] -> silu(gate) * up (T, F) fp16."""
     import torch
 
     _check("gu", gu)
@@ -139,12 +125,6 @@ def silu_mul(gu, q8=None):
         raise ValueError(f"gu: shape {tuple(gu.shape)}, expected (T, 2F) with F even")
     T, F2 = gu.shape
     out = torch.empty((T, F2 // 2), dtype=gu.dtype, device=gu.device)
-    if q8 is not None:
-        q8a = _q8_args(q8, T, F2 // 2, gu.device)
-        chunks = T * F2 // 16
-        launch(_k("silu_mul_q8"), (max(1, min(math.ceil(chunks / 256), 132 * 8)),), (256,),
-               (gu.data_ptr(), out.data_ptr(), np.int64(T), np.int32(F2 // 2)) + q8a)
-        return out
     pairs = T * F2 // 4
     blocks = max(1, min(math.ceil(pairs / 256), 132 * 8))
     launch(_k("silu_mul"), (blocks,), (256,), (gu.data_ptr(), out.data_ptr(), np.int64(T), np.int32(F2 // 2)))

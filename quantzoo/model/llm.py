@@ -82,37 +82,18 @@ class Linear:
         if w.format == "fp16":   # unquantized: the plain tensor, through fp16_kernels.linear
             self.w, self.qt = self.qt.data.to(dtype), None
 
-    def __call__(self, x, xq=None):
-        """y = x @ W.T; xq: x already quantized to Q8_1 by its producer (q8_1_activations)."""
-        if xq is not None:
-            from ..kernels import gguf
-
-            return gguf.matmul(x, self.qt, xq=xq)
+    def __call__(self, x):
         if self.w is not None:
             if self.w.is_cuda and self.w.dtype == torch.float16:   # decode-sized M: our GEMV
                 return fp16_kernels.linear(x, self.w)
             return F.linear(x, self.w)
         return ops.matmul(x, self.qt, mode=self.mode)
 
-    def q8_1_activations(self, m: int):
-        """For a GGUF weight on CUDA whose kernel reads Q8_1 activations at M = m: an empty
-        gguf.Q8_1Activations (m, K) in that layout, for the kernel producing x to fill; else None."""
-        if self.qt is None or self.qt.device == "cpu" or self.qt.format not in _gguf().BLOCKS:
-            return None
-        layout = _gguf().q8_1_layout(m, self.qt)
-        return None if layout is None else _gguf().Q8_1Activations(m, self.shape[1], layout, self.qt.data.device)
-
     @property
     def nbytes(self) -> int:
         if self.qt is not None:
             return self.qt.nbytes
         return self.w.numel() * self.w.element_size()
-
-
-def _gguf():
-    from ..kernels import gguf
-
-    return gguf
 
 
 class Embedding:
@@ -401,26 +382,19 @@ class Model:
         mask = None if from_start or T == 1 else self._mask(pos)
         h = self.embed(ids).reshape(T, -1)          # the residual stream, updated in place
         delta = None
-        # GGUF weights read Q8_1 activations: the norm / SiLU kernel producing x writes them too
-        # (q8 below; None for other formats), instead of a quantize launch before each matmul.
-        q8 = lambda lin, m=T: lin.q8_1_activations(m)   # noqa: E731
         for li, lay in enumerate(self.layers):
-            xq = q8(lay.qkv)
-            x = lo.add_rms_norm(h, delta, lay.attn_norm, eps, q8=xq)
+            x = lo.add_rms_norm(h, delta, lay.attn_norm, eps)
             kc, vc = self.k_cache[li, 0], self.v_cache[li, 0]            # (KV, S, hd)
-            q = lo.qk_rope_store(lay.qkv(x, xq), lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
+            q = lo.qk_rope_store(lay.qkv(x), lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
             if T == 1:
                 a = lo.attn_decode(q, kc, vc, pos, self._decode_work)
             else:
                 a = self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd)
-            xq = q8(lay.gate_up)
-            x = lo.add_rms_norm(h, lay.o(a), lay.mlp_norm, eps, q8=xq)
-            dq = q8(lay.down)
-            delta = lay.down(lo.silu_mul(lay.gate_up(x, xq), q8=dq), dq)
+            x = lo.add_rms_norm(h, lay.o(a), lay.mlp_norm, eps)
+            delta = lay.down(lo.silu_mul(lay.gate_up(x)))
         if not all_logits:
             h, delta = h[-1:], delta[-1:]
-        xq = q8(self.lm_head, h.shape[0])
-        return self.lm_head(lo.add_rms_norm(h, delta, self.norm, eps, q8=xq), xq)
+        return self.lm_head(lo.add_rms_norm(h, delta, self.norm, eps))
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, all_logits: bool,
                  from_start: bool = False) -> torch.Tensor:
