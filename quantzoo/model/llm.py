@@ -254,8 +254,9 @@ class Model:
         self.matmul_mode = matmul_mode
         self.use_graph = cuda_graph and self.is_cuda
         # Our kernels in the decode graph start while their predecessor finishes (programmatic
-        # dependent launch, cuda/pdl.cuh); False captures plain launches (the bench's comparison).
-        self.pdl = bool(pdl)
+        # dependent launch, cuda/pdl.cuh; Hopper and newer); False captures plain launches (the
+        # bench's comparison).
+        self.pdl = bool(pdl) and self.is_cuda and torch.cuda.get_device_capability(device)[0] >= 9
         cfg = config
         missing = [n for n in cfg.expected_shapes() if n not in weights]
         if missing:
