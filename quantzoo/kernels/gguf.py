@@ -73,12 +73,12 @@ MMVQ16_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for
 # M = 4's choice, M = 5..7 M = 8's (not measured). q4_1 / q5_1 at M = 1 keep R = 2 although R = 1
 # was 0.5-0.6 us faster rotated: with reused (L2-resident) weights R = 2 is much faster (q4_1
 # 13.7 us at R = 1 in the final run vs 11.5 at R = 2 in round 1).
-# M = 1 revisited in session 3 with the decode graph's conditions (programmatic dependent launch,
-# back to back, rotated; Qwen3-8B's four shapes and 14336 -> 4096; the table is in
-# bench/NOTES.md, session 3): the vector kernel now wins for q4_0 (R = 1: 7.85 vs 8.46 us at 4096 -> 6144)
-# and q8_0 (R = 2: 12.1 vs 13.0), and for K >= 8192 a pipeline depth U = 2 (MMVQ1_LONG) gains
-# another 5-8 % (q4_0 12288 -> 4096: 13.1 vs 14.0 scalar; q8_0 21.6 vs 23.3). q4_1 / q5_0 /
-# q5_1 stay scalar (ties within 0.5 us, or scalar faster at K = 4096).
+# M = 1 revisited in session 3 with the decode graph's conditions (programmatic dependent
+# launch, back to back, rotated; Qwen3-8B's four shapes and 14336 -> 4096; the table is in
+# bench/NOTES.md, session 3): the vector kernel now wins for q4_0 (R = 1: 7.85 vs 8.46 us at
+# 4096 -> 6144) and q8_0 (R = 2: 12.1 vs 13.0), and for K >= 8192 a pipeline depth U = 2
+# (MMVQ1_LONG) gains another 5-8 % (q4_0 12288 -> 4096: 13.1 vs 14.0 scalar; q8_0 21.6 vs
+# 23.3). q4_1 / q5_0 / q5_1 stay scalar (ties within 0.5 us, or scalar faster at K = 4096).
 _MEASURED = {  # fmt: {M: (kernel, R)}
     "q4_0": {1: ("vec", 1), 2: ("vec", 2), 4: ("scalar", 4), 8: ("vec", 4)},
     "q4_1": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
