@@ -1,5 +1,5 @@
-"""Decode-sized (M = 1) matmuls back to back: what programmatic dependent launch (PDL) and the
-L2 prefetch of the weight (cuda/pdl.cuh) change. Run on the GPU:
+"""Decode-sized (M = 1) matmuls back to back: what programmatic dependent launch (PDL, cuda/pdl.cuh)
+changes. Run on the GPU:
 
     python bench/overlap_bench.py [--formats fp16,q4_0,q8_0,awq] [--shapes 4096x4096,...] [--json F]
 
@@ -8,8 +8,9 @@ called at M = 1 through the path the runner uses (fp16: kernels.fp16.linear, the
 others: ops.matmul, i.e. the format's dispatch, activation quantization included for GGUF).
 Timing as the other benches (quantzoo/bench/timing.py): a CUDA graph of back-to-back calls
 rotating over weight copies that together exceed 4x the L2, event-timed replays, median per
-call. Settings per case (SETTINGS): plain launches or PDL, and the L2 prefetch budget. cuBLAS (F.linear on
-an fp16 weight of the same shape, rotated) and the copy bandwidth are measured in the same run;
+call. Settings per case (SETTINGS): plain launches or PDL. (Session 3 also swept an L2 prefetch of
+each block's weight slice before the wait; it lost and was removed, bench/NOTES.md.) cuBLAS
+(F.linear on an fp16 weight of the same shape, rotated) and the copy bandwidth are measured in the same run;
 "% copy" = weight bytes / time / copy bandwidth.
 """
 from __future__ import annotations
@@ -26,9 +27,8 @@ from quantzoo.kernels import fp16 as fp16_kernels
 
 SHAPES = ((4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096), (14336, 4096))  # (K, N)
 FORMATS = ("fp16", "q4_0", "q8_0", "awq")
-# (name, PDL, L2 prefetch budget as a fraction of L2)
-SETTINGS = (("plain", False, 0.0), ("pf 1/8", False, 0.125), ("pdl", True, 0.0), ("pdl+pf 1/32", True, 1 / 32),
-            ("pdl+pf 1/8", True, 0.125), ("pdl+pf 1/2", True, 0.5))
+# (name, PDL)
+SETTINGS = (("plain", False), ("pdl", True))
 
 
 def case(fmt: str, k: int, n: int, bw: float) -> dict:
@@ -44,14 +44,11 @@ def case(fmt: str, k: int, n: int, bw: float) -> dict:
     else:
         call = lambda i: ops.matmul(x, ws[i])            # noqa: E731
     rec = {"format": fmt, "K": k, "N": n, "weight_bytes": nbytes, "copies": copies}
-    saved = cuda_launch.L2_PREFETCH
-    for name, pdl, pf in SETTINGS:
-        cuda_launch.L2_PREFETCH = pf
+    for name, pdl in SETTINGS:
         with cuda_launch.programmatic_launches(pdl):
             r = timing.benchmark(call, copies=copies)
         rec[name] = {"us": r["median_us"], "p10_us": r["p10_us"], "p90_us": r["p90_us"], "timing": r["timing"],
                      "copy_fraction": nbytes / (r["median_us"] * 1e-6) / bw}
-    cuda_launch.L2_PREFETCH = saved
     del ws
     torch.cuda.empty_cache()
     return rec
@@ -87,10 +84,10 @@ def main(argv=None) -> int:
             r["cublas_fp16"] = cub
             recs.append(r)
             rows.append([fmt, f"{k}->{n}", f"{r['weight_bytes'] / 1e6:.1f}"]
-                        + [f"{r[s]['us']:.1f} ({100 * r[s]['copy_fraction']:.0f}%)" for s, _, _ in SETTINGS]
+                        + [f"{r[s]['us']:.1f} ({100 * r[s]['copy_fraction']:.0f}%)" for s, _ in SETTINGS]
                         + [f"{cub['us']:.1f}"])
             print(rows[-1], flush=True)
-    print(tabulate(rows, headers=["format", "K->N", "MB"] + [f"{s}: us (% copy)" for s, _, _ in SETTINGS]
+    print(tabulate(rows, headers=["format", "K->N", "MB"] + [f"{s}: us (% copy)" for s, _ in SETTINGS]
                    + ["cuBLAS fp16 us"], tablefmt="github", disable_numparse=True))
     print(f"copy bandwidth {cb['copy_tbps']:.2f} TB/s; M = 1, rotated weights, graph of back-to-back calls")
     if a.json:

@@ -151,31 +151,46 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int s1 = kb / 16 + (steps_blk * (wk + 1)) / KS;
   const int steps_per_group = G / 16;
 
-  // ---- per-warp cp.async ring: stage of step s = 16 rows from row 16 s, words tile_w0..+TW
+  // ---- per-warp cp.async ring: stage of step s = 16 rows from row 16 s, words tile_w0..+TW,
+  // in slot (s - s0) % D. What a lane copies is the same every step (its chunks' offsets within
+  // the stage and from the step's first word), so it is worked out once here; a step only moves
+  // the source base by 16 rows and picks a slot. (Recomputing chunk rows, columns and the slot
+  // modulo per step made 12 % of the kernel's instructions at M = 1 (ncu, 4096->12288); cutting
+  // them left its time unchanged -- bench/NOTES.md, session 4.)
   unsigned* ring = reinterpret_cast<unsigned*>(smem_raw + warp * R::WARP_BYTES);
-  auto issue_step = [&](int s) {
+  const unsigned ring_sa = awq::smem_addr(ring);
+  constexpr int VCH = (16 * 2 * NW) / 32;   // 16-byte weight chunks per lane and step
+  static_assert((16 * 2 * NW) % 32 == 0, "16 rows x 2*NW chunks must split evenly over the lanes");
+  unsigned v_dst[VCH];                      // byte offset in the stage
+  unsigned v_src[VCH];                      // word offset from the step's first word
+  bool v_ok[VCH];                           // the chunk's columns exist (else zero-filled)
+#pragma unroll
+  for (int j = 0; j < VCH; ++j) {
+    const int c = lane + 32 * j, r = c / (2 * NW), q4 = 4 * (c % (2 * NW));
+    v_dst[j] = 4u * (r * R::RS + q4);
+    v_src[j] = (unsigned)r * n8 + q4;
+    v_ok[j] = tile_w0 + q4 < n8;
+  }
+  // x rows 0..8*MB-1 of the step's 16 k (lanes < 16*MB, two 16-byte halves a row); rows >= M
+  // zero-filled
+  const bool x_lane = lane < 16 * MB, x_ok = x_lane && (lane >> 1) < M;
+  const half* x_src = x_ok ? x + (size_t)(lane >> 1) * K + 8 * (lane & 1) : x;
+  const unsigned x_dst = 4u * (R::X_OFF + 8 * (lane >> 1) + 4 * (lane & 1));
+  auto issue_step = [&](int s, int slot) {
     if (s < s1) {
-      unsigned* dst = ring + (s % D) * R::STAGE_WORDS;
-      if (lane < 16 * MB) {   // x rows 0..8*MB-1, k 16 s .. 16 s + 15; rows >= M zero-filled
-        const int b = lane >> 1, h = 8 * (lane & 1);
-        const bool ok = b < M;
-        awq::cp_async16(dst + R::X_OFF + 8 * b + h / 2, ok ? x + (size_t)b * K + 16 * s + h : x, ok);
-      }
+      const unsigned dst = ring_sa + 4u * R::STAGE_WORDS * slot;
+      if (x_lane) awq::cp_async16_at(dst + x_dst, x_ok ? x_src + 16 * s : x, x_ok);
       const unsigned* src = qweight + (size_t)(16 * s) * n8 + tile_w0;
       if (vec) {
-        // 16 rows x 2*NW chunks of 16 bytes; chunks past N are zero-filled
 #pragma unroll
-        for (int c = lane; c < 16 * 2 * NW; c += 32) {
-          const int r = c / (2 * NW), q4 = 4 * (c % (2 * NW));
-          const bool ok = tile_w0 + q4 < n8;
-          awq::cp_async16(dst + r * R::RS + q4, ok ? src + (size_t)r * n8 + q4 : qweight, ok);
-        }
-      } else {
+        for (int j = 0; j < VCH; ++j) awq::cp_async16_at(dst + v_dst[j], v_ok[j] ? src + v_src[j] : qweight, v_ok[j]);
+      } else {   // N/8 % 4 != 0: rows are not 16-byte aligned, copy single words
+        unsigned* dp = ring + slot * R::STAGE_WORDS;
 #pragma unroll
         for (int c = lane; c < 16 * TW; c += 32) {
           const int r = c / TW, q = c % TW;
           const bool ok = tile_w0 + q < n8;
-          awq::cp_async4(dst + r * R::RS + q, ok ? src + (size_t)r * n8 + q : qweight, ok);
+          awq::cp_async4(dp + r * R::RS + q, ok ? src + (size_t)r * n8 + q : qweight, ok);
         }
       }
     }
@@ -277,17 +292,18 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     load_group(s0);
     make_mode1_zeros();
 #pragma unroll
-    for (int d = 0; d < D - 1; ++d) issue_step(s0 + d);
+    for (int d = 0; d < D - 1; ++d) issue_step(s0 + d, d);
     int left_in_group = steps_per_group - (s0 % steps_per_group);
+    int slot = 0;   // ring slot of step st: (st - s0) % D
     for (int st = s0; st < s1; ++st) {
       awq::cp_async_wait<D - 2>();   // this lane's copies of step st have landed ...
-      __syncwarp();                  // ... and every lane's; slot (st - 1) % D is free again
-      issue_step(st + D - 1);
-      const unsigned* stage = ring + (st % D) * R::STAGE_WORDS + NW * g;
+      __syncwarp();                  // ... and every lane's; the slot of step st - 1 is free again
+      issue_step(st + D - 1, slot == 0 ? D - 1 : slot - 1);
+      const unsigned* stage = ring + slot * R::STAGE_WORDS + NW * g;
       unsigned xb[MB][2];   // B fragments: x[row 8 mb + g][k 2t, 2t+1] and [k 2t+8, 2t+9]
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) {
-        const unsigned* xs = ring + (st % D) * R::STAGE_WORDS + R::X_OFF + 8 * (8 * mb + g);
+        const unsigned* xs = ring + slot * R::STAGE_WORDS + R::X_OFF + 8 * (8 * mb + g);
         xb[mb][0] = xs[t];
         xb[mb][1] = xs[4 + t];
       }
@@ -316,6 +332,7 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
 #pragma unroll
           for (int mb = 0; mb < MB; ++mb) mma16816(part[j][i][mb], a[i], xb[mb][0], xb[mb][1]);
       }
+      slot = slot + 1 == D ? 0 : slot + 1;
       if (--left_in_group == 0 || st + 1 == s1) {   // group ends (or the warp's range does)
         flush_group();
         left_in_group = steps_per_group;

@@ -72,13 +72,18 @@ SMALL_MIN_STEPS = 4      # small_plan: fewest k-steps (16 rows) per warp
 # (K, N, MB) -> (config, K splits): the fastest measured per Qwen3-8B shape (bench run 10,
 # bench/notes-awq.md; MB = 2 also serves M <= 8 where it won)
 SMALL_TUNED = {
-    # the runner's fused q/k/v projection of Qwen3-8B (session 3, timed as the decode graph runs
-    # it: back to back with programmatic dependent launch): 10.5 us vs 14.1 for small_plan's pick
+    # M = 1 on the shapes the runner's decode graph runs (fused q/k/v 4096->6144, o 4096->4096,
+    # fused gate/up 4096->24576, down 12288->4096) and 4096->12288: the best of a config x split
+    # sweep timed as that graph runs them, back to back with programmatic dependent launch
+    # (sessions 3 and 4, bench/NOTES.md): 10.5 / 7.3 / 30.2 / 15.8 / 17.1 us. Under PDL one split
+    # (no split-K epilogue) wins on the wide shapes: 4096->12288 17.1 us vs 20.6 for the plain-launch
+    # pick of session 2 ((1, 2, 4, 1, 0, 8) with 4 splits, 16.8 us without PDL).
     (4096, 6144, 1): ((1, 2, 4, 1, 0, 12), 8),
-    (4096, 4096, 1): ((1, 2, 8, 1, 0, 8), 4),
+    (4096, 4096, 1): ((1, 2, 8, 1, 0, 4), 4),
+    (4096, 24576, 1): ((1, 2, 8, 1, 0, 4), 1),
     (4096, 1024, 1): ((2, 1, 4, 1, 0, 8), 8),
-    (4096, 12288, 1): ((1, 2, 4, 1, 0, 8), 4),
-    (12288, 4096, 1): ((1, 2, 8, 1, 0, 4), 8),
+    (4096, 12288, 1): ((1, 2, 8, 1, 0, 8), 1),
+    (12288, 4096, 1): ((1, 2, 8, 1, 0, 4), 4),
     (4096, 4096, 2): ((2, 1, 4, 1, 0, 8), 4),
     (4096, 1024, 2): ((2, 1, 4, 1, 0, 8), 8),
     (4096, 12288, 2): ((2, 1, 4, 1, 0, 8), 2),
