@@ -54,6 +54,19 @@ def matmul(x, qt, *, mode: str = "emulate"):
     return y
 
 
+def release_workspaces():
+    """Free the GPU kernels' cached scratch buffers (dequant buffers, split-K partials, Q8_1
+    activations). They are reused across calls and only ever grown, so they outlive the model
+    that needed them. Call this only when no model and no captured CUDA graph uses them any
+    more: a graph replays raw pointers into them."""
+    import sys
+
+    for name in ("quantzoo.kernels.awq", "quantzoo.kernels.gguf"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            mod.release_buffers()
+
+
 def awq_gemm(x, qweight, scales, qzeros, group_size):
     """vLLM-style AWQ GEMM: fp16 x [.., K] @ W -> fp16 [.., N], W from HF-layout AWQ tensors
     (qweight int32 [K, N/8], scales fp16 [K/G, N], qzeros int32 [K/G, N/8]) on CUDA."""

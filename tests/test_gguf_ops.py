@@ -154,7 +154,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 assert names[1] == f"mma_gemm<{G.BLOCKS[fmt]}, {bm}>"
                 assert calls[1][1] == (-(-n // G.MMA_BN), -(-m // bm), split) and calls[1][2] == (G.MMA_THREADS,)
                 assert int(calls[1][3][8]) == kchunk
-                assert calls[1][4] == G.mma_smem_bytes(bm) and calls[1][4] <= 100 * 1024
+                assert calls[1][4] == G.mma_smem_bytes(bm) and calls[1][4] <= 48 * 1024  # no opt-in
                 assert names[2:] == (["mma_reduce"] if split > 1 else [])
             elif path == "mmvq" and mmvq_kernel == "vec":
                 assert names[0].startswith("quantize_q8_1_split<")

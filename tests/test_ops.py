@@ -48,3 +48,13 @@ def test_quant_linear(name, rng):
     # quantized, but close: 4-bit RTN on uniform weights costs ~7 % (step/sqrt(12) per weight)
     assert ((y - ref).norm() / ref.norm()).item() < 0.1
     assert "format=" + name in repr(ql)
+
+
+def test_release_workspaces():
+    """The kernels' cached buffers go (no GPU needed: the caches are plain dicts)."""
+    from quantzoo.kernels import awq, gguf
+
+    gguf._WORKSPACES[("dequant", "cpu", 0)] = torch.empty(8, dtype=torch.uint8)
+    awq._WS["cpu"] = {"ws": torch.empty(8)}
+    qz.ops.release_workspaces()
+    assert not gguf._WORKSPACES and not awq._WS

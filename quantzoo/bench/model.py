@@ -286,6 +286,13 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
         base = wbytes + emb + r["kv_cache_bytes"]
         r["peak_over_weights_kv"] = peak / base
     del m
+    if device.startswith("cuda"):
+        # the kernels' cached workspaces (AWQ's dequant buffer is as large as its largest weight)
+        # would otherwise count against the next format's peak
+        from .. import ops
+
+        ops.release_workspaces()
+        torch.cuda.empty_cache()
     return r
 
 

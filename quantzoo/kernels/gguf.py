@@ -246,6 +246,11 @@ def _workspace(kind: str, nbytes: int, device):
     return buf[:nbytes]
 
 
+def release_buffers():
+    """Drop the cached workspaces (the dequant buffer alone is up to DEQUANT_BUFFER_BYTES)."""
+    _WORKSPACES.clear()
+
+
 # ---- public entry points ----------------------------------------------------------------------
 def quantize_q8_1(x, out=None):
     """x fp16/fp32 CUDA (..., K), contiguous, K % 32 == 0 -> uint8 (M, K/32*36) Q8_1 blocks."""
@@ -457,9 +462,7 @@ def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
     if split > 1:
         part = _workspace("mma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()
     kern = _kernel("gguf_mma.cu", f"mma_gemm<{BLOCKS[fmt]}, {bm}>")
-    smem = mma_smem_bytes(bm)
-    if getattr(kern, "max_dynamic_shared_size_bytes", smem) < smem:  # opt in above 48 KB, once
-        kern.max_dynamic_shared_size_bytes = smem
+    smem = mma_smem_bytes(bm)   # <= 40 KB: no opt-in above the default 48 KB needed
     launch(kern, grid, (MMA_THREADS,),
            (w.data_ptr(), xq.data_ptr(), xq.data_ptr() + m * nb * 32, y2.data_ptr(), part,
             np.int32(m), np.int32(n), np.int32(nb), np.int32(kchunk)), shared_mem=smem)
