@@ -391,11 +391,7 @@ class Model:
                 a = lo.attn_decode(q, kc, vc, pos, self._decode_work)
             else:
                 a = self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd)
-            # dead activations go before the MLP, whose gate/up output is the largest (a long
-            # prefill's peak memory: 3 x T x hidden fp16 less)
-            delta = q = None
             x = lo.add_rms_norm(h, lay.o(a), lay.mlp_norm, eps)
-            a = None
             delta = lay.down(lo.silu_mul(lay.gate_up(x)))
         if not all_logits:
             h, delta = h[-1:], delta[-1:]
