@@ -78,14 +78,13 @@ __device__ __forceinline__ void dequant8(unsigned w, const Zeros& z, const half2
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-// The same with the destination as a shared-state-space address (smem_addr), for loops that
+// cp_async16_at takes the destination as a shared-state-space address (smem_addr), for loops that
 // keep one base address and add byte offsets instead of converting a pointer per copy.
 __device__ __forceinline__ void cp_async16_at(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  cp_async16_at(smem_addr(dst), src, valid);
 }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"

@@ -15,6 +15,7 @@
 // The sum over k runs per lane in chunk order, then a xor-butterfly across the warp.
 #include <cuda_fp16.h>
 #include "pdl.cuh"
+#include "warp_sum.cuh"
 
 namespace fp16_gemv_detail {
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
@@ -87,9 +88,7 @@ fp16_gemv(const __half* __restrict__ W, const __half* __restrict__ x, __half* __
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      const float v = warp_sum(acc[m][r]);
       if (lane == 0 && n0 + r < N) y[(long long)m * N + n0 + r] = __float2half_rn(v);
     }
 }

@@ -37,6 +37,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include "pdl.cuh"
+#include "warp_sum.cuh"
 #ifdef __CUDACC_RTC__  // NVRTC (CuPy) ships no C library headers
 typedef signed char int8_t;
 typedef unsigned char uint8_t;

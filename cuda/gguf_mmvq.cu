@@ -68,9 +68,7 @@ mmvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ A, __half* __res
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            float v = acc[m][r];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+            const float v = warp_sum(acc[m][r]);
             if (lane == 0) partial[warp][m * R + r] = v;
         }
     __syncthreads();

@@ -114,9 +114,7 @@ mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __h
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            float v = acc[m][r];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+            const float v = warp_sum(acc[m][r]);
             if (lane == m * R + r) mine = v;
         }
     if (lane < M * R) {

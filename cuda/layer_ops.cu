@@ -32,14 +32,9 @@
 // lanes hold E consecutive elements instead (one vector load per cache row).
 #include <cuda_fp16.h>
 #include "pdl.cuh"
+#include "warp_sum.cuh"
 
 namespace layer_ops {
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 __device__ __forceinline__ float block_sum(float v, float* red) {  // red: 32 floats of smem
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;

@@ -192,24 +192,31 @@ def test_matmul_magnitudes(fmt):
             _check_emulated(_run(x_t, qt, path), x16, qt_cpu, f"{fmt} {path} M={m} magnitudes")
 
 
+def _check_mmvq_rows(fmt, kernel, shapes):
+    """mmvq_kernel=`kernel` at every rows-per-CTA/warp instance, every M of one launch (1..8) and
+    chunked (11, 19), on weights of `shapes`; NaN-poisoned outputs against the emulation."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    for n, k in shapes:
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        if kernel == "vec":
+            assert G.mmvq16_ok(qt)
+        for m in list(range(1, G.MMVQ_COLS + 1)) + [11, 19]:
+            x16 = rng.standard_normal((m, k)).astype(np.float16)
+            x_t = torch.from_numpy(x16).to(DEV)
+            for rows in G.MMVQ_ROW_CHOICES:
+                out = _poisoned((m, n))
+                G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel=kernel)
+                _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mmvq {kernel} R={rows} M={m} N={n} K={k}")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mmvq16_rows_per_warp_tails(fmt):
     """The vector-load mmvq, every rows-per-warp instance: N not a multiple of the rows per CTA,
     rows that start off a 16-byte boundary (K/32 * bytes not a multiple of 16: the window offset
     then differs row to row), nb < 32 and nb = 130 (a partial last pass), every M of one launch
     and chunked; NaN-poisoned outputs against the emulation."""
-    rng = np.random.default_rng(RNG.integers(1 << 32))
-    for n, k in [(67, 256), (72, 96), (1, 512), (136, 4160), (24, 576)]:
-        _, qt_cpu = _weight(fmt, n, k, rng)
-        qt = qt_cpu.to(DEV)
-        assert G.mmvq16_ok(qt)
-        for m in list(range(1, G.MMVQ_COLS + 1)) + [11, 19]:
-            x16 = rng.standard_normal((m, k)).astype(np.float16)
-            x_t = torch.from_numpy(x16).to(DEV)
-            for rows in G.MMVQ_ROW_CHOICES:
-                out = _poisoned((m, n))
-                G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel="vec")
-                _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mmvq16 R={rows} M={m} N={n} K={k}")
+    _check_mmvq_rows(fmt, "vec", [(67, 256), (72, 96), (1, 512), (136, 4160), (24, 576)])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -236,17 +243,7 @@ def test_mma_tiles_splits_tails(fmt):
 def test_mmvq_rows_per_cta_tails(fmt):
     """The scalar-load mmvq, every rows-per-CTA instance, N not a multiple of it, every M of one
     launch (1..8) and chunked."""
-    rng = np.random.default_rng(RNG.integers(1 << 32))
-    for n, k in [(67, 96), (1, 32), (130, 352)]:
-        _, qt_cpu = _weight(fmt, n, k, rng)
-        qt = qt_cpu.to(DEV)
-        for m in list(range(1, G.MMVQ_COLS + 1)) + [11, 19]:
-            x16 = rng.standard_normal((m, k)).astype(np.float16)
-            x_t = torch.from_numpy(x16).to(DEV)
-            for rows in G.MMVQ_ROW_CHOICES:
-                out = _poisoned((m, n))
-                G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel="scalar")
-                _check_emulated(out.float().cpu().numpy(), x16, qt_cpu, f"{fmt} mmvq R={rows} M={m} N={n} K={k}")
+    _check_mmvq_rows(fmt, "scalar", [(67, 96), (1, 32), (130, 352)])
 
 
 def test_dequant_path_in_slices(monkeypatch):
