@@ -60,8 +60,6 @@ def main(argv=None):
     ap.add_argument("--slabs", action="store_true", help="also time dequant+cublas in L2-sized slabs")
     ap.add_argument("--small-sweep", action="store_true",
                     help="M <= 16: time every small-kernel config (SMALL_CFGS) and split counts")
-    ap.add_argument("--tile-sweep", action="store_true",
-                    help="M >= 4: time every tile-kernel config (TILE_CFGS) and split counts")
     ap.add_argument("--no-mma-sweep", action="store_true", help="skip the mma tile-config sweep")
     a = ap.parse_args(argv)
     ms = [int(v) for v in a.ms.split(",")]
@@ -84,7 +82,7 @@ def main(argv=None):
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
             t_cublas = time_graph([lambda w=w: torch.nn.functional.linear(x, w, out=None) for w in fw])
             paths = ((["gemv"] if m <= 8 else []) + (["small"] if m <= awq.SMALL_MAX_M else [])
-                     + ["mma"] + (["tile"] if m >= 4 else []) + (["dequant+cublas"] if m >= 16 else []))
+                     + ["mma"] + (["dequant+cublas"] if m >= 16 else []))
             times = {}
             for p in paths:
                 fns = [lambda w=w, p=p: awq.gemm(x, *w, G, out=y, path=p) for w in ws]
@@ -112,17 +110,6 @@ def main(argv=None):
                         except Exception as e:  # report and go on
                             print(f"  {k}->{n} M={m} small {cfg} S={sp}: {type(e).__name__}: {e}",
                                   file=sys.stderr)
-            if a.tile_sweep and m >= 4:
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                for cfg in awq.TILE_CFGS:
-                    if cfg[0] > 32 and cfg[0] // 2 >= m:
-                        continue
-                    tiles = -(-m // cfg[0]) * -(-(n // 8) // 16)
-                    s_plan = awq._splits(tiles, k, 64, 2 * sms, min_rows=256)[0]
-                    for sp in sorted({s_plan, max(1, s_plan // 2), 2 * s_plan}):
-                        fns = [lambda w=w, c=cfg, sp=sp: awq._tile(x, w[0], w[1], w[2], y, m, k, n, G,
-                                                                   cfg=c, splits=sp) for w in ws]
-                        times["tile{}x{}S{}".format(*cfg, sp)] = time_graph(fns)
             if m <= 256 and not a.no_mma_sweep:   # which mma tile shape is best
                 cfgs = (((1, 1, 1), (1, 2, 1), (1, 2, 4)) if m <= 16 else
                         ((2, 1, 1), (2, 2, 1), (4, 1, 1)) if m <= 128 else ((4, 1, 1),))

@@ -79,7 +79,7 @@ def emulate_small_gpu(x16, qt):
 def effective_path(label, m, qt):
     """The path a check label names ("small", "graph mma", "slabs", ...), else dispatch's pick."""
     for tok in str(label).split():
-        if tok in ("gemv", "mma", "tile", "dequant+cublas", "small"):
+        if tok in ("gemv", "mma", "dequant+cublas", "small"):
             return tok
         if tok == "slabs":
             return "dequant+cublas"
@@ -123,7 +123,7 @@ def run(x16, qt_cuda, path=None):
 
 
 def paths_for(m):
-    return (["gemv"] if m <= 8 else []) + (["small"] if m <= 16 else []) + ["mma", "tile", "dequant+cublas"]
+    return (["gemv"] if m <= 8 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"]
 
 
 # ---------------------------------------------------------------- dequant kernel
@@ -223,7 +223,7 @@ def test_qwen_shapes(k, n, m):
     rng = np.random.default_rng()
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
-    for path in paths_for(m) if m <= 16 else ["mma", "tile", None]:
+    for path in paths_for(m) if m <= 16 else ["mma", None]:
         check(run(x16, qtc, path), x16, qt, w16, str(path))
 
 
@@ -322,7 +322,7 @@ def test_cuda_graph_replay(m, monkeypatch):
     rng = np.random.default_rng()
     k, n = 4096, 1024
     _, qt, qtc, w16 = weight(k, n, 64)
-    paths = paths_for(m) if m <= 16 else ["mma", "tile", "dequant+cublas"]
+    paths = paths_for(m) if m <= 16 else ["mma", "dequant+cublas"]
     for path in paths + (["slab"] if m > 16 else []):
         if path == "slab":   # dequant+cublas in 4 column slabs
             monkeypatch.setattr(awq, "SLAB_BYTES", 1)
@@ -352,4 +352,4 @@ def test_choose_path_names():
     awq = awq_mod()
     _, _, qtc, _ = weight(4096, 1024, 128)
     for m in MS:
-        assert awq.choose_path(m, qtc) in ("gemv", "small", "mma", "tile", "dequant+cublas")
+        assert awq.choose_path(m, qtc) in ("gemv", "small", "mma", "dequant+cublas")

@@ -77,7 +77,7 @@ def test_group_size_inferred_from_scales():
 
 def test_choose_path_and_sources():
     names = {awq.choose_path(m) for m in (1, 2, 8, 9, 16, 100, 256, 1000, 4096)}
-    assert names <= {"gemv", "small", "mma", "tile", "dequant+cublas"}
+    assert names <= {"gemv", "small", "mma", "dequant+cublas"}
     assert awq.choose_path(1) == ("gemv" if awq.GEMV_MAX_M >= 1 else
                                   "small" if awq.SMALL_MAX_M >= 1 else "mma")
     small = set(awq.SOURCES["awq_small.cu"])

@@ -13,8 +13,6 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          with N < SMALL_MMA_N, M <= 16 with N * K <= SMALL_MMA_NK
     "mma"             cuda/awq_mma.cu    mma.sync m16n8k16, dequant in registers, any M; chosen
                                          up to MMA_MAX_M (MMA_MAX_M_BIG for N or K >= 8192)
-    "tile"            cuda/awq_tile.cu   mma.sync m16n8k16 over fp16 tiles dequantised once per
-                                         block into shared memory, any M
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
@@ -46,9 +44,6 @@ SOURCES = {
 SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2, 4, 1, 0, 12),
               (1, 2, 8, 4, 0, 4), (1, 2, 8, 1, 1, 4),
               (2, 1, 4, 1, 0, 8), (2, 1, 8, 1, 0, 8), (2, 1, 4, 1, 1, 8))
-# tile kernel (cuda/awq_tile.cu): (BM, STAGES) = rows of x per block, cp.async stages
-TILE_CFGS = ((32, 4), (64, 4), (128, 3))
-SOURCES["awq_tile.cu"] = tuple(f"awq_tile_kernel<{bm}, {st}>" for bm, st in TILE_CFGS)
 SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
 
 # ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; tables in bench/notes-awq.md)
@@ -352,40 +347,6 @@ def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
              np.int32(per)), smem)
 
 
-def _tile_smem(bm: int, stages: int) -> int:
-    """Dynamic shared memory of awq_tile_kernel (Cfg in awq_tile.cu): per stage x [BM][72] fp16 and
-    packed words [64][16]; two fp16 weight tiles [64][136]."""
-    return stages * (bm * 72 * 2 + 64 * 16 * 4) + 2 * 64 * 136 * 2
-
-
-def tile_config(m: int) -> tuple[int, int]:
-    """(BM, STAGES) of the tile kernel: the smallest row tile that holds M, up to 128."""
-    return (32, 4) if m <= 32 else (64, 4) if m <= 64 else (128, 3)
-
-
-def _tile(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
-    dev = x2.device
-    bm, stages = cfg or tile_config(m)
-    tiles_m, tiles_n = -(-m // bm), -(-(n // 8) // 16)
-    name = f"awq_tile_kernel<{bm}, {stages}>"
-    kern = _kernel("awq_tile.cu", name)
-    smem = _tile_smem(bm, stages)
-    _set_smem(kern, (str(dev), name), smem)
-    if splits is None:
-        slots = _blocks_per_sm(kern, smem, 256) * _sm_count(dev)
-        splits, per = _splits(tiles_m * tiles_n, k, 64, slots, min_rows=256)
-    else:
-        units = -(-k // 64)
-        per = 64 * -(-units // splits)
-        splits = -(-k // per)
-    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
-    ctr = _buffer(dev, "ctr", max(tiles_m * tiles_n, 4096), torch.int32, zero=True)
-    _launch(kern, (tiles_m, tiles_n, splits), (256,),
-            (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
-             ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
-             np.int32(per)), smem)
-
-
 def slab_columns(m, k, n, slab_bytes=None):
     """Columns per dequant slab: the fp16 slab K x cols stays under slab_bytes (a multiple of 256
     columns), so it is still in L2 when cuBLAS reads it; 0 bytes = the whole weight at once."""
@@ -479,7 +440,7 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
              np.int32(per)), smem)
 
 
-_PATHS = {"gemv": _gemv, "mma": _mma, "tile": _tile, "dequant+cublas": _dequant_cublas, "small": _small}
+_PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small}
 
 
 def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
