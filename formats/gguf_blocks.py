@@ -169,42 +169,31 @@ class GGUFBlockFormat(Format):
     # The per-block dot product the kernels compute, in fp32 (DESIGN.md §3):
     # sumi = sum q_w * q_a (int32, DP4A), q_w unsigned for Q4/Q5 (the offset goes through s_a).
     def block_dot(self, sumi, dw, mw, da, sa):
-        raise NotImplementedError
+        if self.has_min:        # Q4_1, Q5_1: w = q d + m
+            return (dw * da) * sumi + mw * sa
+        if self.offset:         # Q4_0, Q5_0: w = (q - offset) d
+            return dw * (da * sumi - np.float32(self.offset) * sa)
+        return (dw * da) * sumi  # Q8_0: w = q d
 
 
 class Q4_0(GGUFBlockFormat, name="q4_0"):
     bits, offset, bytes_per_block, gguf_type, nmse_ceiling = 4, 8, 18, "Q4_0", 0.0089
 
-    def block_dot(self, sumi, dw, mw, da, sa):
-        return dw * (da * sumi - np.float32(8) * sa)
-
 
 class Q4_1(GGUFBlockFormat, name="q4_1"):
     bits, has_min, bytes_per_block, gguf_type, nmse_ceiling = 4, True, 20, "Q4_1", 0.0092
-
-    def block_dot(self, sumi, dw, mw, da, sa):
-        return (dw * da) * sumi + mw * sa
 
 
 class Q5_0(GGUFBlockFormat, name="q5_0"):
     bits, offset, bytes_per_block, gguf_type, nmse_ceiling = 5, 16, 22, "Q5_0", 0.0045
 
-    def block_dot(self, sumi, dw, mw, da, sa):
-        return dw * (da * sumi - np.float32(16) * sa)
-
 
 class Q5_1(GGUFBlockFormat, name="q5_1"):
     bits, has_min, bytes_per_block, gguf_type, nmse_ceiling = 5, True, 24, "Q5_1", 0.0048
 
-    def block_dot(self, sumi, dw, mw, da, sa):
-        return (dw * da) * sumi + mw * sa
-
 
 class Q8_0(GGUFBlockFormat, name="q8_0"):
     bits, bytes_per_block, gguf_type, nmse_ceiling = 8, 34, "Q8_0", 0.0002
-
-    def block_dot(self, sumi, dw, mw, da, sa):
-        return (dw * da) * sumi
 
 
 def butterfly_sum(v: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
-from quantzoo import ops, reference  # noqa: E402
+from quantzoo import ops  # noqa: E402
 from quantzoo.formats import get  # noqa: E402
 from quantzoo.reference import awq_fp16  # noqa: E402
 
@@ -126,6 +126,17 @@ def paths_for(m):
     return (["gemv"] if m <= 8 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"]
 
 
+def check_paths_and_nmse(x16, w, qt, qtc, w16, label=""):
+    """Every path at this M within its emulation bound, and NMSE vs float64 on the unquantized
+    weight w under 1.2 % (the issue's bound for g128 on Gaussian data)."""
+    exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
+    for path in paths_for(x16.shape[0]):
+        y = run(x16, qtc, path)
+        check(y, x16, qt, w16, path)
+        nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
+        assert nmse < 0.012, f"{path}{label}: NMSE {nmse:.4%}"
+
+
 # ---------------------------------------------------------------- dequant kernel
 @pytest.mark.parametrize("k,n,g", [(576, 576, 32), (576, 576, 64), (4096, 1024, 128), (128, 72, 64),
                                    (4096, 12288, 128), (12288, 4096, 128), (256, 4096, 32)],
@@ -208,12 +219,7 @@ def test_qwen_kproj_every_m(m):
     k, n = 4096, 1024
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
-    exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
-    for path in paths_for(m):
-        y = run(x16, qtc, path)
-        check(y, x16, qt, w16, path)
-        nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
-        assert nmse < 0.012, f"{path}: NMSE {nmse:.4%}"
+    check_paths_and_nmse(x16, w, qt, qtc, w16)
     check(run(x16, qtc), x16, qt, w16, "dispatch")
 
 
@@ -233,13 +239,7 @@ def test_group_sizes(g, m):
     rng = np.random.default_rng()
     k, n = 4096, 1024
     w, qt, qtc, w16 = weight(k, n, g)
-    x16 = rand_x(rng, m, k)
-    exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
-    for path in paths_for(m):
-        y = run(x16, qtc, path)
-        check(y, x16, qt, w16, path)
-        nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
-        assert nmse < 0.012, f"{path} g{g}: NMSE {nmse:.4%}"
+    check_paths_and_nmse(rand_x(rng, m, k), w, qt, qtc, w16, f" g{g}")
 
 
 def test_emulate_gpu_matches_numpy():
