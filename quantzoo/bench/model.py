@@ -253,9 +253,9 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     r["decode_tok_s_eager"] = time_decode(m, args.eager_tokens, graph=False)
     r["fused_layer_ops"] = m.fused_ops
     if m.is_cuda:   # the same graph with plain launches: what programmatic dependent launch gains
-        m.pdl, m._graph = False, None
+        pdl, m.pdl, m._graph = m.pdl, False, None
         r["decode_tok_s_graph_no_pdl"] = time_decode(m, args.decode_tokens, graph=True)
-        m.pdl, m._graph = True, None
+        m.pdl, m._graph = pdl, None
     if m.fused_ops and m.is_cuda:   # the same graph decode with the per-layer ops left to torch
         m.fused_ops, m._graph = False, None
         r["decode_tok_s_graph_torch_ops"] = time_decode(m, args.decode_tokens, graph=True)
@@ -283,7 +283,7 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     r["kv_cache_bytes"] = m.kv_cache_bytes()
     for n in prompt_lens:
         r[f"prefill_tok_s_{n}"] = time_prefill(m, n)
-    if device.startswith("cuda") and not args.no_breakdown and prompt_lens:
+    if device.startswith("cuda") and not args.no_breakdown:
         try:
             r["prefill_breakdown"] = prefill_breakdown(m, min(prompt_lens))
         except Exception as e:  # noqa: BLE001 - the profile is a nicety

@@ -83,10 +83,8 @@ class Linear:
             self.w, self.qt = self.qt.data.to(dtype), None
 
     def __call__(self, x):
-        if self.w is not None:
-            if self.w.is_cuda and self.w.dtype == torch.float16:   # decode-sized M: our GEMV
-                return fp16_kernels.linear(x, self.w)
-            return F.linear(x, self.w)
+        if self.w is not None:   # F.linear, or our GEMV for fp16 CUDA operands at decode-sized M
+            return fp16_kernels.linear(x, self.w)
         return ops.matmul(x, self.qt, mode=self.mode)
 
     @property
