@@ -25,9 +25,11 @@ def test_registry_formats_have_kernels():
         block = G.BLOCKS[name]
         assert f"mmq<{block}>" in G.SOURCES["gguf_mmq.cu"]
         assert f"dequant<{block}>" in G.SOURCES["gguf_dequant.cu"]
-        for m in range(1, G.MMVQ_COLS + 1):
-            assert f"mmvq<{block}, {m}, {G.MMVQ_ROWS[name][m]}>" in G.SOURCES["gguf_mmvq.cu"]
-            assert G.mmvq16_name(name, m, G.MMVQ16_ROWS[name][m]) in G.SOURCES["gguf_mmvq16.cu"]
+        for m in range(1, G.MMVQ_COLS + 1):  # every launch dispatch can make is compiled
+            assert f"mmvq<{block}, {m}, {G.mmvq_plan(name, 'scalar', m)[0]}>" in G.SOURCES["gguf_mmvq.cu"]
+            for nb in (1, G.MMVQ1_LONG_NB):
+                r, u = G.mmvq_plan(name, "vec", m, nb)
+                assert G.mmvq16_name(name, m, r, u=u) in G.SOURCES["gguf_mmvq16.cu"]
 
 
 @pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
@@ -162,8 +164,8 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 a0 = calls[1][3][1]  # qs pointer of the first chunk = workspace base
                 for i, (name, grid, block, args, _) in enumerate(calls[1:]):
                     mc = min(G.MMVQ_COLS, m - i * G.MMVQ_COLS)
-                    r = G.MMVQ16_ROWS[fmt][mc]
-                    assert name == G.mmvq16_name(fmt, mc, r)
+                    r, u = G.mmvq_plan(fmt, "vec", mc, nb)
+                    assert name == G.mmvq16_name(fmt, mc, r, u=u)
                     assert grid == (-(-n // (r * G.MMVQ16_WARPS)),) and block == (32 * G.MMVQ16_WARPS,)
                     c0 = i * G.MMVQ_COLS
                     assert args[1] - a0 == c0 * nb * 32                   # qs of chunk rows
@@ -176,7 +178,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                     assert len(kern) == -(-m // G.MMVQ_COLS)
                     for i, (name, grid, block, args, _) in enumerate(calls[1:]):
                         mc = min(G.MMVQ_COLS, m - i * G.MMVQ_COLS)
-                        r = G.MMVQ_ROWS[fmt][mc]
+                        r = G.mmvq_plan(fmt, "scalar", mc)[0]
                         assert name == f"mmvq<{G.BLOCKS[fmt]}, {mc}, {r}>" and grid == (-(-n // r),)
                         assert args[2] - calls[1][3][2] == i * G.MMVQ_COLS * n * 2  # y offset, bytes
                 else:

@@ -48,55 +48,59 @@ MMVQ_THREADS = 128
 MMVQ_ROW_CHOICES = (1, 2, 4)
 MMQ_TILE = 64          # the tiled GEMM's output tile is MMQ_TILE x MMQ_TILE (cuda/gguf_mmq.cu)
 MMQ_THREADS = 256
-# Measured on the H100 (bench/gguf_bench.py, 2026-11-22; N=4096 x K=14336; tables in
-# bench/notes-gguf.md). Weight rows per mmvq CTA by activation rows M (1..8): R = 1 re-reads the
-# Q8_1 activations from L2 once per weight row, which at M = 8 costs more than the weight itself
-# (q4_0 rotated: 62.7 us at R=1, 39.3 at R=2, 34.2 at R=4). At M = 1, R = 2 is within 3 % of the
-# best with rotated weights for every format and much faster with reused (L2-resident) ones
-# (q4_1: 11.5 us at R=2 vs 14.0 at R=1; q5_1: 13.3 vs 18.0). These are defaults: MMVQ_CHOICE
-# below overwrites the entries of every (format, M) it assigns to the scalar kernel.
-MMVQ_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
 # The vector-load mmvq (cuda/gguf_mmvq16.cu): weight windows read with MMVQ16_LW-byte loads
 # (16 or 8), L1::no_allocate on the weight stream (MMVQ16_NOALLOC), Q8_1 activations in the
 # split layout. It needs the weight's base address and byte size to be multiples of MMVQ16_LW;
 # other weights (a view at an odd offset, N * K/32 * bytes not a multiple of 16) run the
-# scalar-load mmvq (cuda/gguf_mmvq.cu). Rows per warp by M: see MMVQ16_ROWS.
+# scalar-load mmvq (cuda/gguf_mmvq.cu).
 MMVQ16_LW = 16
 MMVQ16_NOALLOC = False
-MMVQ16_ROWS = {f: {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
-# Which mmvq kernel (and rows per CTA / warp) each format and M take, from the H100 round-3 sweep
-# (bench/gguf_bench.py --mmvq16, N=4096 K=14336, rotated, us incl. Q8_1; bench/notes-gguf.md).
-# M = 1: the two kernels tie within run-to-run noise (~1 us) -- both stream ~2.0-2.2 TB/s, as
-# cuBLAS's fp16 GEMV does on the same 33 MB (15.7 us) -- so the scalar kernel stays. The vector
-# kernel wins clearly where the activation traffic grows: q4_0 M=8 27.3 vs 33.9, q5_0 M=8 30.7 vs
-# 34.6, q8_0 M=4 28.0 vs 34.0, q4_0 M=2 17.3 vs 18.1; elsewhere scalar won or tied. M = 3 takes
-# M = 4's choice, M = 5..7 M = 8's (not measured). q4_1 / q5_1 at M = 1 keep R = 2 although R = 1
-# was 0.5-0.6 us faster rotated: with reused (L2-resident) weights R = 2 is much faster (q4_1
-# 13.7 us at R = 1 in the final run vs 11.5 at R = 2 in round 1).
-# M = 1 revisited in session 3 with the decode graph's conditions (programmatic dependent
-# launch, back to back, rotated; Qwen3-8B's four shapes and 14336 -> 4096; the table is in
-# bench/NOTES.md, session 3): the vector kernel now wins for q4_0 (R = 1: 7.85 vs 8.46 us at
-# 4096 -> 6144) and q8_0 (R = 2: 12.1 vs 13.0), and for K >= 8192 a pipeline depth U = 2
-# (MMVQ1_LONG) gains another 5-8 % (q4_0 12288 -> 4096: 13.1 vs 14.0 scalar; q8_0 21.6 vs
-# 23.3). q4_1 / q5_0 / q5_1 stay scalar (ties within 0.5 us, or scalar faster at K = 4096).
-_MEASURED = {  # fmt: {M: (kernel, R)}
-    "q4_0": {1: ("vec", 1), 2: ("vec", 2), 4: ("scalar", 4), 8: ("vec", 4)},
-    "q4_1": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
-    "q5_0": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 4), 8: ("vec", 4)},
-    "q5_1": {1: ("scalar", 2), 2: ("scalar", 2), 4: ("scalar", 2), 8: ("scalar", 4)},
-    "q8_0": {1: ("vec", 2), 2: ("vec", 4), 4: ("vec", 4), 8: ("scalar", 4)},
+
+
+def _by_m(c1, c2, c4, c8):
+    """A choice per M = 1..8 from the four measured M: 3 takes M = 4's, 5..7 take M = 8's."""
+    return {1: c1, 2: c2, 3: c4, 4: c4, 5: c8, 6: c8, 7: c8, 8: c8}
+
+
+# Which mmvq kernel ("vec" = gguf_mmvq16.cu, "scalar" = gguf_mmvq.cu) and how many weight rows
+# per warp / CTA (R) each format and M take. Measured on the H100 (bench/gguf_bench.py --mmvq16,
+# N=4096 K=14336, rotated, us incl. Q8_1; tables in bench/notes-gguf.md):
+# * R: R = 1 re-reads the Q8_1 activations from L2 once per weight row, which at M = 8 costs
+#   more than the weight itself (q4_0: 62.7 us at R=1, 39.3 at R=2, 34.2 at R=4). At M = 1, R = 2
+#   is within 3 % of the best with rotated weights and much faster with reused (L2-resident)
+#   ones (q4_1: 11.5 us at R=2 vs 14.0 at R=1; q5_1: 13.3 vs 18.0).
+# * kernel: the vector kernel wins where the activation traffic grows: q4_0 M=8 27.3 vs 33.9,
+#   q5_0 M=8 30.7 vs 34.6, q8_0 M=4 28.0 vs 34.0, q4_0 M=2 17.3 vs 18.1; elsewhere scalar won or
+#   tied. M = 1 was re-measured in session 3 under the decode graph's conditions (programmatic
+#   dependent launch, back to back, Qwen3-8B shapes; bench/NOTES.md): vector wins for q4_0
+#   (R = 1: 7.85 vs 8.46 us at 4096 -> 6144) and q8_0 (R = 2: 12.1 vs 13.0); q4_1 / q5_0 / q5_1
+#   stay scalar (ties within 0.5 us, or scalar faster at K = 4096).
+# The kernel is chosen by the first chunk's M (the two kernels read different Q8_1 layouts);
+# a later, shorter chunk whose own choice is the other kernel takes MMVQ_DEFAULT_ROWS.
+MMVQ_CHOICE = {
+    "q4_0": _by_m(("vec", 1), ("vec", 2), ("scalar", 4), ("vec", 4)),
+    "q4_1": _by_m(("scalar", 2), ("scalar", 2), ("scalar", 2), ("scalar", 4)),
+    "q5_0": _by_m(("scalar", 2), ("scalar", 2), ("scalar", 4), ("vec", 4)),
+    "q5_1": _by_m(("scalar", 2), ("scalar", 2), ("scalar", 2), ("scalar", 4)),
+    "q8_0": _by_m(("vec", 2), ("vec", 4), ("vec", 4), ("scalar", 4)),
 }
+MMVQ_DEFAULT_ROWS = {m: (2 if m <= 3 else 4) for m in range(1, MMVQ_COLS + 1)}
 # M = 1 with the vector kernel and a long row (nb >= MMVQ1_LONG_NB blocks): rows per warp R and
-# pipeline depth U (blocks per row a lane has in flight; cuda/gguf_mmvq16.cu). U = 4 was slower
-# everywhere (registers: q8_0 R = 4 U = 4 spills), U = 2 at K = 4096 no better than U = 1.
+# pipeline depth U (blocks per row a lane has in flight; cuda/gguf_mmvq16.cu), session 3:
+# q4_0 12288 -> 4096 13.1 vs 14.0 us, q8_0 21.6 vs 23.3. U = 4 was slower everywhere
+# (registers: q8_0 R = 4 U = 4 spills), U = 2 at K = 4096 no better than U = 1.
 MMVQ1_LONG_NB = 256
 MMVQ1_LONG = {"q4_0": (1, 2), "q8_0": (2, 2)}
-MMVQ_CHOICE = {f: {m: _MEASURED.get(f, {}).get(1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8,
-                                              ("vec", MMVQ16_ROWS[f][m]))
-                   for m in range(1, MMVQ_COLS + 1)} for f in BLOCKS}
-for _f in BLOCKS:
-    for _m, (_k, _r) in MMVQ_CHOICE[_f].items():
-        (MMVQ16_ROWS if _k == "vec" else MMVQ_ROWS)[_f][_m] = _r
+
+
+def mmvq_plan(fmt: str, kernel: str, m: int, nb: int = 0) -> tuple[int, int]:
+    """(R, U) of one mmvq launch of `kernel` over m (1..8) activation rows and nb blocks per row."""
+    if kernel == "vec" and m == 1 and nb >= MMVQ1_LONG_NB and fmt in MMVQ1_LONG:
+        return MMVQ1_LONG[fmt]
+    choice, r = MMVQ_CHOICE[fmt][m]
+    return (r if choice == kernel else MMVQ_DEFAULT_ROWS[m]), 1
+
+
 # Largest M that takes mmvq (in chunks of 8 rows, 26-40 us each): above it the int8 MMA GEMM
 # wins (H100, N=4096 K=14336, rotated, 2026-11-22 round 3: q4_0 M=16 mma 41.8 us vs chunked mmvq
 # ~50-64 and dequant 104; q8_0 47.0 vs ~80 / 112). Before the mma path existed this was 16/24.
@@ -430,9 +434,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         _launch_quantize(x, xq, m * nb, split=True)
         for c0 in range(0, m, MMVQ_COLS):
             mc = min(MMVQ_COLS, m - c0)
-            r, u = mmvq_rows or MMVQ16_ROWS[fmt][mc], 1
-            if mc == 1 and mmvq_rows is None and nb >= MMVQ1_LONG_NB and fmt in MMVQ1_LONG:
-                r, u = MMVQ1_LONG[fmt]
+            r, u = (mmvq_rows, 1) if mmvq_rows else mmvq_plan(fmt, "vec", mc, nb)
             launch_mmvq16(fmt, w, xq.data_ptr() + c0 * nb * 32, xq.data_ptr() + m * nb * 32 + c0 * nb * 4,
                           y2.data_ptr() + c0 * n * 2, n, nb, mc, r, u=u)
         return out
@@ -440,7 +442,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if path == "mmvq":
         for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
             mc = min(MMVQ_COLS, m - c0)
-            r = mmvq_rows or MMVQ_ROWS[fmt][mc]
+            r = mmvq_rows or mmvq_plan(fmt, "scalar", mc)[0]
             launch_mmvq(fmt, w, xq.data_ptr() + c0 * nb * Q8_1_BYTES, y2.data_ptr() + c0 * n * 2, n, nb, mc, r)
     else:
         grid = ((n + MMQ_TILE - 1) // MMQ_TILE, (m + MMQ_TILE - 1) // MMQ_TILE)
