@@ -93,11 +93,16 @@ MMVQ1_LONG_NB = 256
 MMVQ1_LONG = {"q4_0": (1, 2), "q8_0": (2, 2)}
 
 
+def mmvq_choice(fmt: str, m: int) -> tuple[str, int]:
+    """(kernel, R) measured for this format and M (1..8); an unmeasured format gets vec, default R."""
+    return MMVQ_CHOICE.get(fmt, {}).get(m, ("vec", MMVQ_DEFAULT_ROWS[m]))
+
+
 def mmvq_plan(fmt: str, kernel: str, m: int, nb: int = 0) -> tuple[int, int]:
     """(R, U) of one mmvq launch of `kernel` over m (1..8) activation rows and nb blocks per row."""
     if kernel == "vec" and m == 1 and nb >= MMVQ1_LONG_NB and fmt in MMVQ1_LONG:
         return MMVQ1_LONG[fmt]
-    choice, r = MMVQ_CHOICE[fmt][m]
+    choice, r = mmvq_choice(fmt, m)
     return (r if choice == kernel else MMVQ_DEFAULT_ROWS[m]), 1
 
 
@@ -403,7 +408,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if mmvq_kernel is not None and mmvq_kernel not in MMVQ_KERNELS:
         raise ValueError(f"mmvq_kernel: {mmvq_kernel!r}, one of {MMVQ_KERNELS}")
     if mmvq_kernel is None:  # the measured choice for this format and M (first chunk), if aligned
-        vec = MMVQ_CHOICE[fmt][max(1, min(MMVQ_COLS, m))][0] == "vec" and mmvq16_ok(qt)
+        vec = mmvq_choice(fmt, max(1, min(MMVQ_COLS, m)))[0] == "vec" and mmvq16_ok(qt)
     else:
         vec = mmvq_kernel == "vec"
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
