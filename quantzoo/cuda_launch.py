@@ -111,7 +111,7 @@ def _cupy_stream(ptr: int):
     return cupy.cuda.ExternalStream(ptr)
 
 
-def _current_stream_ptr() -> int:
+def current_stream_ptr() -> int:
     """torch's current CUDA stream as a raw handle. torch.cuda.current_stream() builds a Stream
     object and resolves the device through several Python layers (~5-10 us); the C binding below
     is what torch itself uses for this, with the public call as the fallback."""
@@ -130,8 +130,10 @@ def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
     if _PDL:
         _launch_pdl(kernel, grid, block, args, shared_mem)
         return
-    with _cupy_stream(_current_stream_ptr()):
-        kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+    # cupy.cuda.Function takes the stream per call; entering it as CuPy's current stream instead
+    # costs a context switch in Python on every launch.
+    kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem,
+           stream=_cupy_stream(current_stream_ptr()))
 
 
 # ---- programmatic dependent launch ---------------------------------------------------------
@@ -203,7 +205,7 @@ def _launch_pdl(kernel, grid, block, args, shared_mem: int) -> None:
     attr = Attribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
     cfg = Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
-                 ctypes.c_void_p(_current_stream_ptr()), ctypes.pointer(attr), 1)
+                 ctypes.c_void_p(current_stream_ptr()), ctypes.pointer(attr), 1)
     vals = [_ctype_arg(ctypes, a) for a in args]
     params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
     func = getattr(kernel, "ptr", None) or kernel.kernel.ptr   # cupy Function, or RawKernel.kernel

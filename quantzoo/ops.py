@@ -26,10 +26,21 @@ def kernels_for(fmt):
     return importlib.import_module(f"quantzoo.kernels.{fmt.kernels}")
 
 
+_KERNEL_MODULES: dict = {}   # format name -> kernel module, for the per-call CUDA path
+
+
 def matmul(x, qt, *, mode: str = "emulate"):
     """y = x @ W.T; x (..., K) torch or numpy; same kind of array out (torch keeps x's dtype)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: choose one of {MODES}")
+    if getattr(x, "is_cuda", False):
+        # A prefill makes ~150 of these calls, each ~20 us of GPU work at M = 512: the kernel
+        # module checks x and the weight itself (shapes, dtypes, devices), so nothing is
+        # checked twice here.
+        mod = _KERNEL_MODULES.get(qt.format)
+        if mod is None:
+            mod = _KERNEL_MODULES[qt.format] = kernels_for(qt.fmt)
+        return mod.matmul(x, qt)
     n, k = qt.shape
     shape = tuple(x.shape)
     if len(shape) < 1 or shape[-1] != k:
@@ -40,7 +51,7 @@ def matmul(x, qt, *, mode: str = "emulate"):
     if not _same_device(xdev, qt.device):
         raise ValueError(f"x is on {xdev} but the {qt.format} weight is on {qt.device}; "
                          "move one with qt.to(device) or x.to(device)")
-    if xdev != "cpu":
+    if xdev != "cpu":   # a non-CUDA torch device (meta, ...) with the weight there too
         return kernels_for(qt.fmt).matmul(x, qt)
     xn = x.detach().float().numpy() if is_torch else np.asarray(x, dtype=np.float32)
     if mode == "emulate":

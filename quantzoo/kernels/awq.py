@@ -23,6 +23,8 @@ ValueError naming the argument.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -174,6 +176,8 @@ def _unpack_qt(qt):
     if qt.shape[0] % 8:
         raise ValueError(f"qt: N={qt.shape[0]} out_features must be a multiple of 8 (8 nibbles per int32)")
     qw = d.get("qweight")
+    if qw is not None and not isinstance(qw, torch.Tensor):
+        raise ValueError(f"qt: its arrays are {type(qw).__name__} on the CPU; move the weight with qt.to('cuda')")
     if getattr(qw, "ndim", 0) == 2 and (8 * qw.shape[1], qw.shape[0]) != tuple(qt.shape):
         raise ValueError(f"qt: shape {qt.shape} disagrees with qweight {tuple(qw.shape)} "
                          f"(K={qw.shape[0]}, N={8 * qw.shape[1]})")
@@ -446,9 +450,14 @@ _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small"
 def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
     """y = x @ W for HF-layout AWQ tensors; x fp16 [.., K] -> fp16 [.., N]."""
     k, n, g = check_weights(qweight, scales, qzeros, group_size)
+    return _gemm(x, qweight, scales, qzeros, k, n, g, out, path)
+
+
+def _gemm(x, qweight, scales, qzeros, k, n, g, out, path):
+    """gemm on weights check_weights has accepted (k, n, g are what it returned)."""
     _check_x(x, k, qweight.device)
     lead = tuple(x.shape[:-1])
-    m = int(np.prod(lead)) if lead else 1
+    m = math.prod(lead)
     if out is None:
         out = torch.empty(lead + (n,), dtype=torch.float16, device=x.device)
     else:
@@ -471,4 +480,4 @@ def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
 def matmul(x, qt, *, out=None, path=None):
     """x fp16 CUDA [.., K] -> fp16 [.., N] through the path chosen by M (choose_path)."""
     qweight, scales, qzeros, k, n, g = _unpack_qt(qt)
-    return gemm(x, qweight, scales, qzeros, g, out=out, path=path)
+    return _gemm(x, qweight, scales, qzeros, k, n, g, out, path)

@@ -20,9 +20,15 @@ SOURCES = {"fp16_gemv.cu": tuple(f"fp16_gemv<{m}>" for m in range(1, GEMV_MAX_M 
 
 
 def matmul(x: torch.Tensor, qt) -> torch.Tensor:
+    w = qt.data
+    if not isinstance(w, torch.Tensor) or w.device != x.device:
+        raise ValueError(f"x is on {x.device} but the fp16 weight is on {qt.device}; "
+                         "move one with qt.to(device) or x.to(device)")
     if x.dtype != torch.float16:
         raise ValueError(f"x: dtype {x.dtype}, the CUDA kernels take float16 activations")
-    return torch.nn.functional.linear(x, qt.data)
+    if x.dim() < 1 or x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"x: shape {tuple(x.shape)}, the fp16 weight {tuple(w.shape)} expects K={w.shape[-1]}")
+    return torch.nn.functional.linear(x, w)
 
 
 def gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:

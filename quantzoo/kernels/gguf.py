@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from quantzoo.cuda_launch import get_kernel, launch
+from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
 
@@ -247,7 +247,7 @@ def _workspace(kind: str, nbytes: int, device):
 
     if torch.cuda.is_current_stream_capturing():
         return torch.empty(nbytes, dtype=torch.uint8, device=device)  # lives in the graph's pool
-    key = (kind, device, torch.cuda.current_stream(device).cuda_stream)
+    key = (kind, device, current_stream_ptr())
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device)
