@@ -34,9 +34,9 @@ def matmul(x, qt, *, mode: str = "emulate"):
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: choose one of {MODES}")
     if getattr(x, "is_cuda", False):
-        # A prefill makes ~150 of these calls, each ~20 us of GPU work at M = 512: the kernel
-        # module checks x and the weight itself (shapes, dtypes, devices), so nothing is
-        # checked twice here.
+        # The runner's hot path (~150 calls per forward, a 512-token prefill is partly bound
+        # by their Python time): the kernel module checks x and the weight itself (shapes,
+        # dtypes, devices), so nothing is checked twice here.
         mod = _KERNEL_MODULES.get(qt.format)
         if mod is None:
             mod = _KERNEL_MODULES[qt.format] = kernels_for(qt.fmt)
