@@ -26,9 +26,6 @@ def kernels_for(fmt):
     return importlib.import_module(f"quantzoo.kernels.{fmt.kernels}")
 
 
-_KERNEL_MODULES: dict = {}   # format name -> kernel module, for the per-call CUDA path
-
-
 def matmul(x, qt, *, mode: str = "emulate"):
     """y = x @ W.T; x (..., K) torch or numpy; same kind of array out (torch keeps x's dtype)."""
     if mode not in MODES:
@@ -37,10 +34,7 @@ def matmul(x, qt, *, mode: str = "emulate"):
         # The runner's hot path (~150 calls per forward, a 512-token prefill is partly bound
         # by their Python time): the kernel module checks x and the weight itself (shapes,
         # dtypes, devices), so nothing is checked twice here.
-        mod = _KERNEL_MODULES.get(qt.format)
-        if mod is None:
-            mod = _KERNEL_MODULES[qt.format] = kernels_for(qt.fmt)
-        return mod.matmul(x, qt)
+        return kernels_for(qt.fmt).matmul(x, qt)
     n, k = qt.shape
     shape = tuple(x.shape)
     if len(shape) < 1 or shape[-1] != k:
@@ -72,9 +66,8 @@ def release_workspaces():
     more: a graph replays raw pointers into them."""
     import sys
 
-    for name in ("quantzoo.kernels.awq", "quantzoo.kernels.gguf"):
-        mod = sys.modules.get(name)
-        if mod is not None:
+    for name, mod in list(sys.modules.items()):   # only kernel modules already imported hold any
+        if name.startswith("quantzoo.kernels.") and hasattr(mod, "release_buffers"):
             mod.release_buffers()
 
 
