@@ -73,6 +73,16 @@ __device__ __forceinline__ void dequant8(unsigned w, const Zeros& z, const half2
   out[3] = __hmul2_rn(d3, s[3]);
 }
 
+// The low half of a word (columns 0..3; shift the word right by 8 first for columns 4..7, and
+// pass that half's zero terms and scales in slots 0 and 1): 2 half2, pairs (0,1) and (2,3).
+__device__ __forceinline__ void dequant4(unsigned w, const Zeros& z, const half2* s, half2* out) {
+  const half2 one16 = as_h2(0x2c002c00u);
+  half2 d0 = __hsub2(as_h2(lop3_and_or(w, kLowMask, kMagic)), z.lo[0]);
+  half2 d1 = __hfma2(as_h2(lop3_and_or(w, kHighMask, kMagic)), one16, z.hi[0]);
+  out[0] = __hmul2_rn(d0, s[0]);
+  out[1] = __hmul2_rn(d1, s[1]);
+}
+
 // ---- cp.async (sm_80+): global -> shared without a register round trip; src_bytes = 0 writes
 // zeros, which is how every kernel pads tails (rows past K or the split, columns past N).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {

@@ -56,12 +56,14 @@ def _module(source: str, name_expressions: tuple, options: tuple, arch: str):
 _KERNELS: dict = {}
 
 
-def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tuple = ()):
+def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tuple = (),
+               arch_specific: bool = False):
     """The compiled kernel `name` (a name expression for templates) from cuda/<source>.
 
     Compiled for the current device's architecture on first use; later calls are one dict
     lookup (a prefill launches hundreds of kernels, and each microsecond of Python here is paid
-    per launch). One process is assumed to use GPUs of one architecture.
+    per launch). One process is assumed to use GPUs of one architecture. arch_specific asks for
+    the architecture-specific target (sm_90a: wgmma) instead of the portable one.
     """
     key = (source, name, options)
     fn = _KERNELS.get(key)
@@ -69,7 +71,8 @@ def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tu
         import torch
 
         major, minor = torch.cuda.get_device_capability()
-        mod = _module(source, tuple(name_expressions) or (name,), tuple(options), f"sm_{major}{minor}")
+        arch = f"sm_{major}{minor}" + ("a" if arch_specific else "")
+        mod = _module(source, tuple(name_expressions) or (name,), tuple(options), arch)
         fn = _KERNELS[key] = mod.get_function(name)
     return fn
 

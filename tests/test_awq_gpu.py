@@ -79,7 +79,7 @@ def emulate_small_gpu(x16, qt):
 def effective_path(label, m, qt):
     """The path a check label names ("small", "graph mma", "slabs", ...), else dispatch's pick."""
     for tok in str(label).split():
-        if tok in ("gemv", "mma", "dequant+cublas", "small"):
+        if tok in ("gemv", "mma", "dequant+cublas", "small", "wgmma"):
             return tok
         if tok == "slabs":
             return "dequant+cublas"
@@ -123,7 +123,9 @@ def run(x16, qt_cuda, path=None):
 
 
 def paths_for(m):
-    return (["gemv"] if m <= 8 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"]
+    """Every path that takes M rows on this GPU (wgmma: Hopper only)."""
+    hopper = ["wgmma"] if awq_mod().wgmma_available(torch.device("cuda")) else []
+    return (["gemv"] if m <= 8 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
 
 
 def check_paths_and_nmse(x16, w, qt, qtc, w16, label=""):
@@ -229,7 +231,7 @@ def test_qwen_shapes(k, n, m):
     rng = np.random.default_rng()
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
-    for path in paths_for(m) if m <= 16 else ["mma", None]:
+    for path in paths_for(m) if m <= 16 else [p for p in paths_for(m) if p != "dequant+cublas"] + [None]:
         check(run(x16, qtc, path), x16, qt, w16, str(path))
 
 
@@ -322,7 +324,7 @@ def test_cuda_graph_replay(m, monkeypatch):
     rng = np.random.default_rng()
     k, n = 4096, 1024
     _, qt, qtc, w16 = weight(k, n, 64)
-    paths = paths_for(m) if m <= 16 else ["mma", "dequant+cublas"]
+    paths = paths_for(m) if m <= 16 else [p for p in paths_for(m) if p != "gemv"]
     for path in paths + (["slab"] if m > 16 else []):
         if path == "slab":   # dequant+cublas in 4 column slabs
             monkeypatch.setattr(awq, "SLAB_BYTES", 1)

@@ -1,0 +1,282 @@
+// awq_wgmma.cu -- AWQ W4A16 matrix product for Hopper (sm_90a): the weight, dequantised in
+// registers, is the register operand A of wgmma; x is operand B, read by the tensor cores
+// straight from 128-byte-swizzled shared memory.
+//
+//   y[m, n] = fp16( sum_k x[m, k] * w16[k, n] ),   w16 = fp16((q - z) * s)   (awq_common.cuh)
+//
+// computed transposed, y^T = W^T x^T: wgmma's M (64 rows per instruction) runs over output
+// columns n, its N over tokens m, so one instruction is 64 columns x T tokens x 16 k.
+//
+// Block: NWG consumer warpgroups (128 threads each), each owning 256 output columns (32 column
+// words) x T tokens; K walked in stages of 64 rows (one 128-byte swizzle row of x).
+//
+// Why the tricks:
+// * wgmma, not mma.sync: on the H100 mma.sync tops out near 60 % of the tensor cores' rate
+//   (session 5's mma-class kernels peaked at ~170-300 TFLOP/s); wgmma issues a 64 x T x 16
+//   product per instruction from one warpgroup, asynchronously, so the next dequant overlaps it.
+// * The weight as A from registers: the fp16 weight never exists, not even in shared memory.
+//   A's fragment in warp w of a warpgroup is mma.sync's m16n8k16 A fragment: thread (g, t)
+//   (g = lane/4, t = lane%4) holds rows g and g + 8, k pairs (2t, 2t+1) and (2t+8, 2t+9). A row
+//   index is free to mean any output column, so the 8 rows a thread holds across the 4
+//   instructions of a k-step (j = 0..3, rows g and g + 8) stand for the 8 columns of ONE packed
+//   word: instruction j, row g -> column 8c + 2j, row g + 8 -> column 8c + 2j + 1, with
+//   c = 8 w + g the thread's column word. Each thread dequantises the words of rows 2t, 2t+1,
+//   2t+8, 2t+9 of its column word (LOP3 + exact q - z + one hmul2: bit-identical fp16 weights)
+//   and a byte permute turns column pairs into k pairs, as in awq_mma.cu. No repacked weight.
+// * The accumulators come out per thread as the 8 columns of its word for tokens 8i + 2t and
+//   8i + 2t + 1: one 16-byte store per token.
+// * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)):
+//   the layout wgmma's descriptor reads without bank conflicts; cp.async places the chunks.
+// * Pipeline: D shared-memory stages filled by cp.async (all threads), one block barrier per
+//   stage. Each k-step's 4 wgmma are one commit group and a warpgroup keeps at most 2 groups in
+//   flight, so a stage's buffer is free two barriers after its last use: the loads run D - 2
+//   stages ahead.
+// * Tails: rows past M or K and words past N/8 are zero-filled by cp.async (src size 0); a zero
+//   x row or column contributes 0, and stores are guarded.
+//
+// Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
+// host (quantzoo/kernels/awq.py) never launches it there.
+#include "awq_common.cuh"
+
+namespace awqw {
+
+constexpr int BK = 64;  // k rows per stage
+
+template <int NWG, int MT, int T, int D>
+struct Cfg {
+  static constexpr int THREADS = 128 * NWG;
+  static constexpr int WG_WORDS = 8 * MT;                 // column words per warpgroup
+  static constexpr int WORDS = NWG * WG_WORDS;            // column words per block
+  static constexpr int W_LD = WORDS + 4;                  // == 4 (mod 32): rows 2t in distinct banks
+  static constexpr int X_BYTES = T * 128;                 // T tokens x 64 halves, swizzled
+  static constexpr int W_BYTES = BK * W_LD * 4;
+  static constexpr int S_BYTES = 2 * WORDS * 16;          // up to 2 groups per stage (G = 32)
+  static constexpr int Z_BYTES = 2 * WORDS * 4;
+  static constexpr int STAGE = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
+  static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
+  static_assert(MT == 2 || MT == 4, "a thread's rows cover half a packed word (MT 2) or all of it (4)");
+  static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+// d[64 x T] += A[64 x 16] (registers) * B[16 x T] (shared memory, descriptor), fp32 accumulate.
+template <int T> struct Wgmma;
+
+#define QZ_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                   "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+template <> struct Wgmma<32> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"
+        : QZ_ACC8(0), QZ_ACC8(8)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+
+template <> struct Wgmma<64> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+        : QZ_ACC8(0), QZ_ACC8(8), QZ_ACC8(16), QZ_ACC8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+template <> struct Wgmma<128> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+        : QZ_ACC8(0), QZ_ACC8(8), QZ_ACC8(16), QZ_ACC8(24), QZ_ACC8(32), QZ_ACC8(40), QZ_ACC8(48), QZ_ACC8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+#undef QZ_ACC8
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address
+// (16-byte units), leading offset 1 (unused by this layout), stride 1024 bytes between 8-row
+// groups, layout type 1 = 128B swizzle. The tile base must be 1024-byte aligned.
+__device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
+  return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+#endif
+
+}  // namespace awqw
+
+// grid (ceil(M / T), ceil(N/8 / WORDS)): token tiles vary fastest, so the blocks that read the
+// same weights run together and share L2. Block 128 * NWG threads, dynamic shared memory
+// awqw::Cfg<NWG, MT, T, D>::SMEM bytes. K % 32 == 0 (K % G == 0, G >= 32).
+template <int NWG, int MT, int T, int D>
+__global__ void __launch_bounds__(128 * NWG, 1)
+awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
+                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
+                 half* __restrict__ y, int M, int K, int N, int G) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = awqw::Cfg<NWG, MT, T, D>;
+  constexpr int BK = awqw::BK;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const unsigned base = (awq::smem_addr(smem_raw) + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - awq::smem_addr(smem_raw));
+
+  const int n8 = N / 8;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.x * T;
+  const int col0 = blockIdx.y * C::WORDS;
+  // this thread's column word within the block, and (MT = 2) which half of it: columns 4h..4h+3
+  const int c = wg * C::WG_WORDS + (MT == 4 ? 8 * wq : 8 * (wq & 1)) + g;
+  const int h = MT == 4 ? 0 : wq >> 1;
+  const int n_stages = (K + BK - 1) / BK;
+  const int groups_per_stage = G < BK ? BK / G : 1;
+  const bool vec16 = (n8 % 4) == 0;
+
+  auto stage_ptr = [&](int b) { return smem + b * C::STAGE; };
+  auto load_stage = [&](int st, int buf) {
+    const int k0 = st * BK;
+    unsigned char* S0 = stage_ptr(buf);
+    const unsigned xs = awq::smem_addr(S0);
+    for (int i = tid; i < T * 8; i += C::THREADS) {
+      const int r = i >> 3, ch = i & 7;
+      const bool ok = (m0 + r < M) && (k0 + 8 * ch < K);
+      awq::cp_async16_at(xs + r * 128 + ((ch ^ (r & 7)) << 4),
+                         ok ? x + (size_t)(m0 + r) * K + k0 + 8 * ch : x, ok);
+    }
+    awq::load_words<BK, C::WORDS, C::THREADS>(reinterpret_cast<unsigned*>(S0 + C::X_BYTES), C::W_LD,
+                                              qweight, n8, k0, K, col0, n8, vec16);
+    half* S = reinterpret_cast<half*>(S0 + C::X_BYTES + C::W_BYTES);
+    unsigned* Z = reinterpret_cast<unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
+    for (int i = tid; i < groups_per_stage * C::WORDS; i += C::THREADS) {
+      const int gi = i / C::WORDS, cw = i % C::WORDS;
+      const int kg = k0 + gi * G;
+      const bool ok = (kg < K) && (col0 + cw < n8);
+      const int grp = kg / G;
+      awq::cp_async16(S + 8 * i, ok ? scales + (size_t)grp * N + 8 * (col0 + cw) : scales, ok);
+      awq::cp_async4(Z + i, ok ? qzeros + (size_t)grp * n8 + col0 + cw : qzeros, ok);
+    }
+  };
+
+  float acc[MT][T / 2];
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int i = 0; i < T / 2; ++i) acc[j][i] = 0.f;
+
+  constexpr int AHEAD = D - 2;   // stages loaded ahead of the one computed
+#pragma unroll
+  for (int st = 0; st < AHEAD; ++st) {
+    if (st < n_stages) load_stage(st, st);
+    awq::cp_async_commit();
+  }
+  for (int st = 0; st < n_stages; ++st) {
+    awq::cp_async_wait<AHEAD - 1>();
+    // cp.async wrote through the generic proxy; wgmma reads through the async proxy
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if (st + AHEAD < n_stages) load_stage(st + AHEAD, (st + AHEAD) % D);
+    awq::cp_async_commit();
+
+    unsigned char* S0 = stage_ptr(st % D);
+    const unsigned long long desc = awqw::desc_sw128(awq::smem_addr(S0));
+    const unsigned* Wc = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES) + c;
+    const half* S = reinterpret_cast<const half*>(S0 + C::X_BYTES + C::W_BYTES);
+    const unsigned* Z = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
+    half2 s[4];
+    awq::Zeros z;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      if (kk == 0 || (kk == 2 && G == 32)) {
+        const int gi = kk == 0 ? 0 : 1;
+        const uint4 sv = *reinterpret_cast<const uint4*>(S + 8 * (gi * C::WORDS + c));
+        s[0] = awq::as_h2(sv.x); s[1] = awq::as_h2(sv.y);
+        s[2] = awq::as_h2(sv.z); s[3] = awq::as_h2(sv.w);
+        z = awq::make_zeros(Z[gi * C::WORDS + c]);
+        if (MT == 2 && h) {   // the upper half's terms into slots 0, 1
+          s[0] = s[2]; s[1] = s[3];
+          z.lo[0] = z.lo[1]; z.hi[0] = z.hi[1];
+        }
+      }
+      const unsigned* Wr = Wc + (16 * kk + 2 * t) * C::W_LD;
+      unsigned a[MT][4];
+      if constexpr (MT == 4) {
+        half2 d0[4], d1[4], d2[4], d3[4];
+        awq::dequant8(Wr[0], z, s, d0);
+        awq::dequant8(Wr[C::W_LD], z, s, d1);
+        awq::dequant8(Wr[8 * C::W_LD], z, s, d2);
+        awq::dequant8(Wr[9 * C::W_LD], z, s, d3);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          // instruction j: row g = column 2j, row g + 8 = column 2j + 1 of the word
+          a[j][0] = __byte_perm(awq::as_u32(d0[j]), awq::as_u32(d1[j]), 0x5410);   // row g,   k 2t..
+          a[j][1] = __byte_perm(awq::as_u32(d0[j]), awq::as_u32(d1[j]), 0x7632);   // row g+8, k 2t..
+          a[j][2] = __byte_perm(awq::as_u32(d2[j]), awq::as_u32(d3[j]), 0x5410);   // row g,   k 2t+8..
+          a[j][3] = __byte_perm(awq::as_u32(d2[j]), awq::as_u32(d3[j]), 0x7632);   // row g+8, k 2t+8..
+        }
+      } else {
+        const int sh = 8 * h;   // the upper half's nibbles sit 8 bits higher (awq_common.cuh)
+        half2 d0[2], d1[2], d2[2], d3[2];
+        awq::dequant4(Wr[0] >> sh, z, s, d0);
+        awq::dequant4(Wr[C::W_LD] >> sh, z, s, d1);
+        awq::dequant4(Wr[8 * C::W_LD] >> sh, z, s, d2);
+        awq::dequant4(Wr[9 * C::W_LD] >> sh, z, s, d3);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          // instruction j: row g = column 4h + 2j, row g + 8 = column 4h + 2j + 1
+          a[j][0] = __byte_perm(awq::as_u32(d0[j]), awq::as_u32(d1[j]), 0x5410);
+          a[j][1] = __byte_perm(awq::as_u32(d0[j]), awq::as_u32(d1[j]), 0x7632);
+          a[j][2] = __byte_perm(awq::as_u32(d2[j]), awq::as_u32(d3[j]), 0x5410);
+          a[j][3] = __byte_perm(awq::as_u32(d2[j]), awq::as_u32(d3[j]), 0x7632);
+        }
+      }
+      awqw::wg_fence();
+#pragma unroll
+      for (int j = 0; j < MT; ++j) awqw::Wgmma<T>::run(acc[j], a[j], desc + 2 * kk);   // +32 bytes per k16
+      awqw::wg_commit();
+      awqw::wg_wait<1>();
+    }
+  }
+  awqw::wg_wait<0>();
+  awq::cp_async_wait<0>();
+
+  // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r, token m0 + 8i + 2t + e
+  const int cg = col0 + c;
+  if (cg < n8) {
+#pragma unroll
+    for (int i = 0; i < T / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = m0 + 8 * i + 2 * t + e;
+        if (m < M) {
+          float v[2 * MT];
+#pragma unroll
+          for (int j = 0; j < MT; ++j) {
+            v[2 * j] = acc[j][4 * i + e];
+            v[2 * j + 1] = acc[j][4 * i + 2 + e];
+          }
+          if constexpr (MT == 4) {
+            awq::store8_half(y + (size_t)m * N + 8 * cg, v);
+          } else {
+            half2 p0 = __floats2half2_rn(v[0], v[1]), p1 = __floats2half2_rn(v[2], v[3]);
+            *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
+          }
+        }
+      }
+  }
+#endif
+}
