@@ -107,20 +107,21 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy a [rows x words] tile of 32-bit words (row stride src_ld words, first word col0 of a
 // row of n_words) into shared memory with row stride dst_ld. Rows >= row_end and words >=
 // n_words are zero-filled. vec16: every row start is 16-byte aligned (n_words % 4 == 0), so
-// 16-byte copies are used; otherwise 4-byte ones.
+// 16-byte copies are used; otherwise 4-byte ones. NTHREADS threads copy, numbered tid.
 template <int ROWS, int WORDS, int NTHREADS>
 __device__ __forceinline__ void load_words(unsigned* dst, int dst_ld, const unsigned* src, int src_ld,
-                                           int row0, int row_end, int col0, int n_words, bool vec16) {
+                                           int row0, int row_end, int col0, int n_words, bool vec16,
+                                           int tid = threadIdx.x) {
   if (vec16) {
     constexpr int CH = WORDS / 4;
-    for (int i = threadIdx.x; i < ROWS * CH; i += NTHREADS) {
+    for (int i = tid; i < ROWS * CH; i += NTHREADS) {
       int r = i / CH, c = (i % CH) * 4;
       bool ok = (row0 + r < row_end) && (col0 + c < n_words);
       const unsigned* g = ok ? src + (size_t)(row0 + r) * src_ld + col0 + c : src;
       cp_async16(dst + r * dst_ld + c, g, ok);
     }
   } else {
-    for (int i = threadIdx.x; i < ROWS * WORDS; i += NTHREADS) {
+    for (int i = tid; i < ROWS * WORDS; i += NTHREADS) {
       int r = i / WORDS, c = i % WORDS;
       bool ok = (row0 + r < row_end) && (col0 + c < n_words);
       const unsigned* g = ok ? src + (size_t)(row0 + r) * src_ld + col0 + c : src;

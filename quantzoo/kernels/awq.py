@@ -47,12 +47,11 @@ SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2,
               (1, 2, 8, 4, 0, 4), (1, 2, 8, 1, 1, 4),
               (2, 1, 4, 1, 0, 8), (2, 1, 8, 1, 0, 8), (2, 1, 4, 1, 1, 8))
 SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
-# Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, MT, T, D) = warpgroups, wgmma row tiles
-# per warpgroup (64 * MT columns), tokens per block, shared-memory stages
-WGMMA_CFGS = ((2, 4, 64, 5), (1, 4, 64, 6), (2, 2, 128, 4), (2, 2, 128, 5), (2, 2, 128, 6),
-              (1, 2, 128, 6), (2, 2, 64, 6))
-WGMMA_DEFAULT = (2, 2, 128, 5)
-SOURCES["awq_wgmma.cu"] = tuple("awq_wgmma_kernel<{}, {}, {}, {}>".format(*c) for c in WGMMA_CFGS)
+# Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = consumer warpgroups (128 columns
+# each), tokens per block, shared-memory stages
+WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (2, 64, 6), (2, 64, 8))
+WGMMA_DEFAULT = (2, 128, 6)
+SOURCES["awq_wgmma.cu"] = tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
 # ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; tables in bench/notes-awq.md)
@@ -451,9 +450,9 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
              np.int32(per)), smem)
 
 
-def _wgmma_smem(nwg: int, mt: int, t: int, d: int) -> int:
+def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     """Dynamic shared memory of awq_wgmma_kernel (awqw::Cfg in awq_wgmma.cu)."""
-    words = 8 * mt * nwg
+    words = 16 * nwg
     stage = t * 128 + 64 * (words + 4) * 4 + 2 * words * 16 + 2 * words * 4
     return d * (-(-stage // 1024) * 1024) + 1024
 
@@ -475,12 +474,12 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
     if not wgmma_available(dev):
         raise ValueError(f"path: 'wgmma' needs a compute capability 9.0 GPU (Hopper), "
                          f"{torch.cuda.get_device_name(dev)} is {torch.cuda.get_device_capability(dev)}")
-    nwg, mt, t, d = cfg or WGMMA_DEFAULT
-    name = f"awq_wgmma_kernel<{nwg}, {mt}, {t}, {d}>"
+    nwg, t, d = cfg or WGMMA_DEFAULT
+    name = f"awq_wgmma_kernel<{nwg}, {t}, {d}>"
     kern = _kernel("awq_wgmma.cu", name)
-    smem = _wgmma_smem(nwg, mt, t, d)
+    smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, (str(dev), name), smem)
-    _launch(kern, (-(-m // t), -(-(n // 8) // (8 * mt * nwg))), (128 * nwg,),
+    _launch(kern, (-(-m // t), -(-(n // 8) // (16 * nwg))), (128 * nwg + 128,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              np.int32(m), np.int32(k), np.int32(n), np.int32(g)), smem)
 
