@@ -164,10 +164,10 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 }  // namespace awqw
 
 // grid (ceil(M / T), ceil(N/8 / WORDS)): token tiles vary fastest, so the blocks that read the
-// same weights run together and share L2. Block 128 * NWG + 32 threads, dynamic shared memory
+// same weights run together and share L2. Block 128 * NWG + 128 threads, dynamic shared memory
 // awqw::Cfg<NWG, T, D>::SMEM bytes. K % 32 == 0 (K % G == 0, G >= 32).
 template <int NWG, int T, int D>
-__global__ void __launch_bounds__(128 * NWG + 32, 1)
+__global__ void __launch_bounds__(128 * NWG + 128, 1)
 awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
                  const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                  half* __restrict__ y, int M, int K, int N, int G) {
@@ -263,6 +263,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int sh = 8 * h;   // the high half's nibbles sit 8 bits higher (awq_common.cuh)
 
   float acc[2][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
+  constexpr int INFLIGHT = 1;   // k-steps (wgmma groups) left in flight while the next is dequantised
 
   for (int st = 0; st < n_stages; ++st) {
     const int buf = st % D;
@@ -272,25 +273,35 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     const unsigned* Wc = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES) + c;
     const half* S = reinterpret_cast<const half*>(S0 + C::X_BYTES + C::W_BYTES);
     const unsigned* Z = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
+    // the stage's 16 weight words of this thread (rows 16 kk + 2t + {0, 1, 8, 9}), and both
+    // groups' scales and zeros, read at once: one shared-memory latency per stage, not per k-step
+    unsigned wv[BK / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const unsigned* Wr = Wc + (16 * kk + 2 * t) * C::W_LD;
+      wv[kk][0] = Wr[0]; wv[kk][1] = Wr[C::W_LD]; wv[kk][2] = Wr[8 * C::W_LD]; wv[kk][3] = Wr[9 * C::W_LD];
+    }
+    const int g2 = G == 32;   // a stage spans 2 groups only when G == 32
+    const uint4 sv0 = *reinterpret_cast<const uint4*>(S + 8 * c);
+    const uint4 sv1 = *reinterpret_cast<const uint4*>(S + 8 * (g2 * C::WORDS + c));
+    const unsigned zw0 = Z[c], zw1 = Z[g2 * C::WORDS + c];
     half2 s[4];
     awq::Zeros z;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       if (kk == 0 || kk == 2) {   // no branch on G: it would split the warpgroup's wgmma path
-        const int gi = kk == 2 && G == 32;   // a stage spans 2 groups only when G == 32
-        const uint4 sv = *reinterpret_cast<const uint4*>(S + 8 * (gi * C::WORDS + c));
+        const uint4 sv = kk == 0 ? sv0 : sv1;
         s[0] = awq::as_h2(h ? sv.z : sv.x);
         s[1] = awq::as_h2(h ? sv.w : sv.y);
-        z = awq::make_zeros(Z[gi * C::WORDS + c]);
+        z = awq::make_zeros(kk == 0 ? zw0 : zw1);
         if (h) { z.lo[0] = z.lo[1]; z.hi[0] = z.hi[1]; }   // the high half's terms into slot 0
       }
-      awqw::wg_wait<1>();    // step i - 2 is done: at most steps i - 1 and i in flight
-      const unsigned* Wr = Wc + (16 * kk + 2 * t) * C::W_LD;
+      awqw::wg_wait<INFLIGHT>();   // at most INFLIGHT + 1 k-steps in the tensor cores after the issue below
       half2 d0[2], d1[2], d2[2], d3[2];
-      awq::dequant4(Wr[0] >> sh, z, s, d0);
-      awq::dequant4(Wr[C::W_LD] >> sh, z, s, d1);
-      awq::dequant4(Wr[8 * C::W_LD] >> sh, z, s, d2);
-      awq::dequant4(Wr[9 * C::W_LD] >> sh, z, s, d3);
+      awq::dequant4(wv[kk][0] >> sh, z, s, d0);
+      awq::dequant4(wv[kk][1] >> sh, z, s, d1);
+      awq::dequant4(wv[kk][2] >> sh, z, s, d2);
+      awq::dequant4(wv[kk][3] >> sh, z, s, d3);
       unsigned a[2][4];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -304,8 +315,9 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) awqw::pin(a[j][e]);
-      // at step 1 of stage st, step 3 of stage st - 1 is done: its buffer is free
-      if (kk == 1) awqw::mbar_arrive_if(empty0 + 8 * ((st + D - 1) % D), st > 0);
+      // at step INFLIGHT of stage st, step 3 of stage st - 1 is done: its buffer is free (the
+      // words read into wv above are in registers already)
+      if (kk == INFLIGHT) awqw::mbar_arrive_if(empty0 + 8 * ((st + D - 1) % D), st > 0);
       awqw::wg_fence();
 #pragma unroll
       for (int j = 0; j < 2; ++j)   // desc + 2: 32 bytes further along k per k16
