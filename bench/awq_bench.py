@@ -82,7 +82,8 @@ def main(argv=None):
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
             t_cublas = time_graph([lambda w=w: torch.nn.functional.linear(x, w, out=None) for w in fw])
             paths = ((["gemv"] if m <= 8 else []) + (["small"] if m <= awq.SMALL_MAX_M else [])
-                     + ["mma"] + (["dequant+cublas"] if m >= 16 else []))
+                     + ["mma"] + (["dequant+cublas"] if m >= 16 else [])
+                     + (["wgmma"] if m >= 64 and awq.wgmma_available(x.device) else []))
             times = {}
             for p in paths:
                 fns = [lambda w=w, p=p: awq.gemm(x, *w, G, out=y, path=p) for w in ws]

@@ -58,29 +58,24 @@ __device__ __forceinline__ Zeros make_zeros(unsigned zw) {
   return z;
 }
 
+// Half H of a qweight word (H = 0: columns 0..3; H = 1: columns 4..7, whose nibbles sit 8 bits
+// higher) -> 2 half2 (q - z) * s, column pairs (4H, 4H+1) and (4H+2, 4H+3). s[2H], s[2H+1] hold
+// the scales of those pairs.
+template <int H>
+__device__ __forceinline__ void dequant4(unsigned w, const Zeros& z, const half2* s, half2* out) {
+  const half2 one16 = as_h2(0x2c002c00u);
+  if (H) w >>= 8;
+  half2 d0 = __hsub2(as_h2(lop3_and_or(w, kLowMask, kMagic)), z.lo[H]);
+  half2 d1 = __hfma2(as_h2(lop3_and_or(w, kHighMask, kMagic)), one16, z.hi[H]);
+  out[0] = __hmul2_rn(d0, s[2 * H]);
+  out[1] = __hmul2_rn(d1, s[2 * H + 1]);
+}
+
 // One qweight word -> 4 half2 (q - z) * s, pairs of columns (0,1) (2,3) (4,5) (6,7).
 // s[p] holds the scales of the same column pair.
 __device__ __forceinline__ void dequant8(unsigned w, const Zeros& z, const half2* s, half2* out) {
-  const half2 one16 = as_h2(0x2c002c00u);
-  unsigned ws = w >> 8;
-  half2 d0 = __hsub2(as_h2(lop3_and_or(w, kLowMask, kMagic)), z.lo[0]);
-  half2 d1 = __hfma2(as_h2(lop3_and_or(w, kHighMask, kMagic)), one16, z.hi[0]);
-  half2 d2 = __hsub2(as_h2(lop3_and_or(ws, kLowMask, kMagic)), z.lo[1]);
-  half2 d3 = __hfma2(as_h2(lop3_and_or(ws, kHighMask, kMagic)), one16, z.hi[1]);
-  out[0] = __hmul2_rn(d0, s[0]);
-  out[1] = __hmul2_rn(d1, s[1]);
-  out[2] = __hmul2_rn(d2, s[2]);
-  out[3] = __hmul2_rn(d3, s[3]);
-}
-
-// The low half of a word (columns 0..3; shift the word right by 8 first for columns 4..7, and
-// pass that half's zero terms and scales in slots 0 and 1): 2 half2, pairs (0,1) and (2,3).
-__device__ __forceinline__ void dequant4(unsigned w, const Zeros& z, const half2* s, half2* out) {
-  const half2 one16 = as_h2(0x2c002c00u);
-  half2 d0 = __hsub2(as_h2(lop3_and_or(w, kLowMask, kMagic)), z.lo[0]);
-  half2 d1 = __hfma2(as_h2(lop3_and_or(w, kHighMask, kMagic)), one16, z.hi[0]);
-  out[0] = __hmul2_rn(d0, s[0]);
-  out[1] = __hmul2_rn(d1, s[1]);
+  dequant4<0>(w, z, s, out);
+  dequant4<1>(w, z, s, out + 2);
 }
 
 // ---- cp.async (sm_80+): global -> shared without a register round trip; src_bytes = 0 writes
@@ -107,21 +102,20 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Copy a [rows x words] tile of 32-bit words (row stride src_ld words, first word col0 of a
 // row of n_words) into shared memory with row stride dst_ld. Rows >= row_end and words >=
 // n_words are zero-filled. vec16: every row start is 16-byte aligned (n_words % 4 == 0), so
-// 16-byte copies are used; otherwise 4-byte ones. NTHREADS threads copy, numbered tid.
+// 16-byte copies are used; otherwise 4-byte ones.
 template <int ROWS, int WORDS, int NTHREADS>
 __device__ __forceinline__ void load_words(unsigned* dst, int dst_ld, const unsigned* src, int src_ld,
-                                           int row0, int row_end, int col0, int n_words, bool vec16,
-                                           int tid = threadIdx.x) {
+                                           int row0, int row_end, int col0, int n_words, bool vec16) {
   if (vec16) {
     constexpr int CH = WORDS / 4;
-    for (int i = tid; i < ROWS * CH; i += NTHREADS) {
+    for (int i = threadIdx.x; i < ROWS * CH; i += NTHREADS) {
       int r = i / CH, c = (i % CH) * 4;
       bool ok = (row0 + r < row_end) && (col0 + c < n_words);
       const unsigned* g = ok ? src + (size_t)(row0 + r) * src_ld + col0 + c : src;
       cp_async16(dst + r * dst_ld + c, g, ok);
     }
   } else {
-    for (int i = tid; i < ROWS * WORDS; i += NTHREADS) {
+    for (int i = threadIdx.x; i < ROWS * WORDS; i += NTHREADS) {
       int r = i / WORDS, c = i % WORDS;
       bool ok = (row0 + r < row_end) && (col0 + c < n_words);
       const unsigned* g = ok ? src + (size_t)(row0 + r) * src_ld + col0 + c : src;

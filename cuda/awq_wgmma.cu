@@ -7,14 +7,12 @@
 // computed transposed, y^T = W^T x^T: wgmma's M (64 rows per instruction) runs over output
 // columns n, its N over tokens m, so one instruction is 64 columns x T tokens x 16 k.
 //
-// Block: NWG consumer warpgroups, each owning 128 output columns (16 column words) x the block's
-// T tokens, and one producer warp that streams x, qweight, scales and zeros into D shared-memory
-// stages of 64 k rows (one 128-byte swizzle row of x).
+// Block: NWG warpgroups, each owning 128 output columns (16 column words) x the block's T
+// tokens; K walked in D shared-memory stages of 64 rows (one 128-byte swizzle row of x).
 //
 // Why the tricks:
-// * wgmma, not mma.sync: on the H100 the mma.sync kernels of this repository peak near
-//   170-300 TFLOP/s; wgmma issues a 64 x T x 16 product per instruction for a whole warpgroup,
-//   asynchronously, so the dequant of the next k-step runs while the tensor cores work.
+// * wgmma, not mma.sync: wgmma issues a 64 x T x 16 product per instruction for a whole
+//   warpgroup, asynchronously, so the dequant of the next k-step runs while the tensor cores work.
 // * The weight as A from registers: the fp16 weight never exists, not even in shared memory.
 //   A's fragment in warp w of a warpgroup is mma.sync's m16n8k16 A fragment: thread (g, t)
 //   (g = lane/4, t = lane%4) holds rows g and g + 8, k pairs (2t, 2t+1) and (2t+8, 2t+9). A row
@@ -24,19 +22,22 @@
 //   its half of the words of rows 2t, 2t+1, 2t+8, 2t+9 (LOP3 + exact q - z + one hmul2:
 //   bit-identical fp16 weights) and a byte permute turns column pairs into k pairs, as in
 //   awq_mma.cu. No repacked weight.
-// * T = 128 tokens per instruction (not 64 with all 8 columns of a word per thread): half the
-//   dequant work per MMA, and the accumulators (2 x 64 fp32) still fit beside the fragments.
-// * Warp specialisation: the producer warp alone computes addresses and issues cp.async; each
-//   stage has a "full" and an "empty" mbarrier, so consumers never meet at a block barrier. The
-//   producer waits for a stage's copies, fences them into the async proxy (wgmma reads shared
-//   memory through it) and arrives on "full"; consumers arrive on "empty" once the wgmma that
-//   read the stage have completed.
-// * Per k-step a warpgroup dequantises step i+1 while steps i-1 and i are in the tensor cores
-//   (wgmma.wait_group 1 comes after the dequant, not before it).
+// * T = 128 tokens per instruction (rather than 64 with all 8 columns of a word per thread):
+//   half the dequant work per MMA, and the 2 x 64 fp32 accumulators still fit.
+// * A stage's 16 weight words, scales and zeros of a thread are read from shared memory at
+//   once, so the per-k-step chain is dequant -> wgmma with no shared-memory latency in it.
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
 //   the layout the wgmma descriptor reads without bank conflicts; cp.async places the chunks.
+// * Pipeline: D stages filled by cp.async from every thread, one block barrier per stage. A
+//   warpgroup keeps at most 2 k-steps (wgmma groups) in flight, so a stage's buffer is free two
+//   barriers after its last use: loads run D - 2 stages ahead.
 // * Tails: rows past M or K and words past N/8 are zero-filled by cp.async (src size 0); a zero
 //   x row or column contributes 0, and stores are guarded.
+//
+// Measured on the H100 (bench/NOTES.md, session 7): ~390 TFLOP/s at M >= 1024, 0.4-0.58x of
+// cuBLAS fp16 and slower than dequant + cuBLAS, so dispatch does not choose it; path="wgmma"
+// runs it. (A warp-specialised version, producer warpgroup + mbarriers + setmaxnreg, measured
+// slower still: ~300 TFLOP/s.)
 //
 // Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
 // host (quantzoo/kernels/awq.py) never launches it there.
@@ -48,8 +49,7 @@ constexpr int BK = 64;  // k rows per stage
 
 template <int NWG, int T, int D>
 struct Cfg {
-  static constexpr int CONSUMERS = 128 * NWG;
-  static constexpr int THREADS = CONSUMERS + 128;         // + the producer warpgroup
+  static constexpr int THREADS = 128 * NWG;
   static constexpr int WORDS = 16 * NWG;                  // column words per block
   static constexpr int W_LD = WORDS + 4;                  // == 4 (mod 16): rows 2t in distinct banks
   static constexpr int X_BYTES = T * 128;                 // T tokens x 64 halves, swizzled
@@ -58,9 +58,9 @@ struct Cfg {
   static constexpr int Z_BYTES = 2 * WORDS * 4;
   static constexpr int STAGE = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
-  static_assert(T % 16 == 0 && T >= 16 && T <= 128, "tokens: a multiple of 16 (producer rows), wgmma N");
-  static_assert(NWG == 2, "setmaxnreg budget: 128 x 40 + 256 x 232 registers");
-  static_assert(D >= 3, "the producer signals a stage two stages behind its newest");
+  static_assert(T % 8 == 0 && T >= 8 && T <= 128, "wgmma N (tokens) is a multiple of 8");
+  static_assert(T * 8 % THREADS == 0, "x chunks per stage split evenly over the threads");
+  static_assert(D >= 3, "loads run D - 2 stages ahead");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -133,41 +133,15 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
 }
 
 
-// ---- mbarriers (shared-memory 64-bit barriers with a phase bit)
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
-}
-// arrive only where cond holds, without a branch (a branch between a warpgroup's wgmma makes
-// ptxas serialise them, warning C7513)
-__device__ __forceinline__ void mbar_arrive_if(unsigned bar, bool cond) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %1, 0;\n"
-      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
-      "}\n" :: "r"(bar), "r"((int)cond) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" :: "r"(bar), "r"(parity) : "memory");
-}
 #endif
 
 }  // namespace awqw
 
 // grid (ceil(M / T), ceil(N/8 / WORDS)): token tiles vary fastest, so the blocks that read the
-// same weights run together and share L2. Block 128 * NWG + 128 threads, dynamic shared memory
+// same weights run together and share L2. Block 128 * NWG threads, dynamic shared memory
 // awqw::Cfg<NWG, T, D>::SMEM bytes. K % 32 == 0 (K % G == 0, G >= 32).
 template <int NWG, int T, int D>
-__global__ void __launch_bounds__(128 * NWG + 128, 1)
+__global__ void __launch_bounds__(128 * NWG, 1)
 awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
                  const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                  half* __restrict__ y, int M, int K, int N, int G) {
@@ -176,105 +150,76 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   using C = awqw::Cfg<NWG, T, D>;
   constexpr int BK = awqw::BK;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ __align__(8) unsigned long long bars[2 * D];   // full[0..D), empty[D..2D)
   const unsigned base = (awq::smem_addr(smem_raw) + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - awq::smem_addr(smem_raw));
-  const unsigned full0 = awq::smem_addr(bars), empty0 = full0 + 8 * D;
 
   const int n8 = N / 8;
   const int tid = threadIdx.x;
-  // warp index through a shuffle: ptxas then knows it is warp-uniform, and the role branch below
-  // does not make it serialise the consumers' wgmma (warning C7520)
-  const int lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-  const int wg = warp >> 2;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.x * T;
   const int col0 = blockIdx.y * C::WORDS;
-  const int n_stages = (K + BK - 1) / BK;
-
-  if (tid == 0) {
-    for (int i = 0; i < D; ++i) {
-      awqw::mbar_init(full0 + 8 * i, 128);             // every producer thread
-      awqw::mbar_init(empty0 + 8 * i, C::CONSUMERS);   // every consumer thread
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-
-  // Registers: the block starts with 384 x 168; the producer warpgroup gives most of its share
-  // to the consumers (setmaxnreg), whose 2 x 64 accumulators and pipelined fragments need more.
-  if (wg == NWG) {
-    // ---------------- producer warpgroup
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    const int ptid = tid - C::CONSUMERS;
-    const int groups_per_stage = G < BK ? BK / G : 1;
-    const bool vec16 = (n8 % 4) == 0;
-    // x: thread copies chunk ptid % 8 of rows ptid / 8 + 16 i
-    const int xr = ptid >> 3, xc = ptid & 7;
-    const half* xsrc = x + (size_t)(m0 + xr) * K + 8 * xc;
-    auto load_stage = [&](int st) {
-      const int k0 = st * BK;
-      unsigned char* S0 = smem + (st % D) * C::STAGE;
-      const unsigned xs = awq::smem_addr(S0);
-      const bool kok = k0 + 8 * xc < K;
-#pragma unroll 1   // the producer runs on 40 registers: no unrolled address arithmetic
-      for (int i = 0; i < T / 16; ++i) {
-        const int r = xr + 16 * i;
-        const bool ok = kok && (m0 + r < M);
-        awq::cp_async16_at(xs + r * 128 + ((xc ^ (r & 7)) << 4), ok ? xsrc + (size_t)16 * i * K + k0 : x, ok);
-      }
-      awq::load_words<BK, C::WORDS, 128>(reinterpret_cast<unsigned*>(S0 + C::X_BYTES), C::W_LD, qweight, n8,
-                                         k0, K, col0, n8, vec16, ptid);
-      half* S = reinterpret_cast<half*>(S0 + C::X_BYTES + C::W_BYTES);
-      unsigned* Z = reinterpret_cast<unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
-      for (int i = ptid; i < groups_per_stage * C::WORDS; i += 128) {
-        const int gi = i / C::WORDS, cw = i % C::WORDS;
-        const int kg = k0 + gi * G;
-        const bool ok = (kg < K) && (col0 + cw < n8);
-        const int grp = kg / G;
-        awq::cp_async16(S + 8 * i, ok ? scales + (size_t)grp * N + 8 * (col0 + cw) : scales, ok);
-        awq::cp_async4(Z + i, ok ? qzeros + (size_t)grp * n8 + col0 + cw : qzeros, ok);
-      }
-    };
-    // stage st is signalled once stage st + LAG has been issued (its copies had that long to land)
-    constexpr int LAG = D - 2;
-    auto signal = [&](int st) {
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> async proxy
-      awqw::mbar_arrive(full0 + 8 * (st % D));
-    };
-    for (int st = 0; st < n_stages; ++st) {
-      if (st >= D) awqw::mbar_wait(empty0 + 8 * (st % D), ((st / D) - 1) & 1);
-      load_stage(st);
-      awq::cp_async_commit();
-      if (st >= LAG) {
-        awq::cp_async_wait<LAG>();
-        signal(st - LAG);
-      }
-    }
-    awq::cp_async_wait<0>();
-    for (int st = n_stages > LAG ? n_stages - LAG : 0; st < n_stages; ++st) signal(st);
-  } else {
-  // ---------------- consumer warpgroups
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int wq = warp & 3;
-  const int g = lane >> 2, t = lane & 3;
   // this thread's column word within the block, and which half of it: columns 4h .. 4h + 3
   const int c = 16 * wg + 8 * (wq & 1) + g;
   const int h = wq >> 1;
   const int sh = 8 * h;   // the high half's nibbles sit 8 bits higher (awq_common.cuh)
+  const int n_stages = (K + BK - 1) / BK;
+  const int groups_per_stage = G < BK ? BK / G : 1;
+  const bool vec16 = (n8 % 4) == 0;
+
+  // x: thread copies chunk tid % 8 of rows tid / 8 + (THREADS / 8) i
+  const int xr = tid >> 3, xc = tid & 7;
+  const half* xsrc = x + (size_t)(m0 + xr) * K + 8 * xc;
+  auto load_stage = [&](int st, int buf) {
+    const int k0 = st * BK;
+    unsigned char* S0 = smem + buf * C::STAGE;
+    const unsigned xs = awq::smem_addr(S0);
+    const bool kok = k0 + 8 * xc < K;
+#pragma unroll
+    for (int i = 0; i < T * 8 / C::THREADS; ++i) {
+      const int r = xr + (C::THREADS / 8) * i;
+      const bool ok = kok && (m0 + r < M);
+      awq::cp_async16_at(xs + r * 128 + ((xc ^ (r & 7)) << 4),
+                         ok ? xsrc + (size_t)(C::THREADS / 8) * i * K + k0 : x, ok);
+    }
+    awq::load_words<BK, C::WORDS, C::THREADS>(reinterpret_cast<unsigned*>(S0 + C::X_BYTES), C::W_LD,
+                                              qweight, n8, k0, K, col0, n8, vec16);
+    half* S = reinterpret_cast<half*>(S0 + C::X_BYTES + C::W_BYTES);
+    unsigned* Z = reinterpret_cast<unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
+    if (tid < groups_per_stage * C::WORDS) {
+      const int gi = tid / C::WORDS, cw = tid % C::WORDS;
+      const int kg = k0 + gi * G;
+      const bool ok = (kg < K) && (col0 + cw < n8);
+      const int grp = kg / G;
+      awq::cp_async16(S + 8 * tid, ok ? scales + (size_t)grp * N + 8 * (col0 + cw) : scales, ok);
+      awq::cp_async4(Z + tid, ok ? qzeros + (size_t)grp * n8 + col0 + cw : qzeros, ok);
+    }
+  };
 
   float acc[2][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
-  constexpr int INFLIGHT = 1;   // k-steps (wgmma groups) left in flight while the next is dequantised
 
+  constexpr int AHEAD = D - 2;   // stages loaded ahead of the one computed
+#pragma unroll
+  for (int st = 0; st < AHEAD; ++st) {
+    if (st < n_stages) load_stage(st, st);
+    awq::cp_async_commit();
+  }
   for (int st = 0; st < n_stages; ++st) {
-    const int buf = st % D;
-    awqw::mbar_wait(full0 + 8 * buf, (st / D) & 1);
-    unsigned char* S0 = smem + buf * C::STAGE;
+    awq::cp_async_wait<AHEAD - 1>();
+    // cp.async wrote through the generic proxy; wgmma reads through the async proxy
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if (st + AHEAD < n_stages) load_stage(st + AHEAD, (st + AHEAD) % D);
+    awq::cp_async_commit();
+
+    unsigned char* S0 = smem + (st % D) * C::STAGE;
     const unsigned long long desc = awqw::desc_sw128(awq::smem_addr(S0));
     const unsigned* Wc = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES) + c;
     const half* S = reinterpret_cast<const half*>(S0 + C::X_BYTES + C::W_BYTES);
     const unsigned* Z = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
-    // the stage's 16 weight words of this thread (rows 16 kk + 2t + {0, 1, 8, 9}), and both
-    // groups' scales and zeros, read at once: one shared-memory latency per stage, not per k-step
+    // the stage's 16 weight words of this thread (rows 16 kk + 2t + {0, 1, 8, 9}) and both
+    // groups' scales and zeros
     unsigned wv[BK / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
@@ -285,23 +230,22 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     const uint4 sv0 = *reinterpret_cast<const uint4*>(S + 8 * c);
     const uint4 sv1 = *reinterpret_cast<const uint4*>(S + 8 * (g2 * C::WORDS + c));
     const unsigned zw0 = Z[c], zw1 = Z[g2 * C::WORDS + c];
-    half2 s[4];
+    half2 s[2];
     awq::Zeros z;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      if (kk == 0 || kk == 2) {   // no branch on G: it would split the warpgroup's wgmma path
+      if (kk == 0 || kk == 2) {   // the second group's terms (the same as the first unless G == 32)
         const uint4 sv = kk == 0 ? sv0 : sv1;
         s[0] = awq::as_h2(h ? sv.z : sv.x);
         s[1] = awq::as_h2(h ? sv.w : sv.y);
         z = awq::make_zeros(kk == 0 ? zw0 : zw1);
         if (h) { z.lo[0] = z.lo[1]; z.hi[0] = z.hi[1]; }   // the high half's terms into slot 0
       }
-      awqw::wg_wait<INFLIGHT>();   // at most INFLIGHT + 1 k-steps in the tensor cores after the issue below
       half2 d0[2], d1[2], d2[2], d3[2];
-      awq::dequant4(wv[kk][0] >> sh, z, s, d0);
-      awq::dequant4(wv[kk][1] >> sh, z, s, d1);
-      awq::dequant4(wv[kk][2] >> sh, z, s, d2);
-      awq::dequant4(wv[kk][3] >> sh, z, s, d3);
+      awq::dequant4<0>(wv[kk][0] >> sh, z, s, d0);
+      awq::dequant4<0>(wv[kk][1] >> sh, z, s, d1);
+      awq::dequant4<0>(wv[kk][2] >> sh, z, s, d2);
+      awq::dequant4<0>(wv[kk][3] >> sh, z, s, d3);
       unsigned a[2][4];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -315,9 +259,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) awqw::pin(a[j][e]);
-      // at step INFLIGHT of stage st, step 3 of stage st - 1 is done: its buffer is free (the
-      // words read into wv above are in registers already)
-      if (kk == INFLIGHT) awqw::mbar_arrive_if(empty0 + 8 * ((st + D - 1) % D), st > 0);
+      awqw::wg_wait<1>();   // k-step i - 2 is done: at most i - 1 and i in flight after the issue
       awqw::wg_fence();
 #pragma unroll
       for (int j = 0; j < 2; ++j)   // desc + 2: 32 bytes further along k per k16
@@ -326,6 +268,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     }
   }
   awqw::wg_wait<0>();
+  awq::cp_async_wait<0>();
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -346,6 +289,5 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
         }
       }
   }
-  }   // consumer warpgroups
 #endif
 }

@@ -47,10 +47,11 @@ SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2,
               (1, 2, 8, 4, 0, 4), (1, 2, 8, 1, 1, 4),
               (2, 1, 4, 1, 0, 8), (2, 1, 8, 1, 0, 8), (2, 1, 4, 1, 1, 8))
 SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
-# Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = consumer warpgroups (128 columns
-# each), tokens per block, shared-memory stages
-WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (2, 64, 6), (2, 64, 8))
-WGMMA_DEFAULT = (2, 128, 6)
+# Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = warpgroups (128 columns each),
+# tokens per block, shared-memory stages. Never chosen by dispatch (slower than dequant + cuBLAS
+# at every M it could serve, bench/NOTES.md session 7); path="wgmma" runs it.
+WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6))
+WGMMA_DEFAULT = (2, 128, 5)
 SOURCES["awq_wgmma.cu"] = tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
@@ -479,7 +480,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
     kern = _kernel("awq_wgmma.cu", name)
     smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, (str(dev), name), smem)
-    _launch(kern, (-(-m // t), -(-(n // 8) // (16 * nwg))), (128 * nwg + 128,),
+    _launch(kern, (-(-m // t), -(-(n // 8) // (16 * nwg))), (128 * nwg,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              np.int32(m), np.int32(k), np.int32(n), np.int32(g)), smem)
 
