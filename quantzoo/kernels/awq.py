@@ -14,6 +14,9 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
     "mma"             cuda/awq_mma.cu    mma.sync m16n8k16, dequant in registers, any M; chosen
                                          up to MMA_MAX_M (MMA_MAX_M_BIG for N or K >= 8192)
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
+    "wgmma"           cuda/awq_wgmma.cu  Hopper (sm_90a) only: wgmma with the weight dequantised
+                                         in registers as operand A, any M; never chosen (slower
+                                         than dequant + cuBLAS, bench/NOTES.md session 7)
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
