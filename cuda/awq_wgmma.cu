@@ -68,7 +68,8 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // An empty asm that "writes" r: the compiler must compute r before it and may not move the
 // computation below a wgmma.fence (registers defined after the fence make ptxas serialise the
-// wgmma, warning C7513). Applied to the A fragments and the accumulators around each k-step.
+// wgmma, warning C7513). Applied to each k-step's A fragments before its fence, and to the
+// accumulators after the last wait (so the epilogue cannot read them earlier).
 __device__ __forceinline__ void pin(unsigned& r) { asm volatile("" : "+r"(r) :: "memory"); }
 __device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
 template <int N>
@@ -118,8 +119,6 @@ template <> struct Wgmma<128> {
 __device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
   return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
-
-
 #endif
 
 }  // namespace awqw
