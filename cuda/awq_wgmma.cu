@@ -22,7 +22,7 @@
 //   its half of the words of rows 2t, 2t+1, 2t+8, 2t+9 (LOP3 + exact q - z + one hmul2:
 //   bit-identical fp16 weights) and a byte permute turns column pairs into k pairs, as in
 //   awq_mma.cu. No repacked weight.
-// * T = 128 tokens per instruction (rather than 64 with all 8 columns of a word per thread):
+// * T = 128 tokens per instruction by default (rather than 64 with all 8 columns of a word per thread):
 //   half the dequant work per MMA, and the 2 x 64 fp32 accumulators still fit.
 // * A stage's 16 weight words, scales and zeros of a thread are read from shared memory at
 //   once, so the per-k-step chain is dequant -> wgmma with no shared-memory latency in it.
@@ -34,9 +34,9 @@
 // * Tails: rows past M or K and words past N/8 are zero-filled by cp.async (src size 0); a zero
 //   x row or column contributes 0, and stores are guarded.
 //
-// Measured on the H100 (bench/NOTES.md, session 7): ~390 TFLOP/s at M >= 1024, 0.4-0.58x of
-// cuBLAS fp16 and slower than dequant + cuBLAS, so dispatch does not choose it; path="wgmma"
-// runs it. (A warp-specialised version, producer warpgroup + mbarriers + setmaxnreg, measured
+// Measured on the H100 (bench/NOTES.md, session 7): 415-434 TFLOP/s at M >= 1024, 0.56-0.67x
+// of cuBLAS fp16 and slower than dequant + cuBLAS, so dispatch does not choose it; path="wgmma"
+// runs it. Latency-bound: one 8-warp block per SM (225 registers per thread at T = 128). (A warp-specialised version, producer warpgroup + mbarriers + setmaxnreg, measured
 // slower still: ~300 TFLOP/s.)
 //
 // Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
