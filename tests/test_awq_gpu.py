@@ -231,6 +231,7 @@ def test_qwen_shapes(k, n, m):
     rng = np.random.default_rng()
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
+    # above M = 16: the forced tensor-core paths and dispatch (None: mma or dequant + cuBLAS)
     for path in paths_for(m) if m <= 16 else [p for p in paths_for(m) if p != "dequant+cublas"] + [None]:
         check(run(x16, qtc, path), x16, qt, w16, str(path))
 
@@ -324,8 +325,7 @@ def test_cuda_graph_replay(m, monkeypatch):
     rng = np.random.default_rng()
     k, n = 4096, 1024
     _, qt, qtc, w16 = weight(k, n, 64)
-    paths = paths_for(m) if m <= 16 else [p for p in paths_for(m) if p != "gemv"]
-    for path in paths + (["slab"] if m > 16 else []):
+    for path in paths_for(m) + (["slab"] if m > 16 else []):
         if path == "slab":   # dequant+cublas in 4 column slabs
             monkeypatch.setattr(awq, "SLAB_BYTES", 1)
             path = "dequant+cublas"

@@ -27,6 +27,7 @@ ValueError naming the argument.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -461,16 +462,10 @@ def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     return d * (-(-stage // 1024) * 1024) + 1024
 
 
-_HOPPER: dict = {}
-
-
+@lru_cache(maxsize=None)
 def wgmma_available(dev) -> bool:
     """The wgmma kernel runs on compute capability 9.0 only (sm_90a instructions)."""
-    key = str(dev)
-    ok = _HOPPER.get(key)
-    if ok is None:
-        ok = _HOPPER[key] = torch.cuda.get_device_capability(dev) == (9, 0)
-    return ok
+    return torch.cuda.get_device_capability(dev) == (9, 0)
 
 
 def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
