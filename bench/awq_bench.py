@@ -83,7 +83,7 @@ def main(argv=None):
             t_cublas = time_graph([lambda w=w: torch.nn.functional.linear(x, w, out=None) for w in fw])
             paths = ((["gemv"] if m <= 8 else []) + (["small"] if m <= awq.SMALL_MAX_M else [])
                      + ["mma"] + (["dequant+cublas"] if m >= 16 else [])
-                     + (["wgmma"] if m >= 64 and awq.wgmma_available(x.device) else []))
+                     + (["wgmma"] if m > 16 and awq.wgmma_available(x.device) else []))
             times = {}
             for p in paths:
                 fns = [lambda w=w, p=p: awq.gemm(x, *w, G, out=y, path=p) for w in ws]
@@ -117,7 +117,7 @@ def main(argv=None):
                 for cfg in cfgs:
                     fns = [lambda w=w, c=cfg: awq._mma(x, w[0], w[1], w[2], y, m, k, n, G, cfg=c) for w in ws]
                     times["mma{}x{}o{}".format(*cfg)] = time_graph(fns)
-            chosen = awq.choose_path(m, awq._Shape(n, k))
+            chosen = awq.choose_path(m, awq._Shape(n, k), x.device)
             best = min((t, p) for p, t in times.items())
             t = times.get(chosen, float("nan"))
             tbs = qbytes / (t * 1e-6) / 1e12

@@ -22,8 +22,9 @@
 //   its half of the words of rows 2t, 2t+1, 2t+8, 2t+9 (LOP3 + exact q - z + one hmul2:
 //   bit-identical fp16 weights) and a byte permute turns column pairs into k pairs, as in
 //   awq_mma.cu. No repacked weight.
-// * T = 128 tokens per instruction by default (rather than 64 with all 8 columns of a word per thread):
-//   half the dequant work per MMA, and the 2 x 64 fp32 accumulators still fit.
+// * T = 32, 64 or 128 tokens per instruction, the narrowest that holds M (host: wgmma_config).
+//   Columns are split half a word per thread rather than all 8 columns of a word at T = 64:
+//   half the dequant work per MMA, and at T = 128 the 2 x 64 fp32 accumulators still fit.
 // * A stage's 16 weight words, scales and zeros of a thread are read from shared memory at
 //   once, so the per-k-step chain is dequant -> wgmma with no shared-memory latency in it.
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
@@ -33,11 +34,17 @@
 //   barriers after its last use: loads run D - 2 stages ahead.
 // * Tails: rows past M or K and words past N/8 are zero-filled by cp.async (src size 0); a zero
 //   x row or column contributes 0, and stores are guarded.
+// * Split K (gridDim.z): one block walks its K range at a fixed per-stage latency, so a grid of
+//   few tiles (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that
+//   the grid fills one wave of resident blocks; the fp32 partials meet in a workspace and the
+//   tile's last block adds them in split order (deterministic, one launch, graph-replayable).
 //
-// Measured on the H100 (bench/NOTES.md, session 7): 415-434 TFLOP/s at M >= 1024, 0.56-0.67x
-// of cuBLAS fp16 and slower than dequant + cuBLAS, so dispatch does not choose it; path="wgmma"
-// runs it. Latency-bound: one 8-warp block per SM (225 registers per thread at T = 128). (A warp-specialised version, producer warpgroup + mbarriers + setmaxnreg, measured
-// slower still: ~300 TFLOP/s.)
+// Measured on the H100 (bench/NOTES.md, sessions 7 and 8): 415-434 TFLOP/s at M >= 1024,
+// 0.56-0.67x of cuBLAS fp16 -- there dequant + cuBLAS is faster. With split K it is the fastest
+// AWQ path from M = 32 to 256 on the big weights (4096->12288 M = 128: 53.8 us against 91.0 for
+// mma.sync and 39.8 for cuBLAS fp16), which is where dispatch uses it. Latency-bound: one
+// 8-warp block per SM at T = 128 (212 registers per thread). (A warp-specialised version,
+// producer warpgroup + mbarriers + setmaxnreg, measured slower still: ~300 TFLOP/s.)
 //
 // Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
 // host (quantzoo/kernels/awq.py) never launches it there.
@@ -83,6 +90,18 @@ template <int T> struct Wgmma;
 #define QZ_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
                    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 
+template <> struct Wgmma<32> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n"
+        "}\n"
+        : QZ_ACC8(0), QZ_ACC8(8)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
 template <> struct Wgmma<64> {
   __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
     asm volatile(
@@ -123,14 +142,18 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
 
 }  // namespace awqw
 
-// grid (ceil(M / T), ceil(N/8 / WORDS)): token tiles vary fastest, so the blocks that read the
-// same weights run together and share L2. Block 128 * NWG threads, dynamic shared memory
-// awqw::Cfg<NWG, T, D>::SMEM bytes. K % 32 == 0 (K % G == 0, G >= 32).
+// grid (ceil(M / T), ceil(N/8 / WORDS), splits): token tiles vary fastest, so the blocks that
+// read the same weights run together and share L2; split z walks rows [z * rows_per_split,
+// (z + 1) * rows_per_split) of K (a multiple of BK; the host makes every split non-empty).
+// Block 128 * NWG threads, dynamic shared memory awqw::Cfg<NWG, T, D>::SMEM bytes.
+// K % 32 == 0 (K % G == 0, G >= 32). With splits > 1 the fp32 partials meet in ws
+// [splits][M][N] and the tile's last block sums them in split order (awq_common.cuh).
 template <int NWG, int T, int D>
 __global__ void __launch_bounds__(128 * NWG, 1)
 awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
                  const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
-                 half* __restrict__ y, int M, int K, int N, int G) {
+                 half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
+                 int M, int K, int N, int G, int rows_per_split) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = awqw::Cfg<NWG, T, D>;
@@ -150,7 +173,9 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int c = 16 * wg + 8 * (wq & 1) + g;
   const int h = wq >> 1;
   const int sh = 8 * h;   // the high half's nibbles sit 8 bits higher (awq_common.cuh)
-  const int n_stages = (K + BK - 1) / BK;
+  const int kb = blockIdx.z * rows_per_split;          // this split's rows [kb, ke)
+  const int ke = min(K, kb + rows_per_split);
+  const int n_stages = (ke - kb + BK - 1) / BK;
   const int groups_per_stage = G < BK ? BK / G : 1;
   const bool vec16 = (n8 % 4) == 0;
 
@@ -158,10 +183,10 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int xr = tid >> 3, xc = tid & 7;
   const half* xsrc = x + (size_t)(m0 + xr) * K + 8 * xc;
   auto load_stage = [&](int st, int buf) {
-    const int k0 = st * BK;
+    const int k0 = kb + st * BK;
     unsigned char* S0 = smem + buf * C::STAGE;
     const unsigned xs = awq::smem_addr(S0);
-    const bool kok = k0 + 8 * xc < K;
+    const bool kok = k0 + 8 * xc < ke;
 #pragma unroll
     for (int i = 0; i < T * 8 / C::THREADS; ++i) {
       const int r = xr + (C::THREADS / 8) * i;
@@ -170,13 +195,13 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
                          ok ? xsrc + (size_t)(C::THREADS / 8) * i * K + k0 : x, ok);
     }
     awq::load_words<BK, C::WORDS, C::THREADS>(reinterpret_cast<unsigned*>(S0 + C::X_BYTES), C::W_LD,
-                                              qweight, n8, k0, K, col0, n8, vec16);
+                                              qweight, n8, k0, ke, col0, n8, vec16);
     half* S = reinterpret_cast<half*>(S0 + C::X_BYTES + C::W_BYTES);
     unsigned* Z = reinterpret_cast<unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
     if (tid < groups_per_stage * C::WORDS) {
       const int gi = tid / C::WORDS, cw = tid % C::WORDS;
       const int kg = k0 + gi * G;
-      const bool ok = (kg < K) && (col0 + cw < n8);
+      const bool ok = (kg < ke) && (col0 + cw < n8);
       const int grp = kg / G;
       awq::cp_async16(S + 8 * tid, ok ? scales + (size_t)grp * N + 8 * (col0 + cw) : scales, ok);
       awq::cp_async4(Z + tid, ok ? qzeros + (size_t)grp * n8 + col0 + cw : qzeros, ok);
@@ -262,6 +287,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
 
   // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r, token m0 + 8i + 2t + e
   const int cg = col0 + c;
+  const int splits = gridDim.z;
   if (cg < n8) {
 #pragma unroll
     for (int i = 0; i < T / 8; ++i)
@@ -269,11 +295,27 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       for (int e = 0; e < 2; ++e) {
         const int m = m0 + 8 * i + 2 * t + e;
         if (m < M) {
-          const half2 p0 = __floats2half2_rn(acc[0][4 * i + e], acc[0][4 * i + 2 + e]);
-          const half2 p1 = __floats2half2_rn(acc[1][4 * i + e], acc[1][4 * i + 2 + e]);
-          *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
+          const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
+          const float v2 = acc[1][4 * i + e], v3 = acc[1][4 * i + 2 + e];
+          if (splits == 1) {
+            const half2 p0 = __floats2half2_rn(v0, v1), p1 = __floats2half2_rn(v2, v3);
+            *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
+          } else {
+            *reinterpret_cast<float4*>(ws + ((size_t)blockIdx.z * M + m) * N + 8 * cg + 4 * h) =
+                make_float4(v0, v1, v2, v3);
+          }
         }
       }
+  }
+  if (splits == 1) return;
+  __shared__ int last_flag;
+  if (!awq::last_block_of_tile(counters + blockIdx.y * gridDim.x + blockIdx.x, splits, &last_flag)) return;
+  for (int task = tid; task < T * C::WORDS; task += C::THREADS) {   // (token, column word)
+    const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
+    if (m >= M || cw >= n8) continue;
+    float v[8];
+    awq::sum8_partials(v, ws + (size_t)m * N + 8 * cw, (size_t)M * N, splits);
+    awq::store8_half(y + (size_t)m * N + 8 * cw, v);
   }
 #endif
 }

@@ -318,6 +318,28 @@ def test_dequant_cublas_slabs(k, n, g, m, monkeypatch):
     check(run(x16, qtc, "dequant+cublas"), x16, qt, w16, "slabs")
 
 
+@pytest.mark.parametrize("cfg", [(2, 128, 5), (2, 64, 6), (2, 32, 6), (1, 128, 6)], ids=str)
+@pytest.mark.parametrize("k,n,g,m,splits", [(608, 576, 32, 100, 2), (608, 576, 32, 33, 10),
+                                             (4096, 1024, 128, 130, 3), (1024, 200, 64, 7, 16),
+                                             (12288, 256, 128, 300, 5)], ids=str)
+def test_wgmma_split_k(k, n, g, m, splits, cfg):
+    """Split K across blocks (fp32 partials, the tile's last block sums them): uneven splits,
+    K not a multiple of the 64-row stage (608 = 9.5 stages), one stage per split, M and N tails."""
+    awq = awq_mod()
+    if not awq.wgmma_available(torch.device("cuda")):
+        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    rng = np.random.default_rng()
+    _, qt, qtc, w16 = weight(k, n, g, seed=splits)
+    x16 = rand_x(rng, m, k)
+    x = torch.from_numpy(x16).cuda()
+    d = qtc.data
+    for _ in range(2):   # the tile counters return to zero: a second call is as good as the first
+        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        awq._wgmma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, g, cfg=cfg, splits=splits)
+        torch.cuda.synchronize()
+        check(y, x16, qt, w16, f"wgmma {cfg} splits={splits}")
+
+
 @pytest.mark.parametrize("m", [1, 5, 16, 300])
 def test_cuda_graph_replay(m, monkeypatch):
     """A captured call replays correctly with new data in the static input (every path)."""
@@ -354,4 +376,4 @@ def test_choose_path_names():
     awq = awq_mod()
     _, _, qtc, _ = weight(4096, 1024, 128)
     for m in MS:
-        assert awq.choose_path(m, qtc) in ("gemv", "small", "mma", "dequant+cublas")
+        assert awq.choose_path(m, qtc) in ("gemv", "small", "mma", "dequant+cublas", "wgmma")

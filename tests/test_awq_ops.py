@@ -127,3 +127,19 @@ def test_small_dispatch_thresholds():
     assert [awq.choose_path(m, shape(12288, 4096)) for m in (1, 4, 5, 8, 9)] == ["small"] * 2 + ["mma"] * 3
     assert [awq.choose_path(m, shape(4096, 12288)) for m in (1, 8, 9, 16)] == ["small"] * 2 + ["mma"] * 2
     assert [awq.choose_path(m, shape(1024, 4096)) for m in (1, 8, 16, 17)] == ["small"] * 3 + ["mma"]
+
+
+def test_wgmma_dispatch_on_hopper_only(monkeypatch):
+    """wgmma takes 17 <= M <= 256 on weights of at least 6144 x 4096, and only where the device
+    is a Hopper GPU; elsewhere (or with no device) the rules above stand."""
+    shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
+    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (16, 17, 256, 257)] == \
+        ["mma", "wgmma", "wgmma", "dequant+cublas"]
+    assert awq.choose_path(128, shape(4096, 4096), cuda) == "dequant+cublas"   # too small a weight
+    assert awq.choose_path(128, shape(12288, 4096)) == "mma"                   # no device given
+    assert awq.choose_path(128, shape(12288, 4096), torch.device("cpu")) == "mma"
+    monkeypatch.setattr(awq, "wgmma_available", lambda dev: False)
+    assert awq.choose_path(128, shape(12288, 4096), cuda) == "mma"
+    assert [awq.wgmma_config(m)[1] for m in (17, 32, 33, 64, 65, 256)] == [32, 32, 64, 64, 128, 128]

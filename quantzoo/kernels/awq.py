@@ -15,8 +15,9 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          up to MMA_MAX_M (MMA_MAX_M_BIG for N or K >= 8192)
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
     "wgmma"           cuda/awq_wgmma.cu  Hopper (sm_90a) only: wgmma with the weight dequantised
-                                         in registers as operand A, any M; never chosen (slower
-                                         than dequant + cuBLAS, bench/NOTES.md session 7)
+                                         in registers as operand A, split K, any M; chosen on
+                                         Hopper for WGMMA_MIN_M <= M <= WGMMA_MAX_M and
+                                         N * K >= WGMMA_MIN_NK (bench/NOTES.md session 8)
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
@@ -52,10 +53,9 @@ SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2,
               (2, 1, 4, 1, 0, 8), (2, 1, 8, 1, 0, 8), (2, 1, 4, 1, 1, 8))
 SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
 # Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = warpgroups (128 columns each),
-# tokens per block, shared-memory stages. Never chosen by dispatch (slower than dequant + cuBLAS
-# at every M it could serve, bench/NOTES.md session 7); path="wgmma" runs it.
-WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6))
-WGMMA_DEFAULT = (2, 128, 5)
+# tokens per block, shared-memory stages. wgmma_config picks T by M; the others are for sweeps.
+WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6), (2, 32, 6))
+WGMMA_MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (fill and drain)
 SOURCES["awq_wgmma.cu"] = tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
@@ -66,6 +66,15 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # mma -> dequant+cublas crossover (bench runs 3 and 4): 4096->4096 and 4096->1024 at M ~ 96 (tie:
 # 29.3 vs 28.7 us, 13.9 vs 13.6 us), 4096->12288 at ~128 (90.0 vs 92.2 us), 12288->4096 between
 # 128 and 192 (80.0 vs 93.7; 125.1 vs 115.9 us).
+# wgmma with split K vs the best other path (session 8 sweep, .scratch-free summary in
+# bench/NOTES.md; us, H100): it wins from M = 32 to 256 on the big weights -- 4096->12288 M = 32
+# 26.2 vs 30.0 (mma), M = 128 53.8 vs 91.0, M = 256 76.2 vs 94.5 (dequant + cuBLAS); 12288->4096
+# M = 128 51.3 vs 78.5; 4096->24576 M = 128 77.1 vs 152 -- ties at M = 32 / 512 on some, loses at
+# M = 16 (mma 21.8 vs 24.0) and on 4096->4096 / 4096->1024 (too few tiles to hide its per-stage
+# latency: 4096->1024 M = 128 18.9 vs 13.4).
+WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M and N * K >= WGMMA_MIN_NK:
+WGMMA_MAX_M = 256       # wgmma (before the rules below)
+WGMMA_MIN_NK = 6144 * 4096
 GEMV_MAX_M = 0          # M <= this: gemv
 MMA_MAX_M = 96          # M <= this and not small: mma; above: dequant + cuBLAS ...
 MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
@@ -277,9 +286,16 @@ def _blocks_per_sm(kern, smem: int, threads: int = 128) -> int:
 
 
 # ------------------------------------------------------------------ public entry points
-def choose_path(m: int, qt=None) -> str:
-    """The path matmul takes for M rows of x and weight qt (thresholds measured on the H100)."""
+def choose_path(m: int, qt=None, dev=None) -> str:
+    """The path matmul takes for M rows of x and weight qt on device dev (default: qt's device;
+    thresholds measured on the H100)."""
     n, k = qt.shape if qt is not None else (4096, 4096)
+    if dev is None and qt is not None and isinstance(getattr(qt, "data", None), dict):
+        qw = qt.data.get("qweight")
+        dev = qw.device if isinstance(qw, torch.Tensor) else None
+    if (WGMMA_MIN_M <= m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK and dev is not None
+            and dev.type == "cuda" and wgmma_available(dev)):
+        return "wgmma"
     if m <= GEMV_MAX_M:
         return "gemv"
     if m <= 4 or (m <= 8 and n < SMALL_MMA_N) or (8 < m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
@@ -468,19 +484,35 @@ def wgmma_available(dev) -> bool:
     return torch.cuda.get_device_capability(dev) == (9, 0)
 
 
-def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
+def wgmma_config(m: int) -> tuple[int, int, int]:
+    """(NWG, T, D) of the wgmma kernel for M rows: the narrowest token tile that holds M up to
+    64, else 128 (session 8 sweep: T = 32 / 64 / 128 each fastest in its range)."""
+    return (2, 32, 6) if m <= 32 else (2, 64, 6) if m <= 64 else (2, 128, 5)
+
+
+def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     dev = x2.device
     if not wgmma_available(dev):
         raise ValueError(f"path: 'wgmma' needs a compute capability 9.0 GPU (Hopper), "
                          f"{torch.cuda.get_device_name(dev)} is {torch.cuda.get_device_capability(dev)}")
-    nwg, t, d = cfg or WGMMA_DEFAULT
+    nwg, t, d = cfg or wgmma_config(m)
     name = f"awq_wgmma_kernel<{nwg}, {t}, {d}>"
     kern = _kernel("awq_wgmma.cu", name)
     smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, (str(dev), name), smem)
-    _launch(kern, (-(-m // t), -(-(n // 8) // (16 * nwg))), (128 * nwg,),
+    tiles_m, tiles_n = -(-m // t), -(-(n // 8) // (16 * nwg))
+    stages = -(-k // 64)
+    if splits is None:   # as many splits as fit in one wave of resident blocks
+        slots = _blocks_per_sm(kern, smem, 128 * nwg) * _sm_count(dev)
+        splits = max(1, min(slots // (tiles_m * tiles_n), stages // WGMMA_MIN_STAGES))
+    per = 64 * -(-stages // splits)   # whole 64-row stages, every split non-empty
+    splits = -(-k // per)
+    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
+    ctr = _buffer(dev, "ctr", max(tiles_m * tiles_n, 4096), torch.int32, zero=True)
+    _launch(kern, (tiles_m, tiles_n, splits), (128 * nwg,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
-             np.int32(m), np.int32(k), np.int32(n), np.int32(g)), smem)
+             ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
+             np.int32(per)), smem)
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,
@@ -506,7 +538,7 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path):
         raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if m == 0:
         return out
-    path = path or choose_path(m, _Shape(n, k))
+    path = path or choose_path(m, _Shape(n, k), x.device)
     if path == "gemv" and m > max(GEMV_MS):
         raise ValueError(f"path: 'gemv' takes M <= {max(GEMV_MS)}, got M={m}")
     if path == "small" and m > SMALL_MAX_M:
