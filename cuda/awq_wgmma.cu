@@ -29,9 +29,12 @@
 //   once, so the per-k-step chain is dequant -> wgmma with no shared-memory latency in it.
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
 //   the layout the wgmma descriptor reads without bank conflicts; cp.async places the chunks.
-// * Pipeline: D stages filled by cp.async from every thread, one block barrier per stage. A
-//   warpgroup keeps at most 2 k-steps (wgmma groups) in flight, so a stage's buffer is free two
-//   barriers after its last use: loads run D - 2 stages ahead.
+// * Pipeline: D stages filled by cp.async from every thread, one block barrier per stage; each
+//   thread's copy addresses are worked out once, so a stage's copies cost a few instructions. A
+//   warpgroup keeps at most 3 k-steps (wgmma groups, 4 per stage) in flight, so every wgmma of
+//   stage s - 2 is done when a warpgroup reaches the barrier of stage s: loads run D - 2 stages
+//   ahead, into the buffer of stage s - 2. (Issuing the copies after the stage's first wgmma
+//   instead, to hide them behind it, makes ptxas serialise the wgmma: warning C7513.)
 // * Tails: rows past M or K and words past N/8 are zero-filled by cp.async (src size 0); a zero
 //   x row or column contributes 0, and stores are guarded.
 // * Split K (gridDim.z): one block walks its K range at a fixed per-stage latency, so a grid of
@@ -179,29 +182,49 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int groups_per_stage = G < BK ? BK / G : 1;
   const bool vec16 = (n8 % 4) == 0;
 
-  // x: thread copies chunk tid % 8 of rows tid / 8 + (THREADS / 8) i
+  // Copy plan, worked out once (a stage only moves the sources by k0 rows): thread tid copies
+  // x chunk xc = tid % 8 of rows xr + XSTEP i and weight chunk wc (4 words) of rows wr + WSTEP j.
+  // Rows past M, K or the split and words past N/8 are zero-filled (src size 0).
+  constexpr int XSTEP = C::THREADS / 8, XCH = T * 8 / C::THREADS;
+  constexpr int WCPR = C::WORDS / 4, WSTEP = C::THREADS / WCPR, WCH = BK / WSTEP;
+  static_assert(C::THREADS % WCPR == 0 && BK % WSTEP == 0, "weight chunks split evenly");
   const int xr = tid >> 3, xc = tid & 7;
-  const half* xsrc = x + (size_t)(m0 + xr) * K + 8 * xc;
+  const half* xsrc = x + (size_t)min(m0 + xr, M - 1) * K + 8 * xc;
+  const unsigned x_dst = xr * 128 + ((xc ^ (xr & 7)) << 4);   // + XSTEP * 128 * i (XSTEP % 8 == 0)
+  unsigned x_rows = 0;                                        // bit i: row xr + XSTEP i < M
+#pragma unroll
+  for (int i = 0; i < XCH; ++i) x_rows |= (m0 + xr + XSTEP * i < M) << i;
+  const int wr = tid / WCPR, wc = 4 * (tid % WCPR);
+  const bool w_col = col0 + wc < n8;
+  const unsigned* wsrc = qweight + (size_t)wr * n8 + col0 + (w_col ? wc : 0);
+  const unsigned w_dst = C::X_BYTES + 4 * (wr * C::W_LD + wc);   // + WSTEP * W_LD * 4 * j
   auto load_stage = [&](int st, int buf) {
     const int k0 = kb + st * BK;
-    unsigned char* S0 = smem + buf * C::STAGE;
-    const unsigned xs = awq::smem_addr(S0);
-    const bool kok = k0 + 8 * xc < ke;
+    const bool live = st < n_stages;   // past the split: zero-fill a free buffer, no branch
+    const unsigned S0 = base + buf * C::STAGE;
+    const bool kok = live && k0 + 8 * xc < ke;
 #pragma unroll
-    for (int i = 0; i < T * 8 / C::THREADS; ++i) {
-      const int r = xr + (C::THREADS / 8) * i;
-      const bool ok = kok && (m0 + r < M);
-      awq::cp_async16_at(xs + r * 128 + ((xc ^ (r & 7)) << 4),
-                         ok ? xsrc + (size_t)(C::THREADS / 8) * i * K + k0 : x, ok);
+    for (int i = 0; i < XCH; ++i) {
+      const bool ok = kok && ((x_rows >> i) & 1);
+      awq::cp_async16_at(S0 + x_dst + XSTEP * 128 * i, ok ? xsrc + (size_t)XSTEP * i * K + k0 : x, ok);
     }
-    awq::load_words<BK, C::WORDS, C::THREADS>(reinterpret_cast<unsigned*>(S0 + C::X_BYTES), C::W_LD,
-                                              qweight, n8, k0, ke, col0, n8, vec16);
-    half* S = reinterpret_cast<half*>(S0 + C::X_BYTES + C::W_BYTES);
-    unsigned* Z = reinterpret_cast<unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
+    if (vec16) {
+#pragma unroll
+      for (int j = 0; j < WCH; ++j) {
+        const bool ok = live && w_col && k0 + wr + WSTEP * j < ke;
+        awq::cp_async16_at(S0 + w_dst + WSTEP * C::W_LD * 4 * j,
+                           ok ? wsrc + (size_t)(k0 + WSTEP * j) * n8 : qweight, ok);
+      }
+    } else {   // N/8 % 4 != 0: rows are not 16-byte aligned, 4-byte copies
+      awq::load_words<BK, C::WORDS, C::THREADS>(reinterpret_cast<unsigned*>(smem + buf * C::STAGE + C::X_BYTES),
+                                                C::W_LD, qweight, n8, k0, live ? ke : k0, col0, n8, false);
+    }
     if (tid < groups_per_stage * C::WORDS) {
+      half* S = reinterpret_cast<half*>(smem + buf * C::STAGE + C::X_BYTES + C::W_BYTES);
+      unsigned* Z = reinterpret_cast<unsigned*>(smem + buf * C::STAGE + C::X_BYTES + C::W_BYTES + C::S_BYTES);
       const int gi = tid / C::WORDS, cw = tid % C::WORDS;
       const int kg = k0 + gi * G;
-      const bool ok = (kg < ke) && (col0 + cw < n8);
+      const bool ok = live && (kg < ke) && (col0 + cw < n8);
       const int grp = kg / G;
       awq::cp_async16(S + 8 * tid, ok ? scales + (size_t)grp * N + 8 * (col0 + cw) : scales, ok);
       awq::cp_async4(Z + tid, ok ? qzeros + (size_t)grp * n8 + col0 + cw : qzeros, ok);
@@ -213,7 +236,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   constexpr int AHEAD = D - 2;   // stages loaded ahead of the one computed
 #pragma unroll
   for (int st = 0; st < AHEAD; ++st) {
-    if (st < n_stages) load_stage(st, st);
+    load_stage(st, st);
     awq::cp_async_commit();
   }
   for (int st = 0; st < n_stages; ++st) {
@@ -221,7 +244,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     // cp.async wrote through the generic proxy; wgmma reads through the async proxy
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    if (st + AHEAD < n_stages) load_stage(st + AHEAD, (st + AHEAD) % D);
+    load_stage(st + AHEAD, (st + AHEAD) % D);
     awq::cp_async_commit();
 
     unsigned char* S0 = smem + (st % D) * C::STAGE;
@@ -270,7 +293,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) awqw::pin(a[j][e]);
-      awqw::wg_wait<1>();   // k-step i - 2 is done: at most i - 1 and i in flight after the issue
+      awqw::wg_wait<2>();   // k-step i - 3 is done: at most i - 2, i - 1 and i in flight after the issue
       awqw::wg_fence();
 #pragma unroll
       for (int j = 0; j < 2; ++j)   // desc + 2: 32 bytes further along k per k16
