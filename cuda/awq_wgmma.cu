@@ -175,7 +175,6 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   // this thread's column word within the block, and which half of it: columns 4h .. 4h + 3
   const int c = 16 * wg + 8 * (wq & 1) + g;
   const int h = wq >> 1;
-  const int sh = 8 * h;   // the high half's nibbles sit 8 bits higher (awq_common.cuh)
   const int kb = blockIdx.z * rows_per_split;          // this split's rows [kb, ke)
   const int ke = min(K, kb + rows_per_split);
   const int n_stages = (ke - kb + BK - 1) / BK;
@@ -264,31 +263,37 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     const uint4 sv0 = *reinterpret_cast<const uint4*>(S + 8 * c);
     const uint4 sv1 = *reinterpret_cast<const uint4*>(S + 8 * (g2 * C::WORDS + c));
     const unsigned zw0 = Z[c], zw1 = Z[g2 * C::WORDS + c];
-    half2 s[2];
-    awq::Zeros z;
+    // per column 4h + i of this thread, both lanes: its scale, and its zero term -- 1024 + z for
+    // the low-mask columns 4h, 4h + 1, -(64 + z) for the high-mask ones 4h + 2, 4h + 3
+    half2 sc[4], zc[4];
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       if (kk == 0 || kk == 2) {   // the second group's terms (the same as the first unless G == 32)
         const uint4 sv = kk == 0 ? sv0 : sv1;
-        s[0] = awq::as_h2(h ? sv.z : sv.x);
-        s[1] = awq::as_h2(h ? sv.w : sv.y);
-        z = awq::make_zeros(kk == 0 ? zw0 : zw1);
-        if (h) { z.lo[0] = z.lo[1]; z.hi[0] = z.hi[1]; }   // the high half's terms into slot 0
+        const half2 s01 = awq::as_h2(h ? sv.z : sv.x), s23 = awq::as_h2(h ? sv.w : sv.y);
+        const awq::Zeros z = awq::make_zeros(kk == 0 ? zw0 : zw1);
+        const half2 zlo = h ? z.lo[1] : z.lo[0], zhi = h ? z.hi[1] : z.hi[0];
+        sc[0] = __low2half2(s01); sc[1] = __high2half2(s01); sc[2] = __low2half2(s23); sc[3] = __high2half2(s23);
+        zc[0] = __low2half2(zlo); zc[1] = __high2half2(zlo); zc[2] = __low2half2(zhi); zc[3] = __high2half2(zhi);
       }
-      half2 d0[2], d1[2], d2[2], d3[2];
-      awq::dequant4<0>(wv[kk][0] >> sh, z, s, d0);
-      awq::dequant4<0>(wv[kk][1] >> sh, z, s, d1);
-      awq::dequant4<0>(wv[kk][2] >> sh, z, s, d2);
-      awq::dequant4<0>(wv[kk][3] >> sh, z, s, d3);
-      unsigned a[2][4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        // instruction j: row g = column 4h + 2j, row g + 8 = column 4h + 2j + 1
-        a[j][0] = __byte_perm(awq::as_u32(d0[j]), awq::as_u32(d1[j]), 0x5410);   // row g,   k 2t..
-        a[j][1] = __byte_perm(awq::as_u32(d0[j]), awq::as_u32(d1[j]), 0x7632);   // row g+8, k 2t..
-        a[j][2] = __byte_perm(awq::as_u32(d2[j]), awq::as_u32(d3[j]), 0x5410);   // row g,   k 2t+8..
-        a[j][3] = __byte_perm(awq::as_u32(d2[j]), awq::as_u32(d3[j]), 0x7632);   // row g+8, k 2t+8..
-      }
+      // k pairs first: byte h and byte h + 2 of rows k and k + 1 -> [k.bh, k.bh2, k1.bh, k1.bh2],
+      // so each mask below picks one column's nibble in rows k (low lane) and k + 1 (high lane):
+      // low nibbles of bytes 0 / 2 are columns 4h / 4h + 1, high nibbles 4h + 2 / 4h + 3.
+      const unsigned sel = 0x6420u + 0x1111u * h;
+      const unsigned p0 = __byte_perm(wv[kk][0], wv[kk][1], sel);   // rows 2t, 2t + 1
+      const unsigned p8 = __byte_perm(wv[kk][2], wv[kk][3], sel);   // rows 2t + 8, 2t + 9
+      const unsigned q0 = p0 >> 8, q8 = p8 >> 8;
+      const half2 one16 = awq::as_h2(0x2c002c00u);
+      auto lo = [&](unsigned p, int i) {   // (q - z) * s of a low-mask column, exact then one rounding
+        return awq::as_u32(__hmul2_rn(__hsub2(awq::as_h2(awq::lop3_and_or(p, awq::kLowMask, awq::kMagic)), zc[i]), sc[i]));
+      };
+      auto hi = [&](unsigned p, int i) {
+        return awq::as_u32(__hmul2_rn(__hfma2(awq::as_h2(awq::lop3_and_or(p, awq::kHighMask, awq::kMagic)), one16, zc[i]), sc[i]));
+      };
+      // instruction j: row g = column 4h + 2j, row g + 8 = column 4h + 2j + 1; registers 0, 1 at
+      // k 2t.., 2, 3 at k 2t + 8..
+      unsigned a[2][4] = {{lo(p0, 0), lo(q0, 1), lo(p8, 0), lo(q8, 1)},
+                          {hi(p0, 2), hi(q0, 3), hi(p8, 2), hi(q8, 3)}};
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
