@@ -135,8 +135,12 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
-    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (16, 17, 256, 257)] == \
-        ["mma", "wgmma", "wgmma", "dequant+cublas"]
+    monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
+    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (16, 17, 256, 257, 512)] == \
+        ["mma", "wgmma", "wgmma", "dequant+cublas", "dequant+cublas"]   # 512: 192 blocks, 2 waves
+    # M = 512 where the grid fills its waves: 4096->24576 (384 blocks), 12288->4096 (64 x 2 splits)
+    assert [awq.choose_path(512, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288))] == ["wgmma"] * 2
+    assert awq.choose_path(513, shape(24576, 4096), cuda) == "dequant+cublas"
     assert awq.choose_path(128, shape(4096, 4096), cuda) == "dequant+cublas"   # too small a weight
     assert awq.choose_path(128, shape(12288, 4096)) == "mma"                   # no device given
     assert awq.choose_path(128, shape(12288, 4096), torch.device("cpu")) == "mma"

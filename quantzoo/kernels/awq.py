@@ -16,8 +16,9 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
     "wgmma"           cuda/awq_wgmma.cu  Hopper (sm_90a) only: wgmma with the weight dequantised
                                          in registers as operand A, split K, any M; chosen on
-                                         Hopper for WGMMA_MIN_M <= M <= WGMMA_MAX_M and
-                                         N * K >= WGMMA_MIN_NK (bench/NOTES.md session 8)
+                                         Hopper for 17 <= M <= 256 and N * K >= WGMMA_MIN_NK,
+                                         and up to 512 where its grid fills whole waves
+                                         (bench/NOTES.md session 8)
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
@@ -72,8 +73,13 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # M = 128 51.3 vs 78.5; 4096->24576 M = 128 77.1 vs 152 -- ties at M = 32 / 512 on some, loses at
 # M = 16 (mma 21.8 vs 24.0) and on 4096->4096 / 4096->1024 (too few tiles to hide its per-stage
 # latency: 4096->1024 M = 128 18.9 vs 13.4).
+# At M = 512 it wins only where its grid fills whole waves (12288->4096: 118.4 vs 124.1 us, 128
+# blocks on 132 SMs; 4096->24576: 218.0 vs 248.6, 384 blocks = 3 waves) and loses where the last
+# wave is 3/4 empty (4096->12288: 136.7 vs 123.0, 192 blocks; 4096->6144: 70.2 vs 61.6, 96).
 WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M and N * K >= WGMMA_MIN_NK:
-WGMMA_MAX_M = 256       # wgmma (before the rules below)
+WGMMA_MAX_M = 256       # wgmma (before the rules below); up to WGMMA_MAX_M_FULL too if the
+WGMMA_MAX_M_FULL = 512  # grid's last wave is at least WGMMA_MIN_FILL full (wgmma_plan)
+WGMMA_MIN_FILL = 0.9
 WGMMA_MIN_NK = 6144 * 4096
 GEMV_MAX_M = 0          # M <= this: gemv
 MMA_MAX_M = 96          # M <= this and not small: mma; above: dequant + cuBLAS ...
@@ -293,8 +299,10 @@ def choose_path(m: int, qt=None, dev=None) -> str:
     if dev is None and qt is not None and isinstance(getattr(qt, "data", None), dict):
         qw = qt.data.get("qweight")
         dev = qw.device if isinstance(qw, torch.Tensor) else None
-    if (WGMMA_MIN_M <= m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK and dev is not None
-            and dev.type == "cuda" and wgmma_available(dev)):
+    if (WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and n * k >= WGMMA_MIN_NK and dev is not None
+            and dev.type == "cuda" and wgmma_available(dev)
+            and (m <= WGMMA_MAX_M or wgmma_plan(m, n, k, WGMMA_BLOCKS_PER_SM[wgmma_config(m)[1]]
+                                                * _sm_count(dev))[1] >= WGMMA_MIN_FILL)):
         return "wgmma"
     if m <= GEMV_MAX_M:
         return "gemv"
@@ -490,6 +498,22 @@ def wgmma_config(m: int) -> tuple[int, int, int]:
     return (2, 32, 6) if m <= 32 else (2, 64, 6) if m <= 64 else (2, 128, 5)
 
 
+# resident blocks per SM by T, for dispatch (which compiles nothing): 256 threads at ptxas's
+# 117 / 147 / 215 registers (CUDA 13, sm_90a); the launch itself asks the compiled kernel.
+WGMMA_BLOCKS_PER_SM = {32: 2, 64: 1, 128: 1}
+
+
+def wgmma_plan(m: int, n: int, k: int, slots: int, cfg=None) -> tuple[int, float]:
+    """(K splits, wave fill) of a wgmma launch on a GPU that holds `slots` of its blocks at once:
+    as many splits as fit in one wave (never below WGMMA_MIN_STAGES stages per split), and the
+    fraction of the last wave's slots the grid fills (1.0 = whole waves)."""
+    nwg, t, _ = cfg or wgmma_config(m)
+    tiles = -(-m // t) * -(-(n // 8) // (16 * nwg))
+    splits = max(1, min(slots // tiles, -(-k // 64) // WGMMA_MIN_STAGES))
+    blocks = tiles * splits
+    return splits, blocks / (-(-blocks // slots) * slots)
+
+
 def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     dev = x2.device
     if not wgmma_available(dev):
@@ -502,9 +526,9 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     _set_smem(kern, (str(dev), name), smem)
     tiles_m, tiles_n = -(-m // t), -(-(n // 8) // (16 * nwg))
     stages = -(-k // 64)
-    if splits is None:   # as many splits as fit in one wave of resident blocks
+    if splits is None:
         slots = _blocks_per_sm(kern, smem, 128 * nwg) * _sm_count(dev)
-        splits = max(1, min(slots // (tiles_m * tiles_n), stages // WGMMA_MIN_STAGES))
+        splits = wgmma_plan(m, n, k, slots, (nwg, t, d))[0]
     per = 64 * -(-stages // splits)   # whole 64-row stages, every split non-empty
     splits = -(-k // per)
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
