@@ -7,8 +7,9 @@
 // computed transposed, y^T = W^T x^T: wgmma's M (64 rows per instruction) runs over output
 // columns n, its N over tokens m, so one instruction is 64 columns x T tokens x 16 k.
 //
-// Block: NWG warpgroups, each owning 128 output columns (16 column words) x the block's T
-// tokens; K walked in D shared-memory stages of 64 rows (one 128-byte swizzle row of x).
+// Block: NWG warpgroups, each owning 128 output columns (16 column words; 64 columns at T = 256)
+// x the block's T tokens; K walked in D shared-memory stages of 64 rows (one 128-byte swizzle
+// row of x).
 //
 // Why the tricks:
 // * wgmma, not mma.sync: wgmma issues a 64 x T x 16 product per instruction for a whole
@@ -18,13 +19,15 @@
 //   (g = lane/4, t = lane%4) holds rows g and g + 8, k pairs (2t, 2t+1) and (2t+8, 2t+9). A row
 //   index is free to mean any output column, so the 4 rows a thread holds across the 2
 //   instructions of a k-step (j = 0, 1; rows g and g + 8) stand for 4 columns of ONE packed word:
-//   warps w and w + 2 take the low and high half of the same 8 words. Each thread dequantises
-//   its half of the words of rows 2t, 2t+1, 2t+8, 2t+9 (LOP3 + exact q - z + one hmul2:
-//   bit-identical fp16 weights) and a byte permute turns column pairs into k pairs, as in
-//   awq_mma.cu. No repacked weight.
-// * T = 32, 64 or 128 tokens per instruction, the narrowest that holds M (host: wgmma_config).
-//   Columns are split half a word per thread rather than all 8 columns of a word at T = 64:
-//   half the dequant work per MMA, and at T = 128 the 2 x 64 fp32 accumulators still fit.
+//   warps w and w + 2 take the low and high half of the same 8 words. A byte permute of the
+//   words of rows k and k + 1 first puts both rows' nibbles of a column 16 bits apart, so each
+//   LOP3 yields a k pair of one column; then exact q - z and one hmul2 (bit-identical fp16
+//   weights). No repacked weight.
+// * T = 32, 64, 128 or 256 tokens per instruction, the narrowest that holds M up to 128
+//   (host: wgmma_config). Up to T = 128 a warpgroup issues 2 instructions per k-step (j), each
+//   thread dequantising half a word; at T = 256 the 64 x 256 fp32 accumulators allow only one
+//   (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a word (warp w: columns
+//   4h + 2 j0, +1 with h = w / 2, j0 = w % 2) -- half the dequant per MMA again.
 // * A stage's 16 weight words, scales and zeros of a thread are read from shared memory at
 //   once, so the per-k-step chain is dequant -> wgmma with no shared-memory latency in it.
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
@@ -42,12 +45,13 @@
 //   the grid fills one wave of resident blocks; the fp32 partials meet in a workspace and the
 //   tile's last block adds them in split order (deterministic, one launch, graph-replayable).
 //
-// Measured on the H100 (bench/NOTES.md, sessions 7 and 8): 415-434 TFLOP/s at M >= 1024,
-// 0.56-0.67x of cuBLAS fp16 -- there dequant + cuBLAS is faster. With split K it is the fastest
-// AWQ path from M = 32 to 256 on the big weights (4096->12288 M = 128: 53.8 us against 91.0 for
-// mma.sync and 39.8 for cuBLAS fp16), which is where dispatch uses it. Latency-bound: one
-// 8-warp block per SM at T = 128 (212 registers per thread). (A warp-specialised version,
-// producer warpgroup + mbarriers + setmaxnreg, measured slower still: ~300 TFLOP/s.)
+// Measured on the H100 (bench/NOTES.md, sessions 7 and 8): 460-540 TFLOP/s at M >= 1024,
+// 0.7-0.83x of cuBLAS fp16 -- there dequant + cuBLAS is as fast or faster. With split K it is
+// the fastest AWQ path from M = 32 to 256 on the big weights, and at M = 512 where its grid
+// fills whole waves (4096->12288 M = 128: 48.5 us against 91.0 for mma.sync and 39.2 for cuBLAS
+// fp16), which is where dispatch uses it. Latency-bound: one 8-warp block per SM (200-215
+// registers per thread at T >= 128). (Tried and slower: a producer warpgroup + mbarriers +
+// setmaxnreg, ~300 TFLOP/s; T = 64 at 2 blocks per SM, 128 registers, 10-30 % slower.)
 //
 // Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
 // host (quantzoo/kernels/awq.py) never launches it there.
@@ -60,7 +64,8 @@ constexpr int BK = 64;  // k rows per stage
 template <int NWG, int T, int D>
 struct Cfg {
   static constexpr int THREADS = 128 * NWG;
-  static constexpr int WORDS = 16 * NWG;                  // column words per block
+  static constexpr int JN = T == 256 ? 1 : 2;              // wgmma instructions (64 columns) per k-step
+  static constexpr int WORDS = 8 * JN * NWG;              // column words per block
   static constexpr int W_LD = WORDS + 4;                  // == 4 (mod 16): rows 2t in distinct banks
   static constexpr int X_BYTES = T * 128;                 // T tokens x 64 halves, swizzled
   static constexpr int W_BYTES = BK * W_LD * 4;
@@ -68,7 +73,7 @@ struct Cfg {
   static constexpr int Z_BYTES = 2 * WORDS * 4;
   static constexpr int STAGE = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
-  static_assert(T % 8 == 0 && T >= 8 && T <= 128, "wgmma N (tokens) is a multiple of 8");
+  static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(T * 8 % THREADS == 0, "x chunks per stage split evenly over the threads");
   static_assert(D >= 3, "loads run D - 2 stages ahead");
 };
@@ -133,6 +138,26 @@ template <> struct Wgmma<128> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   }
 };
+template <> struct Wgmma<256> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n"
+        "}\n"
+        : QZ_ACC8(0), QZ_ACC8(8), QZ_ACC8(16), QZ_ACC8(24), QZ_ACC8(32), QZ_ACC8(40), QZ_ACC8(48), QZ_ACC8(56),
+          QZ_ACC8(64), QZ_ACC8(72), QZ_ACC8(80), QZ_ACC8(88), QZ_ACC8(96), QZ_ACC8(104), QZ_ACC8(112), QZ_ACC8(120)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
 #undef QZ_ACC8
 
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address
@@ -173,8 +198,14 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int m0 = blockIdx.x * T;
   const int col0 = blockIdx.y * C::WORDS;
   // this thread's column word within the block, and which half of it: columns 4h .. 4h + 3
-  const int c = 16 * wg + 8 * (wq & 1) + g;
+  // this thread's column word within the block and its columns in it: JN = 2 -> the 4 columns
+  // 4h .. 4h + 3 (instruction j takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1
+  constexpr int JN = C::JN;
+  const int c = JN == 2 ? 16 * wg + 8 * (wq & 1) + g : 8 * wg + g;
   const int h = wq >> 1;
+  const int j0 = JN == 2 ? 0 : wq & 1;
+  const unsigned j_mask = j0 ? awq::kHighMask : awq::kLowMask;                 // JN = 1 only
+  const half2 j_mul = awq::as_h2(j0 ? 0x2c002c00u : 0x3c003c00u);              // 1/16 or 1
   const int kb = blockIdx.z * rows_per_split;          // this split's rows [kb, ke)
   const int ke = min(K, kb + rows_per_split);
   const int n_stages = (ke - kb + BK - 1) / BK;
@@ -230,7 +261,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     }
   };
 
-  float acc[2][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
+  float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
 
   constexpr int AHEAD = D - 2;   // stages loaded ahead of the one computed
 #pragma unroll
@@ -273,8 +304,13 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
         const half2 s01 = awq::as_h2(h ? sv.z : sv.x), s23 = awq::as_h2(h ? sv.w : sv.y);
         const awq::Zeros z = awq::make_zeros(kk == 0 ? zw0 : zw1);
         const half2 zlo = h ? z.lo[1] : z.lo[0], zhi = h ? z.hi[1] : z.hi[0];
-        sc[0] = __low2half2(s01); sc[1] = __high2half2(s01); sc[2] = __low2half2(s23); sc[3] = __high2half2(s23);
-        zc[0] = __low2half2(zlo); zc[1] = __high2half2(zlo); zc[2] = __low2half2(zhi); zc[3] = __high2half2(zhi);
+        if constexpr (JN == 2) {
+          sc[0] = __low2half2(s01); sc[1] = __high2half2(s01); sc[2] = __low2half2(s23); sc[3] = __high2half2(s23);
+          zc[0] = __low2half2(zlo); zc[1] = __high2half2(zlo); zc[2] = __low2half2(zhi); zc[3] = __high2half2(zhi);
+        } else {   // columns 4h + 2j0, +1 only; the zero term is added (below): -(1024 + z) or -(64 + z)
+          const half2 sp = j0 ? s23 : s01, zp = j0 ? zhi : __hneg2(zlo);
+          sc[0] = __low2half2(sp); sc[1] = __high2half2(sp); zc[0] = __low2half2(zp); zc[1] = __high2half2(zp);
+        }
       }
       // k pairs first: byte h and byte h + 2 of rows k and k + 1 -> [k.bh, k.bh2, k1.bh, k1.bh2],
       // so each mask below picks one column's nibble in rows k (low lane) and k + 1 (high lane):
@@ -292,16 +328,26 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       };
       // instruction j: row g = column 4h + 2j, row g + 8 = column 4h + 2j + 1; registers 0, 1 at
       // k 2t.., 2, 3 at k 2t + 8..
-      unsigned a[2][4] = {{lo(p0, 0), lo(q0, 1), lo(p8, 0), lo(q8, 1)},
-                          {hi(p0, 2), hi(q0, 3), hi(p8, 2), hi(q8, 3)}};
+      unsigned a[JN][4];
+      if constexpr (JN == 2) {
+        const unsigned a0[4] = {lo(p0, 0), lo(q0, 1), lo(p8, 0), lo(q8, 1)};
+        const unsigned a1[4] = {hi(p0, 2), hi(q0, 3), hi(p8, 2), hi(q8, 3)};
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+        for (int e = 0; e < 4; ++e) { a[0][e] = a0[e]; a[JN - 1][e] = a1[e]; }
+      } else {   // one instruction, this thread's columns 4h + 2j0 (row g) and 4h + 2j0 + 1 (row g + 8)
+        auto f = [&](unsigned p, int i) {   // low mask: (1024 + q) * 1 - (1024 + z); high: as hi()
+          return awq::as_u32(__hmul2_rn(__hfma2(awq::as_h2(awq::lop3_and_or(p, j_mask, awq::kMagic)), j_mul, zc[i]), sc[i]));
+        };
+        a[0][0] = f(p0, 0); a[0][1] = f(q0, 1); a[0][2] = f(p8, 0); a[0][3] = f(q8, 1);
+      }
+#pragma unroll
+      for (int j = 0; j < JN; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) awqw::pin(a[j][e]);
       awqw::wg_wait<2>();   // k-step i - 3 is done: at most i - 2, i - 1 and i in flight after the issue
       awqw::wg_fence();
 #pragma unroll
-      for (int j = 0; j < 2; ++j)   // desc + 2: 32 bytes further along k per k16
+      for (int j = 0; j < JN; ++j)   // desc + 2: 32 bytes further along k per k16
         awqw::Wgmma<T>::run(acc[j], a[j], desc + 2 * kk, st > 0 || kk > 0);
       awqw::wg_commit();
     }
@@ -309,11 +355,11 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   awqw::wg_wait<0>();
   awq::cp_async_wait<0>();
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int j = 0; j < JN; ++j)
 #pragma unroll
     for (int i = 0; i < T / 2; ++i) awqw::pin(acc[j][i]);
 
-  // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r, token m0 + 8i + 2t + e
+  // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r (JN = 1: 8c + 4h + 2j0 + r), token m0 + 8i + 2t + e
   const int cg = col0 + c;
   const int splits = gridDim.z;
   if (cg < n8) {
@@ -324,7 +370,13 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
         const int m = m0 + 8 * i + 2 * t + e;
         if (m < M) {
           const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
-          const float v2 = acc[1][4 * i + e], v3 = acc[1][4 * i + 2 + e];
+          if constexpr (JN == 1) {   // columns 8c + 4h + 2j0 + r
+            const size_t o = (size_t)m * N + 8 * cg + 4 * h + 2 * j0;
+            if (splits == 1) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
+            else *reinterpret_cast<float2*>(ws + (size_t)blockIdx.z * M * N + o) = make_float2(v0, v1);
+            continue;
+          }
+          const float v2 = acc[JN - 1][4 * i + e], v3 = acc[JN - 1][4 * i + 2 + e];
           if (splits == 1) {
             const half2 p0 = __floats2half2_rn(v0, v1), p1 = __floats2half2_rn(v2, v3);
             *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));

@@ -146,4 +146,4 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     assert awq.choose_path(128, shape(12288, 4096), torch.device("cpu")) == "mma"
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: False)
     assert awq.choose_path(128, shape(12288, 4096), cuda) == "mma"
-    assert [awq.wgmma_config(m)[1] for m in (17, 32, 33, 64, 65, 256)] == [32, 32, 64, 64, 128, 128]
+    assert [awq.wgmma_config(m)[1] for m in (17, 32, 33, 64, 65, 128, 129, 512)] == [32, 32, 64, 64, 128, 128, 256, 256]

@@ -55,7 +55,8 @@ SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2,
 SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
 # Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = warpgroups (128 columns each),
 # tokens per block, shared-memory stages. wgmma_config picks T by M; the others are for sweeps.
-WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6), (2, 32, 6))
+WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6), (2, 32, 6),
+              (2, 256, 4), (2, 256, 5))
 WGMMA_MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (fill and drain)
 SOURCES["awq_wgmma.cu"] = tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
@@ -479,9 +480,15 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
              np.int32(per)), smem)
 
 
+def wgmma_words(nwg: int, t: int) -> int:
+    """Column words per wgmma block: 16 per warpgroup (two 64-column instructions per k-step),
+    8 at T = 256 (one 64 x 256 instruction; awqw::Cfg::JN)."""
+    return (8 if t == 256 else 16) * nwg
+
+
 def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     """Dynamic shared memory of awq_wgmma_kernel (awqw::Cfg in awq_wgmma.cu)."""
-    words = 16 * nwg
+    words = wgmma_words(nwg, t)
     stage = t * 128 + 64 * (words + 4) * 4 + 2 * words * 16 + 2 * words * 4
     return d * (-(-stage // 1024) * 1024) + 1024
 
@@ -494,13 +501,16 @@ def wgmma_available(dev) -> bool:
 
 def wgmma_config(m: int) -> tuple[int, int, int]:
     """(NWG, T, D) of the wgmma kernel for M rows: the narrowest token tile that holds M up to
-    64, else 128 (session 8 sweep: T = 32 / 64 / 128 each fastest in its range)."""
-    return (2, 32, 6) if m <= 32 else (2, 64, 6) if m <= 64 else (2, 128, 5)
+    128, else 256 (session 8 sweeps: T = 32 / 64 / 128 each fastest in its range; T = 256, one
+    64 x 256 instruction per k-step and half the dequant per MMA, 3-15 % faster than T = 128
+    from M = 256 up, slower at M = 128)."""
+    return ((2, 32, 6) if m <= 32 else (2, 64, 6) if m <= 64 else (2, 128, 5) if m <= 128
+            else (2, 256, 5))
 
 
 # resident blocks per SM by T, for dispatch (which compiles nothing): 256 threads at ptxas's
-# 117 / 147 / 215 registers (CUDA 13, sm_90a); the launch itself asks the compiled kernel.
-WGMMA_BLOCKS_PER_SM = {32: 2, 64: 1, 128: 1}
+# 117 / 147 / 215 / 200 registers (CUDA 13, sm_90a); the launch itself asks the compiled kernel.
+WGMMA_BLOCKS_PER_SM = {32: 2, 64: 1, 128: 1, 256: 1}
 
 
 def wgmma_plan(m: int, n: int, k: int, slots: int, cfg=None) -> tuple[int, float]:
@@ -508,7 +518,7 @@ def wgmma_plan(m: int, n: int, k: int, slots: int, cfg=None) -> tuple[int, float
     as many splits as fit in one wave (never below WGMMA_MIN_STAGES stages per split), and the
     fraction of the last wave's slots the grid fills (1.0 = whole waves)."""
     nwg, t, _ = cfg or wgmma_config(m)
-    tiles = -(-m // t) * -(-(n // 8) // (16 * nwg))
+    tiles = -(-m // t) * -(-(n // 8) // wgmma_words(nwg, t))
     splits = max(1, min(slots // tiles, -(-k // 64) // WGMMA_MIN_STAGES))
     blocks = tiles * splits
     return splits, blocks / (-(-blocks // slots) * slots)
@@ -524,7 +534,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     kern = _kernel("awq_wgmma.cu", name)
     smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, (str(dev), name), smem)
-    tiles_m, tiles_n = -(-m // t), -(-(n // 8) // (16 * nwg))
+    tiles_m, tiles_n = -(-m // t), -(-(n // 8) // wgmma_words(nwg, t))
     stages = -(-k // 64)
     if splits is None:
         slots = _blocks_per_sm(kern, smem, 128 * nwg) * _sm_count(dev)
