@@ -1,0 +1,99 @@
+// wgmma_sm90.cuh -- the Hopper (sm_90a) warpgroup MMA pieces the wgmma kernels share
+// (awq_wgmma.cu, gguf_wgmma.cu): fence / commit / wait, register "pins", the register-A
+// m64nTk16 f16 -> f32 instructions, and the 128-byte-swizzle shared-memory descriptor.
+// Only defined where the architecture-specific features exist (sm_90a); elsewhere the kernels
+// that include this compile to empty bodies.
+#pragma once
+#include <cuda_fp16.h>
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+namespace wg {
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// An empty asm that "writes" r: the compiler must compute r before it and may not move the
+// computation below a wgmma.fence (registers defined after the fence make ptxas serialise the
+// wgmma, warning C7513). Applied to each k-step's A fragments before its fence, and to the
+// accumulators after the last wait (so the epilogue cannot read them earlier).
+__device__ __forceinline__ void pin(unsigned& r) { asm volatile("" : "+r"(r) :: "memory"); }
+__device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+// d[64 x T] (+)= A[64 x 16] (registers) * B[16 x T] (shared memory, descriptor), fp32 accumulate;
+// accumulate = 0 overwrites d (the first k-step: the accumulators need no zeroing, which would be
+// a non-wgmma definition of wgmma inputs and make ptxas serialise the wgmma, warning C7513).
+template <int T> struct Wgmma;
+
+#define QZ_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                   "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+template <> struct Wgmma<32> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n"
+        "}\n"
+        : QZ_ACC8(0), QZ_ACC8(8)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <> struct Wgmma<64> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+        "}\n"
+        : QZ_ACC8(0), QZ_ACC8(8), QZ_ACC8(16), QZ_ACC8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <> struct Wgmma<128> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+        "}\n"
+        : QZ_ACC8(0), QZ_ACC8(8), QZ_ACC8(16), QZ_ACC8(24), QZ_ACC8(32), QZ_ACC8(40), QZ_ACC8(48), QZ_ACC8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <> struct Wgmma<256> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n"
+        "}\n"
+        : QZ_ACC8(0), QZ_ACC8(8), QZ_ACC8(16), QZ_ACC8(24), QZ_ACC8(32), QZ_ACC8(40), QZ_ACC8(48), QZ_ACC8(56),
+          QZ_ACC8(64), QZ_ACC8(72), QZ_ACC8(80), QZ_ACC8(88), QZ_ACC8(96), QZ_ACC8(104), QZ_ACC8(112), QZ_ACC8(120)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+#undef QZ_ACC8
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address
+// (16-byte units), leading offset 1 (unused by this layout), stride 1024 bytes between 8-row
+// groups, layout type 1 = 128B swizzle. The tile base must be 1024-byte aligned.
+__device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
+  return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+}  // namespace wg
+#endif
