@@ -77,6 +77,39 @@ def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tu
     return fn
 
 
+@lru_cache(maxsize=None)
+def wgmma_available(device) -> bool:
+    """Hopper's wgmma kernels (sm_90a instructions) run on compute capability 9.0 only."""
+    import torch
+
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+_SMEM_SET: set = set()
+
+
+def set_max_dynamic_smem(kernel, key, nbytes: int) -> None:
+    """Let `kernel` take nbytes of dynamic shared memory (above the default 48 KB), once per key."""
+    if key in _SMEM_SET or nbytes <= 40 * 1024:   # static shared memory counts against 48 KB too
+        return
+    cupy = import_cupy()
+    attr = getattr(cupy.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+    ptr = getattr(kernel, "ptr", None)
+    if ptr is None:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+    else:
+        cupy.cuda.driver.funcSetAttribute(ptr, attr, nbytes)
+    _SMEM_SET.add(key)
+
+
+def resident_blocks(kernel, smem: int, threads: int = 128) -> int:
+    """Blocks of `kernel` one SM holds at once, by its registers and shared memory (1..8)."""
+    regs = getattr(kernel, "num_regs", 0) or 168
+    by_regs = 65536 // (threads * ((regs + 7) // 8 * 8))
+    by_smem = (227 * 1024) // (smem + 1024)
+    return max(1, min(8, by_regs, by_smem))
+
+
 _SM_COUNTS: dict = {}
 
 

@@ -8,9 +8,10 @@ Oracles:
   per-block term is bit-equal, only the fp32 order of the sum over blocks differs, so
   |y_gpu - y_emul| <= bound (any fp32 order) + float32 rounding of y_emul + the fp16 rounding of
   the kernel's output (half an ulp: 2^-11 relative, 2^-25 absolute in subnormals).
-* dequant path (W -> fp16 + cuBLAS): the fp16 weights bit-equal to fmt.dequantize rounded to
-  half; the product vs float64 on those weights within 2^-10 * sum |x||w| (cuBLAS may keep
-  split-K partials in fp16) + fp16 output rounding.
+* dequant path (W -> fp16 + cuBLAS) and wgmma path (Hopper; the same fp16 weights formed in
+  registers): the fp16 weights bit-equal to fmt.dequantize rounded to half; the product vs
+  float64 on those weights within 2^-10 * sum |x||w| (cuBLAS may keep split-K partials in fp16;
+  wgmma sums in fp32, well inside it) + fp16 output rounding.
 * every path vs float64 with the unquantized weights: NMSE under fmt.nmse_ceiling (seed 004).
 Outputs are NaN-poisoned before each launch; data are fresh random draws per run.
 """
@@ -70,9 +71,23 @@ def _run(x_t, qt, path):
 
 
 def _paths(m, qt=None):
-    """mmvq runs M > 8 in chunks of 8; mma needs a 16-byte-aligned weight (qt on CUDA)."""
+    """mmvq runs M > 8 in chunks of 8; mma needs a 16-byte-aligned weight (qt on CUDA); wgmma a
+    Hopper GPU and a Q4_0 / Q8_0 weight with K % 256 == 0 (G.wgmma_ok)."""
     return ((["mmvq"] if m <= 128 else []) + (["mma"] if qt is not None and G._aligned16(qt) else [])
-            + ["mmq", "dequant"])
+            + ["mmq", "dequant"] + (["wgmma"] if qt is not None and G.wgmma_ok(qt) else []))
+
+
+FP16_PATHS = ("dequant", "wgmma")   # fp16 weights x fp16 x, not the Q8_1 integer function
+
+
+def _check_fp16(y, x16, w16, what):
+    """y against float64 on the half-rounded weights w16 (float64 (N, K))."""
+    xd = x16.astype(np.float64)
+    ref = xd @ w16.T
+    tol = 2.0 ** -10 * (np.abs(xd) @ np.abs(w16).T) + np.abs(ref) * 2.0 ** -11 + 2.0 ** -24
+    assert np.isfinite(y).all(), f"{what}: non-finite outputs (unwritten NaN poison?)"
+    err = np.abs(y - ref)
+    assert (err <= tol).all(), f"{what}: worst err {err.max():.3e}"
 
 
 def _check_all_paths(fmt, w, qt_cpu, ms, rng, x_scale=1.0):
@@ -89,12 +104,8 @@ def _check_all_paths(fmt, w, qt_cpu, ms, rng, x_scale=1.0):
         for path in _paths(m, qt):
             what = f"{fmt} {path} M={m} N={n} K={k}"
             y = _run(x_t, qt, path)
-            if path == "dequant":
-                ref = x16.astype(np.float64) @ w16.T
-                tol = 2.0 ** -10 * (np.abs(x16.astype(np.float64)) @ np.abs(w16).T) + np.abs(ref) * 2.0 ** -11 + 2.0 ** -24
-                assert np.isfinite(y).all(), what
-                err = np.abs(y - ref)
-                assert (err <= tol).all(), f"{what}: worst err {err.max():.3e}"
+            if path in FP16_PATHS:
+                _check_fp16(y, x16, w16, what)
             else:
                 _check_emulated(y, x16, qt_cpu, what)
             num, den, cnt = pooled.get(path, (0.0, 0.0, 0))
@@ -172,13 +183,14 @@ def test_matmul_paths(fmt, n, k, ms):
 def test_matmul_magnitudes(fmt):
     """Zero, tiny and large blocks in x and W; the tolerance is still the emulation's bound."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
-    n, k = 130, 320
+    n, k = 130, 512   # K % 256 == 0: the wgmma path runs here too (on Hopper)
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     w[3] = 0.0
     w[5, :32] *= 1e3
     w[7, 32:64] *= 1e-3
     qt_cpu = qz.formats.get(fmt).quantize(w)
     qt = qt_cpu.to(DEV)
+    w16 = qt_cpu.fmt.dequantize(qt_cpu).astype(np.float16).astype(np.float64)
     for m in (1, 6, 40):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[0, :64] = 0.0
@@ -187,9 +199,11 @@ def test_matmul_magnitudes(fmt):
         x16 = x.astype(np.float16)
         x_t = torch.from_numpy(x16).to(DEV)
         for path in _paths(m, qt):
-            if path == "dequant":
-                continue
-            _check_emulated(_run(x_t, qt, path), x16, qt_cpu, f"{fmt} {path} M={m} magnitudes")
+            what = f"{fmt} {path} M={m} magnitudes"
+            if path in FP16_PATHS:
+                _check_fp16(_run(x_t, qt, path), x16, w16, what)
+            else:
+                _check_emulated(_run(x_t, qt, path), x16, qt_cpu, what)
 
 
 def _check_mmvq_rows(fmt, kernel, shapes):
@@ -299,6 +313,36 @@ def test_matmul_gguf_file_tensor(fmt, tmp_path):
     qf = qt.fmt.from_bytes(np.array(t.data), (n, k))
     assert np.array_equal(qf.data, qt.data)
     _check_all_paths(fmt, w, qf, [1, 8, 33, 600], rng)
+
+
+# ---- the Hopper wgmma path: tails, split K, graph replay -------------------------------------------
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_wgmma_tails_splits_graph(fmt):
+    """M and N tails of every token tile (T = 32 .. 256), K split into 5-8 parts (uneven: 44
+    stages in 5), the split-K reduce, and a graph replay equal to the eager call."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    for n, k in ((200, 4096), (72, 2816)):
+        w, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        if not G.wgmma_ok(qt):
+            pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+        w16 = qt_cpu.fmt.dequantize(qt_cpu).astype(np.float16).astype(np.float64)
+        for m in (1, 7, 33, 65, 130, 300):
+            x16 = rng.standard_normal((m, k)).astype(np.float16)
+            _check_fp16(_run(torch.from_numpy(x16).to(DEV), qt, "wgmma"), x16, w16, f"{fmt} wgmma {n}x{k} M={m}")
+    m = 96
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).to(DEV)
+    y = torch.empty((m, n), dtype=torch.float16, device=DEV)
+    G.matmul(x, qt, out=y, path="wgmma")   # warm-up: compile, size the workspace
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        G.matmul(x, qt, out=y, path="wgmma")
+    x.copy_(torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)))
+    y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, G.matmul(x, qt, path="wgmma")), "graph replay differs from an eager call"
 
 
 # ---- CUDA graph capture -------------------------------------------------------------------------

@@ -115,7 +115,8 @@ def test_import_needs_no_cupy():
     import sys
 
     assert "cupy" not in sys.modules or sys.modules["cupy"] is not None  # lazily imported
-    assert set(G.SOURCES) == {"q8_1_quantize.cu", "gguf_mmvq.cu", "gguf_mmvq16.cu", "gguf_mma.cu", "gguf_mmq.cu", "gguf_dequant.cu"}
+    assert set(G.SOURCES) == {"q8_1_quantize.cu", "gguf_mmvq.cu", "gguf_mmvq16.cu", "gguf_mma.cu", "gguf_mmq.cu",
+                              "gguf_dequant.cu", "gguf_wgmma.cu"}
 
 
 @pytest.mark.parametrize("mmvq_kernel", G.MMVQ_KERNELS)
@@ -137,12 +138,19 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     monkeypatch.setattr(G, "_aligned16", lambda qt: True)
     monkeypatch.setattr(G, "_sm_count", lambda device: 132)
     monkeypatch.setattr(G, "_check_act", lambda x, k, arg="x", dtypes=None: (x.numel() // x.shape[-1], x.shape[-1]))
-    n, k = 70, 96
+    monkeypatch.setattr(G, "wgmma_ok", lambda qt: qt.format in G.WGMMA_FORMATS)   # no Hopper here
+    monkeypatch.setattr(G, "set_max_dynamic_smem", lambda kern, key, nbytes: None)
+    monkeypatch.setattr(G, "resident_blocks", lambda kern, smem, threads: 1)
+    n, k = 70, 2048
     qt = _cpu_qt(fmt, n, k)
-    for m in (1, 5, 8, 13, 24, 100):
+    for m in (1, 5, 8, 13, 24, 100, 300):
         x = torch.zeros((m, k), dtype=torch.float16)
         for path in G.PATHS:
             calls.clear()
+            if path == "wgmma" and fmt not in G.WGMMA_FORMATS:
+                with pytest.raises(ValueError, match="path: 'wgmma'"):
+                    G.matmul(x, qt, path=path)
+                continue
             y = G.matmul(x, qt, path=path, mmvq_kernel=mmvq_kernel)
             assert y.shape == (m, n)
             names = [c[0] for c in calls]
@@ -150,6 +158,16 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
             if path == "dequant":
                 assert names == [f"dequant<{G.BLOCKS[fmt]}>"]
                 assert calls[0][1][0] * 256 >= n * (k // 32) * 4
+            elif path == "wgmma":   # one launch (+ the split-K reduce); T and splits as planned
+                nwg, t, d = G.wgmma_tiles.config(m)
+                assert names[0] == f"gguf_wgmma<{G.BLOCKS[fmt]}, {nwg}, {t}, {d}>"
+                grid = calls[0][1]
+                rows = 64 * (1 if t == 256 else 2) * nwg
+                assert grid[:2] == (-(-m // t), -(-n // rows)) and calls[0][2] == (128 * nwg,)
+                sps = int(calls[0][3][7])
+                assert (grid[2] - 1) * sps < nb // 2 <= grid[2] * sps   # every split non-empty
+                assert calls[0][4] == G.wgmma_smem_bytes(fmt, nwg, t, d) <= 227 * 1024
+                assert names[1:] == (["mma_reduce"] if grid[2] > 1 else [])
             elif path == "mma":
                 assert names[0].startswith("quantize_q8_1_split<")
                 bm, split, kchunk = G.mma_plan(m, n, nb, G._sm_count(None), None)

@@ -29,12 +29,15 @@ ValueError naming the argument.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import numpy as np
 import torch
 
+from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
+from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
+from quantzoo.cuda_launch import wgmma_available
+from quantzoo.kernels import wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -57,7 +60,6 @@ SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".forma
 # tokens per block, shared-memory stages. wgmma_config picks T by M; the others are for sweeps.
 WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6), (2, 32, 6),
               (2, 256, 4), (2, 256, 5))
-WGMMA_MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (fill and drain)
 SOURCES["awq_wgmma.cu"] = tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
@@ -240,26 +242,6 @@ def _kernel(source, name):
     return get_kernel(source, name, SOURCES[source], arch_specific=source in ARCH_SPECIFIC)
 
 
-_SMEM_SET: set = set()
-
-
-def _set_smem(kern, key, nbytes):
-    if key in _SMEM_SET or nbytes <= 40 * 1024:   # static shared memory counts against 48 KB too
-        return
-    try:
-        from quantzoo.cuda_launch import import_cupy
-        cupy = import_cupy()
-    except ImportError:
-        import cupy
-
-    attr = getattr(cupy.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
-    ptr = getattr(kern, "ptr", None)
-    if ptr is None:
-        kern.max_dynamic_shared_size_bytes = nbytes
-    else:
-        cupy.cuda.driver.funcSetAttribute(ptr, attr, nbytes)
-    _SMEM_SET.add(key)
-
 
 def _launch(kern, grid, block, args, smem=0):
     from quantzoo.cuda_launch import launch
@@ -285,13 +267,6 @@ def _splits(tiles: int, k: int, unit: int, slots: int, min_rows: int = 0) -> tup
     return -(-k // per), per
 
 
-def _blocks_per_sm(kern, smem: int, threads: int = 128) -> int:
-    regs = getattr(kern, "num_regs", 0) or 168
-    by_regs = 65536 // (threads * ((regs + 7) // 8 * 8))
-    by_smem = (227 * 1024) // (smem + 1024)
-    return max(1, min(8, by_regs, by_smem))
-
-
 # ------------------------------------------------------------------ public entry points
 def choose_path(m: int, qt=None, dev=None) -> str:
     """The path matmul takes for M rows of x and weight qt on device dev (default: qt's device;
@@ -302,7 +277,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         dev = qw.device if isinstance(qw, torch.Tensor) else None
     if (WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and n * k >= WGMMA_MIN_NK and dev is not None
             and dev.type == "cuda" and wgmma_available(dev)
-            and (m <= WGMMA_MAX_M or wgmma_plan(m, n, k, WGMMA_BLOCKS_PER_SM[wgmma_config(m)[1]]
+            and (m <= WGMMA_MAX_M or wgmma_plan(m, n, k, wgmma_tiles.BLOCKS_PER_SM[wgmma_config(m)[1]]
                                                 * _sm_count(dev))[1] >= WGMMA_MIN_FILL)):
         return "wgmma"
     if m <= GEMV_MAX_M:
@@ -493,35 +468,15 @@ def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     return d * (-(-stage // 1024) * 1024) + 1024
 
 
-@lru_cache(maxsize=None)
-def wgmma_available(dev) -> bool:
-    """The wgmma kernel runs on compute capability 9.0 only (sm_90a instructions)."""
-    return torch.cuda.get_device_capability(dev) == (9, 0)
-
-
-def wgmma_config(m: int) -> tuple[int, int, int]:
-    """(NWG, T, D) of the wgmma kernel for M rows: the narrowest token tile that holds M up to
-    128, else 256 (session 8 sweeps: T = 32 / 64 / 128 each fastest in its range; T = 256, one
-    64 x 256 instruction per k-step and half the dequant per MMA, 3-15 % faster than T = 128
-    from M = 256 up, slower at M = 128)."""
-    return ((2, 32, 6) if m <= 32 else (2, 64, 6) if m <= 64 else (2, 128, 5) if m <= 128
-            else (2, 256, 5))
-
-
-# resident blocks per SM by T, for dispatch (which compiles nothing): 256 threads at ptxas's
-# 117 / 147 / 215 / 200 registers (CUDA 13, sm_90a); the launch itself asks the compiled kernel.
-WGMMA_BLOCKS_PER_SM = {32: 2, 64: 1, 128: 1, 256: 1}
+wgmma_config = wgmma_tiles.config
 
 
 def wgmma_plan(m: int, n: int, k: int, slots: int, cfg=None) -> tuple[int, float]:
-    """(K splits, wave fill) of a wgmma launch on a GPU that holds `slots` of its blocks at once:
-    as many splits as fit in one wave (never below WGMMA_MIN_STAGES stages per split), and the
-    fraction of the last wave's slots the grid fills (1.0 = whole waves)."""
+    """(K splits, wave fill) of an AWQ wgmma launch on a GPU that holds `slots` of its blocks at
+    once (wgmma_tiles.splits)."""
     nwg, t, _ = cfg or wgmma_config(m)
     tiles = -(-m // t) * -(-(n // 8) // wgmma_words(nwg, t))
-    splits = max(1, min(slots // tiles, -(-k // 64) // WGMMA_MIN_STAGES))
-    blocks = tiles * splits
-    return splits, blocks / (-(-blocks // slots) * slots)
+    return wgmma_tiles.splits(tiles, -(-k // 64), slots)
 
 
 def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch
+from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, resident_blocks
+from quantzoo.cuda_launch import set_max_dynamic_smem, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
+from quantzoo.kernels import wgmma_tiles
 
 QK = 32
 Q8_1_BYTES = get("q8_1").bytes_per_block
@@ -135,7 +137,14 @@ MMQ_MAX_M = {f: 0 for f in BLOCKS}
 # multiplied a slice of rows at a time. q4_0 4096x14336 (117 MB as fp16): M=512 180 us with a
 # 32 MB buffer, 136 us with 128 MB; M=2048 384 vs 360 us -- fewer, larger cuBLAS calls win.
 DEQUANT_BUFFER_BYTES = 128 << 20
-PATHS = ("mmvq", "mma", "mmq", "dequant")
+# Hopper (sm_90a) path, cuda/gguf_wgmma.cu: the dequant path's function (fp16 weights, fp32
+# accumulation) with the weights unpacked in registers as wgmma's A operand, for the formats
+# whose value is one product; needs a 16-byte-aligned weight with K % 256 == 0 (wgmma_ok).
+WGMMA_FORMATS = tuple(f for f in ("q4_0", "q8_0") if f in BLOCKS)
+WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D); wgmma_tiles.config
+WGMMA_MIN_M = 1 << 30   # dispatch range on Hopper (set from the bench); path="wgmma" runs it
+WGMMA_MAX_M = 0
+PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
 def mmvq16_name(fmt: str, m: int, r: int, lw: int | None = None, noalloc: bool | None = None,
@@ -158,11 +167,14 @@ SOURCES = {
                    + ("mma_reduce",),
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
+    "gguf_wgmma.cu": tuple(f"gguf_wgmma<{BLOCKS[f]}, {n}, {t}, {d}>" for f in WGMMA_FORMATS
+                           for n, t, d in WGMMA_CFGS),
 }
+ARCH_SPECIFIC = {"gguf_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
 
 def _kernel(source: str, name: str):
-    return get_kernel(source, name, SOURCES[source])
+    return get_kernel(source, name, SOURCES[source], arch_specific=source in ARCH_SPECIFIC)
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -332,12 +344,61 @@ def choose_path(m: int, qt) -> str:
         raise ValueError(f"m: {m} rows")
     if m <= max(MMVQ_COLS, MMVQ_MAX_M[fmt]):
         return "mmvq"
+    if WGMMA_MIN_M <= m <= WGMMA_MAX_M and not isinstance(qt, str) and wgmma_ok(qt):
+        return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
         return "mma"
     if m <= MMQ_MAX_M[fmt]:
         return "mmq"
     return "dequant"
+
+
+def wgmma_ok(qt) -> bool:
+    """Whether the wgmma path can read this (checked, CUDA) weight: a Q4_0 / Q8_0 weight whose
+    base is 16-byte aligned and whose rows are whole 256-element stage windows (K % 256 == 0),
+    under 4 GiB (32-bit offsets), on a Hopper GPU."""
+    data = getattr(qt, "data", None)
+    return (getattr(qt, "format", None) in WGMMA_FORMATS and hasattr(data, "data_ptr")
+            and data.device.type == "cuda" and qt.shape[1] % 256 == 0 and data.data_ptr() % 16 == 0
+            and data.numel() < 2**32 and wgmma_available(data.device))
+
+
+def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
+    """ggw::Cfg<F, NWG, T, D>::SMEM in cuda/gguf_wgmma.cu."""
+    rows = 64 * (1 if t == 256 else 2) * nwg
+    slot = 16 * ((2 * BYTES[fmt] + 12 + 15) // 16)
+    stage = -(-(t * 128 + rows * slot) // 1024) * 1024
+    return d * stage + 1024
+
+
+def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
+    import torch
+
+    nwg, t, d = wgmma_tiles.config(m)
+    name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}>"
+    kern = _kernel("gguf_wgmma.cu", name)
+    smem = wgmma_smem_bytes(fmt, nwg, t, d)
+    set_max_dynamic_smem(kern, (str(y2.device), name), smem)
+    rows = 64 * (1 if t == 256 else 2) * nwg
+    grid_m, grid_n = -(-m // t), -(-n // rows)
+    if grid_m > 65535:
+        raise ValueError(f"x: {m} rows is too many for the wgmma path")
+    stages = nb // 2
+    slots = resident_blocks(kern, smem, 128 * nwg) * _sm_count(y2.device)
+    split = wgmma_tiles.splits(grid_m * grid_n, stages, slots)[0]
+    sps = -(-stages // split)            # stages per split, every split non-empty
+    split = -(-stages // sps)
+    part = 0
+    if split > 1:
+        part = _workspace("wgmma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()
+    launch(kern, (grid_m, grid_n, split), (128 * nwg,),
+           (w.data_ptr(), x2.data_ptr(), y2.data_ptr(), part, np.int32(m), np.int32(n), np.int32(nb),
+            np.int32(sps)), shared_mem=smem)
+    if split > 1:
+        total = m * n
+        launch(_kernel("gguf_mma.cu", "mma_reduce"), (-(-total // 256),), (256,),
+               (part, y2.data_ptr(), np.int64(total), np.int32(split)))
 
 
 def mmvq16_ok(qt) -> bool:
@@ -413,6 +474,9 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         vec = mmvq_kernel == "vec"
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
         raise ValueError(f"mma_split: {mma_split!r}, a positive int")
+    if path == "wgmma" and not wgmma_ok(qt):
+        raise ValueError(f"path: 'wgmma' takes a Q4_0 / Q8_0 weight on a Hopper GPU (compute capability "
+                         f"9.0), 16-byte aligned, with K % 256 == 0; got {fmt} K={k} on {qt.data.device}")
     if path == "mma" and not _aligned16(qt):
         raise ValueError("path: 'mma' needs qt.data's address and size to be multiples of 16 bytes "
                          f"(address % 16 = {qt.data.data_ptr() % 16}, size {qt.data.numel()})")
@@ -428,6 +492,9 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     y2 = out.view(m, n)
     if path == "dequant":
         _dequant_matmul(fmt, x.view(m, k), qt.data, y2, n, k)
+        return out
+    if path == "wgmma":
+        _launch_wgmma(fmt, x.view(m, k), qt.data, y2, m, n, nb)
         return out
     xq = _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
     w = qt.data
