@@ -274,6 +274,8 @@ def bench_gguf(fmt, ms, paths, rotate=True):
         for path in paths:
             if (path == "mmvq" and m > 64) or (path == "mma" and m > 512):
                 continue
+            if path == "wgmma" and (m > 1024 or not G.wgmma_ok(qts[0])):   # Hopper, Q4_0 / Q8_0 only
+                continue
             reps = max(len(qts), 12 if m <= 64 else 4)
             calls = [lambda qt=qts[i % len(qts)], p=path: G.matmul(x, qt, out=y, path=p) for i in range(reps)]
             res[(m, path)] = time_calls(calls, reps=10 if m <= 64 else 5)
@@ -301,13 +303,14 @@ def sanitize_run():
     rng = np.random.default_rng()
     shapes = [(1, 67, 96), (3, 1, 32), (5, 130, 160), (8, 33, 544), (9, 65, 32), (70, 129, 96), (130, 7, 64),
               (2, 37, 9600),  # several mmvq passes with a tail
-              (1, 72, 96), (7, 8, 4160), (40, 200, 4160), (130, 72, 96)]  # 16-byte aligned: mmvq16 and mma
+              (1, 72, 96), (7, 8, 4160), (40, 200, 4160), (130, 72, 96),  # 16-byte aligned: mmvq16 and mma
+              (33, 130, 512), (300, 72, 2816)]  # K % 256 == 0: wgmma (Q4_0 / Q8_0 on Hopper)
     for fmt in G.BLOCKS:
         for m, n, k in shapes:
             qt = qz.formats.get(fmt).quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).to("cuda")
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).cuda()
             for p in G.PATHS:
-                if p == "mma" and not G._aligned16(qt):
+                if (p == "mma" and not G._aligned16(qt)) or (p == "wgmma" and not G.wgmma_ok(qt)):
                     continue
                 for rows in (G.MMVQ_ROW_CHOICES if p == "mmvq" else (None,)):
                     for kern in (G.MMVQ_KERNELS if p == "mmvq" and G.mmvq16_ok(qt) else (None,)):
@@ -369,7 +372,7 @@ def main(argv=None):
 
     rows, raw = [], {"device": dev, "copy_Bps": bw, "cublas_fp16_us": cub, "cublas_fp16_reused_us": cub_reused}
     for fmt in fmts:
-        rot, nbytes = bench_gguf(fmt, sweep, ["mmvq", "mma", "dequant"] + (["mmq"] if a.with_mmq else []))
+        rot, nbytes = bench_gguf(fmt, sweep, ["mmvq", "mma", "dequant", "wgmma"] + (["mmq"] if a.with_mmq else []))
         reu, _ = bench_gguf(fmt, [1, 8], ["mmvq"], rotate=False)
         raw[fmt] = {"bytes": nbytes, "rotated": {f"{m}/{p}": v for (m, p), v in rot.items()},
                     "reused": {f"{m}/{p}": v for (m, p), v in reu.items()}}

@@ -46,6 +46,28 @@ def test_choose_path_thresholds(fmt):
     assert G.choose_path(4096, fmt) == "dequant"
 
 
+def test_wgmma_dispatch(monkeypatch):
+    """Where wgmma_ok holds (a Q4_0 / Q8_0 weight on Hopper): M = 9..256 on weights of 4096 x 4096
+    and up, M <= 512 where the grid fills its waves on 6144 x 4096 and up; never below 9 (mmvq)."""
+    class Data:
+        device = "cuda:0"
+
+    def qt(n, k, fmt="q4_0"):
+        return type("QT", (), {"format": fmt, "shape": (n, k), "data": Data()})()
+
+    monkeypatch.setattr(G, "wgmma_ok", lambda q: q.format in G.WGMMA_FORMATS)
+    monkeypatch.setattr(G, "_aligned16", lambda q: True)
+    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
+    assert [G.choose_path(m, qt(12288, 4096)) for m in (8, 9, 256, 512)] == ["mmvq", "wgmma", "wgmma", "dequant"]
+    assert [G.choose_path(512, qt(n, k)) for n, k in ((4096, 12288), (24576, 4096), (6144, 4096))] == \
+        ["wgmma", "wgmma", "dequant"]        # 128 blocks, 384 (3 waves); 96 blocks: 3/4 of a wave
+    assert G.choose_path(512, qt(4096, 4096)) == "dequant"       # whole waves, but below 6144 x 4096
+    assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
+    assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight
+    assert G.choose_path(64, qt(12288, 4096, "q4_1")) == "mma"   # not a wgmma format
+    assert G.choose_path(600, qt(24576, 4096)) == "dequant"
+
+
 def test_mma_plan():
     """BM is the smallest tile holding M (<= 64); K splits fill ~2 CTAs per SM, each split a
     multiple of the 4-block step, and the splits cover all nb blocks with none empty."""

@@ -2,7 +2,7 @@
 
     y = matmul(x, qt)        x fp16 CUDA (..., K), qt = fmt.quantize(w).to("cuda") -> fp16 (..., N)
 
-The weight stays in its .gguf block bytes (uint8 (N, K/32 * bytes), file order). Four paths,
+The weight stays in its .gguf block bytes (uint8 (N, K/32 * bytes), file order). Five paths,
 picked by M (rows of x) and format -- `choose_path` -- with thresholds measured on the H100
 (bench/gguf_bench.py, numbers in bench/notes-gguf.md):
 
@@ -19,10 +19,13 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
                         on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
+  "wgmma"    Hopper only, Q4_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M <= M <= WGMMA_MAX_M (and up to 512
+                        where the grid fills whole waves): the dequant path's function with the
+                        blocks unpacked in registers as wgmma's A operand (cuda/gguf_wgmma.cu).
 
 mmvq, mma and mmq compute exactly what reference/gguf_dot.py emulates (per-block terms bit-equal;
-only the fp32 order of the sum over blocks differs); dequant is fp16 x fp16 with fp32
-accumulation in cuBLAS, on weights bit-equal to fmt.dequantize(qt) rounded to half.
+only the fp32 order of the sum over blocks differs); dequant and wgmma are fp16 x fp16 with fp32
+accumulation (cuBLAS; the tensor cores), on weights bit-equal to fmt.dequantize(qt) rounded to half.
 
 Everything is checked in Python before a launch (ValueError naming the argument); kernels go on
 torch's current stream; nothing here allocates with CuPy, and the per-stream workspaces (Q8_1
@@ -142,8 +145,15 @@ DEQUANT_BUFFER_BYTES = 128 << 20
 # whose value is one product; needs a 16-byte-aligned weight with K % 256 == 0 (wgmma_ok).
 WGMMA_FORMATS = tuple(f for f in ("q4_0", "q8_0") if f in BLOCKS)
 WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D); wgmma_tiles.config
-WGMMA_MIN_M = 1 << 30   # dispatch range on Hopper (set from the bench); path="wgmma" runs it
-WGMMA_MAX_M = 0
+# Dispatch on Hopper (session 8 sweep, bench/NOTES.md; us, rotated weights): wgmma beats mma and
+# dequant + cuBLAS from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16
+# 26.8 vs 42.5 (mma), M = 128 48.9 vs 89.3 (dequant); q8_0 12288->4096 M = 128 52.1 vs 100.9 --
+# and at M = 512 where its grid fills whole waves on weights of 6144 x 4096 and up (12288->4096
+# q4_0 113.3 vs 120.0; 4096->24576 226.3 vs 254.9); it loses on 4096->1024 (M = 16: 11.7 vs 9.8)
+# and where the last wave is 3/4 empty (4096->12288 M = 512: 145.9 vs 119.9).
+WGMMA_MIN_M, WGMMA_MAX_M = 9, 256
+WGMMA_MIN_NK = 4096 * 4096
+WGMMA_MAX_M_FULL, WGMMA_MIN_NK_FULL, WGMMA_MIN_FILL = 512, 6144 * 4096, 0.9
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -344,8 +354,12 @@ def choose_path(m: int, qt) -> str:
         raise ValueError(f"m: {m} rows")
     if m <= max(MMVQ_COLS, MMVQ_MAX_M[fmt]):
         return "mmvq"
-    if WGMMA_MIN_M <= m <= WGMMA_MAX_M and not isinstance(qt, str) and wgmma_ok(qt):
-        return "wgmma"
+    if WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and not isinstance(qt, str) and wgmma_ok(qt):
+        n, k = qt.shape
+        if m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
+            return "wgmma"
+        if n * k >= WGMMA_MIN_NK_FULL and _wgmma_fill(m, n, k, qt.data.device) >= WGMMA_MIN_FILL:
+            return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
         return "mma"
@@ -362,6 +376,13 @@ def wgmma_ok(qt) -> bool:
     return (getattr(qt, "format", None) in WGMMA_FORMATS and hasattr(data, "data_ptr")
             and data.device.type == "cuda" and qt.shape[1] % 256 == 0 and data.data_ptr() % 16 == 0
             and data.numel() < 2**32 and wgmma_available(data.device))
+
+
+def _wgmma_fill(m: int, n: int, k: int, device) -> float:
+    """The wave fill of a wgmma launch (wgmma_tiles.splits), from the tile rule alone."""
+    nwg, t, _ = wgmma_tiles.config(m)
+    tiles = -(-m // t) * -(-n // (64 * (1 if t == 256 else 2) * nwg))
+    return wgmma_tiles.splits(tiles, k // 64, wgmma_tiles.BLOCKS_PER_SM[t] * _sm_count(device))[1]
 
 
 def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
