@@ -36,6 +36,12 @@
 // * Tails: weight rows past N and tokens past M are zero-filled (d = 0 and x = 0 contribute 0)
 //   and not stored.
 //
+// Measured on the H100 (bench/NOTES.md, session 8; rotated weights, us): the fastest Q4_0 / Q8_0
+// path from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 against
+// 42.5 for the int8 mma path and 36.9 for cuBLAS fp16, M = 128 48.9 against 89.3 for dequant +
+// cuBLAS -- and at M = 512 where its grid fills whole waves; dispatch uses it there. Above, and on
+// 4096->1024, dequant + cuBLAS (or mma) stays faster.
+//
 // Compiled only for sm_90a; for any other target the kernel body is empty and the host
 // (quantzoo/kernels/gguf.py) never launches it there.
 #include "gguf_common.cuh"
