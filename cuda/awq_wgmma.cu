@@ -79,7 +79,6 @@ struct Cfg {
   static_assert(D >= 3, "loads run D - 2 stages ahead");
 };
 
-
 }  // namespace awqw
 
 // grid (ceil(M / T), ceil(N/8 / WORDS), splits): token tiles vary fastest, so the blocks that
@@ -109,7 +108,6 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int g = lane >> 2, t = lane & 3;
   const int m0 = blockIdx.x * T;
   const int col0 = blockIdx.y * C::WORDS;
-  // this thread's column word within the block, and which half of it: columns 4h .. 4h + 3
   // this thread's column word within the block and its columns in it: JN = 2 -> the 4 columns
   // 4h .. 4h + 3 (instruction j takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1
   constexpr int JN = C::JN;

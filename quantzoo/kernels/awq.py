@@ -70,12 +70,12 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # mma -> dequant+cublas crossover (bench runs 3 and 4): 4096->4096 and 4096->1024 at M ~ 96 (tie:
 # 29.3 vs 28.7 us, 13.9 vs 13.6 us), 4096->12288 at ~128 (90.0 vs 92.2 us), 12288->4096 between
 # 128 and 192 (80.0 vs 93.7; 125.1 vs 115.9 us).
-# wgmma with split K vs the best other path (session 8 sweep, .scratch-free summary in
-# bench/NOTES.md; us, H100): it wins from M = 32 to 256 on the big weights -- 4096->12288 M = 32
-# 26.2 vs 30.0 (mma), M = 128 53.8 vs 91.0, M = 256 76.2 vs 94.5 (dequant + cuBLAS); 12288->4096
-# M = 128 51.3 vs 78.5; 4096->24576 M = 128 77.1 vs 152 -- ties at M = 32 / 512 on some, loses at
-# M = 16 (mma 21.8 vs 24.0) and on 4096->4096 / 4096->1024 (too few tiles to hide its per-stage
-# latency: 4096->1024 M = 128 18.9 vs 13.4).
+# wgmma with split K vs the best other path (session 8, bench/NOTES.md; us, H100, final kernel):
+# it wins from M = 32 to 256 on the big weights -- 4096->12288 M = 32 25.5 vs 30.0 (mma), M = 128
+# 48.5 vs 91.0, M = 256 62.9 vs 94.5 (dequant + cuBLAS); 12288->4096 M = 128 49.3 vs 78.5;
+# 4096->24576 M = 128 68.1 vs 152 -- ties on some at M = 32, loses at M = 16 (mma 21.8 vs 24.0)
+# and on 4096->4096 / 4096->1024 (too few tiles to hide its per-stage latency: 4096->1024
+# M = 128 18.9 vs 13.4).
 # At M = 512 it wins only where its grid fills whole waves (12288->4096: 118.4 vs 124.1 us, 128
 # blocks on 132 SMs; 4096->24576: 218.0 vs 248.6, 384 blocks = 3 waves) and loses where the last
 # wave is 3/4 empty (4096->12288: 136.7 vs 123.0, 192 blocks; 4096->6144: 70.2 vs 61.6, 96).
