@@ -73,7 +73,7 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # wgmma with split K vs the best other path (session 8, bench/NOTES.md; us, H100, final kernel):
 # it wins from M = 32 to 256 on the big weights -- 4096->12288 M = 32 25.5 vs 30.0 (mma), M = 128
 # 48.5 vs 91.0, M = 256 62.9 vs 94.5 (dequant + cuBLAS); 12288->4096 M = 128 49.3 vs 78.5;
-# 4096->24576 M = 128 68.1 vs 152 -- ties on some at M = 32, loses at M = 16 (mma 21.8 vs 24.0)
+# 4096->24576 M = 128 68.7 vs 152 -- ties on some at M = 32, loses at M = 16 (mma 21.8 vs 24.0)
 # and on 4096->4096 / 4096->1024 (too few tiles to hide its per-stage latency: 4096->1024
 # M = 128 18.9 vs 13.4).
 # At M = 512 it wins only where its grid fills whole waves (12288->4096: 118.4 vs 124.1 us, 128
