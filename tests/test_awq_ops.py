@@ -130,8 +130,9 @@ def test_small_dispatch_thresholds():
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
-    """wgmma takes 17 <= M <= 256 on weights of at least 6144 x 4096, and only where the device
-    is a Hopper GPU; elsewhere (or with no device) the rules above stand."""
+    """wgmma takes 17 <= M <= 256 on weights of at least 6144 x 4096 (to M = 512 where its grid
+    fills whole waves), and only where the device is a Hopper GPU; elsewhere (or with no device)
+    the rules above stand."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)

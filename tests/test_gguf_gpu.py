@@ -181,7 +181,8 @@ def test_matmul_paths(fmt, n, k, ms):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_matmul_magnitudes(fmt):
-    """Zero, tiny and large blocks in x and W; the tolerance is still the emulation's bound."""
+    """Zero, tiny and large blocks in x and W; the tolerance is still the emulation's bound (the
+    fp16 paths: the float64 bound on the half-rounded weights)."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
     n, k = 130, 512   # K % 256 == 0: the wgmma path runs here too (on Hopper)
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
