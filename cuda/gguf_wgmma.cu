@@ -1,4 +1,4 @@
-// gguf_wgmma.cu -- GGUF Q4_0 / Q8_0 weights x fp16 activations for Hopper (sm_90a): the weight
+// gguf_wgmma.cu -- GGUF Q4_0 / Q5_0 / Q8_0 weights x fp16 activations for Hopper (sm_90a): the weight
 // blocks, dequantised in registers, are the register operand A of wgmma; x is operand B, read by
 // the tensor cores from 128-byte-swizzled shared memory. The AWQ kernel awq_wgmma.cu is the
 // model; this file differs in how weights reach the A fragments.
@@ -7,9 +7,9 @@
 //
 // the same function as the dequant path (gguf_dequant.cu + cuBLAS): weights bit-equal to
 // fmt.dequantize rounded to half, fp32 accumulation -- not the Q8_1 integer path of mmvq / mma.
-// Only the formats whose value is one product, (q - 8) d and q d, are served: there fp16 math
-// rounds the exact product once, exactly like the fp32 product rounded to half (Q4_1 / Q5_1's
-// q d + m would round twice in fp32; Q5_0 would need its fifth bits gathered: not done).
+// Only the formats whose value is one product, (q - 8) d, (q - 16) d and q d, are served: there
+// fp16 math rounds the exact product once, exactly like the fp32 product rounded to half
+// (Q4_1 / Q5_1's q d + m would round twice in fp32).
 //
 // computed transposed, y^T = W x^T: wgmma's M (64 rows per instruction) runs over weight rows
 // (output columns n), its N over tokens; one instruction is 64 rows x T tokens x 16 k.
@@ -18,18 +18,21 @@
 // T = 128, 1 at T = 256), x T tokens; K walked in D shared-memory stages of 64 k = 2 GGUF blocks.
 //
 // Why the tricks:
-// * Copies: a row's 2 blocks of a stage are 36 (Q4_0) or 68 (Q8_0) bytes at a 4-byte-aligned
-//   offset. With row strides a multiple of 16 bytes (K % 256 == 0, checked by the host) every
-//   row's stage sits at the same offset o = (stage * 2 BYTES) % 16 inside a 16-byte-aligned
-//   window of 48 / 80 bytes, so each thread issues 3 / 5 16-byte cp.async per stage at
-//   addresses worked out once, and readers add the uniform o.
+// * Copies: a row's 2 blocks of a stage are 36 / 44 / 68 bytes (Q4_0 / Q5_0 / Q8_0) at a
+//   4-byte-aligned offset. With row strides a multiple of 16 bytes (K % 256 == 0, checked by
+//   the host) every row's stage sits at the same offset o = (stage * 2 BYTES) % 16 inside a
+//   16-byte-aligned window of 48 / 64 / 80 bytes, so each thread issues 3-5 16-byte cp.async per
+//   stage at addresses worked out once (chunks past the stage's bytes skipped), and readers add
+//   the uniform o.
 // * A fragment (mma.sync's m16n8k16 A, per warp of the warpgroup): thread (g, t) holds rows g,
 //   g + 8 and k pairs (2t, 2t+1), (2t+8, 2t+9) of a 16-k step. In a Q4_0 block, k < 16 is the
 //   low nibble of qs byte k and k >= 16 the high nibble of byte k - 16, so the two bytes
 //   2t, 2t+1 spread 16 bits apart by one byte permute give, through one LOP3 each, the k pair of
 //   step 0 (low nibbles, 1024 + q) and of step 1 (high nibbles, 1024 + 16 q): exact q - 8 by
-//   one hsub2 / hfma2, then one hmul2 by d. Q8_0: signed bytes, (b & 0xff) ^ 0x80 in the
-//   mantissa of 1024 (one LOP3: (v & 0x00ff00ff) ^ 0x64806480) is 1152 + b, exact b by hsub2.
+//   one hsub2 / hfma2, then one hmul2 by d. Q5_0: the same, with the two elements' fifth bits
+//   from qh or-ed onto mantissa bit 4 (bit 8 in the 16x form). Q8_0: signed bytes,
+//   (b & 0xff) ^ 0x80 in the mantissa of 1024 (one LOP3: (v & 0x00ff00ff) ^ 0x64806480) is
+//   1152 + b, exact b by hsub2.
 // * Everything else -- swizzled x tile and descriptor, cp.async stages with one barrier each,
 //   3 k-steps in flight, pins, split K -- as in awq_wgmma.cu. Split-K partials go to an fp32
 //   workspace [split][M][N] that gguf_mma.cu's mma_reduce sums in split order.
@@ -63,8 +66,8 @@ struct Cfg {
   static constexpr int X_BYTES = T * 128;              // T tokens x 64 halves, swizzled
   static constexpr int STAGE = (X_BYTES + ROWS * SLOT + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;        // + slack to align the base to 1024
-  static_assert(F::BITS == 4 || F::BITS == 8, "Q4_0 and Q8_0 only");
-  static_assert(!F::HAS_MIN && (F::BITS == 8 || F::OFFSET == 8), "one-product formats only");
+  static_assert(!F::HAS_MIN && (F::BITS == 8 || F::OFFSET == (1 << (F::BITS - 1))),
+                "one-product formats only: Q4_0, Q5_0, Q8_0");
   static_assert(RB % 4 == 0, "a row's stage is 4-byte aligned");
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(T * 8 % THREADS == 0, "x chunks per stage split evenly over the threads");
@@ -111,11 +114,13 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
   const unsigned row_bytes = (unsigned)nb * F::BYTES;
   unsigned w_src[WCH], w_dst[WCH];   // byte offset of the row's window start in W; in the stage
   unsigned w_ok = 0;                 // bit c: the chunk exists and its row is < N
+  unsigned w_ch = 0;                 // bits 4c..4c+3: the chunk's index in the window
 #pragma unroll
   for (int c = 0; c < WCH; ++c) {
     const int i = tid + C::THREADS * c;
     const int r = i / C::CH, ch = i % C::CH;
     w_ok |= (i < C::ROWS * C::CH && n0 + r < N) << c;
+    w_ch |= unsigned(ch) << (4 * c);
     w_src[c] = (unsigned)min(n0 + r, N - 1) * row_bytes + 16 * ch;
     w_dst[c] = C::X_BYTES + r * C::SLOT + 16 * ch;
   }
@@ -130,9 +135,12 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
       awq::cp_async16_at(S0 + x_dst + XSTEP * 128 * i, ok ? xsrc + (size_t)XSTEP * i * K + k0 : x, ok);
     }
     const unsigned win = (unsigned)(s * C::RB) & ~15u;   // the 16-byte window holding the stage
+    // chunks past the stage's last byte are not copied: a window may reach past the row, and
+    // for the last row past the tensor (Q5_0: 44 bytes at offset 4 in a 64-byte window)
+    const unsigned n_ch = ((unsigned)(s * C::RB) - win + C::RB + 15) / 16;
 #pragma unroll
     for (int c = 0; c < WCH; ++c) {
-      const bool ok = live && ((w_ok >> c) & 1);
+      const bool ok = live && ((w_ok >> c) & 1) && ((w_ch >> (4 * c)) & 15u) < n_ch;
       if (tid + C::THREADS * c < C::ROWS * C::CH)
         awq::cp_async16_at(S0 + w_dst[c], ok ? W + w_src[c] + win : W, ok);
     }
@@ -160,9 +168,11 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
     const int o = ((st0 + st) * C::RB) & 15;   // the stage's offset in each row's window
     // per row (j, r8) and block b of the stage: d broadcast, and the 16-bit words the k pairs
     // come from -- Q4_0: bytes 2t, 2t+1 and 2t+8, 2t+9 of qs (both k-steps of the block);
-    // Q8_0: bytes 16 h + 2t.. and 16 h + 2t + 8.. for k-step half h.
-    constexpr int NQ = F::BITS == 4 ? 2 : 4;
+    // Q8_0: bytes 16 h + 2t.. and 16 h + 2t + 8.. for k-step half h; Q5_0 as Q4_0 plus its
+    // 32 fifth bits qh (bit k: element k).
+    constexpr int NQ = F::BITS == 8 ? 4 : 2;
     unsigned qv[JN][2][2][NQ];
+    unsigned qh[JN][2][F::BITS == 5 ? 2 : 1];
     half2 dd[JN][2][2];
 #pragma unroll
     for (int j = 0; j < JN; ++j)
@@ -174,10 +184,14 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
           const unsigned char* blk = row + b * F::BYTES;
           const unsigned short dh = *reinterpret_cast<const unsigned short*>(blk);
           dd[j][r8][b] = awq::as_h2(unsigned(dh) * 0x10001u);
-          const unsigned char* qs = blk + 2;
+          const unsigned char* qs = blk + (F::BITS == 5 ? 6 : 2);
 #pragma unroll
           for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs sits at an even, not 4-byte, offset
             qv[j][r8][b][q] = *reinterpret_cast<const unsigned short*>(qs + 16 * (q >> 1) + 8 * (q & 1) + 2 * t);
+          if constexpr (F::BITS == 5) {
+            const unsigned short* h = reinterpret_cast<const unsigned short*>(blk + 2);
+            qh[j][r8][b] = unsigned(h[0]) | (unsigned(h[1]) << 16);
+          }
         }
       }
 #pragma unroll
@@ -198,6 +212,17 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
               else
                 v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic)), awq::as_h2(0x2c002c00u),
                             awq::as_h2(0xd480d480u));   // (1024 + 16 q) / 16 - 72 = q - 8
+            } else if constexpr (F::BITS == 5) {
+              // the fifth bits of elements k, k + 1 (k = 16 hf + 8 p + 2t) land on mantissa bit 4 of
+              // each lane (bit 8 in the 16x high-nibble form): 1024 + q, or 1024 + 16 q, q < 32
+              const unsigned sp = __byte_perm(qv[j][r8][b][p], 0u, 0x4140);
+              const unsigned hb = qh[j][r8][b] >> (16 * hf + 8 * p + 2 * t);
+              const unsigned hi = ((hb & 1u) << 4) | ((hb & 2u) << 19);   // bits 4 and 20
+              if (hf == 0)
+                v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic) | hi), awq::as_h2(0x64106410u));
+              else
+                v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic) | (hi << 4)),
+                            awq::as_h2(0x2c002c00u), awq::as_h2(0xd500d500u));   // (1024 + 16 q) / 16 - 80
             } else {
               const unsigned sp = __byte_perm(qv[j][r8][b][2 * hf + p], 0u, 0x4140);
               unsigned u;

@@ -72,7 +72,7 @@ def _run(x_t, qt, path):
 
 def _paths(m, qt=None):
     """mmvq runs M > 8 in chunks of 8; mma needs a 16-byte-aligned weight (qt on CUDA); wgmma a
-    Hopper GPU and a Q4_0 / Q8_0 weight with K % 256 == 0 (G.wgmma_ok)."""
+    Hopper GPU and a Q4_0 / Q5_0 / Q8_0 weight with K % 256 == 0 (G.wgmma_ok)."""
     return ((["mmvq"] if m <= 128 else []) + (["mma"] if qt is not None and G._aligned16(qt) else [])
             + ["mmq", "dequant"] + (["wgmma"] if qt is not None and G.wgmma_ok(qt) else []))
 
@@ -317,7 +317,7 @@ def test_matmul_gguf_file_tensor(fmt, tmp_path):
 
 
 # ---- the Hopper wgmma path: tails, split K, graph replay -------------------------------------------
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
 def test_wgmma_tails_splits_graph(fmt):
     """M and N tails of every token tile (T = 32 .. 256), K split into 5-8 parts (uneven: 44
     stages in 5), the split-K reduce, and a graph replay equal to the eager call."""

@@ -47,8 +47,9 @@ def test_choose_path_thresholds(fmt):
 
 
 def test_wgmma_dispatch(monkeypatch):
-    """Where wgmma_ok holds (a Q4_0 / Q8_0 weight on Hopper): M = 9..256 on weights of 4096 x 4096
-    and up, M <= 512 where the grid fills its waves on 6144 x 4096 and up; never below 9 (mmvq)."""
+    """Where wgmma_ok holds (a Q4_0 / Q5_0 / Q8_0 weight on Hopper): M = 9..256 on weights of 4096 x 4096
+    and up (Q5_0: 64..256), M <= 512 where the grid fills its waves on 6144 x 4096 and up (not Q5_0);
+    never below 9 (mmvq)."""
     class Data:
         device = "cuda:0"
 
@@ -65,6 +66,9 @@ def test_wgmma_dispatch(monkeypatch):
     assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
     assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight
     assert G.choose_path(64, qt(12288, 4096, "q4_1")) == "mma"   # not a wgmma format
+    # Q5_0: slower to unpack, only M = 64..256
+    assert [G.choose_path(m, qt(12288, 4096, "q5_0")) for m in (16, 63, 64, 256, 512)] == \
+        ["mma", "mma", "wgmma", "wgmma", "dequant"]
     assert G.choose_path(600, qt(24576, 4096)) == "dequant"
 
 

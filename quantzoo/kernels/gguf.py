@@ -19,9 +19,10 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
                         on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
-  "wgmma"    Hopper only, Q4_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M <= M <= WGMMA_MAX_M (and up to 512
-                        where the grid fills whole waves): the dequant path's function with the
-                        blocks unpacked in registers as wgmma's A operand (cuda/gguf_wgmma.cu).
+  "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M[fmt] <= M <= WGMMA_MAX_M (and
+                        to WGMMA_MAX_M_FULL[fmt] where the grid fills whole waves): the dequant
+                        path's function with the blocks unpacked in registers as wgmma's A operand
+                        (cuda/gguf_wgmma.cu).
 
 mmvq, mma and mmq compute exactly what reference/gguf_dot.py emulates (per-block terms bit-equal;
 only the fp32 order of the sum over blocks differs); dequant and wgmma are fp16 x fp16 with fp32
@@ -143,7 +144,7 @@ DEQUANT_BUFFER_BYTES = 128 << 20
 # Hopper (sm_90a) path, cuda/gguf_wgmma.cu: the dequant path's function (fp16 weights, fp32
 # accumulation) with the weights unpacked in registers as wgmma's A operand, for the formats
 # whose value is one product; needs a 16-byte-aligned weight with K % 256 == 0 (wgmma_ok).
-WGMMA_FORMATS = tuple(f for f in ("q4_0", "q8_0") if f in BLOCKS)
+WGMMA_FORMATS = tuple(f for f in ("q4_0", "q5_0", "q8_0") if f in BLOCKS)
 WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D); wgmma_tiles.config
 # Dispatch on Hopper (session 8 sweep, bench/NOTES.md; us, rotated weights): wgmma beats mma and
 # dequant + cuBLAS from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16
@@ -151,9 +152,14 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 # and at M = 512 where its grid fills whole waves on weights of 6144 x 4096 and up (12288->4096
 # q4_0 113.3 vs 120.0; 4096->24576 226.3 vs 254.9); it loses on 4096->1024 (M = 16: 11.7 vs 9.8)
 # and where the last wave is 3/4 empty (4096->12288 M = 512: 145.9 vs 119.9).
-WGMMA_MIN_M, WGMMA_MAX_M = 9, 256
+# Q5_0 unpacks its fifth bits per element pair and runs at about half Q4_0's speed: it wins only
+# from M = 64 to 256 (12288->4096 M = 128 57.8 vs 99.7; 4096->12288 M = 16 52.7 vs 46.2 for mma,
+# M = 512 185.6 vs 148.0 for dequant), so its range is narrower.
+WGMMA_MIN_M = {"q4_0": 9, "q5_0": 64, "q8_0": 9}
+WGMMA_MAX_M = 256
 WGMMA_MIN_NK = 4096 * 4096
-WGMMA_MAX_M_FULL, WGMMA_MIN_NK_FULL, WGMMA_MIN_FILL = 512, 6144 * 4096, 0.9
+WGMMA_MAX_M_FULL = {"q4_0": 512, "q5_0": 256, "q8_0": 512}
+WGMMA_MIN_NK_FULL, WGMMA_MIN_FILL = 6144 * 4096, 0.9
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -354,7 +360,8 @@ def choose_path(m: int, qt) -> str:
         raise ValueError(f"m: {m} rows")
     if m <= max(MMVQ_COLS, MMVQ_MAX_M[fmt]):
         return "mmvq"
-    if WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and not isinstance(qt, str) and wgmma_ok(qt):
+    if (fmt in WGMMA_FORMATS and WGMMA_MIN_M[fmt] <= m <= WGMMA_MAX_M_FULL[fmt]
+            and not isinstance(qt, str) and wgmma_ok(qt)):
         n, k = qt.shape
         if m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
             return "wgmma"
@@ -369,7 +376,7 @@ def choose_path(m: int, qt) -> str:
 
 
 def wgmma_ok(qt) -> bool:
-    """Whether the wgmma path can read this (checked, CUDA) weight: a Q4_0 / Q8_0 weight whose
+    """Whether the wgmma path can read this (checked, CUDA) weight: a Q4_0 / Q5_0 / Q8_0 weight whose
     base is 16-byte aligned and whose rows are whole 256-element stage windows (K % 256 == 0),
     under 4 GiB (32-bit offsets), on a Hopper GPU."""
     data = getattr(qt, "data", None)
@@ -496,7 +503,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
         raise ValueError(f"mma_split: {mma_split!r}, a positive int")
     if path == "wgmma" and not wgmma_ok(qt):
-        raise ValueError(f"path: 'wgmma' takes a Q4_0 / Q8_0 weight on a Hopper GPU (compute capability "
+        raise ValueError(f"path: 'wgmma' takes a Q4_0 / Q5_0 / Q8_0 weight on a Hopper GPU (compute capability "
                          f"9.0), 16-byte aligned, with K % 256 == 0; got {fmt} K={k} on {qt.data.device}")
     if path == "mma" and not _aligned16(qt):
         raise ValueError("path: 'mma' needs qt.data's address and size to be multiples of 16 bytes "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (pipeline fill and drain)
 # resident blocks per SM by T, for dispatch (which compiles nothing): 256 threads at ptxas's
-# 112-126 / 146-161 / 214-226 / 179-201 registers (CUDA 13, sm_90a); launches ask the kernel.
+# 112-136 / 146-161 / 214-230 / 179-201 registers (CUDA 13, sm_90a; Q5_0 at T = 32 fits only one
+# block); launches ask the compiled kernel.
 BLOCKS_PER_SM = {32: 2, 64: 1, 128: 1, 256: 1}
 
 
