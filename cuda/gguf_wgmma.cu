@@ -43,7 +43,8 @@
 // path from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 against
 // 42.5 for the int8 mma path and 36.9 for cuBLAS fp16, M = 128 48.9 against 89.3 for dequant +
 // cuBLAS -- and at M = 512 where its grid fills whole waves; dispatch uses it there. Above, and on
-// 4096->1024, dequant + cuBLAS (or mma) stays faster.
+// 4096->1024, dequant + cuBLAS (or mma) stays faster. Q5_0 runs at about half that speed (its
+// fifth bits cost ~5 instructions per A register) and is dispatched for M = 64..256 only.
 //
 // Compiled only for sm_90a; for any other target the kernel body is empty and the host
 // (quantzoo/kernels/gguf.py) never launches it there.
@@ -60,8 +61,8 @@ struct Cfg {
   static constexpr int THREADS = 128 * NWG;
   static constexpr int JN = T == 256 ? 1 : 2;          // wgmma instructions (64 rows) per k-step
   static constexpr int ROWS = 64 * JN * NWG;           // weight rows (output columns) per block
-  static constexpr int RB = 2 * F::BYTES;              // bytes of a row per stage (36 or 68)
-  static constexpr int CH = (RB + 12 + 15) / 16;       // 16-byte chunks of the window (3 or 5)
+  static constexpr int RB = 2 * F::BYTES;              // bytes of a row per stage (36, 44, 68)
+  static constexpr int CH = (RB + 12 + 15) / 16;       // 16-byte chunks of the window (3, 4, 5)
   static constexpr int SLOT = 16 * CH;                 // shared bytes per row and stage
   static constexpr int X_BYTES = T * 128;              // T tokens x 64 halves, swizzled
   static constexpr int STAGE = (X_BYTES + ROWS * SLOT + 1023) / 1024 * 1024;
@@ -101,8 +102,9 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
   const int st0 = blockIdx.z * sps;
   const int n_stages = min(nb / 2, st0 + sps) - st0;
 
-  // Copy plan, worked out once: x as in awq_wgmma.cu; weight chunk c of this thread is chunk
-  // wch of row wrow (rows past N zero-filled); a stage only moves the sources along the row.
+  // Copy plan, worked out once: x as in awq_wgmma.cu; weight copy c of this thread is chunk
+  // (i % CH) of the window of block row i / CH, i = tid + THREADS c (rows past N zero-filled);
+  // a stage only moves the sources along the row.
   constexpr int XSTEP = C::THREADS / 8, XCH = T * 8 / C::THREADS;
   constexpr int WCH = (C::ROWS * C::CH + C::THREADS - 1) / C::THREADS;
   const int xr = tid >> 3, xc = tid & 7;
