@@ -81,7 +81,7 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # wave is 3/4 empty (4096->12288: 136.7 vs 123.0, 192 blocks; 4096->6144: 70.2 vs 61.6, 96).
 WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M and N * K >= WGMMA_MIN_NK:
 WGMMA_MAX_M = 256       # wgmma (before the rules below); up to WGMMA_MAX_M_FULL too if the
-WGMMA_MAX_M_FULL = 512  # grid's last wave is at least WGMMA_MIN_FILL full (wgmma_plan)
+WGMMA_MAX_M_FULL = 512  # grid's last wave is at least WGMMA_MIN_FILL full (wgmma_tiles.plan)
 WGMMA_MIN_FILL = 0.9
 WGMMA_MIN_NK = 6144 * 4096
 GEMV_MAX_M = 0          # M <= this: gemv
@@ -277,8 +277,8 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         dev = qw.device if isinstance(qw, torch.Tensor) else None
     if (WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and n * k >= WGMMA_MIN_NK and dev is not None
             and dev.type == "cuda" and wgmma_available(dev)
-            and (m <= WGMMA_MAX_M or wgmma_plan(m, n, k, wgmma_tiles.BLOCKS_PER_SM[wgmma_config(m)[1]]
-                                                * _sm_count(dev))[1] >= WGMMA_MIN_FILL)):
+            and (m <= WGMMA_MAX_M
+                 or wgmma_tiles.dispatch_fill(m, n, k, _sm_count(dev)) >= WGMMA_MIN_FILL)):
         return "wgmma"
     if m <= GEMV_MAX_M:
         return "gemv"
@@ -455,28 +455,14 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
              np.int32(per)), smem)
 
 
-def wgmma_words(nwg: int, t: int) -> int:
-    """Column words per wgmma block: 16 per warpgroup (two 64-column instructions per k-step),
-    8 at T = 256 (one 64 x 256 instruction; awqw::Cfg::JN)."""
-    return (8 if t == 256 else 16) * nwg
-
-
 def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     """Dynamic shared memory of awq_wgmma_kernel (awqw::Cfg in awq_wgmma.cu)."""
-    words = wgmma_words(nwg, t)
+    words = wgmma_tiles.columns(nwg, t) // 8
     stage = t * 128 + 64 * (words + 4) * 4 + 2 * words * 16 + 2 * words * 4
     return d * (-(-stage // 1024) * 1024) + 1024
 
 
 wgmma_config = wgmma_tiles.config
-
-
-def wgmma_plan(m: int, n: int, k: int, slots: int, cfg=None) -> tuple[int, float]:
-    """(K splits, wave fill) of an AWQ wgmma launch on a GPU that holds `slots` of its blocks at
-    once (wgmma_tiles.splits)."""
-    nwg, t, _ = cfg or wgmma_config(m)
-    tiles = -(-m // t) * -(-(n // 8) // wgmma_words(nwg, t))
-    return wgmma_tiles.splits(tiles, -(-k // 64), slots)
 
 
 def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
@@ -489,13 +475,12 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     kern = _kernel("awq_wgmma.cu", name)
     smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, (str(dev), name), smem)
-    tiles_m, tiles_n = -(-m // t), -(-(n // 8) // wgmma_words(nwg, t))
-    stages = -(-k // 64)
+    tiles_m, tiles_n = wgmma_tiles.grid(m, n, (nwg, t, d))
     if splits is None:
         slots = _blocks_per_sm(kern, smem, 128 * nwg) * _sm_count(dev)
-        splits = wgmma_plan(m, n, k, slots, (nwg, t, d))[0]
-    per = 64 * -(-stages // splits)   # whole 64-row stages, every split non-empty
-    splits = -(-k // per)
+        splits = wgmma_tiles.plan(m, n, k, slots, (nwg, t, d))[0]
+    splits, per = wgmma_tiles.stage_split(-(-k // 64), splits)
+    per *= 64   # rows per split
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
     ctr = _buffer(dev, "ctr", max(tiles_m * tiles_n, 4096), torch.int32, zero=True)
     _launch(kern, (tiles_m, tiles_n, splits), (128 * nwg,),

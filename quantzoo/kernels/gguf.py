@@ -365,7 +365,8 @@ def choose_path(m: int, qt) -> str:
         n, k = qt.shape
         if m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
             return "wgmma"
-        if n * k >= WGMMA_MIN_NK_FULL and _wgmma_fill(m, n, k, qt.data.device) >= WGMMA_MIN_FILL:
+        if (n * k >= WGMMA_MIN_NK_FULL
+                and wgmma_tiles.dispatch_fill(m, n, k, _sm_count(qt.data.device)) >= WGMMA_MIN_FILL):
             return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
@@ -385,16 +386,9 @@ def wgmma_ok(qt) -> bool:
             and data.numel() < 2**32 and wgmma_available(data.device))
 
 
-def _wgmma_fill(m: int, n: int, k: int, device) -> float:
-    """The wave fill of a wgmma launch (wgmma_tiles.splits), from the tile rule alone."""
-    nwg, t, _ = wgmma_tiles.config(m)
-    tiles = -(-m // t) * -(-n // (64 * (1 if t == 256 else 2) * nwg))
-    return wgmma_tiles.splits(tiles, k // 64, wgmma_tiles.BLOCKS_PER_SM[t] * _sm_count(device))[1]
-
-
 def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
     """ggw::Cfg<F, NWG, T, D>::SMEM in cuda/gguf_wgmma.cu."""
-    rows = 64 * (1 if t == 256 else 2) * nwg
+    rows = wgmma_tiles.columns(nwg, t)   # weight rows = output columns
     slot = 16 * ((2 * BYTES[fmt] + 12 + 15) // 16)
     stage = -(-(t * 128 + rows * slot) // 1024) * 1024
     return d * stage + 1024
@@ -408,15 +402,12 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     kern = _kernel("gguf_wgmma.cu", name)
     smem = wgmma_smem_bytes(fmt, nwg, t, d)
     set_max_dynamic_smem(kern, (str(y2.device), name), smem)
-    rows = 64 * (1 if t == 256 else 2) * nwg
-    grid_m, grid_n = -(-m // t), -(-n // rows)
+    grid_m, grid_n = wgmma_tiles.grid(m, n, (nwg, t, d))
     if grid_m > 65535:
         raise ValueError(f"x: {m} rows is too many for the wgmma path")
-    stages = nb // 2
     slots = resident_blocks(kern, smem, 128 * nwg) * _sm_count(y2.device)
-    split = wgmma_tiles.splits(grid_m * grid_n, stages, slots)[0]
-    sps = -(-stages // split)            # stages per split, every split non-empty
-    split = -(-stages // sps)
+    split = wgmma_tiles.plan(m, n, 32 * nb, slots, (nwg, t, d))[0]
+    split, sps = wgmma_tiles.stage_split(nb // 2, split)   # sps: 64-k stages per split
     part = 0
     if split > 1:
         part = _workspace("wgmma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()

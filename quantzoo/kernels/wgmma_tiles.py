@@ -21,10 +21,35 @@ def config(m: int) -> tuple[int, int, int]:
             else (2, 256, 5))
 
 
-def splits(tiles: int, stages: int, slots: int) -> tuple[int, float]:
-    """(K splits, wave fill) for `tiles` output tiles over `stages` 64-row stages on a GPU that
-    holds `slots` blocks at once: as many splits as fit in one wave (at least MIN_STAGES stages
-    each), and the fraction of the last wave's slots the grid fills (1.0 = whole waves)."""
-    s = max(1, min(slots // tiles, stages // MIN_STAGES))
+def columns(nwg: int, t: int) -> int:
+    """Output columns per block: 64 per wgmma instruction, 2 instructions per k-step and
+    warpgroup up to T = 128, 1 at T = 256 (JN in the kernels' Cfg)."""
+    return 64 * (1 if t == 256 else 2) * nwg
+
+
+def grid(m: int, n: int, cfg) -> tuple[int, int]:
+    """(token tiles, column tiles) of a launch with configuration cfg = (NWG, T, D)."""
+    nwg, t, _ = cfg
+    return -(-m // t), -(-n // columns(nwg, t))
+
+
+def plan(m: int, n: int, k: int, slots: int, cfg=None) -> tuple[int, float]:
+    """(K splits, wave fill) for M x N outputs over K on a GPU that holds `slots` blocks at once:
+    as many splits as fit in one wave (at least MIN_STAGES 64-row stages each), and the fraction
+    of the last wave's slots the grid fills (1.0 = whole waves)."""
+    tm, tn = grid(m, n, cfg or config(m))
+    tiles = tm * tn
+    s = max(1, min(slots // tiles, -(-k // 64) // MIN_STAGES))
     blocks = tiles * s
     return s, blocks / (-(-blocks // slots) * slots)
+
+
+def dispatch_fill(m: int, n: int, k: int, sms: int) -> float:
+    """The wave fill `plan` gives with BLOCKS_PER_SM (dispatch compiles no kernel to ask)."""
+    return plan(m, n, k, BLOCKS_PER_SM[config(m)[1]] * sms)[1]
+
+
+def stage_split(stages: int, splits: int) -> tuple[int, int]:
+    """(splits, stages per split) with every split non-empty."""
+    per = -(-stages // splits)
+    return -(-stages // per), per
