@@ -83,6 +83,18 @@ __device__ __forceinline__ void dequant8(unsigned w, const Zeros& z, const half2
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
+// Loads from a shared-state-space address (smem_addr + byte offset), for loops that carry their
+// fragment addresses from one trip to the next.
+__device__ __forceinline__ unsigned lds32(unsigned a) {
+  unsigned v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(unsigned a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
 // cp_async16_at takes the destination as a shared-state-space address (smem_addr), for loops that
 // keep one base address and add byte offsets instead of converting a pointer per copy.
 __device__ __forceinline__ void cp_async16_at(unsigned dst, const void* src, bool valid) {

@@ -152,40 +152,45 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int steps_per_group = G / 16;
 
   // ---- per-warp cp.async ring: stage of step s = 16 rows from row 16 s, words tile_w0..+TW,
-  // in slot (s - s0) % D. What a lane copies is the same every step (its chunks' offsets within
-  // the stage and from the step's first word), so it is worked out once here; a step only moves
-  // the source base by 16 rows and picks a slot. (Recomputing chunk rows, columns and the slot
-  // modulo per step made 12 % of the kernel's instructions at M = 1 (ncu, 4096->12288); cutting
-  // them left its time unchanged -- bench/NOTES.md, session 4.)
+  // in slot (s - s0) % D. Steps are issued in order into slots 0, 1, .., D-1, 0, .. and read in
+  // the same order, and what a lane copies moves by 16 rows per step, so the loop only advances
+  // running addresses: per chunk a global pointer (+16 rows) and a shared address (+1 stage,
+  // wrapping). They are loop-carried on purpose. Offsets worked out once before the loop were
+  // rematerialised by ptxas from threadIdx on every trip (S2R + ~60 integer instructions per
+  // k-step in the SASS, about 40 % of the loop); a value the loop updates cannot be.
   unsigned* ring = reinterpret_cast<unsigned*>(smem_raw + warp * R::WARP_BYTES);
   const unsigned ring_sa = awq::smem_addr(ring);
-  constexpr int VCH = (16 * 2 * NW) / 32;   // 16-byte weight chunks per lane and step
+  constexpr unsigned SB = 4u * R::STAGE_WORDS;   // bytes per stage
+  constexpr int VCH = (16 * 2 * NW) / 32;        // 16-byte weight chunks per lane and step
   static_assert((16 * 2 * NW) % 32 == 0, "16 rows x 2*NW chunks must split evenly over the lanes");
-  unsigned v_dst[VCH];                      // byte offset in the stage
-  unsigned v_src[VCH];                      // word offset from the step's first word
-  bool v_ok[VCH];                           // the chunk's columns exist (else zero-filled)
+  const size_t step_words = (size_t)16 * n8;
+  // A zero-filled chunk (columns past N, x rows past M) copies 0 bytes; its source still walks
+  // a valid row (the row's last 16 bytes, x row 0) so every pointer advances unconditionally.
+  const unsigned* v_src[VCH];   // next step's source of chunk j
+  unsigned v_at[VCH];           // its shared address in the next write slot
+  bool v_ok[VCH];               // the chunk's columns exist (else zero-filled)
 #pragma unroll
   for (int j = 0; j < VCH; ++j) {
     const int c = lane + 32 * j, r = c / (2 * NW), q4 = 4 * (c % (2 * NW));
-    v_dst[j] = 4u * (r * R::RS + q4);
-    v_src[j] = (unsigned)r * n8 + q4;
     v_ok[j] = tile_w0 + q4 < n8;
+    v_src[j] = qweight + (size_t)(16 * s0 + r) * n8 + (v_ok[j] ? tile_w0 + q4 : n8 - 4);
+    v_at[j] = ring_sa + 4u * (r * R::RS + q4);
   }
   // x rows 0..8*MB-1 of the step's 16 k (lanes < 16*MB, two 16-byte halves a row); rows >= M
   // zero-filled
   const bool x_lane = lane < 16 * MB, x_ok = x_lane && (lane >> 1) < M;
-  const half* x_src = x_ok ? x + (size_t)(lane >> 1) * K + 8 * (lane & 1) : x;
-  const unsigned x_dst = 4u * (R::X_OFF + 8 * (lane >> 1) + 4 * (lane & 1));
-  auto issue_step = [&](int s, int slot) {
-    if (s < s1) {
-      const unsigned dst = ring_sa + 4u * R::STAGE_WORDS * slot;
-      if (x_lane) awq::cp_async16_at(dst + x_dst, x_ok ? x_src + 16 * s : x, x_ok);
-      const unsigned* src = qweight + (size_t)(16 * s) * n8 + tile_w0;
+  const half* x_src = x + (size_t)(x_ok ? lane >> 1 : 0) * K + 8 * (lane & 1) + 16 * s0;
+  unsigned x_at = ring_sa + 4u * (R::X_OFF + 8 * (lane >> 1) + 4 * (lane & 1));
+  int issue_s = s0, issue_slot = 0;   // next step to issue and its slot
+  auto issue_step = [&]() {
+    if (issue_s < s1) {
+      if (x_lane) awq::cp_async16_at(x_at, x_src, x_ok);
       if (vec) {
 #pragma unroll
-        for (int j = 0; j < VCH; ++j) awq::cp_async16_at(dst + v_dst[j], v_ok[j] ? src + v_src[j] : qweight, v_ok[j]);
+        for (int j = 0; j < VCH; ++j) awq::cp_async16_at(v_at[j], v_src[j], v_ok[j]);
       } else {   // N/8 % 4 != 0: rows are not 16-byte aligned, copy single words
-        unsigned* dp = ring + slot * R::STAGE_WORDS;
+        const unsigned* src = qweight + (size_t)(16 * issue_s) * n8 + tile_w0;
+        unsigned* dp = ring + issue_slot * R::STAGE_WORDS;
 #pragma unroll
         for (int c = lane; c < 16 * TW; c += 32) {
           const int r = c / TW, q = c % TW;
@@ -195,6 +200,17 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       }
     }
     awq::cp_async_commit();   // one group per step, empty past the range: the count stays fixed
+    const bool wrap = ++issue_slot == D;
+    if (wrap) issue_slot = 0;
+    const unsigned dsa = wrap ? 0u - (D - 1) * SB : SB;
+    ++issue_s;
+    x_at += dsa;
+    x_src += 16;
+#pragma unroll
+    for (int j = 0; j < VCH; ++j) {
+      v_at[j] += dsa;
+      v_src[j] += step_words;
+    }
   };
 
   float acc[NW][4][MB][4];
@@ -288,35 +304,37 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   };
 
   const unsigned ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
+  // this lane's fragment addresses in the read slot (loop-carried like the copy state):
+  // words of rows 2t (+1, +8, +9) x column words NW g.., and x[row g][k 2t, 2t+1]
+  unsigned rd_w = ring_sa + 4u * (2 * t * R::RS + NW * g);
+  unsigned rd_x = ring_sa + 4u * (R::X_OFF + 8 * g + t);
   if (s0 < s1) {
     load_group(s0);
     make_mode1_zeros();
 #pragma unroll
-    for (int d = 0; d < D - 1; ++d) issue_step(s0 + d, d);
+    for (int d = 0; d < D - 1; ++d) issue_step();
     int left_in_group = steps_per_group - (s0 % steps_per_group);
-    int slot = 0;   // ring slot of step st: (st - s0) % D
+    int read_slot = 0;
     for (int st = s0; st < s1; ++st) {
       awq::cp_async_wait<D - 2>();   // this lane's copies of step st have landed ...
       __syncwarp();                  // ... and every lane's; the slot of step st - 1 is free again
-      issue_step(st + D - 1, slot == 0 ? D - 1 : slot - 1);
-      const unsigned* stage = ring + slot * R::STAGE_WORDS + NW * g;
+      issue_step();                  // step st + D - 1 into that slot
       unsigned xb[MB][2];   // B fragments: x[row 8 mb + g][k 2t, 2t+1] and [k 2t+8, 2t+9]
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) {
-        const unsigned* xs = ring + slot * R::STAGE_WORDS + R::X_OFF + 8 * (8 * mb + g);
-        xb[mb][0] = xs[t];
-        xb[mb][1] = xs[4 + t];
+        xb[mb][0] = awq::lds32(rd_x + 4u * 64 * mb);
+        xb[mb][1] = awq::lds32(rd_x + 4u * (64 * mb + 4));
       }
       unsigned wv[NW][4];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const unsigned* p = stage + (2 * t + (r & 1) + 8 * (r >> 1)) * R::RS;
+        const unsigned a = rd_w + 4u * ((r & 1) + 8 * (r >> 1)) * R::RS;
         if (NW == 2) {
-          const uint2 v = *reinterpret_cast<const uint2*>(p);
+          const uint2 v = awq::lds64(a);
           wv[0][r] = v.x;
           wv[NW - 1][r] = v.y;
         } else {
-          wv[0][r] = p[0];
+          wv[0][r] = awq::lds32(a);
         }
       }
       if (MODE == 0) {
@@ -332,7 +350,11 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
 #pragma unroll
           for (int mb = 0; mb < MB; ++mb) mma16816(part[j][i][mb], a[i], xb[mb][0], xb[mb][1]);
       }
-      slot = slot + 1 == D ? 0 : slot + 1;
+      const bool wrap = ++read_slot == D;
+      if (wrap) read_slot = 0;
+      const unsigned dsa = wrap ? 0u - (D - 1) * SB : SB;
+      rd_w += dsa;
+      rd_x += dsa;
       if (--left_in_group == 0 || st + 1 == s1) {   // group ends (or the warp's range does)
         flush_group();
         left_in_group = steps_per_group;

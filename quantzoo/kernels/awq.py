@@ -106,14 +106,15 @@ SMALL_TUNED = {
     # M = 1 on the shapes the runner's decode graph runs (fused q/k/v 4096->6144, o 4096->4096,
     # fused gate/up 4096->24576, down 12288->4096) and 4096->12288: the best of a config x split
     # sweep timed as that graph runs them, back to back with programmatic dependent launch
-    # (sessions 3 and 4, bench/NOTES.md): 10.5 / 7.3 / 30.2 / 15.8 / 17.1 us. Under PDL one split
-    # (no split-K epilogue) wins on the wide shapes: 4096->12288 17.1 us vs 20.6 for the plain-launch
-    # pick of session 2 ((1, 2, 4, 1, 0, 8) with 4 splits, 16.8 us without PDL).
-    (4096, 6144, 1): ((1, 2, 4, 1, 0, 12), 8),
+    # (sessions 3 and 4, re-swept in session 9 after the loop-carried copy addresses, bench/NOTES.md):
+    # 9.9 / 7.1 / 27.8 / 14.4 / 14.5 us. Under PDL one split (no split-K epilogue) wins on the wide
+    # shapes: 4096->12288 17.1 us vs 20.6 for the plain-launch pick of session 2 ((1, 2, 4, 1, 0, 8)
+    # with 4 splits, 16.8 us without PDL).
+    (4096, 6144, 1): ((1, 2, 8, 1, 0, 4), 2),
     (4096, 4096, 1): ((1, 2, 8, 1, 0, 4), 4),
     (4096, 24576, 1): ((1, 2, 8, 1, 0, 4), 1),
     (4096, 1024, 1): ((2, 1, 4, 1, 0, 8), 8),
-    (4096, 12288, 1): ((1, 2, 8, 1, 0, 8), 1),
+    (4096, 12288, 1): ((1, 2, 8, 1, 0, 4), 1),
     (12288, 4096, 1): ((1, 2, 8, 1, 0, 4), 4),
     (4096, 4096, 2): ((2, 1, 4, 1, 0, 8), 4),
     (4096, 1024, 2): ((2, 1, 4, 1, 0, 8), 8),
