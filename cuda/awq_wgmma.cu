@@ -122,39 +122,29 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int groups_per_stage = G < BK ? BK / G : 1;
   const bool vec16 = (n8 % 4) == 0;
 
-  // Copy plan, worked out once (a stage only moves the sources by k0 rows): thread tid copies
-  // x chunk xc = tid % 8 of rows xr + XSTEP i and weight chunk wc (4 words) of rows wr + WSTEP j.
-  // Rows past M, K or the split and words past N/8 are zero-filled (src size 0).
-  constexpr int XSTEP = C::THREADS / 8, XCH = T * 8 / C::THREADS;
+  // Copies: x through wg::XTile; thread tid copies weight chunk wc (4 words) of rows
+  // wr + WSTEP j, from a pointer carried from stage to stage like XTile's. Rows past M, K or
+  // the split and words past N/8 are zero-filled (src size 0).
+  wg::XTile<T, C::THREADS> xt(x, M, K, m0, kb, tid);
   constexpr int WCPR = C::WORDS / 4, WSTEP = C::THREADS / WCPR, WCH = BK / WSTEP;
   static_assert(C::THREADS % WCPR == 0 && BK % WSTEP == 0, "weight chunks split evenly");
-  const int xr = tid >> 3, xc = tid & 7;
-  const half* xsrc = x + (size_t)min(m0 + xr, M - 1) * K + 8 * xc;
-  const unsigned x_dst = xr * 128 + ((xc ^ (xr & 7)) << 4);   // + XSTEP * 128 * i (XSTEP % 8 == 0)
-  unsigned x_rows = 0;                                        // bit i: row xr + XSTEP i < M
-#pragma unroll
-  for (int i = 0; i < XCH; ++i) x_rows |= (m0 + xr + XSTEP * i < M) << i;
   const int wr = tid / WCPR, wc = 4 * (tid % WCPR);
   const bool w_col = col0 + wc < n8;
-  const unsigned* wsrc = qweight + (size_t)wr * n8 + col0 + (w_col ? wc : 0);
+  const unsigned* wsrc = qweight + (size_t)(kb + wr) * n8 + col0 + (w_col ? wc : 0);   // next stage's
   const unsigned w_dst = C::X_BYTES + 4 * (wr * C::W_LD + wc);   // + WSTEP * W_LD * 4 * j
+  const int g_shift = __ffs(G) - 1;   // G is 32, 64 or 128
   auto load_stage = [&](int st, int buf) {
     const int k0 = kb + st * BK;
     const bool live = st < n_stages;   // past the split: zero-fill a free buffer, no branch
     const unsigned S0 = base + buf * C::STAGE;
-    const bool kok = live && k0 + 8 * xc < ke;
-#pragma unroll
-    for (int i = 0; i < XCH; ++i) {
-      const bool ok = kok && ((x_rows >> i) & 1);
-      awq::cp_async16_at(S0 + x_dst + XSTEP * 128 * i, ok ? xsrc + (size_t)XSTEP * i * K + k0 : x, ok);
-    }
+    xt.copy_next(S0, live && k0 + 8 * (tid & 7) < ke, x, K);
     if (vec16) {
 #pragma unroll
       for (int j = 0; j < WCH; ++j) {
         const bool ok = live && w_col && k0 + wr + WSTEP * j < ke;
-        awq::cp_async16_at(S0 + w_dst + WSTEP * C::W_LD * 4 * j,
-                           ok ? wsrc + (size_t)(k0 + WSTEP * j) * n8 : qweight, ok);
+        awq::cp_async16_at(S0 + w_dst + WSTEP * C::W_LD * 4 * j, ok ? wsrc + (size_t)WSTEP * j * n8 : qweight, ok);
       }
+      wsrc += (size_t)BK * n8;
     } else {   // N/8 % 4 != 0: rows are not 16-byte aligned, 4-byte copies
       awq::load_words<BK, C::WORDS, C::THREADS>(reinterpret_cast<unsigned*>(smem + buf * C::STAGE + C::X_BYTES),
                                                 C::W_LD, qweight, n8, k0, live ? ke : k0, col0, n8, false);
@@ -165,7 +155,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       const int gi = tid / C::WORDS, cw = tid % C::WORDS;
       const int kg = k0 + gi * G;
       const bool ok = live && (kg < ke) && (col0 + cw < n8);
-      const int grp = kg / G;
+      const int grp = kg >> g_shift;
       awq::cp_async16(S + 8 * tid, ok ? scales + (size_t)grp * N + 8 * (col0 + cw) : scales, ok);
       awq::cp_async4(Z + tid, ok ? qzeros + (size_t)grp * n8 + col0 + cw : qzeros, ok);
     }
@@ -250,24 +240,11 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
         };
         a[0][0] = f(p0, 0); a[0][1] = f(q0, 1); a[0][2] = f(p8, 0); a[0][3] = f(q8, 1);
       }
-#pragma unroll
-      for (int j = 0; j < JN; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) wg::pin(a[j][e]);
-      wg::wait<2>();   // k-step i - 3 is done: at most i - 2, i - 1 and i in flight after the issue
-      wg::fence();
-#pragma unroll
-      for (int j = 0; j < JN; ++j)   // desc + 2: 32 bytes further along k per k16
-        wg::Wgmma<T>::run(acc[j], a[j], desc + 2 * kk, st > 0 || kk > 0);
-      wg::commit();
+      wg::k_step<T, JN>(acc, a, desc + 2 * kk, st > 0 || kk > 0);   // desc + 2: 32 bytes along k per k16
     }
   }
-  wg::wait<0>();
+  wg::drain<T, JN>(acc);
   awq::cp_async_wait<0>();
-#pragma unroll
-  for (int j = 0; j < JN; ++j)
-#pragma unroll
-    for (int i = 0; i < T / 2; ++i) wg::pin(acc[j][i]);
 
   // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r (JN = 1: 8c + 4h + 2j0 + r), token m0 + 8i + 2t + e
   const int cg = col0 + c;

@@ -102,17 +102,11 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
   const int st0 = blockIdx.z * sps;
   const int n_stages = min(nb / 2, st0 + sps) - st0;
 
-  // Copy plan, worked out once: x as in awq_wgmma.cu; weight copy c of this thread is chunk
-  // (i % CH) of the window of block row i / CH, i = tid + THREADS c (rows past N zero-filled);
-  // a stage only moves the sources along the row.
-  constexpr int XSTEP = C::THREADS / 8, XCH = T * 8 / C::THREADS;
+  // Copies: x through wg::XTile; weight copy c of this thread is chunk (i % CH) of the window
+  // of block row i / CH, i = tid + THREADS c (rows past N zero-filled), worked out once (a
+  // stage only moves the window along the row).
+  wg::XTile<T, C::THREADS> xt(x, M, K, m0, 64 * st0, tid);
   constexpr int WCH = (C::ROWS * C::CH + C::THREADS - 1) / C::THREADS;
-  const int xr = tid >> 3, xc = tid & 7;
-  const half* xsrc = x + (size_t)min(m0 + xr, M - 1) * K + 8 * xc;
-  const unsigned x_dst = xr * 128 + ((xc ^ (xr & 7)) << 4);   // + XSTEP * 128 * i
-  unsigned x_rows = 0;                                        // bit i: row xr + XSTEP i < M
-#pragma unroll
-  for (int i = 0; i < XCH; ++i) x_rows |= (m0 + xr + XSTEP * i < M) << i;
   const unsigned row_bytes = (unsigned)nb * F::BYTES;
   unsigned w_src[WCH], w_dst[WCH];   // byte offset of the row's window start in W; in the stage
   unsigned w_ok = 0;                 // bit c: the chunk exists and its row is < N
@@ -130,12 +124,7 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
     const int s = st0 + st;
     const bool live = st < n_stages;   // past the split: zero-fill a free buffer, no branch
     const unsigned S0 = base + buf * C::STAGE;
-    const int k0 = 64 * s;
-#pragma unroll
-    for (int i = 0; i < XCH; ++i) {
-      const bool ok = live && ((x_rows >> i) & 1);
-      awq::cp_async16_at(S0 + x_dst + XSTEP * 128 * i, ok ? xsrc + (size_t)XSTEP * i * K + k0 : x, ok);
-    }
+    xt.copy_next(S0, live, x, K);
     const unsigned win = (unsigned)(s * C::RB) & ~15u;   // the 16-byte window holding the stage
     // chunks past the stage's last byte are not copied: a window may reach past the row, and
     // for the last row past the tensor (Q5_0: 44 bytes at offset 4 in a 64-byte window)
@@ -233,24 +222,11 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
             }
             a[j][r8 + 2 * p] = awq::as_u32(__hmul2_rn(v, dd[j][r8][b]));
           }
-#pragma unroll
-      for (int j = 0; j < JN; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) wg::pin(a[j][e]);
-      wg::wait<2>();
-      wg::fence();
-#pragma unroll
-      for (int j = 0; j < JN; ++j)   // desc + 2: 32 bytes further along k per k16
-        wg::Wgmma<T>::run(acc[j], a[j], desc + 2 * kk, st > 0 || kk > 0);
-      wg::commit();
+      wg::k_step<T, JN>(acc, a, desc + 2 * kk, st > 0 || kk > 0);   // desc + 2: 32 bytes along k per k16
     }
   }
-  wg::wait<0>();
+  wg::drain<T, JN>(acc);
   awq::cp_async_wait<0>();
-#pragma unroll
-  for (int j = 0; j < JN; ++j)
-#pragma unroll
-    for (int i = 0; i < T / 2; ++i) wg::pin(acc[j][i]);
 
   // acc[j][4i + 2 r8 + e]: weight row n0 + rr(j) + 8 r8, token m0 + 8i + 2t + e
   const bool split = gridDim.z > 1;

@@ -5,6 +5,7 @@
 // that include this compile to empty bodies.
 #pragma once
 #include <cuda_fp16.h>
+#include "awq_common.cuh"   // cp.async helpers
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace wg {
@@ -95,5 +96,67 @@ template <> struct Wgmma<256> {
 __device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
   return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
+
+// One k-step of JN instructions (64 rows each, register A), as both kernels issue it: the A
+// fragments are pinned before the fence (computed after it, ptxas serialises the wgmma: C7513);
+// at most 2 earlier k-steps stay in flight, so 3 are after this one (a stage's buffer is free
+// again 2 stages later: the kernels load D - 2 stages ahead).
+template <int T, int JN>
+__device__ __forceinline__ void k_step(float (&acc)[JN][T / 2], unsigned (&a)[JN][4],
+                                       unsigned long long desc, int accumulate) {
+#pragma unroll
+  for (int j = 0; j < JN; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pin(a[j][e]);
+  wait<2>();
+  fence();
+#pragma unroll
+  for (int j = 0; j < JN; ++j) Wgmma<T>::run(acc[j], a[j], desc, accumulate);
+  commit();
+}
+
+// After the last k-step: every wgmma done, and the accumulators pinned so that the epilogue
+// cannot read them earlier.
+template <int T, int JN>
+__device__ __forceinline__ void drain(float (&acc)[JN][T / 2]) {
+  wait<0>();
+#pragma unroll
+  for (int j = 0; j < JN; ++j)
+#pragma unroll
+    for (int i = 0; i < T / 2; ++i) pin(acc[j][i]);
+}
+
+// The x tile of a 64-k stage, B of the descriptor above: T tokens x 64 halves, 128 bytes a row,
+// 16-byte chunk c of row r at byte r * 128 + ((c ^ (r % 8)) << 4). Thread tid copies chunk
+// tid % 8 of rows tid / 8 + STEP i; rows past M and k past the stage's end are zero-filled.
+// Stages are copied in k order, so the source pointer is carried from one copy to the next
+// (+64 halves): ptxas rematerialises a pointer worked out once from threadIdx on every trip of
+// the loop (bench/NOTES.md, session 9), a value the loop updates it cannot.
+template <int T, int THREADS>
+struct XTile {
+  static constexpr int STEP = THREADS / 8, CH = T * 8 / THREADS;
+  static_assert(T * 8 % THREADS == 0 && STEP % 8 == 0, "x chunks split evenly over the threads");
+  const half* src;   // chunk 0 of the next stage copied
+  unsigned dst;      // its byte offset in a stage
+  unsigned rows;     // bit i: row tid / 8 + STEP i is < M
+  __device__ __forceinline__ XTile(const half* x, int M, int K, int m0, int k0, int tid) {
+    const int xr = tid >> 3, xc = tid & 7;
+    src = x + (size_t)min(m0 + xr, M - 1) * K + k0 + 8 * xc;
+    dst = xr * 128 + ((xc ^ (xr & 7)) << 4);
+    rows = 0;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) rows |= (m0 + xr + STEP * i < M) << i;
+  }
+  // copy the next stage into the stage at shared address S0 (k_ok: this thread's 8 k lie
+  // inside the block's K range), then advance
+  __device__ __forceinline__ void copy_next(unsigned S0, bool k_ok, const half* x, int K) {
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const bool ok = k_ok && ((rows >> i) & 1);
+      awq::cp_async16_at(S0 + dst + STEP * 128 * i, ok ? src + (size_t)STEP * K * i : x, ok);
+    }
+    src += 64;
+  }
+};
 }  // namespace wg
 #endif
