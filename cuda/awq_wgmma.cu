@@ -33,7 +33,8 @@
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
 //   the layout the wgmma descriptor reads without bank conflicts; cp.async places the chunks.
 // * Pipeline: D stages filled by cp.async from every thread, one block barrier per stage; each
-//   thread's copy addresses are worked out once, so a stage's copies cost a few instructions. A
+//   thread's copy sources are carried from stage to stage (wg::XTile), so a stage's copies cost
+//   a few instructions (offsets worked out once were recomputed by ptxas every stage). A
 //   warpgroup keeps at most 3 k-steps (wgmma groups, 4 per stage) in flight, so every wgmma of
 //   stage s - 2 is done when a warpgroup reaches the barrier of stage s: loads run D - 2 stages
 //   ahead, into the buffer of stage s - 2. (Issuing the copies after the stage's first wgmma

@@ -121,11 +121,11 @@ def test_small_split_plan():
 
 
 def test_small_dispatch_thresholds():
-    """Where the bench put them: small up to M = 4 everywhere, to 8 unless N >= 8192, to 16 for
-    weights up to 4096 x 4096; mma beyond."""
+    """Where the bench put them: small up to M = 8 everywhere, to 16 for weights up to
+    4096 x 4096; mma beyond (without a Hopper device: no wgmma)."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
-    assert [awq.choose_path(m, shape(12288, 4096)) for m in (1, 4, 5, 8, 9)] == ["small"] * 2 + ["mma"] * 3
-    assert [awq.choose_path(m, shape(4096, 12288)) for m in (1, 8, 9, 16)] == ["small"] * 2 + ["mma"] * 2
+    assert [awq.choose_path(m, shape(12288, 4096)) for m in (1, 4, 5, 8, 9)] == ["small"] * 4 + ["mma"]
+    assert [awq.choose_path(m, shape(24576, 4096)) for m in (1, 8, 9, 16)] == ["small"] * 2 + ["mma"] * 2
     assert [awq.choose_path(m, shape(1024, 4096)) for m in (1, 8, 16, 17)] == ["small"] * 3 + ["mma"]
 
 

@@ -9,8 +9,8 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          (GEMV_MAX_M = 0), only path="gemv" runs it
     "small"           cuda/awq_small.cu  M <= 16: weights as the MMA's A operand, streamed through
                                          a per-warp shared-memory ring, scale applied per group to
-                                         fp32 partials (no fp16 weight); chosen for M <= 4, M <= 8
-                                         with N < SMALL_MMA_N, M <= 16 with N * K <= SMALL_MMA_NK
+                                         fp32 partials (no fp16 weight); chosen for M <= 8, and
+                                         M <= 16 with N * K <= SMALL_MMA_NK
     "mma"             cuda/awq_mma.cu    mma.sync m16n8k16, dequant in registers, any M; chosen
                                          up to MMA_MAX_M (MMA_MAX_M_BIG for N or K >= 8192)
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
@@ -88,14 +88,13 @@ GEMV_MAX_M = 0          # M <= this: gemv
 MMA_MAX_M = 96          # M <= this and not small: mma; above: dequant + cuBLAS ...
 MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
 MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
-# small-M kernel vs mma (bench run 10, µs, H100; bench/notes-awq.md): small wins at M <= 4 on all
-# four Qwen3-8B shapes (4096->12288 M = 1: 17.9 vs 19.8; 12288->4096: 16.5 vs 20.7; 4096->4096:
-# 8.7 vs 11.0; 4096->1024: 6.7 vs 8.8), at M <= 8 except N = 12288 (M = 8: 23.1 vs 20.8), and at
-# M <= 16 only for the small weights (4096->1024 M = 16: 7.8 vs 11.1; 4096->4096: 13.5 vs 14.3;
-# 12288->4096: 27.3 vs 22.5).
-SMALL_MAX_M = 16        # M <= this: the small-M kernel (awq_small.cu), except ...
-SMALL_MMA_N = 8192      # ... 4 < M <= 8 with N >= this, and ...
-SMALL_MMA_NK = 1 << 24  # ... 8 < M <= 16 with N * K > this: there the mma kernel is faster
+# small-M kernel vs mma and wgmma (H100, us, plain launches; session 9, after awq_small's
+# loop-carried addresses, bench/NOTES.md): small wins at M <= 8 on the Qwen3-8B shapes
+# (4096->12288 M = 8: 17.9 vs mma 20.3 / wgmma 20.0; 12288->4096: 18.0 vs 21.0 / 20.1; a tie only
+# at 4096->24576 M = 8, 35.5 vs mma 34.7), and at 8 < M <= 16 only for the small weights
+# (4096->1024 M = 16: 7.2 vs 10.8; 4096->12288 M = 16: 31.0 vs mma 22.6).
+SMALL_MAX_M = 16        # M <= 8, and M <= this with ...
+SMALL_MMA_NK = 1 << 24  # ... N * K <= this: the small-M kernel (awq_small.cu); else mma
 SMALL_M1 = (1, 2, 8, 1, 0, 4)   # config for M <= 8 on untuned shapes ...
 SMALL_M2 = (2, 1, 4, 1, 0, 8)   # ... and for 8 < M <= 16
 SMALL_BLOCKS_PER_SM = 2  # small_plan: target blocks per SM
@@ -283,7 +282,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         return "wgmma"
     if m <= GEMV_MAX_M:
         return "gemv"
-    if m <= 4 or (m <= 8 and n < SMALL_MMA_N) or (8 < m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
+    if m <= 8 or (m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
         return "small"
     limit = MMA_MAX_M_BIG if (n >= 8192 or k >= 8192) else MMA_MAX_M
     return "mma" if m <= limit else "dequant+cublas"
