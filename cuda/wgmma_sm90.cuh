@@ -128,7 +128,7 @@ __device__ __forceinline__ void drain(float (&acc)[JN][T / 2]) {
 
 // The x tile of a 64-k stage, B of the descriptor above: T tokens x 64 halves, 128 bytes a row,
 // 16-byte chunk c of row r at byte r * 128 + ((c ^ (r % 8)) << 4). Thread tid copies chunk
-// tid % 8 of rows tid / 8 + STEP i; rows past M and k past the stage's end are zero-filled.
+// tid % 8 of rows tid / 8 + STEP i; rows past M and k past the block's range are zero-filled.
 // Stages are copied in k order, so the source pointer is carried from one copy to the next
 // (+64 halves): ptxas rematerialises a pointer worked out once from threadIdx on every trip of
 // the loop (bench/NOTES.md, session 9), a value the loop updates it cannot.

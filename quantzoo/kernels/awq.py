@@ -107,8 +107,8 @@ SMALL_TUNED = {
     # sweep timed as that graph runs them, back to back with programmatic dependent launch
     # (sessions 3 and 4, re-swept in session 9 after the loop-carried copy addresses, bench/NOTES.md):
     # 9.9 / 7.1 / 27.8 / 14.4 / 14.5 us. Under PDL one split (no split-K epilogue) wins on the wide
-    # shapes: 4096->12288 17.1 us vs 20.6 for the plain-launch pick of session 2 ((1, 2, 4, 1, 0, 8)
-    # with 4 splits, 16.8 us without PDL).
+    # shapes (session 4: 4096->12288 17.1 us vs 20.6 for session 2's plain-launch pick, (1, 2, 4, 1,
+    # 0, 8) with 4 splits).
     (4096, 6144, 1): ((1, 2, 8, 1, 0, 4), 2),
     (4096, 4096, 1): ((1, 2, 8, 1, 0, 4), 4),
     (4096, 24576, 1): ((1, 2, 8, 1, 0, 4), 1),
