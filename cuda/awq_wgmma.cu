@@ -77,7 +77,6 @@ struct Cfg {
   static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(T * 8 % THREADS == 0, "x chunks per stage split evenly over the threads");
-  static_assert(D >= 3, "loads run D - 2 stages ahead");
 };
 
 }  // namespace awqw
@@ -164,19 +163,9 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
 
   float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
 
-  constexpr int AHEAD = D - 2;   // stages loaded ahead of the one computed
-#pragma unroll
-  for (int st = 0; st < AHEAD; ++st) {
-    load_stage(st, st);
-    awq::cp_async_commit();
-  }
+  wg::fill_pipeline<D>(load_stage);
   for (int st = 0; st < n_stages; ++st) {
-    awq::cp_async_wait<AHEAD - 1>();
-    // cp.async wrote through the generic proxy; wgmma reads through the async proxy
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    load_stage(st + AHEAD, (st + AHEAD) % D);
-    awq::cp_async_commit();
+    wg::enter_stage<D>(st, load_stage);
 
     unsigned char* S0 = smem + (st % D) * C::STAGE;
     const unsigned long long desc = wg::desc_sw128(awq::smem_addr(S0));

@@ -72,7 +72,6 @@ struct Cfg {
   static_assert(RB % 4 == 0, "a row's stage is 4-byte aligned");
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(T * 8 % THREADS == 0, "x chunks per stage split evenly over the threads");
-  static_assert(D >= 3, "loads run D - 2 stages ahead");
 };
 
 }  // namespace ggw
@@ -139,20 +138,11 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
 
   float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
 
-  constexpr int AHEAD = D - 2;
-#pragma unroll
-  for (int st = 0; st < AHEAD; ++st) {
-    load_stage(st, st);
-    awq::cp_async_commit();
-  }
+  wg::fill_pipeline<D>(load_stage);
   // this thread's weight rows in the block: instruction j, r8 = 0 / 1 -> row rr(j) + 8 r8
   auto rr = [&](int j) { return 64 * JN * wg + 64 * j + 16 * wq + g; };
   for (int st = 0; st < n_stages; ++st) {
-    awq::cp_async_wait<AHEAD - 1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    load_stage(st + AHEAD, (st + AHEAD) % D);
-    awq::cp_async_commit();
+    wg::enter_stage<D>(st, load_stage);
 
     const unsigned char* S0 = smem + (st % D) * C::STAGE;
     const unsigned long long desc = wg::desc_sw128(awq::smem_addr(S0));

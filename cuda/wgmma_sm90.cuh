@@ -97,6 +97,31 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
   return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
+// The stage pipeline both kernels run: D shared-memory buffers, each stage one cp.async group,
+// loads D - 2 stages ahead. A warpgroup keeps at most 3 k-steps in flight (k_step below), so
+// every wgmma of stage s - 2 is done when it reaches the barrier of stage s, whose buffer is
+// then refilled. load(st, buf) issues the copies of stage st into buffer buf.
+template <int D, class Load>
+__device__ __forceinline__ void fill_pipeline(Load& load) {
+  static_assert(D >= 3, "loads run D - 2 stages ahead");
+#pragma unroll
+  for (int st = 0; st < D - 2; ++st) {
+    load(st, st);
+    awq::cp_async_commit();
+  }
+}
+// Wait for stage st (this thread's copies, then every thread's), make it visible to wgmma, and
+// start stage st + D - 2.
+template <int D, class Load>
+__device__ __forceinline__ void enter_stage(int st, Load& load) {
+  awq::cp_async_wait<D - 3>();
+  // cp.async wrote through the generic proxy; wgmma reads through the async proxy
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  load(st + D - 2, (st + D - 2) % D);
+  awq::cp_async_commit();
+}
+
 // One k-step of JN instructions (64 rows each, register A), as both kernels issue it: the A
 // fragments are pinned before the fence (computed after it, ptxas serialises the wgmma: C7513);
 // at most 2 earlier k-steps stay in flight, so 3 are after this one (a stage's buffer is free

@@ -79,11 +79,9 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # At M = 512 it wins only where its grid fills whole waves (12288->4096: 118.4 vs 124.1 us, 128
 # blocks on 132 SMs; 4096->24576: 218.0 vs 248.6, 384 blocks = 3 waves) and loses where the last
 # wave is 3/4 empty (4096->12288: 136.7 vs 123.0, 192 blocks; 4096->6144: 70.2 vs 61.6, 96).
-WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M and N * K >= WGMMA_MIN_NK:
-WGMMA_MAX_M = 256       # wgmma (before the rules below); up to WGMMA_MAX_M_FULL too if the
-WGMMA_MAX_M_FULL = 512  # grid's last wave is at least WGMMA_MIN_FILL full (wgmma_tiles.plan)
-WGMMA_MIN_FILL = 0.9
-WGMMA_MIN_NK = 6144 * 4096
+WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= wgmma_tiles.MAX_M and N * K >= WGMMA_MIN_NK:
+WGMMA_MAX_M_FULL = 512  # wgmma (before the rules below); up to WGMMA_MAX_M_FULL too if the grid's
+WGMMA_MIN_NK = 6144 * 4096   # last wave is at least wgmma_tiles.MIN_FILL full (wgmma_tiles.dispatch)
 GEMV_MAX_M = 0          # M <= this: gemv
 MMA_MAX_M = 96          # M <= this and not small: mma; above: dequant + cuBLAS ...
 MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
@@ -275,10 +273,9 @@ def choose_path(m: int, qt=None, dev=None) -> str:
     if dev is None and qt is not None and isinstance(getattr(qt, "data", None), dict):
         qw = qt.data.get("qweight")
         dev = qw.device if isinstance(qw, torch.Tensor) else None
-    if (WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and n * k >= WGMMA_MIN_NK and dev is not None
-            and dev.type == "cuda" and wgmma_available(dev)
-            and (m <= WGMMA_MAX_M
-                 or wgmma_tiles.dispatch_fill(m, n, k, _sm_count(dev)) >= WGMMA_MIN_FILL)):
+    if (WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and dev is not None and dev.type == "cuda"
+            and wgmma_available(dev)
+            and wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(dev), WGMMA_MIN_NK, WGMMA_MIN_NK)):
         return "wgmma"
     if m <= GEMV_MAX_M:
         return "gemv"
@@ -458,8 +455,7 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
 def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     """Dynamic shared memory of awq_wgmma_kernel (awqw::Cfg in awq_wgmma.cu)."""
     words = wgmma_tiles.columns(nwg, t) // 8
-    stage = t * 128 + 64 * (words + 4) * 4 + 2 * words * 16 + 2 * words * 4
-    return d * (-(-stage // 1024) * 1024) + 1024
+    return wgmma_tiles.smem_bytes(t * 128 + 64 * (words + 4) * 4 + 2 * words * 16 + 2 * words * 4, d)
 
 
 wgmma_config = wgmma_tiles.config
@@ -476,10 +472,8 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, (str(dev), name), smem)
     tiles_m, tiles_n = wgmma_tiles.grid(m, n, (nwg, t, d))
-    if splits is None:
-        slots = _blocks_per_sm(kern, smem, 128 * nwg) * _sm_count(dev)
-        splits = wgmma_tiles.plan(m, n, k, slots, (nwg, t, d))[0]
-    splits, per = wgmma_tiles.stage_split(-(-k // 64), splits)
+    slots = _blocks_per_sm(kern, smem, 128 * nwg) * _sm_count(dev)
+    splits, per = wgmma_tiles.split_k(m, n, k, slots, (nwg, t, d), splits)
     per *= 64   # rows per split
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
     ctr = _buffer(dev, "ctr", max(tiles_m * tiles_n, 4096), torch.int32, zero=True)

@@ -19,7 +19,7 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
                         on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
-  "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M[fmt] <= M <= WGMMA_MAX_M (and
+  "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M[fmt] <= M <= 256 (and
                         to WGMMA_MAX_M_FULL[fmt] where the grid fills whole waves): the dequant
                         path's function with the blocks unpacked in registers as wgmma's A operand
                         (cuda/gguf_wgmma.cu).
@@ -156,10 +156,9 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 # from M = 64 to 256 (12288->4096 M = 128 57.8 vs 99.7; 4096->12288 M = 16 52.7 vs 46.2 for mma,
 # M = 512 185.6 vs 148.0 for dequant), so its range is narrower.
 WGMMA_MIN_M = {"q4_0": 9, "q5_0": 64, "q8_0": 9}
-WGMMA_MAX_M = 256
-WGMMA_MIN_NK = 4096 * 4096
+WGMMA_MIN_NK = 4096 * 4096          # M <= wgmma_tiles.MAX_M: weights of at least this
 WGMMA_MAX_M_FULL = {"q4_0": 512, "q5_0": 256, "q8_0": 512}
-WGMMA_MIN_NK_FULL, WGMMA_MIN_FILL = 6144 * 4096, 0.9
+WGMMA_MIN_NK_FULL = 6144 * 4096     # above, or any M: whole waves (wgmma_tiles.dispatch) and this
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -363,10 +362,7 @@ def choose_path(m: int, qt) -> str:
     if (fmt in WGMMA_FORMATS and WGMMA_MIN_M[fmt] <= m <= WGMMA_MAX_M_FULL[fmt]
             and not isinstance(qt, str) and wgmma_ok(qt)):
         n, k = qt.shape
-        if m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
-            return "wgmma"
-        if (n * k >= WGMMA_MIN_NK_FULL
-                and wgmma_tiles.dispatch_fill(m, n, k, _sm_count(qt.data.device)) >= WGMMA_MIN_FILL):
+        if wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(qt.data.device), WGMMA_MIN_NK, WGMMA_MIN_NK_FULL):
             return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
@@ -390,8 +386,7 @@ def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
     """ggw::Cfg<F, NWG, T, D>::SMEM in cuda/gguf_wgmma.cu."""
     rows = wgmma_tiles.columns(nwg, t)   # weight rows = output columns
     slot = 16 * ((2 * BYTES[fmt] + 12 + 15) // 16)
-    stage = -(-(t * 128 + rows * slot) // 1024) * 1024
-    return d * stage + 1024
+    return wgmma_tiles.smem_bytes(t * 128 + rows * slot, d)
 
 
 def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
@@ -406,8 +401,7 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     if grid_m > 65535:
         raise ValueError(f"x: {m} rows is too many for the wgmma path")
     slots = resident_blocks(kern, smem, 128 * nwg) * _sm_count(y2.device)
-    split = wgmma_tiles.plan(m, n, 32 * nb, slots, (nwg, t, d))[0]
-    split, sps = wgmma_tiles.stage_split(nb // 2, split)   # sps: 64-k stages per split
+    split, sps = wgmma_tiles.split_k(m, n, 32 * nb, slots, (nwg, t, d))   # sps: 64-k stages per split
     part = 0
     if split > 1:
         part = _workspace("wgmma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()

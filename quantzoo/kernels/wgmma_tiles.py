@@ -7,6 +7,8 @@ is built the same way.
 from __future__ import annotations
 
 MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (pipeline fill and drain)
+MAX_M = 256      # dispatch: wgmma up to this M on a format's smaller weights, and beyond it (to the
+MIN_FILL = 0.9   # format's own limit) only where the grid's last wave is at least this full
 # resident blocks per SM by T, for dispatch (which compiles nothing): 256 threads at ptxas's
 # 112-136 / 146-161 / 214-230 / 179-201 registers (CUDA 13, sm_90a; Q5_0 at T = 32 fits only one
 # block); launches ask the compiled kernel.
@@ -49,7 +51,24 @@ def dispatch_fill(m: int, n: int, k: int, sms: int) -> float:
     return plan(m, n, k, BLOCKS_PER_SM[config(m)[1]] * sms)[1]
 
 
-def stage_split(stages: int, splits: int) -> tuple[int, int]:
-    """(splits, stages per split) with every split non-empty."""
-    per = -(-stages // splits)
+def dispatch(m: int, n: int, k: int, sms, min_nk: int, min_nk_full: int) -> bool:
+    """Whether dispatch takes wgmma for M rows (already inside the format's M range) of an N x K
+    weight: M <= MAX_M on weights of at least min_nk, or a grid that fills its waves (MIN_FILL)
+    on weights of at least min_nk_full. sms() gives the SM count; it is asked only then."""
+    nk = n * k
+    return ((m <= MAX_M and nk >= min_nk)
+            or (nk >= min_nk_full and dispatch_fill(m, n, k, sms()) >= MIN_FILL))
+
+
+def split_k(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None) -> tuple[int, int]:
+    """(K splits, 64-row stages per split) of a launch on a GPU that holds `slots` blocks at
+    once: `plan`'s splits (or the caller's), evened out so that every split is non-empty."""
+    stages = -(-k // 64)
+    per = -(-stages // (splits or plan(m, n, k, slots, cfg)[0]))
     return -(-stages // per), per
+
+
+def smem_bytes(stage: int, d: int) -> int:
+    """Dynamic shared memory of a kernel with d stages of `stage` bytes, each rounded up to
+    1024 bytes (the 128-byte swizzle's alignment), plus 1024 of slack to align the base."""
+    return d * (-(-stage // 1024) * 1024) + 1024
