@@ -11,6 +11,8 @@ Outputs are poisoned with NaN before every run; inputs are fresh per case.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -303,6 +305,16 @@ def test_bad_inputs_raise_before_launch():
         awq.matmul(x[:1].contiguous().repeat(9, 1), qtc, path="gemv")
     with pytest.raises(ValueError, match="path: 'small'"):
         awq.matmul(x[:1].contiguous().repeat(17, 1), qtc, path="small")
+    # the weight's checks are remembered per QuantizedTensor (kernels.checked_once), but a storage
+    # tensor replaced after a good call is checked again, not launched on
+    q2 = dataclasses.replace(qtc, data=dict(qtc.data))
+    awq.matmul(x, q2)
+    q2.data["scales"] = q2.data["scales"].float()
+    with pytest.raises(ValueError, match="scales: dtype"):
+        awq.matmul(x, q2)
+    q2.data["scales"] = qtc.data["scales"][:, :8]
+    with pytest.raises(ValueError, match="scales: shape"):
+        ops.matmul(x, q2)
 
 
 @pytest.mark.parametrize("m", [33, 300])

@@ -58,3 +58,37 @@ def test_release_workspaces():
     awq._WS["cpu"] = {"ws": torch.empty(8)}
     qz.ops.release_workspaces()
     assert not gguf._WORKSPACES and not awq._WS
+
+
+def test_weight_checked_once_until_storage_changes(rng):
+    """kernels.checked_once: the weight check runs once per QuantizedTensor, again when a
+    storage tensor is replaced or another check asks, and the memo is not a dataclass field."""
+    from dataclasses import fields, replace
+
+    from quantzoo.kernels import checked_once
+
+    qt = get("awq").quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
+    calls = []
+
+    def check(q):
+        calls.append(q)
+        return ("ok", len(calls))
+
+    assert checked_once(qt, check) == ("ok", 1)
+    assert checked_once(qt, check) == ("ok", 1) and len(calls) == 1
+    qt.data["scales"] = qt.data["scales"].copy()          # a new storage object: checked again
+    assert checked_once(qt, check) == ("ok", 2)
+    other = replace(qt)                                   # a new QuantizedTensor: its own memo
+    assert checked_once(other, check) == ("ok", 3)
+    assert checked_once(qt, lambda q: "other check") == "other check"
+    assert checked_once(qt, check) == ("ok", 4)           # the memo holds one check at a time
+    assert [f.name for f in fields(qt)] == ["format", "shape", "data", "params"]
+    assert qt == other                                    # equality ignores the memo
+
+    def bad(q):
+        raise ValueError("qt: bad")
+
+    with pytest.raises(ValueError, match="qt: bad"):     # a failing check is never remembered
+        checked_once(qt, bad)
+    with pytest.raises(ValueError, match="qt: bad"):
+        checked_once(qt, bad)

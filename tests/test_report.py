@@ -254,3 +254,25 @@ def test_model_bench_section(errors):
     assert finite(t[0]["roofline_tok_s"]) == pytest.approx(702.2, abs=0.5) and t[1]["decode_tok_s_graph"] == "-"
     assert finite(t[0]["decode_tok_s_eager"]) == 60.2
     assert "`awq`: RuntimeError: out of memory" in md
+
+
+def test_model_bench_against_fp16(errors):
+    """The model section's comparison with the fp16 runner: decode, prefill by wall clock and by
+    GPU time (prefill_breakdown), and their quotient (host-bound when well above 1)."""
+    def rec(fmt, dec, tps512, gpu_us, tps2048):
+        return {"format": fmt, "decode_tok_s_graph": dec, "prefill_tok_s_512": tps512,
+                "prefill_tok_s_2048": tps2048,
+                "prefill_breakdown": [{"total_gpu_us": gpu_us, "wall_us": 1.0, "kernels": 3}]}
+    mb = {"results": [rec("awq", 330.0, 12800.0, 17000.0, 34000.0), rec("fp16", 165.0, 25600.0, 13600.0, 40000.0),
+                      {"format": "q8_0", "error": "RuntimeError: out of memory"}]}
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    t = table_with(md, "prefill 512 GPU ms")
+    awq, fp16 = t
+    assert awq["format"] == "awq" and len(t) == 2            # the failed format has no row
+    assert awq["decode tok/s"] == "330" and awq["decode x fp16"] == "2.00"
+    assert finite(awq["prefill 512 wall ms"]) == pytest.approx(40.0, abs=0.05)   # 512 / 12800 s
+    assert finite(awq["prefill 512 GPU ms"]) == pytest.approx(17.0, abs=0.05)
+    assert awq["wall x fp16"] == "0.50" and awq["GPU x fp16"] == "0.80" and awq["wall / GPU"] == "2.35"
+    assert fp16["GPU x fp16"] == "1.00" and fp16["wall / GPU"] == "1.47"
+    assert awq["prefill 2048 tok/s"] == "34000" and awq["2048 x fp16"] == "0.85"
+    assert report.model_vs_fp16_rows({"results": [rec("awq", 1.0, 1.0, 1.0, 1.0)]}) is None

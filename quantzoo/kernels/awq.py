@@ -37,7 +37,7 @@ from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.cuda_launch import wgmma_available
-from quantzoo.kernels import wgmma_tiles
+from quantzoo.kernels import checked_once, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -519,5 +519,5 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path):
 
 def matmul(x, qt, *, out=None, path=None):
     """x fp16 CUDA [.., K] -> fp16 [.., N] through the path chosen by M (choose_path)."""
-    qweight, scales, qzeros, k, n, g = _unpack_qt(qt)
+    qweight, scales, qzeros, k, n, g = checked_once(qt, _unpack_qt)
     return _gemm(x, qweight, scales, qzeros, k, n, g, out, path)

@@ -41,7 +41,7 @@ from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, residen
 from quantzoo.cuda_launch import set_max_dynamic_smem, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
-from quantzoo.kernels import wgmma_tiles
+from quantzoo.kernels import checked_once, wgmma_tiles
 
 QK = 32
 Q8_1_BYTES = get("q8_1").bytes_per_block
@@ -464,7 +464,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     """
     import torch
 
-    fmt, n, k = check_weight(qt)
+    fmt, n, k = checked_once(qt, check_weight)
     m, _ = _check_act(x, k, "x")
     if x.device != qt.data.device:
         raise ValueError(f"x is on {x.device} but the {fmt} weight is on {qt.data.device}")

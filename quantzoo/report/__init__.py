@@ -108,6 +108,42 @@ def model_bench_rows(mb: dict) -> tuple[list[str], list[list]]:
     return [label or "format"] + keys, rows
 
 
+def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
+    """Each format's runner speed against the fp16 runner's in the same model bench: decode
+    tok/s, and prefill both by the wall clock (tok/s, what a user waits) and by the GPU time of
+    the profiled 512-token prefill (`prefill_breakdown`). wall / GPU > 1 means the host's Python,
+    not the GPU, set the 512-token wall time. None without an fp16 record."""
+    recs = [r for r in (mb.get("results") if isinstance(mb, dict) else mb) or []
+            if isinstance(r, dict) and not r.get("error")]
+    base = next((r for r in recs if r.get("format") == "fp16"), None)
+    if base is None:
+        return None
+
+    def ratio(a, b):   # as text: two decimals whatever the size
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b and math.isfinite(a / b)
+        return format(a / b, ".2f") if ok else None
+
+    def gpu_ms(r):
+        pb = r.get("prefill_breakdown")
+        us = pb[0].get("total_gpu_us") if isinstance(pb, list) and pb and isinstance(pb[0], dict) else None
+        return us / 1e3 if isinstance(us, (int, float)) else None
+
+    def wall_ms(r, n):
+        tps = r.get(f"prefill_tok_s_{n}")
+        return 1e3 * n / tps if isinstance(tps, (int, float)) and tps else None
+
+    hdr = ["format", "decode tok/s", "decode x fp16", "prefill 512 wall ms", "wall x fp16",
+           "prefill 512 GPU ms", "GPU x fp16", "wall / GPU", "prefill 2048 tok/s", "2048 x fp16"]
+    rows = []
+    for r in recs:
+        g, w = gpu_ms(r), wall_ms(r, 512)
+        rows.append([r.get("format", "?"), r.get("decode_tok_s_graph"),
+                     ratio(r.get("decode_tok_s_graph"), base.get("decode_tok_s_graph")),
+                     w, ratio(wall_ms(base, 512), w), g, ratio(gpu_ms(base), g), ratio(w, g),
+                     r.get("prefill_tok_s_2048"), ratio(r.get("prefill_tok_s_2048"), base.get("prefill_tok_s_2048"))])
+    return hdr, rows
+
+
 def build(bench: dict | None = None, model_bench: dict | None = None, *, accuracy: bool = True,
           accuracy_formats=None, accuracy_tokens: int = 512, accuracy_text: str | None = None,
           model_path=None, errors: dict | None = None, command: str | None = None, log=None) -> dict:
@@ -290,6 +326,14 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             for r in recs:
                 if isinstance(r, dict) and r.get("error"):
                     L.append(f"\n- `{r.get('format')}`: {r['error'][:200]}")
+            vs = model_vs_fp16_rows(rep["model_bench"])
+            if vs:
+                L.append("\nAgainst the fp16 runner of the same run (x fp16 above 1: faster than fp16). The "
+                         "512-token prefill by the wall clock and by the GPU time of its profiled run; "
+                         "wall / GPU well above 1 means the host's Python, not the GPU, set that time "
+                         "(it moves up to 2x between runs on the lent machine).\n")
+                L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
+                                  for v in r] for r in vs[1]], vs[0]))
         except ValueError as e:
             L.append(f"(could not read the model bench: {e})")
         L.append("")
