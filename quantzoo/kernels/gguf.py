@@ -397,9 +397,7 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     kern = _kernel("gguf_wgmma.cu", name)
     smem = wgmma_smem_bytes(fmt, nwg, t, d)
     set_max_dynamic_smem(kern, (str(y2.device), name), smem)
-    grid_m, grid_n = wgmma_tiles.grid(m, n, (nwg, t, d))
-    if grid_m > 65535:
-        raise ValueError(f"x: {m} rows is too many for the wgmma path")
+    grid_m, grid_n = wgmma_tiles.grid(m, n, (nwg, t, d))   # token tiles on x (up to 2^31 - 1)
     slots = resident_blocks(kern, smem, 128 * nwg) * _sm_count(y2.device)
     split, sps = wgmma_tiles.split_k(m, n, 32 * nb, slots, (nwg, t, d))   # sps: 64-k stages per split
     part = 0
