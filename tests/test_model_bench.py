@@ -28,10 +28,15 @@ def test_bench_model_cpu_smoke(tmp_path, capsys):
     assert main(["bench", "model", "--tiny", "--device", "cpu", "--layers", "1", "--formats",
                  "q4_0,fp16", "--prompt-lens", "32", "--decode-tokens", "4", "--eager-tokens", "2",
                  "--json", str(out)]) == 0
-    res = json.loads(out.read_text())["results"]
+    doc = json.loads(out.read_text())
+    res = doc["results"]
     assert [r["format"] for r in res] == ["q4_0", "fp16"]
     for r in res:
         assert "error" not in r, r
         assert r["decode_tok_s_eager"] > 0 and r["prefill_tok_s_32"] > 0
         assert r["formats"]["q_proj"] == r["format"] and r["weight_bytes"] > 0
-    assert "prefill 32" in capsys.readouterr().out
+    sbs = doc["prefill_side_by_side"]   # both models at once, round-robin
+    assert sbs["reps"] == 7 and set(sbs["tok_s"]) == {"q4_0", "fp16"}
+    assert sbs["tok_s"]["q4_0"]["32"] > 0 and sbs["x_fp16"]["fp16"]["32"] == 1.0
+    text = capsys.readouterr().out
+    assert "prefill 32" in text and "timed round-robin" in text

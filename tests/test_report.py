@@ -276,3 +276,10 @@ def test_model_bench_against_fp16(errors):
     assert fp16["GPU x fp16"] == "1.00" and fp16["wall / GPU"] == "1.47"
     assert awq["prefill 2048 tok/s"] == "34000" and awq["2048 x fp16"] == "0.85"
     assert report.model_vs_fp16_rows({"results": [rec("awq", 1.0, 1.0, 1.0, 1.0)]}) is None
+    # the round-robin figures take precedence for the wall columns (JSON keys are strings)
+    mb["prefill_side_by_side"] = {"reps": 7, "tok_s": {"awq": {"512": 20480.0, "2048": 36000.0},
+                                                       "fp16": {"512": 25600.0, "2048": 40000.0}}}
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    awq = table_with(md, "prefill 512 GPU ms")[0]
+    assert finite(awq["prefill 512 wall ms"]) == pytest.approx(25.0, abs=0.05) and awq["wall x fp16"] == "0.80"
+    assert awq["2048 x fp16"] == "0.90" and "timed round-robin" in md

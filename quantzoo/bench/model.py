@@ -6,7 +6,9 @@ made), one run measures:
   decode tok/s at batch 1: 128 tokens after a 16-token prompt, the decode step replayed from
       a CUDA graph (and eager, for the gain); the next token is the argmax fed back on the GPU,
       so no host sync per step;
-  prefill tok/s for 512- and 2048-token prompts (one batched forward; median of 3);
+  prefill tok/s for 512- and 2048-token prompts (one batched forward; median of 7), and again
+      with every format's model held at once and timed round-robin (prefill_side_by_side: the
+      ratios to fp16 without the host's drift between the formats' turns);
   peak GPU memory (torch's max allocated) against weights + KV cache (+10 % allowed);
   the bandwidth roofline: copy bandwidth measured in the same run / bytes of every weight read
       once per token (embedding excluded), and the fraction of it decode reaches;
@@ -229,6 +231,53 @@ def profile_kernels(fn, device, top: int) -> list[dict]:
     return [{"total_gpu_us": round(total, 1), "wall_us": round(wall * 1e6, 1), "kernels": len(out)}] + out[:top]
 
 
+def prefill_side_by_side(fmts, cfg, args, device, lens, reps: int = 7) -> dict:
+    """Prefill wall time with every format's model held at once, timed round-robin (the order
+    rotated each round), so that the host's slow and fast phases fall on every format alike.
+    A 512-token prefill is bound by Python on the lent machine and its wall time moves up to 2x
+    between phases of one process (bench/NOTES.md, session 11); per-format runs one after
+    another then give ratios to fp16 anywhere from 0.6x to 1.3x. Returns {"reps", "tok_s":
+    {fmt: {n: median tok/s}}, "x_fp16": {fmt: {n: ratio}}} or {"skipped": why}."""
+    import statistics
+
+    import torch
+
+    if not lens or len(fmts) < 2:
+        return {"skipped": "needs two formats and a prompt length"}
+    models = {}
+    try:
+        for f in fmts:
+            models[f] = synthetic_model(f, cfg, device, group_size=args.awq_group_size)
+            models[f].setup_cache(-(-max(lens) // 256) * 256)
+    except torch.cuda.OutOfMemoryError:
+        models.clear()
+        torch.cuda.empty_cache()
+        return {"skipped": "the formats' models do not fit on the GPU together"}
+    ids = {n: [(7 * i + 3) % cfg.vocab_size for i in range(n)] for n in lens}
+    times = {f: {n: [] for n in lens} for f in fmts}
+    for rnd in range(2 + reps):          # two untimed rounds: compiles, allocator, clocks
+        order = fmts[rnd % len(fmts):] + fmts[:rnd % len(fmts)]
+        for n in lens:
+            for f in order:
+                _sync(device)
+                t = time.perf_counter()
+                models[f].prefill(ids[n])
+                _sync(device)
+                if rnd >= 2:
+                    times[f][n].append(time.perf_counter() - t)
+    del models
+    if str(device).startswith("cuda"):
+        from .. import ops
+
+        ops.release_workspaces()
+        torch.cuda.empty_cache()
+    tok_s = {f: {n: n / statistics.median(times[f][n]) for n in lens} for f in fmts}
+    out = {"reps": reps, "tok_s": tok_s}
+    if "fp16" in tok_s:
+        out["x_fp16"] = {f: {n: tok_s[f][n] / tok_s["fp16"][n] for n in lens} for f in fmts}
+    return out
+
+
 def bench_format(fmt, cfg, args, device, bw) -> dict:
     import torch
 
@@ -340,6 +389,14 @@ def run(args) -> int:
             torch.cuda.empty_cache()
     out = {"config": cfg.__dict__, "device": device, "machine": info, "copy_bandwidth_bytes_s": bw,
            "llama_cpp_h100": LLAMA_CPP, "results": results}
+    lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    ok = [r["format"] for r in results if "error" not in r]
+    if lens and len(ok) > 1:
+        print("== prefill, every format side by side ...", file=sys.stderr, flush=True)
+        try:
+            out["prefill_side_by_side"] = prefill_side_by_side(ok, cfg, args, device, lens)
+        except Exception as e:   # noqa: BLE001 - never lose the per-format numbers for it
+            out["prefill_side_by_side"] = {"skipped": f"{type(e).__name__}: {e}"}
     print(render(out, args))
     if args.json:
         with open(args.json, "w") as fh:
@@ -387,6 +444,16 @@ def render(out: dict, args) -> str:
           "(embedding excluded). Prefill in parentheses: ratio to the fp16 runner. 'no PDL': the same "
           "graph with plain launches instead of programmatic dependent launch. 'torch layer ops': "
           "graph decode with norms, RoPE, attention and SwiGLU as torch ops instead of the fused kernels.")
+    sbs = out.get("prefill_side_by_side") or {}
+    if "tok_s" in sbs:
+        s += (f"\n\nPrefill with every model held at once, timed round-robin (median of {sbs['reps']}; "
+              "what the ratios to fp16 should be read from, the host's speed drifting within a run):")
+        for f, per in sbs["tok_s"].items():
+            s += f"\n  {f}: " + ", ".join(
+                f"{n} tokens {v:,.0f} tok/s" + (f" ({sbs['x_fp16'][f][n]:.2f}x fp16)" if "x_fp16" in sbs else "")
+                for n, v in per.items())
+    elif sbs:
+        s += f"\n\nPrefill side by side: skipped ({sbs.get('skipped')})"
     for r in res:
         if r.get("fallbacks"):
             s += f"\n{r['format']}: FALLBACK " + "; ".join(r["fallbacks"])

@@ -110,8 +110,9 @@ def model_bench_rows(mb: dict) -> tuple[list[str], list[list]]:
 
 def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
     """Each format's runner speed against the fp16 runner's in the same model bench: decode
-    tok/s, and prefill both by the wall clock (tok/s, what a user waits) and by the GPU time of
-    the profiled 512-token prefill (`prefill_breakdown`). wall / GPU > 1 means the host's Python,
+    tok/s, and prefill both by the wall clock (tok/s, what a user waits; from the round-robin
+    `prefill_side_by_side` where the bench has it) and by the GPU time of the profiled
+    512-token prefill (`prefill_breakdown`). wall / GPU > 1 means the host's Python,
     not the GPU, set the 512-token wall time. None without an fp16 record."""
     recs = [r for r in (mb.get("results") if isinstance(mb, dict) else mb) or []
             if isinstance(r, dict) and not r.get("error")]
@@ -128,9 +129,17 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
         us = pb[0].get("total_gpu_us") if isinstance(pb, list) and pb and isinstance(pb[0], dict) else None
         return us / 1e3 if isinstance(us, (int, float)) else None
 
+    sbs = mb.get("prefill_side_by_side") if isinstance(mb, dict) else None
+    side = sbs.get("tok_s") if isinstance(sbs, dict) else None
+
+    def tok_s(r, n):   # the side-by-side (round-robin) figure where the bench has one
+        per = side.get(r.get("format")) if isinstance(side, dict) else None
+        v = (per.get(str(n), per.get(n)) if isinstance(per, dict) else None) or r.get(f"prefill_tok_s_{n}")
+        return v if isinstance(v, (int, float)) and v else None
+
     def wall_ms(r, n):
-        tps = r.get(f"prefill_tok_s_{n}")
-        return 1e3 * n / tps if isinstance(tps, (int, float)) and tps else None
+        tps = tok_s(r, n)
+        return 1e3 * n / tps if tps else None
 
     hdr = ["format", "decode tok/s", "decode x fp16", "prefill 512 wall ms", "wall x fp16",
            "prefill 512 GPU ms", "GPU x fp16", "wall / GPU", "prefill 2048 tok/s", "2048 x fp16"]
@@ -140,7 +149,7 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
         rows.append([r.get("format", "?"), r.get("decode_tok_s_graph"),
                      ratio(r.get("decode_tok_s_graph"), base.get("decode_tok_s_graph")),
                      w, ratio(wall_ms(base, 512), w), g, ratio(gpu_ms(base), g), ratio(w, g),
-                     r.get("prefill_tok_s_2048"), ratio(r.get("prefill_tok_s_2048"), base.get("prefill_tok_s_2048"))])
+                     tok_s(r, 2048), ratio(tok_s(r, 2048), tok_s(base, 2048))])
     return hdr, rows
 
 
@@ -328,10 +337,14 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                     L.append(f"\n- `{r.get('format')}`: {r['error'][:200]}")
             vs = model_vs_fp16_rows(rep["model_bench"])
             if vs:
+                sb = "tok_s" in (rep["model_bench"].get("prefill_side_by_side") or {})
                 L.append("\nAgainst the fp16 runner of the same run (x fp16 above 1: faster than fp16). The "
-                         "512-token prefill by the wall clock and by the GPU time of its profiled run; "
-                         "wall / GPU well above 1 means the host's Python, not the GPU, set that time "
-                         "(it moves up to 2x between runs on the lent machine).\n")
+                         "512-token prefill by the wall clock" +
+                         (" (every format's model held at once and timed round-robin, so that the host's "
+                          "drift within the run falls on all of them alike)" if sb else "") +
+                         " and by the GPU time of its profiled run; wall / GPU well above 1 means the "
+                         "host's Python, not the GPU, set that time (it moves up to 2x between runs on "
+                         "the lent machine).\n")
                 L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
                                   for v in r] for r in vs[1]], vs[0]))
         except ValueError as e:
