@@ -349,13 +349,14 @@ class Model:
         H, KV = self.config.num_heads, self.config.num_kv_heads
         G, hd = H // KV, q.shape[-1]
         if from_start:
-            # causal over the first T rows. Where SDPA's flash kernel serves grouped heads
-            # itself (CUDA, fp16/bf16; _flash_gqa) they go in as they are; elsewhere K/V are
-            # repeated per query head (T rows, cheap), so that no backend falls back to the
-            # math path's (H, T, T) score matrix. The flash route saves two copy kernels and
-            # ~25 us of host time per layer (bench/NOTES.md, session 11).
+            # causal over the first T rows. Where SDPA's fused kernels (cuDNN, flash) take
+            # grouped heads themselves (CUDA, fp16/bf16; _fused_gqa) they go in as they are;
+            # elsewhere K/V are repeated per query head (T rows, cheap), so that no backend
+            # falls back to the math path's (H, T, T) score matrix. The grouped route picks
+            # the same cuDNN kernel on the H100, bit-identical, without the two copy kernels
+            # and ~25 us of host time per layer (bench/NOTES.md, session 11).
             kr, vr = kc[:, :, :T], vc[:, :, :T]
-            if G > 1 and self._flash_gqa(q):
+            if G > 1 and self._fused_gqa(q):
                 a = F.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, is_causal=True, enable_gqa=True)
                 return a.transpose(1, 2).reshape(1, T, H * hd)
             if G > 1:
@@ -368,15 +369,17 @@ class Model:
         a = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
         return a.view(1, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(1, T, H * hd)
 
-    def _flash_gqa(self, q) -> bool:
-        """Whether SDPA's flash kernel takes this model's grouped heads directly (enable_gqa):
-        CUDA on compute capability >= 8.0, fp16 / bf16, head_dim <= 256, flash enabled."""
-        ok = self.__dict__.get("_flash_gqa_ok")
+    def _fused_gqa(self, q) -> bool:
+        """Whether SDPA's fused kernels take this model's grouped heads directly (enable_gqa):
+        CUDA on compute capability >= 8.0, fp16 / bf16, head_dim <= 256, and the flash or the
+        cuDNN backend enabled (the memory-efficient one does not take grouped heads)."""
+        ok = self.__dict__.get("_fused_gqa_ok")
         if ok is None:
-            ok = self._flash_gqa_ok = bool(
+            ok = self._fused_gqa_ok = bool(
                 q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
                 and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8)
-        return ok and torch.backends.cuda.flash_sdp_enabled()
+        b = torch.backends.cuda
+        return ok and (b.flash_sdp_enabled() or b.cudnn_sdp_enabled())
 
     def _mask(self, pos):
         """(G*T, S) bool: row g*T + t of the grouped queries sees keys at positions <= pos[t]."""
