@@ -138,6 +138,16 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def prompt_ids(n: int, vocab: int) -> list[int]:
+    """The fixed n-token prompt every prefill measurement here uses."""
+    return [(7 * i + 3) % vocab for i in range(n)]
+
+
+def cache_positions(n: int) -> int:
+    """KV cache positions for n tokens: rounded up to 256, as the runner sizes its cache."""
+    return -(-n // 256) * 256
+
+
 def time_decode(m, steps: int, prompt: int = 16, graph: bool = True) -> float:
     """Decode tok/s at batch 1: `steps` steps after a `prompt`-token prefill; argmax fed back."""
     import torch
@@ -161,7 +171,7 @@ def time_decode(m, steps: int, prompt: int = 16, graph: bool = True) -> float:
 
 
 def time_prefill(m, n: int, reps: int = 7, warmup_s: float = 0.5) -> float:
-    ids = [(7 * i + 3) % m.config.vocab_size for i in range(n)]
+    ids = prompt_ids(n, m.config.vocab_size)
     # warm-up by time, not by count: kernel compiles, cuBLAS heuristics, the allocator, and the
     # GPU's clocks, which idle low while a model is built. (A 512-token prefill is bound by the
     # host's Python, ~15-50 ms of wall time for ~13-19 ms of GPU work, and still moves up to 2x
@@ -197,7 +207,7 @@ def decode_breakdown(m, pos: int = 16, top: int = 12) -> list[dict]:
 
 def prefill_breakdown(m, n: int, top: int = 12) -> list[dict]:
     """GPU time per kernel name over one n-token prefill, and the wall time around it."""
-    ids = [(7 * i + 3) % m.config.vocab_size for i in range(n)]
+    ids = prompt_ids(n, m.config.vocab_size)
     m.prefill(ids)
     return profile_kernels(lambda: m.prefill(ids), m.device, top)
 
@@ -248,12 +258,12 @@ def prefill_side_by_side(fmts, cfg, args, device, lens, reps: int = 7) -> dict:
     try:
         for f in fmts:
             models[f] = synthetic_model(f, cfg, device, group_size=args.awq_group_size)
-            models[f].setup_cache(-(-max(lens) // 256) * 256)
+            models[f].setup_cache(cache_positions(max(lens)))
     except torch.cuda.OutOfMemoryError:
         models.clear()
         torch.cuda.empty_cache()
         return {"skipped": "the formats' models do not fit on the GPU together"}
-    ids = {n: [(7 * i + 3) % cfg.vocab_size for i in range(n)] for n in lens}
+    ids = {n: prompt_ids(n, cfg.vocab_size) for n in lens}
     times = {f: {n: [] for n in lens} for f in fmts}
     for rnd in range(2 + reps):          # two untimed rounds: compiles, allocator, clocks
         order = fmts[rnd % len(fmts):] + fmts[:rnd % len(fmts)]
@@ -286,8 +296,8 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     m = synthetic_model(fmt, cfg, device, group_size=args.awq_group_size)
     _sync(device)
     setup_s = time.perf_counter() - t0
-    dec_seq = -(-(16 + args.decode_tokens + 8) // 256) * 256
-    pre_seq = -(-max(prompt_lens, default=0) // 256) * 256
+    dec_seq = cache_positions(16 + args.decode_tokens + 8)
+    pre_seq = cache_positions(max(prompt_lens, default=0))
     m.setup_cache(dec_seq)   # decode attends over the whole cache: keep it as short as the run
     if device.startswith("cuda"):   # peak from here: the random-init transients do not count
         torch.cuda.empty_cache()

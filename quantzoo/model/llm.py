@@ -255,6 +255,9 @@ class Model:
         # dependent launch, cuda/pdl.cuh; Hopper and newer); False captures plain launches (the
         # bench's comparison).
         self.pdl = bool(pdl) and self.is_cuda and torch.cuda.get_device_capability(device)[0] >= 9
+        hd = config.head_dim
+        self._gqa_shapes_ok = (self.is_cuda and self.dtype in (torch.float16, torch.bfloat16) and hd <= 256
+                               and hd % 8 == 0 and torch.cuda.get_device_capability(device)[0] >= 8)
         cfg = config
         missing = [n for n in cfg.expected_shapes() if n not in weights]
         if missing:
@@ -356,7 +359,7 @@ class Model:
             # the same cuDNN kernel on the H100, bit-identical, without the two copy kernels
             # and ~25 us of host time per layer (bench/NOTES.md, session 11).
             kr, vr = kc[:, :, :T], vc[:, :, :T]
-            if G > 1 and self._fused_gqa(q):
+            if G > 1 and self._fused_gqa():
                 a = F.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, is_causal=True, enable_gqa=True)
                 return a.transpose(1, 2).reshape(1, T, H * hd)
             if G > 1:
@@ -369,17 +372,12 @@ class Model:
         a = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
         return a.view(1, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(1, T, H * hd)
 
-    def _fused_gqa(self, q) -> bool:
+    def _fused_gqa(self) -> bool:
         """Whether SDPA's fused kernels take this model's grouped heads directly (enable_gqa):
         CUDA on compute capability >= 8.0, fp16 / bf16, head_dim <= 256, and the flash or the
         cuDNN backend enabled (the memory-efficient one does not take grouped heads)."""
-        ok = self.__dict__.get("_fused_gqa_ok")
-        if ok is None:
-            ok = self._fused_gqa_ok = bool(
-                q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-                and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8)
         b = torch.backends.cuda
-        return ok and (b.flash_sdp_enabled() or b.cudnn_sdp_enabled())
+        return self._gqa_shapes_ok and (b.flash_sdp_enabled() or b.cudnn_sdp_enabled())
 
     def _mask(self, pos):
         """(G*T, S) bool: row g*T + t of the grouped queries sees keys at positions <= pos[t]."""
