@@ -78,6 +78,15 @@ __device__ __forceinline__ void dequant8(unsigned w, const Zeros& z, const half2
   dequant4<1>(w, z, s, out + 2);
 }
 
+// c += A * B on the tensor cores: m16n8k16, fp16 inputs, fp32 accumulators (row-major A
+// fragment a[4], column-major B fragment b0, b1; PTX ISA "mma.m16n8k16").
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // ---- cp.async (sm_80+): global -> shared without a register round trip; src_bytes = 0 writes
 // zeros, which is how every kernel pads tails (rows past K or the split, columns past N).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {

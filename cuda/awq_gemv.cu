@@ -1,172 +1,263 @@
-// awq_gemv.cu -- AWQ W4A16 GEMV / small-M product with CUDA-core fp32 FMAs (decode, M <= 8).
+// awq_gemv.cu -- AWQ W4A16 GEMV (one row of x: decode). Every lane streams its own weight words
+// from global memory straight into registers, D k-steps ahead, and the tensor cores do its
+// multiply-adds; inside an MMA no lane's products meet another lane's.
 //
-//   y[m, n] = fp16( sum_k x[m, k] * w16[k, n] ),   w16 = fp16((q - z) * s)   (awq_common.cuh)
+//   y[n] = fp16( sum_g  s[g, n] * sum_{k in g} (q[k, n] - z[g, n]) * x[k] )
 //
-// Products x * w16 of two fp16 numbers are exact in fp32; they are summed in fp32. Nothing but
-// the packed weight crosses global memory: the unpack, (q - z) * s and the FMAs happen in
-// registers.
+// The same function as awq_small.cu: each product exact, fp32 sums per group, the zero taken out
+// as z * sum_k x_k, the scale applied once per group; no weight is rounded to fp16
+// (reference/awq_fp16.py::emulate_group_scaled and its fp32-order bound).
 //
 // Why it is shaped like this:
-// * A 16-byte load of qweight covers 32 columns of one row. A thread that consumed it directly
-//   would need 32 * M fp32 accumulators (256 at M = 8). Instead each block streams a tile of
-//   32 rows x 32 column words through shared memory with 16-byte cp.async copies (coalesced,
-//   asynchronous, several stages in flight), and each lane then owns ONE column word (8 columns)
-//   and reads it row after row: 8 * M accumulators.
-// * 32 rows per stage divide every group size (32/64/128), so a stage has one scale/zero row:
-//   the zero terms and scales are converted once per stage, not per weight.
-// * Memory-bound at M = 1: the work is spread over ~4 blocks per SM by splitting K across blocks
-//   (gridDim.y); the partial sums meet in an fp32 workspace and the last block of each column
-//   tile adds them in split order (deterministic; awq_common.cuh).
-// * 4 warps split the 32 rows of a stage (2 consecutive rows per step, so x is read as half2);
-//   a shared-memory reduction over the warps ends the block.
-// Measured on the H100 (bench/notes-awq.md): slower than the tensor-core kernel (awq_mma.cu) at
-// every M, even M = 1 (4096->12288: 20.8 vs 19.3 us): the exact dequant plus half->float
-// conversion and 8*M fp32 FMAs cost ~31 instructions per packed word against ~19 for
-// dequant + prmt + mma, and the kernel is issue-bound, not memory-bound. Dispatch does not pick
-// it on the H100; it stays as the readable CUDA-core reference (path="gemv").
+// * No shared-memory ring. awq_small.cu copies the weight into a per-warp shared ring so that a
+//   lane can pick the four k rows its MMA fragment wants; the copies, the ring's waits and the
+//   re-reads cost more per byte than the math (bench/NOTES.md, session 10). Here a lane (g, t)
+//   (g = lane/4, t = lane%4) keeps NW column words (8 NW columns) and, in k-step s, loads rows
+//   8s + 2t and 8s + 2t + 1 of them: two 8- or 16-byte loads, the 8 lanes of equal t covering
+//   32 NW contiguous bytes of a row. The words go into an MMA as they are.
+// * The MMA used diagonally. A fragment register holds two halves of one A row at k slots
+//   (2t, 2t+1); a masked AWQ word gives two columns of ONE k row as a half2 (columns 0,1 under
+//   0x000f000f, 2,3 under 0x00f000f0, 4..7 the same after >> 8). So the k slots of the MMA are
+//   not k here: slot 2t carries the lane's even column of row r0 = 8s + 2t, slot 2t + 1 its odd
+//   column of r0, slots 2t + 8 / 2t + 9 the same columns of r1 = r0 + 1. B (8 wide, one token)
+//   sends slot 2t to output column 2t and slot 2t + 1 to output column 2t + 1:
+//      B[2t][2t] = B[2t+8][2t] = x[r0], x[r1];   B[2t+1][2t+1] = B[2t+9][2t+1] = x[r0], x[r1]
+//   and zero elsewhere. Then C[g][2t] (this lane's own accumulator) = w[r0][c0] x[r0] +
+//   w[r1][c0] x[r1] for the lane's column c0, C[g][2t+1] the same for c1, C[g + 8][.] for the
+//   0x00f000f0 columns: each lane's four accumulators are its own four columns. B is the lane's
+//   x pair (x[r0], x[r1]) moved into place by one byte permute, whose selector depends only on
+//   the lane (g == 2t: low halves, g == 2t + 1: high halves, other lanes: zero).
+// * No magic number, no subtraction (as awq_small.cu MODE 0): a masked nibble read as a half is
+//   the subnormal q * 2^-24 (or q * 2^-20 under the high mask), which the tensor cores multiply
+//   exactly. One SHF and four LOPs per word, one MMA per half word. The zero point is fixed per
+//   group, acc += s * (P - z' sum x), with sum x from one more MMA with an all-ones A (its C[g][2t]
+//   is x[r0] + x[r1], the lane's own rows); z' comes from the zero word through the same masks.
+// * Loads in flight without a deep ring: the steps run in rounds of D, and ptxas issues a whole
+//   round's reloads at its start, so a lane has D to 2D steps of loads outstanding; 126
+//   registers at NW = 2, D = 4, two 8-warp blocks per SM.
+// * Every load is unconditional, and the rounds carry no predicate (see `issue` and the main
+//   loop): a conditional load cost a full memory latency per step (below).
+// * Grid: a block's WARPS warps share one tile of 8 NW column words and split the block's k
+//   range; K is split across blocks (gridDim.y) to fill the SMs. The four lanes of a column
+//   (different rows) meet by shuffles, the warps in shared memory (fixed order), the splits in an
+//   fp32 workspace summed in split order by the tile's last block (awq_common.cuh):
+//   deterministic, one launch, graph-replayable.
+// * Tails: K is a multiple of the group size, so of the 8-row step. A lane whose columns run
+//   past N reads the row's last words instead (clamped, never past the row) and its sums are not
+//   stored. VEC = false (N/8 not a multiple of NW) loads single words.
+//
+// Measured on the H100 at M = 1, back to back under PDL (bench/NOTES.md, session 12): 4096->24576
+// 25.1 us against awq_small's 29.2 (2.1 TB/s, 70 % of copy; the same walk with loads only, no
+// math, takes 21.1); 4096->12288 and 4096->6144 tie; 12288->4096 (15.0 vs 14.4), 4096->4096 and
+// 4096->1024 lose: with N/8 = 512 words there are only 32 column tiles, and the K splits that
+// fill the SMs leave each warp a few dozen steps. Dispatch uses it for N >= 16384. The first
+// version, whose loads sat under `if (step < end)`, ran 2-4x slower: ptxas loaded into a
+// temporary and copied it into the ring right after, so the copy waited for every load.
 #include "awq_common.cuh"
 
-namespace gemv {
-constexpr int THREADS = 128;
-constexpr int WARPS = THREADS / 32;
-constexpr int WORDS = 32;    // column words per block (256 output columns); lane = column word
-constexpr int ROWS = 32;     // k rows per stage
-constexpr int STAGES = 4;
+namespace awq_gemv {
 
-template <int M>
-struct Pipe {
-  unsigned q[STAGES][ROWS][WORDS];
-  half s[STAGES][WORDS * 8];
-  unsigned z[STAGES][WORDS];
-  half x[STAGES][M][ROWS];
-};
-template <int M>
-struct Red {
-  float v[WARPS - 1][M * 8][32];
-};
-template <int M>
-union Smem {
-  Pipe<M> pipe;
-  Red<M> red;
-};
-}  // namespace gemv
+// The NW words of one row at p (VEC: one aligned 8- or 16-byte load; else NW single words, each
+// clamped to the row's last word, `room` words from p).
+template <int NW, bool VEC>
+__device__ __forceinline__ void load_row(unsigned (&w)[NW], const unsigned* p, int room) {
+  if constexpr (VEC && NW == 4) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else if constexpr (VEC && NW == 2) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x; w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < NW; ++j) w[j] = __ldg(p + min(j, room - 1));
+  }
+}
 
-// grid (ceil(N/8 / 32), splits); rows_per_split is a multiple of 32.
-template <int M>
-__global__ void __launch_bounds__(gemv::THREADS)
+}  // namespace awq_gemv
+
+// grid (ceil(N/8 / (8*NW)), splits); block 32*WARPS threads, each warp a slice of the block's k
+// range; rows_per_split a multiple of 8.
+template <int NW, int WARPS, int D, bool VEC>
+__global__ void __launch_bounds__(32 * WARPS)
 awq_gemv_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                 half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
                 int K, int N, int G, int rows_per_split) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
-  using namespace gemv;
-  __shared__ __align__(16) Smem<M> sm;
+  using namespace awq_gemv;
+  static_assert(NW == 2 || NW == 4, "a lane keeps 2 or 4 column words");
+  constexpr int TW = 8 * NW;  // column words per block tile
+  __shared__ __align__(16) float red[WARPS][8 * TW];
   __shared__ int last_flag;
   const int n8 = N / 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int col0 = blockIdx.x * WORDS;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile_w0 = blockIdx.x * TW;
+  const int cwl = VEC ? min(tile_w0 + NW * g, n8 - NW) : min(tile_w0 + NW * g, n8 - 1);
+  const int room = n8 - cwl;
   const int splits = gridDim.y;
-  const int k_begin = blockIdx.y * rows_per_split;
-  const int k_end = min(K, k_begin + rows_per_split);
-  const int n_stages = k_begin < k_end ? (k_end - k_begin) / ROWS : 0;
-  const bool vec16 = (n8 % 4) == 0;
+  const int kb = blockIdx.y * rows_per_split;
+  const int ke = min(K, kb + rows_per_split);
+  const int steps_blk = max(0, (ke - kb) / 8);
+  const int s0 = kb / 8 + (steps_blk * warp) / WARPS;   // this warp's k-steps [s0, s1)
+  const int s1 = kb / 8 + (steps_blk * (warp + 1)) / WARPS;
+  const int steps_per_group = G / 8;
 
-  auto load_stage = [&](int st, int buf) {
-    const int k0 = k_begin + st * ROWS;
-    awq::load_words<ROWS, WORDS, THREADS>(&sm.pipe.q[buf][0][0], WORDS, qweight, n8, k0, k_end,
-                                          col0, n8, vec16);
-    const int g = k0 / G;
-    for (int i = threadIdx.x; i < WORDS + WORDS + M * (ROWS / 8); i += THREADS) {
-      if (i < WORDS) {                       // scales: 8 halves (16 B) per column word
-        bool ok = col0 + i < n8;
-        const half* src = ok ? scales + (size_t)g * N + 8 * (col0 + i) : scales;
-        awq::cp_async16(&sm.pipe.s[buf][8 * i], src, ok);
-      } else if (i < 2 * WORDS) {            // zero words
-        int c = i - WORDS;
-        bool ok = col0 + c < n8;
-        awq::cp_async4(&sm.pipe.z[buf][c], ok ? qzeros + (size_t)g * n8 + col0 + c : qzeros, ok);
-      } else {                               // x[m, k0 .. k0+32): 4 chunks of 8 halves per row
-        int j = i - 2 * WORDS, m = j / (ROWS / 8), c = (j % (ROWS / 8)) * 8;
-        awq::cp_async16(&sm.pipe.x[buf][m][c], x + (size_t)m * K + k0 + c, true);
-      }
-    }
+  // B fragment of lane (g, t): b0 = (B[2t][g], B[2t+1][g]), b1 = (B[2t+8][g], B[2t+9][g]) from
+  // xw = (x[r0], x[r1]); byte-permute selectors (bytes 4..7 are the zero operand).
+  const unsigned sel0 = g == 2 * t ? 0x4410u : g == 2 * t + 1 ? 0x1044u : 0x4444u;
+  const unsigned sel1 = g == 2 * t ? 0x4432u : g == 2 * t + 1 ? 0x3244u : 0x4444u;
+
+  // loop-carried sources (a value the loop updates is not rematerialised by ptxas every trip)
+  const size_t step_words = (size_t)8 * n8;
+  const unsigned* wp = qweight + (size_t)(8 * s0 + 2 * t) * n8 + cwl;   // row r0 of the next step
+  const unsigned* xp = reinterpret_cast<const unsigned*>(x) + 4 * s0 + t;   // (x[r0], x[r1])
+  unsigned wr[D][2][NW];
+  unsigned xr[D];
+  // Loads are issued unconditionally: past the warp's last step the sources stop advancing and
+  // the last step is read again (unused). A load under a branch would land in a temporary that
+  // the branch's join copies into the ring register, and that copy waits for the load: ptxas
+  // did exactly that, and every step then paid a full memory latency.
+  int to_issue = s1 - s0;   // steps whose loads are still to come, counting the one at wp
+  auto issue = [&](unsigned (&w)[2][NW], unsigned& xw) {
+    load_row<NW, VEC>(w[0], wp, room);
+    load_row<NW, VEC>(w[1], wp + n8, room);
+    xw = __ldg(xp);
+    const bool more = --to_issue > 0;
+    wp += more ? step_words : 0;
+    xp += more ? 4 : 0;
   };
 
-  float acc[M][8];
+  float part[NW][2][4], acc[NW][2][4], sx[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int j = 0; j < NW; ++j)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[m][i] = 0.f;
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[j][h][e] = acc[j][h][e] = 0.f;
 
+  // scale and zero words of this lane's columns, for the group of step s
+  uint4 sv[NW];
+  unsigned zv[NW];
+  auto load_group = [&](int s) {
+    const int grp = (8 * s) / G;
 #pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < n_stages) load_stage(st, st);
-    awq::cp_async_commit();
-  }
-  for (int st = 0; st < n_stages; ++st) {
-    awq::cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    if (st + STAGES - 1 < n_stages) load_stage(st + STAGES - 1, (st + STAGES - 1) % STAGES);
-    awq::cp_async_commit();
-
-    const int buf = st % STAGES;
-    const awq::Zeros z = awq::make_zeros(sm.pipe.z[buf][lane]);
-    const uint4 sv = *reinterpret_cast<const uint4*>(&sm.pipe.s[buf][8 * lane]);
-    const half2 s[4] = {awq::as_h2(sv.x), awq::as_h2(sv.y), awq::as_h2(sv.z), awq::as_h2(sv.w)};
-#pragma unroll
-    for (int i = 0; i < ROWS / (2 * WARPS); ++i) {
-      const int r = 2 * WARPS * i + 2 * warp;          // rows r, r+1 of the stage
-      half2 w0[4], w1[4];
-      awq::dequant8(sm.pipe.q[buf][r][lane], z, s, w0);
-      awq::dequant8(sm.pipe.q[buf][r + 1][lane], z, s, w1);
-      float f0[8], f1[8];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        float2 a = __half22float2(w0[p]), b = __half22float2(w1[p]);
-        f0[2 * p] = a.x; f0[2 * p + 1] = a.y; f1[2 * p] = b.x; f1[2 * p + 1] = b.y;
-      }
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float2 xv = __half22float2(*reinterpret_cast<const half2*>(&sm.pipe.x[buf][m][r]));
-#pragma unroll
-        for (int c = 0; c < 8; ++c) acc[m][c] = fmaf(xv.y, f1[c], fmaf(xv.x, f0[c], acc[m][c]));
-      }
+    for (int j = 0; j < NW; ++j) {
+      const int c = min(cwl + j, n8 - 1);
+      sv[j] = __ldg(reinterpret_cast<const uint4*>(scales + (size_t)grp * N + 8 * c));
+      zv[j] = __ldg(qzeros + (size_t)grp * n8 + c);
     }
-  }
-  awq::cp_async_wait<0>();
-  __syncthreads();
-
-  // reduce the 4 warps (fixed order), warp 0 finishes
-  if (warp > 0) {
+  };
+  // acc += s * (part - z' * sum x), then clear the group's partials. Column 4h + e of word j sits
+  // in part[j][h][e]; e < 2 in units of 2^-24, e >= 2 in units of 2^-20 (so are z' by the masks).
+  auto flush_group = [&]() {
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NW; ++j) {
+      const unsigned su[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};
+      const unsigned zs = zv[j] >> 8;
+      const unsigned zu[4] = {zv[j] & awq::kLowMask, zv[j] & awq::kHighMask, zs & awq::kLowMask,
+                              zs & awq::kHighMask};
 #pragma unroll
-      for (int c = 0; c < 8; ++c) sm.red.v[warp - 1][m * 8 + c][lane] = acc[m][c];
-  }
-  __syncthreads();
-  const int cw = col0 + lane;
-  if (warp == 0) {
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int c = 0; c < 8; ++c)
-#pragma unroll
-        for (int w = 0; w < WARPS - 1; ++w) acc[m][c] += sm.red.v[w][m * 8 + c][lane];
-      if (cw < n8) {
-        if (splits == 1) awq::store8_half(y + (size_t)m * N + 8 * cw, acc[m]);
-        else awq::store8_float(ws + ((size_t)blockIdx.y * M + m) * N + 8 * cw, acc[m]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          const float2 s2 = __half22float2(awq::as_h2(su[2 * h + e / 2]));
+          const float2 z2 = __half22float2(awq::as_h2(zu[2 * h + e / 2]));
+          const float sf = (e & 1) ? s2.y : s2.x, zf = (e & 1) ? z2.y : z2.x;
+          acc[j][h][e] = fmaf(sf, fmaf(-zf, sx[0], part[j][h][e]), acc[j][h][e]);
+          part[j][h][e] = 0.f;
+        }
     }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sx[e] = 0.f;
+  };
+
+  const unsigned ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
+  if (s0 < s1) {
+    load_group(s0);
+#pragma unroll
+    for (int d = 0; d < D; ++d) issue(wr[d], xr[d]);
+    int left_in_group = steps_per_group - (s0 % steps_per_group);
+    // one k-step from ring slot d (a compile-time index), whose loads are then reissued
+    auto step = [&](const int s, unsigned (&wd)[2][NW], unsigned& xd) {
+      unsigned w[2][NW];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int j = 0; j < NW; ++j) w[r][j] = wd[r][j];
+      const unsigned xw = xd;
+      issue(wd, xd);
+      const unsigned b0 = __byte_perm(xw, 0u, sel0), b1 = __byte_perm(xw, 0u, sel1);
+      awq::mma16816(sx, ones, b0, b1);
+#pragma unroll
+      for (int j = 0; j < NW; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const unsigned u0 = h ? w[0][j] >> 8 : w[0][j], u1 = h ? w[1][j] >> 8 : w[1][j];
+          const unsigned a[4] = {u0 & awq::kLowMask, u0 & awq::kHighMask,
+                                 u1 & awq::kLowMask, u1 & awq::kHighMask};
+          awq::mma16816(part[j][h], a, b0, b1);
+        }
+      if (--left_in_group == 0 || s + 1 == s1) {   // the group (or the warp's range) ends
+        flush_group();
+        left_in_group = steps_per_group;
+        if (s + 1 < s1) load_group(s + 1);
+      }
+    };
+    // Whole rounds of D steps carry no predicate: a step under one made ptxas load into a
+    // temporary and copy it into the ring after the load (a full latency per step). The last
+    // < D steps are guarded.
+    int s = s0;
+    for (; s + D <= s1; s += D) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) step(s + d, wr[d], xr[d]);
+    }
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d)
+      if (s + d < s1) step(s + d, wr[d], xr[d]);
+  }
+
+  // units off, then the four lanes t of a column (rows 2t, 2t+1 of every step) meet
+  float v[NW][8];
+#pragma unroll
+  for (int j = 0; j < NW; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float a = acc[j][h][e] * (e < 2 ? 16777216.f : 1048576.f);
+        a += __shfl_xor_sync(0xffffffffu, a, 1);
+        a += __shfl_xor_sync(0xffffffffu, a, 2);
+        v[j][4 * h + e] = a;
+      }
+  if (t == 0) {
+#pragma unroll
+    for (int j = 0; j < NW; ++j)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) red[warp][8 * (NW * g + j) + c] = v[j][c];
+  }
+  __syncthreads();
+  // the warps of the block in fixed order, one column word per thread
+  for (int task = threadIdx.x; task < TW; task += 32 * WARPS) {
+    const int cw = tile_w0 + task;
+    if (cw >= n8) continue;
+    float o[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) o[c] = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) o[c] += red[w][8 * task + c];
+    if (splits == 1) awq::store8_half(y + 8 * cw, o);
+    else awq::store8_float(ws + (size_t)blockIdx.y * N + 8 * cw, o);
   }
   if (splits == 1) return;
   if (!awq::last_block_of_tile(counters + blockIdx.x, splits, &last_flag)) return;
-  if (warp == 0 && cw < n8) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v[8];
-      awq::sum8_partials(v, ws + (size_t)m * N + 8 * cw, (size_t)M * N, splits);
-      awq::store8_half(y + (size_t)m * N + 8 * cw, v);
-    }
+  for (int task = threadIdx.x; task < TW; task += 32 * WARPS) {
+    const int cw = tile_w0 + task;
+    if (cw >= n8) continue;
+    float o[8];
+    awq::sum8_partials(o, ws + 8 * cw, (size_t)N, splits);
+    awq::store8_half(y + 8 * cw, o);
   }
 }
-

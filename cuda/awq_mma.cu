@@ -49,12 +49,6 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned* a, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(awq::smem_addr(p)));
 }
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // grid (ceil(M / (16*MT)), ceil(N/8 / (8*NG)), splits); rows_per_split a multiple of 32. The
 // row tiles vary fastest, so the blocks that read the same weights run together and share L2.
@@ -171,8 +165,8 @@ awq_mma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
           const unsigned hi1 = __byte_perm(awq::as_u32(d2[p]), awq::as_u32(d3[p]), 0x7632);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            mma16816(acc[mt][j][2 * p], a[mt], lo0, lo1);
-            mma16816(acc[mt][j][2 * p + 1], a[mt], hi0, hi1);
+            awq::mma16816(acc[mt][j][2 * p], a[mt], lo0, lo1);
+            awq::mma16816(acc[mt][j][2 * p + 1], a[mt], hi0, hi1);
           }
         }
       }

@@ -54,13 +54,6 @@
 
 namespace awq_small {
 
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ unsigned and_mask(unsigned a, unsigned m) { return a & m; }
 
 // The 16 A registers (4 MMA tiles) of one column word from its 4 rows 2t, 2t+1, 2t+8, 2t+9.
@@ -339,7 +332,7 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       }
       if (MODE == 0) {
 #pragma unroll
-        for (int mb = 0; mb < MB; ++mb) mma16816(sx[mb], ones, xb[mb][0], xb[mb][1]);
+        for (int mb = 0; mb < MB; ++mb) awq::mma16816(sx[mb], ones, xb[mb][0], xb[mb][1]);
       }
 #pragma unroll
       for (int j = 0; j < NW; ++j) {
@@ -348,7 +341,7 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int mb = 0; mb < MB; ++mb) mma16816(part[j][i][mb], a[i], xb[mb][0], xb[mb][1]);
+          for (int mb = 0; mb < MB; ++mb) awq::mma16816(part[j][i][mb], a[i], xb[mb][0], xb[mb][1]);
       }
       const bool wrap = ++read_slot == D;
       if (wrap) read_slot = 0;

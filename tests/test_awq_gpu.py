@@ -90,11 +90,12 @@ def effective_path(label, m, qt):
 
 def check(y, x16, qt, w16, path=""):
     """Assert y (torch fp16 CUDA) is the kernel function of x16 and qt within the fp32 bound.
-    The small-M kernel computes a different function (no fp16 weight): its own emulation."""
+    The group-scaled kernels (small, gemv) compute a different function (no fp16 weight): their
+    own emulation."""
     m, k = x16.shape
     assert y.shape == (m, qt.shape[0]) and y.dtype == torch.float16
     assert not torch.isnan(y).any(), f"{path}: NaN left in the output (unwritten or NaN math)"
-    small = effective_path(path, m, qt) == "small"
+    small = effective_path(path, m, qt) in ("small", "gemv")   # the group-scaled kernels
     if m * k * qt.shape[0] <= 2e8:
         emul = awq_fp16.emulate_group_scaled if small else qt.fmt.emulate
         ref, bound = emul(x16.astype(np.float32), qt, return_bound=True)
@@ -127,7 +128,7 @@ def run(x16, qt_cuda, path=None):
 def paths_for(m):
     """Every path that takes M rows on this GPU (wgmma: Hopper only)."""
     hopper = ["wgmma"] if awq_mod().wgmma_available(torch.device("cuda")) else []
-    return (["gemv"] if m <= 8 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
+    return (["gemv"] if m == 1 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
 
 
 def check_paths_and_nmse(x16, w, qt, qtc, w16, label=""):

@@ -78,14 +78,14 @@ def test_group_size_inferred_from_scales():
 def test_choose_path_and_sources():
     names = {awq.choose_path(m) for m in (1, 2, 8, 9, 16, 100, 256, 1000, 4096)}
     assert names <= {"gemv", "small", "mma", "dequant+cublas"}
-    assert awq.choose_path(1) == ("gemv" if awq.GEMV_MAX_M >= 1 else
-                                  "small" if awq.SMALL_MAX_M >= 1 else "mma")
+    assert awq.choose_path(1) == ("small" if awq.SMALL_MAX_M >= 1 else "mma")   # 4096 x 4096
     small = set(awq.SOURCES["awq_small.cu"])
     for m in range(1, awq.SMALL_MAX_M + 1):
         cfg = awq.small_config(m, 4096)
         assert m <= 8 * cfg[0] and "awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*cfg) in small
     assert awq.choose_path(10**6) == "dequant+cublas"
-    assert all(m in awq.GEMV_MS for m in range(1, awq.GEMV_MAX_M + 1))
+    assert awq.GEMV_DEFAULT in awq.GEMV_CFGS
+    assert all(cfg in awq.GEMV_CFGS for cfg, _ in awq.GEMV_TUNED.values())
     decl = set(awq.SOURCES["awq_mma.cu"])
     for m in (1, 8, 16, 17, 32, 33, 1000):
         for n in (8, 1024, 12288):
@@ -121,11 +121,11 @@ def test_small_split_plan():
 
 
 def test_small_dispatch_thresholds():
-    """Where the bench put them: small up to M = 8 everywhere, to 16 for weights up to
-    4096 x 4096; mma beyond (without a Hopper device: no wgmma)."""
+    """Where the bench put them: small up to M = 8 everywhere (but gemv at M = 1 for N >= 16384),
+    to 16 for weights up to 4096 x 4096; mma beyond (without a Hopper device: no wgmma)."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     assert [awq.choose_path(m, shape(12288, 4096)) for m in (1, 4, 5, 8, 9)] == ["small"] * 4 + ["mma"]
-    assert [awq.choose_path(m, shape(24576, 4096)) for m in (1, 8, 9, 16)] == ["small"] * 2 + ["mma"] * 2
+    assert [awq.choose_path(m, shape(24576, 4096)) for m in (1, 8, 9, 16)] == ["gemv", "small"] + ["mma"] * 2
     assert [awq.choose_path(m, shape(1024, 4096)) for m in (1, 8, 16, 17)] == ["small"] * 3 + ["mma"]
 
 

@@ -1,9 +1,11 @@
-"""The small-M AWQ kernel (cuda/awq_small.cu, path "small") on the GPU (`pytest -m gpu`).
+"""The group-scaled AWQ kernels on the GPU (`pytest -m gpu`): the small-M kernel
+(cuda/awq_small.cu, path "small") and the M = 1 GEMV (cuda/awq_gemv.cu, path "gemv").
 
 Oracle: reference.awq_fp16.emulate_group_scaled -- y = x16 @ ((q - z) * s) exactly (the weight
 is never rounded to fp16), within the fp32-order bound stated there. Every compiled
-configuration (both zero-point modes, 1 or 2 column words per thread, 4 or 8 warps, pipeline
-depths) on tail shapes; forced split counts (1, a few, one k-step per warp); Qwen3-8B shapes
+configuration of both kernels (small: both zero-point modes, 1 or 2 column words per thread, 4 or
+8 warps, pipeline depths; gemv: 2 or 4 column words per lane, load depths, with and without
+vector loads) on tail shapes; forced split counts (1, a few, one k-step per warp); Qwen3-8B shapes
 against float64 (NMSE); tiny (subnormal x), huge and zero magnitudes; NaN-poisoned outputs.
 """
 from __future__ import annotations
@@ -28,21 +30,25 @@ def awq_mod():
     return awq
 
 
-def run_small(x16, qtc, cfg=None, splits=None):
+def run_small(x16, qtc, cfg=None, splits=None, path="small"):
     awq = awq_mod()
     x = torch.from_numpy(x16).cuda()
     m, k = x16.shape
     n = qtc.shape[0]
     y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
     d = qtc.data
-    awq._small(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, qtc.group_size, cfg=cfg,
-               splits=splits)
+    launch = awq._gemv if path == "gemv" else awq._small
+    launch(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, qtc.group_size, cfg=cfg,
+           splits=splits)
     torch.cuda.synchronize()
     return y
 
 
 def cfgs_for(m):
-    return [c for c in awq_mod().SMALL_CFGS if m <= 8 * c[0]]
+    """(path, config) of every compiled configuration of both kernels that takes M rows."""
+    awq = awq_mod()
+    small = [("small", c) for c in awq.SMALL_CFGS if m <= 8 * c[0]]
+    return small + ([("gemv", c) for c in awq.GEMV_CFGS] if m == 1 else [])
 
 
 @pytest.mark.parametrize("g", [32, 64])
@@ -54,8 +60,8 @@ def test_every_config_tail_shape(m, g):
     k, n = 9 * 64, 72 * 8
     _, qt, qtc, w16 = weight(k, n, g, seed=m)
     x16 = rand_x(rng, m, k)
-    for cfg in cfgs_for(m):
-        check(run_small(x16, qtc, cfg), x16, qt, w16, f"small {cfg}")
+    for path, cfg in cfgs_for(m):
+        check(run_small(x16, qtc, cfg, path=path), x16, qt, w16, f"{path} {cfg}")
 
 
 @pytest.mark.parametrize("m", [1, 5, 12])
@@ -68,8 +74,8 @@ def test_every_config_small_shapes(m, k, n, g):
     qt = FMT.quantize(w, group_size=g)
     qtc = qt.to("cuda")
     x16 = rand_x(rng, m, k)
-    for cfg in cfgs_for(m):
-        check(run_small(x16, qtc, cfg), x16, qt, None, f"small {cfg}")
+    for path, cfg in cfgs_for(m):
+        check(run_small(x16, qtc, cfg, path=path), x16, qt, None, f"{path} {cfg}")
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
@@ -81,23 +87,24 @@ def test_forced_splits(m, splits):
     k, n = 4096, 1024
     _, qt, qtc, w16 = weight(k, n, 64)
     x16 = rand_x(rng, m, k)
-    for cfg in cfgs_for(m):
-        check(run_small(x16, qtc, cfg, splits), x16, qt, w16, f"small {cfg} S={splits}")
+    for path, cfg in cfgs_for(m):
+        check(run_small(x16, qtc, cfg, splits, path), x16, qt, w16, f"{path} {cfg} S={splits}")
 
 
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)],
                          ids=lambda v: str(v))
 def test_qwen_shapes_vs_float64(k, n, m):
-    """Dispatch config on the Qwen3-8B shapes, g128: emulation bound and NMSE < 1.2 %."""
+    """Dispatch configs on the Qwen3-8B shapes, g128: emulation bound and NMSE < 1.2 %."""
     rng = np.random.default_rng()
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
-    y = run_small(x16, qtc)
-    check(y, x16, qt, w16, "small")
     exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
-    nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
-    assert nmse < 0.012, f"NMSE {nmse:.4%}"
+    for path in ("small", "gemv") if m == 1 else ("small",):
+        y = run_small(x16, qtc, path=path)
+        check(y, x16, qt, w16, path)
+        nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
+        assert nmse < 0.012, f"{path}: NMSE {nmse:.4%}"
 
 
 def test_magnitudes_and_zeros_every_config():
@@ -111,9 +118,9 @@ def test_magnitudes_and_zeros_every_config():
         qtc = qt.to("cuda")
         for m in (1, 7, 16):
             x16 = rand_x(rng, m, k, scale_x)
-            for cfg in cfgs_for(m):
-                y = run_small(x16, qtc, cfg)
-                check(y, x16, qt, None, f"small {cfg} x*{scale_x} w*{scale_w}")
+            for path, cfg in cfgs_for(m):
+                y = run_small(x16, qtc, cfg, path=path)
+                check(y, x16, qt, None, f"{path} {cfg} x*{scale_x} w*{scale_w}")
                 if scale_x == 0.0:
                     assert (y == 0).all()
 

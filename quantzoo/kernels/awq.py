@@ -1,12 +1,13 @@
-"""AWQ W4A16 on CUDA: dequant, GEMV (CUDA cores), small-M and tensor-core GEMMs, dequant + cuBLAS;
+"""AWQ W4A16 on CUDA: dequant, an M = 1 GEMV, small-M and tensor-core GEMMs, dequant + cuBLAS;
 dispatch by M.
 
     y = x @ W  with  W[k, n] = fp16((q - z) * s)  from qweight int32 [K, N/8], qzeros int32
     [K/G, N/8], scales fp16 [K/G, N] (HF "gemm" layout, formats/awq.py); x fp16 [.., K].
 
 Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within the M it takes):
-    "gemv"            cuda/awq_gemv.cu   fp32 FMAs on CUDA cores, M <= 8; never chosen
-                                         (GEMV_MAX_M = 0), only path="gemv" runs it
+    "gemv"            cuda/awq_gemv.cu   M = 1: each lane streams its weight words into registers,
+                                         the tensor cores used lane by lane, scale per group on
+                                         fp32 partials (as "small"); chosen for N >= GEMV_MIN_N
     "small"           cuda/awq_small.cu  M <= 16: weights as the MMA's A operand, streamed through
                                          a per-warp shared-memory ring, scale applied per group to
                                          fp32 partials (no fp16 weight); chosen for M <= 8, and
@@ -41,12 +42,15 @@ from quantzoo.kernels import checked_once, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
-GEMV_MS = tuple(range(1, 9))
+# GEMV (cuda/awq_gemv.cu, M = 1): (NW, WARPS, D) = column words per lane, warps per block, k-steps
+# of loads a lane has in flight; each also compiled with VEC = false (for N/8 % NW != 0)
+GEMV_CFGS = ((2, 8, 4), (2, 8, 3), (4, 4, 4))
 # (MT, NG, OCC): 16*MT rows x 64*NG columns per block, OCC blocks per SM asked of the compiler
 MMA_CFGS = ((1, 1, 1), (1, 2, 1), (1, 2, 4), (2, 1, 1), (2, 2, 1), (4, 1, 1))
 SOURCES = {
     "awq_dequant.cu": ("awq_dequant_kernel",),
-    "awq_gemv.cu": tuple(f"awq_gemv_kernel<{m}>" for m in GEMV_MS),
+    "awq_gemv.cu": tuple("awq_gemv_kernel<{}, {}, {}, {}>".format(*c, v) for c in GEMV_CFGS
+                         for v in ("true", "false")),
     "awq_mma.cu": tuple(f"awq_mma_kernel<{mt}, {ng}, {occ}>" for mt, ng, occ in MMA_CFGS),
 }
 # small-M kernel (cuda/awq_small.cu): (MB, NW, WARPS, CW, MODE, D) = batch tiles of 8 rows,
@@ -64,9 +68,11 @@ SOURCES["awq_wgmma.cu"] = tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c 
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
 # ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; tables in bench/notes-awq.md)
-# GEMV (CUDA-core FMAs) never beat the tensor-core kernel there, not even at M = 1 (4096->12288:
-# 20.7 vs 19.2 us; 12288->4096: 24.6 vs 20.8 us; 4096->1024: 9.6 vs 8.7 us): dequant + fp32 FMA
-# costs ~31 instructions per packed word against ~19 for dequant + prmt + mma, so GEMV_MAX_M = 0.
+# GEMV (cuda/awq_gemv.cu) vs the small-M kernel at M = 1, timed as the decode graph runs them (PDL,
+# back to back, rotated weights; session 12, bench/NOTES.md), us: 4096->24576 25.2 vs 29.4;
+# 4096->12288 14.6 vs 14.6; 12288->4096 15.0 vs 14.6; 4096->6144 9.8 vs 9.9; 4096->4096 7.7 vs
+# 7.4; 4096->1024 5.7 vs 5.3. It wins where N is wide (many column tiles, no split K needed), so
+# M = 1 with N >= GEMV_MIN_N takes it.
 # mma -> dequant+cublas crossover (bench runs 3 and 4): 4096->4096 and 4096->1024 at M ~ 96 (tie:
 # 29.3 vs 28.7 us, 13.9 vs 13.6 us), 4096->12288 at ~128 (90.0 vs 92.2 us), 12288->4096 between
 # 128 and 192 (80.0 vs 93.7; 125.1 vs 115.9 us).
@@ -82,7 +88,10 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= wgmma_tiles.MAX_M and N * K >= WGMMA_MIN_NK:
 WGMMA_MAX_M_FULL = 512  # wgmma (before the rules below); up to WGMMA_MAX_M_FULL too if the grid's
 WGMMA_MIN_NK = 6144 * 4096   # last wave is at least wgmma_tiles.MIN_FILL full (wgmma_tiles.dispatch)
-GEMV_MAX_M = 0          # M <= this: gemv
+GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
+GEMV_DEFAULT = (2, 8, 4)
+GEMV_MIN_STEPS = 8      # gemv_plan: fewest k-steps (8 rows) per warp
+GEMV_TUNED = {(4096, 24576): ((2, 8, 4), 1)}   # (K, N) -> ((NW, WARPS, D), K splits)
 MMA_MAX_M = 96          # M <= this and not small: mma; above: dequant + cuBLAS ...
 MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
 MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
@@ -277,7 +286,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
             and wgmma_available(dev)
             and wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(dev), WGMMA_MIN_NK, WGMMA_MIN_NK)):
         return "wgmma"
-    if m <= GEMV_MAX_M:
+    if m == 1 and n >= GEMV_MIN_N:
         return "gemv"
     if m <= 8 or (m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
         return "small"
@@ -312,15 +321,37 @@ def dequantize(qt) -> torch.Tensor:
     return dequantize_into(qweight, scales, qzeros, out, k, n, g)
 
 
-def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g):
+def gemv_config(n: int, k: int) -> tuple[tuple[int, int, int], int | None]:
+    """((NW, WARPS, D), splits or None = gemv_plan's) of the GEMV for this shape."""
+    return GEMV_TUNED.get((k, n), (GEMV_DEFAULT, None))
+
+
+def gemv_plan(tiles: int, k: int, warps: int, slots: int) -> int:
+    """K splits for `tiles` column tiles on `slots` resident blocks: one full wave, but every
+    warp keeps >= GEMV_MIN_STEPS k-steps (8 rows each)."""
+    s = max(1, slots // max(1, tiles))
+    return max(1, min(s, k // (8 * warps * GEMV_MIN_STEPS)))
+
+
+def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
+    if m != 1:
+        raise ValueError(f"path: 'gemv' takes M = 1, got M={m}")
     dev = x2.device
-    tiles = -(-(n // 8) // 32)
-    kern = _kernel("awq_gemv.cu", f"awq_gemv_kernel<{m}>")
-    slots = min(4, _blocks_per_sm(kern, 0)) * _sm_count(dev)
-    splits, per = _splits(tiles, k, 32, slots, min_rows=128)
-    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
+    tuned_cfg, tuned_splits = gemv_config(n, k)
+    nw, warps, d = cfg or tuned_cfg
+    if cfg is None and splits is None:
+        splits = tuned_splits
+    vec = (n // 8) % nw == 0
+    name = "awq_gemv_kernel<{}, {}, {}, {}>".format(nw, warps, d, "true" if vec else "false")
+    kern = _kernel("awq_gemv.cu", name)
+    tiles = -(-(n // 8) // (8 * nw))
+    if splits is None:
+        splits = gemv_plan(tiles, k, warps, _blocks_per_sm(kern, 0) * _sm_count(dev))
+    per = 8 * -(-(k // 8) // max(1, splits))
+    splits = -(-k // per)
+    ws = _buffer(dev, "ws", splits * n if splits > 1 else 1, torch.float32)
     ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
-    _launch(kern, (tiles, splits), (128,),
+    _launch(kern, (tiles, splits), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), np.int32(per)))
 
@@ -507,8 +538,8 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path):
     if m == 0:
         return out
     path = path or choose_path(m, _Shape(n, k), x.device)
-    if path == "gemv" and m > max(GEMV_MS):
-        raise ValueError(f"path: 'gemv' takes M <= {max(GEMV_MS)}, got M={m}")
+    if path == "gemv" and m != 1:
+        raise ValueError(f"path: 'gemv' takes M = 1, got M={m}")
     if path == "small" and m > SMALL_MAX_M:
         raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
     if m > 2**31 // max(k, n):
