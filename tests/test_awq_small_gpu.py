@@ -30,7 +30,7 @@ def awq_mod():
     return awq
 
 
-def run_small(x16, qtc, cfg=None, splits=None, path="small"):
+def run_scaled(x16, qtc, cfg=None, splits=None, path="small"):
     awq = awq_mod()
     x = torch.from_numpy(x16).cuda()
     m, k = x16.shape
@@ -61,7 +61,7 @@ def test_every_config_tail_shape(m, g):
     _, qt, qtc, w16 = weight(k, n, g, seed=m)
     x16 = rand_x(rng, m, k)
     for path, cfg in cfgs_for(m):
-        check(run_small(x16, qtc, cfg, path=path), x16, qt, w16, f"{path} {cfg}")
+        check(run_scaled(x16, qtc, cfg, path=path), x16, qt, w16, f"{path} {cfg}")
 
 
 @pytest.mark.parametrize("m", [1, 5, 12])
@@ -75,7 +75,7 @@ def test_every_config_small_shapes(m, k, n, g):
     qtc = qt.to("cuda")
     x16 = rand_x(rng, m, k)
     for path, cfg in cfgs_for(m):
-        check(run_small(x16, qtc, cfg, path=path), x16, qt, None, f"{path} {cfg}")
+        check(run_scaled(x16, qtc, cfg, path=path), x16, qt, None, f"{path} {cfg}")
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
@@ -88,7 +88,7 @@ def test_forced_splits(m, splits):
     _, qt, qtc, w16 = weight(k, n, 64)
     x16 = rand_x(rng, m, k)
     for path, cfg in cfgs_for(m):
-        check(run_small(x16, qtc, cfg, splits, path), x16, qt, w16, f"{path} {cfg} S={splits}")
+        check(run_scaled(x16, qtc, cfg, splits, path), x16, qt, w16, f"{path} {cfg} S={splits}")
 
 
 @pytest.mark.parametrize("m", MS)
@@ -101,10 +101,27 @@ def test_qwen_shapes_vs_float64(k, n, m):
     x16 = rand_x(rng, m, k)
     exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
     for path in ("small", "gemv") if m == 1 else ("small",):
-        y = run_small(x16, qtc, path=path)
+        y = run_scaled(x16, qtc, path=path)
         check(y, x16, qt, w16, path)
         nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
         assert nmse < 0.012, f"{path}: NMSE {nmse:.4%}"
+
+
+def test_gemv_dispatched_on_wide_weight():
+    """M = 1 on a wide weight (the runner's fused gate/up, 4096 -> 24576, g128) goes to the GEMV
+    with its tuned config (one K split): emulation bound and NMSE < 1.2 %."""
+    awq = awq_mod()
+    rng = np.random.default_rng()
+    k, n = 4096, 24576
+    w, qt, qtc, w16 = weight(k, n, 128)
+    assert awq.choose_path(1, qtc) == "gemv" and (k, n) in awq.GEMV_TUNED
+    x16 = rand_x(rng, 1, k)
+    y = torch.full((1, n), float("nan"), dtype=torch.float16, device="cuda")
+    awq.matmul(torch.from_numpy(x16).cuda(), qtc, out=y)
+    check(y, x16, qt, w16, "gemv")
+    exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
+    nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
+    assert nmse < 0.012, f"NMSE {nmse:.4%}"
 
 
 def test_magnitudes_and_zeros_every_config():
@@ -119,7 +136,7 @@ def test_magnitudes_and_zeros_every_config():
         for m in (1, 7, 16):
             x16 = rand_x(rng, m, k, scale_x)
             for path, cfg in cfgs_for(m):
-                y = run_small(x16, qtc, cfg, path=path)
+                y = run_scaled(x16, qtc, cfg, path=path)
                 check(y, x16, qt, None, f"{path} {cfg} x*{scale_x} w*{scale_w}")
                 if scale_x == 0.0:
                     assert (y == 0).all()
