@@ -1,5 +1,5 @@
 // awq_common.cuh -- pieces shared by the AWQ W4A16 kernels (awq_dequant.cu, awq_gemv.cu,
-// awq_mma.cu).
+// awq_small.cu, awq_mma.cu, awq_wgmma.cu).
 //
 // Layout (HF AWQ "gemm"): qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N].
 // Nibble slot j (bits 4j..4j+3) of a word holds column 8c + ORDER[j], ORDER = 0 2 4 6 1 3 5 7.
