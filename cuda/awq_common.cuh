@@ -87,6 +87,16 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The k-steps [x, y) of ROWS rows each that k slice `slice` of `slices` walks: the block's split
+// (rows [blockIdx.y * rows_per_split, + rows_per_split) of K) cut into equal runs of whole steps,
+// in order (awq_small.cu, awq_gemv.cu). An empty run has x == y.
+template <int ROWS>
+__device__ __forceinline__ int2 slice_steps(int K, int rows_per_split, int slice, int slices) {
+  const int kb = blockIdx.y * rows_per_split;
+  const int steps = max(0, (min(K, kb + rows_per_split) - kb) / ROWS);
+  return make_int2(kb / ROWS + steps * slice / slices, kb / ROWS + steps * (slice + 1) / slices);
+}
+
 // ---- cp.async (sm_80+): global -> shared without a register round trip; src_bytes = 0 writes
 // zeros, which is how every kernel pads tails (rows past K or the split, columns past N).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {

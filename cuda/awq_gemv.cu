@@ -96,11 +96,8 @@ awq_gemv_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight
   const int cwl = VEC ? min(tile_w0 + NW * g, n8 - NW) : min(tile_w0 + NW * g, n8 - 1);
   const int room = n8 - cwl;
   const int splits = gridDim.y;
-  const int kb = blockIdx.y * rows_per_split;
-  const int ke = min(K, kb + rows_per_split);
-  const int steps_blk = max(0, (ke - kb) / 8);
-  const int s0 = kb / 8 + (steps_blk * warp) / WARPS;   // this warp's k-steps [s0, s1)
-  const int s1 = kb / 8 + (steps_blk * (warp + 1)) / WARPS;
+  const int2 range = awq::slice_steps<8>(K, rows_per_split, warp, WARPS);
+  const int s0 = range.x, s1 = range.y;   // this warp's k-steps [s0, s1)
   const int steps_per_group = G / 8;
 
   // B fragment of lane (g, t): b0 = (B[2t][g], B[2t+1][g]), b1 = (B[2t+8][g], B[2t+9][g]) from

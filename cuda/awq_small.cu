@@ -137,11 +137,8 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
 #pragma unroll
   for (int j = 0; j < NW; ++j) cw_ok[j] = cw0 + j < n8;
   const int splits = gridDim.y;
-  const int kb = blockIdx.y * rows_per_split;
-  const int ke = min(K, kb + rows_per_split);
-  const int steps_blk = max(0, (ke - kb) / 16);
-  const int s0 = kb / 16 + (steps_blk * wk) / KS;      // this warp's k-steps [s0, s1)
-  const int s1 = kb / 16 + (steps_blk * (wk + 1)) / KS;
+  const int2 range = awq::slice_steps<16>(K, rows_per_split, wk, KS);
+  const int s0 = range.x, s1 = range.y;   // this warp's k-steps [s0, s1)
   const int steps_per_group = G / 16;
 
   // ---- per-warp cp.async ring: stage of step s = 16 rows from row 16 s, words tile_w0..+TW,
