@@ -31,28 +31,32 @@
 // * A stage's 16 weight words, scales and zeros of a thread are read from shared memory at
 //   once, so the per-k-step chain is dequant -> wgmma with no shared-memory latency in it.
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
-//   the layout the wgmma descriptor reads without bank conflicts; cp.async places the chunks.
-// * Pipeline: D stages filled by cp.async from every thread, one block barrier per stage; each
-//   thread's copy sources are carried from stage to stage (wg::XTile), so a stage's copies cost
-//   a few instructions (offsets worked out once were recomputed by ptxas every stage). A
+//   the layout the wgmma descriptor reads without bank conflicts. One TMA copy per stage writes
+//   it (wg::XTile; the host encodes x's tensor map): no per-thread copy instructions. With every
+//   thread issuing 16-byte cp.async chunks instead, the copies were a third of the kernel's time
+//   at M = 2048 (bench/NOTES.md, session 13: 430 -> 358 us on 4096->12288).
+// * Pipeline: D stages, one block barrier per stage; the weights, scales and zeros by cp.async
+//   from every thread (each thread's sources carried from stage to stage, since offsets worked
+//   out once were recomputed by ptxas every stage), x by TMA onto one mbarrier per buffer. A
 //   warpgroup keeps at most 3 k-steps (wgmma groups, 4 per stage) in flight, so every wgmma of
 //   stage s - 2 is done when a warpgroup reaches the barrier of stage s: loads run D - 2 stages
 //   ahead, into the buffer of stage s - 2. (Issuing the copies after the stage's first wgmma
 //   instead, to hide them behind it, makes ptxas serialise the wgmma: warning C7513.)
-// * Tails: rows past M or K and words past N/8 are zero-filled by cp.async (src size 0); a zero
-//   x row or column contributes 0, and stores are guarded.
+// * Tails: x rows past M and k past K are zero-filled by the tensor map, weight rows past K or
+//   the split and words past N/8 by cp.async (src size 0); a zero x row or weight contributes 0,
+//   and stores are guarded. Splits are whole 64-row stages, so x needs no split bound.
 // * Split K (gridDim.z): one block walks its K range at a fixed per-stage latency, so a grid of
 //   few tiles (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that
 //   the grid fills one wave of resident blocks; the fp32 partials meet in a workspace and the
 //   tile's last block adds them in split order (deterministic, one launch, graph-replayable).
 //
-// Measured on the H100 (bench/NOTES.md, sessions 7 and 8): 460-540 TFLOP/s at M >= 1024,
-// 0.7-0.83x of cuBLAS fp16 -- there dequant + cuBLAS is as fast or faster. With split K it is
-// the fastest AWQ path from M = 32 to 256 on the big weights, and at M = 512 where its grid
-// fills whole waves (4096->12288 M = 128: 48.5 us against 91.0 for mma.sync and 39.2 for cuBLAS
-// fp16), which is where dispatch uses it. Latency-bound: one 8-warp block per SM (200-215
-// registers per thread at T >= 128). (Tried and slower: a producer warpgroup + mbarriers +
-// setmaxnreg, ~300 TFLOP/s; T = 64 at 2 blocks per SM, 128 registers, 10-30 % slower.)
+// Measured on the H100 (bench/NOTES.md, sessions 7, 8 and 13): with TMA x tiles 0.78-0.88x of
+// cuBLAS fp16 at M = 2048, about what dequant + cuBLAS reaches there. With split K it is the
+// fastest AWQ path from M = 32 to 512 on weights of 6144 x 4096 and up (4096->12288 M = 128:
+// 45 us against 91 for mma.sync and 40 for cuBLAS fp16; M = 512: 110 against 122 for dequant +
+// cuBLAS and 75 for cuBLAS fp16), which is where dispatch uses it. One 8-warp block per SM
+// (about 200 registers per thread at T >= 128). (Tried and slower: a producer warpgroup issuing
+// cp.async + mbarriers + setmaxnreg, ~300 TFLOP/s; T = 64 at 2 blocks per SM, 10-30 % slower.)
 //
 // Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
 // host (quantzoo/kernels/awq.py) never launches it there.
@@ -76,7 +80,6 @@ struct Cfg {
   static constexpr int STAGE = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
-  static_assert(T * 8 % THREADS == 0, "x chunks per stage split evenly over the threads");
 };
 
 }  // namespace awqw
@@ -89,7 +92,7 @@ struct Cfg {
 // [splits][M][N] and the tile's last block sums them in split order (awq_common.cuh).
 template <int NWG, int T, int D>
 __global__ void __launch_bounds__(128 * NWG, 1)
-awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
+awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const unsigned* __restrict__ qweight,
                  const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                  half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
                  int M, int K, int N, int G, int rows_per_split) {
@@ -122,10 +125,13 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const int groups_per_stage = G < BK ? BK / G : 1;
   const bool vec16 = (n8 % 4) == 0;
 
-  // Copies: x through wg::XTile; thread tid copies weight chunk wc (4 words) of rows
-  // wr + WSTEP j, from a pointer carried from stage to stage like XTile's. Rows past M, K or
-  // the split and words past N/8 are zero-filled (src size 0).
-  wg::XTile<T, C::THREADS> xt(x, M, K, m0, kb, tid);
+  // Copies: x by TMA (wg::XTile; a split's K range is whole 64-row stages, except at K, which
+  // the map zero-fills); thread tid copies weight chunk wc (4 words) of rows wr + WSTEP j, from
+  // a pointer carried from stage to stage (offsets worked out once from threadIdx were
+  // recomputed by ptxas every stage, bench/NOTES.md session 9). Rows past M, K or the split
+  // and words past N/8 are zero-filled (src size 0).
+  __shared__ unsigned long long xbar[D];
+  wg::XTile<T, D> xt(xmap, xbar, m0, kb, tid);
   constexpr int WCPR = C::WORDS / 4, WSTEP = C::THREADS / WCPR, WCH = BK / WSTEP;
   static_assert(C::THREADS % WCPR == 0 && BK % WSTEP == 0, "weight chunks split evenly");
   const int wr = tid / WCPR, wc = 4 * (tid % WCPR);
@@ -137,7 +143,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     const int k0 = kb + st * BK;
     const bool live = st < n_stages;   // past the split: zero-fill a free buffer, no branch
     const unsigned S0 = base + buf * C::STAGE;
-    xt.copy_next(S0, live && k0 + 8 * (tid & 7) < ke, x, K);
+    xt.copy_next(S0, buf, live);
     if (vec16) {
 #pragma unroll
       for (int j = 0; j < WCH; ++j) {
@@ -165,7 +171,7 @@ awq_wgmma_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
 
   wg::fill_pipeline<D>(load_stage);
   for (int st = 0; st < n_stages; ++st) {
-    wg::enter_stage<D>(st, load_stage);
+    wg::enter_stage<D>(st, load_stage, xt);
 
     unsigned char* S0 = smem + (st % D) * C::STAGE;
     const unsigned long long desc = wg::desc_sw128(awq::smem_addr(S0));

@@ -33,8 +33,8 @@
 //   from qh or-ed onto mantissa bit 4 (bit 8 in the 16x form). Q8_0: signed bytes,
 //   (b & 0xff) ^ 0x80 in the mantissa of 1024 (one LOP3: (v & 0x00ff00ff) ^ 0x64806480) is
 //   1152 + b, exact b by hsub2.
-// * Everything else -- swizzled x tile and descriptor, cp.async stages with one barrier each,
-//   3 k-steps in flight, pins, split K -- as in awq_wgmma.cu. Split-K partials go to an fp32
+// * Everything else -- the x tile by TMA into the 128-byte swizzle, cp.async weight stages with
+//   one barrier each, 3 k-steps in flight, pins, split K -- as in awq_wgmma.cu. Split-K partials go to an fp32
 //   workspace [split][M][N] that gguf_mma.cu's mma_reduce sums in split order.
 // * Tails: weight rows past N and tokens past M are zero-filled (d = 0 and x = 0 contribute 0)
 //   and not stored.
@@ -71,7 +71,6 @@ struct Cfg {
                 "one-product formats only: Q4_0, Q5_0, Q8_0");
   static_assert(RB % 4 == 0, "a row's stage is 4-byte aligned");
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
-  static_assert(T * 8 % THREADS == 0, "x chunks per stage split evenly over the threads");
 };
 
 }  // namespace ggw
@@ -81,7 +80,7 @@ struct Cfg {
 // of 16 bytes), N * nb * BYTES < 2^32. part: fp32 [splits][M][N] when splits > 1, else unused.
 template <class F, int NWG, int T, int D>
 __global__ void __launch_bounds__(128 * NWG, 1)
-gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __restrict__ y,
+gguf_wgmma(const uint8_t* __restrict__ W, const __grid_constant__ wg::TmaDesc xmap, half* __restrict__ y,
            float* __restrict__ part, int M, int N, int nb, int sps) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -91,7 +90,6 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
   const unsigned base = (awq::smem_addr(smem_raw) + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - awq::smem_addr(smem_raw));
 
-  const int K = 32 * nb;
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;
@@ -101,10 +99,11 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
   const int st0 = blockIdx.z * sps;
   const int n_stages = min(nb / 2, st0 + sps) - st0;
 
-  // Copies: x through wg::XTile; weight copy c of this thread is chunk (i % CH) of the window
-  // of block row i / CH, i = tid + THREADS c (rows past N zero-filled), worked out once (a
-  // stage only moves the window along the row).
-  wg::XTile<T, C::THREADS> xt(x, M, K, m0, 64 * st0, tid);
+  // Copies: x by TMA (wg::XTile; splits are whole stages); weight copy c of this thread is
+  // chunk (i % CH) of the window of block row i / CH, i = tid + THREADS c (rows past N
+  // zero-filled), worked out once (a stage only moves the window along the row).
+  __shared__ unsigned long long xbar[D];
+  wg::XTile<T, D> xt(xmap, xbar, m0, 64 * st0, tid);
   constexpr int WCH = (C::ROWS * C::CH + C::THREADS - 1) / C::THREADS;
   const unsigned row_bytes = (unsigned)nb * F::BYTES;
   unsigned w_src[WCH], w_dst[WCH];   // byte offset of the row's window start in W; in the stage
@@ -123,7 +122,7 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
     const int s = st0 + st;
     const bool live = st < n_stages;   // past the split: zero-fill a free buffer, no branch
     const unsigned S0 = base + buf * C::STAGE;
-    xt.copy_next(S0, live, x, K);
+    xt.copy_next(S0, buf, live);
     const unsigned win = (unsigned)(s * C::RB) & ~15u;   // the 16-byte window holding the stage
     // chunks past the stage's last byte are not copied: a window may reach past the row, and
     // for the last row past the tensor (Q5_0: 44 bytes at offset 4 in a 64-byte window)
@@ -142,7 +141,7 @@ gguf_wgmma(const uint8_t* __restrict__ W, const half* __restrict__ x, half* __re
   // this thread's weight rows in the block: instruction j, r8 = 0 / 1 -> row rr(j) + 8 r8
   auto rr = [&](int j) { return 64 * JN * wg + 64 * j + 16 * wq + g; };
   for (int st = 0; st < n_stages; ++st) {
-    wg::enter_stage<D>(st, load_stage);
+    wg::enter_stage<D>(st, load_stage, xt);
 
     const unsigned char* S0 = smem + (st % D) * C::STAGE;
     const unsigned long long desc = wg::desc_sw128(awq::smem_addr(S0));

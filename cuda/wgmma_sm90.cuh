@@ -1,11 +1,20 @@
 // wgmma_sm90.cuh -- the Hopper (sm_90a) warpgroup MMA pieces the wgmma kernels share
 // (awq_wgmma.cu, gguf_wgmma.cu): fence / commit / wait, register "pins", the register-A
-// m64nTk16 f16 -> f32 instructions, and the 128-byte-swizzle shared-memory descriptor.
+// m64nTk16 f16 -> f32 instructions, the 128-byte-swizzle shared-memory descriptor, the stage
+// pipeline, and the x tile's TMA copy (tensor map, mbarriers).
 // Only defined where the architecture-specific features exist (sm_90a); elsewhere the kernels
 // that include this compile to empty bodies.
 #pragma once
 #include <cuda_fp16.h>
 #include "awq_common.cuh"   // cp.async helpers
+
+namespace wg {
+// The driver's CUtensorMap (128 bytes, 64-byte aligned): a TMA descriptor encoded on the host
+// by cuTensorMapEncodeTiled (quantzoo/cuda_launch.py, TensorMap) and passed by value as a
+// __grid_constant__ kernel parameter. Declared for every target so that the kernels' signatures
+// compile everywhere.
+struct alignas(64) TmaDesc { unsigned long long v[16]; };
+}  // namespace wg
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace wg {
@@ -110,10 +119,11 @@ __device__ __forceinline__ void fill_pipeline(Load& load) {
     awq::cp_async_commit();
   }
 }
-// Wait for stage st (this thread's copies, then every thread's), make it visible to wgmma, and
-// start stage st + D - 2.
-template <int D, class Load>
-__device__ __forceinline__ void enter_stage(int st, Load& load) {
+// Wait for stage st (its x tile, this thread's copies, then every thread's), make it visible
+// to wgmma, and start stage st + D - 2.
+template <int D, class Load, class X>
+__device__ __forceinline__ void enter_stage(int st, Load& load, const X& xt) {
+  xt.wait(st);
   awq::cp_async_wait<D - 3>();
   // cp.async wrote through the generic proxy; wgmma reads through the async proxy
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -151,37 +161,60 @@ __device__ __forceinline__ void drain(float (&acc)[JN][T / 2]) {
     for (int i = 0; i < T / 2; ++i) pin(acc[j][i]);
 }
 
+// mbarriers (shared memory, 8 bytes each) for the TMA copies: one arrival per phase (the
+// thread that issues the copy, announcing its bytes), completed when the bytes have landed.
+__device__ __forceinline__ void mbar_init(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile("{\n.reg .pred done;\nWAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
 // The x tile of a 64-k stage, B of the descriptor above: T tokens x 64 halves, 128 bytes a row,
-// 16-byte chunk c of row r at byte r * 128 + ((c ^ (r % 8)) << 4). Thread tid copies chunk
-// tid % 8 of rows tid / 8 + STEP i; rows past M and k past the block's range are zero-filled.
-// Stages are copied in k order, so the source pointer is carried from one copy to the next
-// (+64 halves): ptxas rematerialises a pointer worked out once from threadIdx on every trip of
-// the loop (bench/NOTES.md, session 9), a value the loop updates it cannot.
-template <int T, int THREADS>
+// 16-byte chunk c of row r at byte r * 128 + ((c ^ (r % 8)) << 4) -- exactly what one TMA
+// copy with the 128-byte swizzle writes. The map (host: a 2-D fp16 tensor K wide, M tall, box
+// 64 x T, 128-byte swizzle) zero-fills rows past M and k past K, so tails need no code here.
+// One thread issues a stage's copy and announces its bytes on the buffer's mbarrier; every
+// thread waits on it before the stage's wgmma read it.
+// Why TMA and not cp.async from every thread (bench/NOTES.md, session 13): the 8 x 16-byte
+// copies a thread issued per stage at T = 256, with their addresses and predicates, made the
+// kernel's non-tensor work as long as its tensor work (4096->12288 M = 2048: 241 of 424 us
+// with the wgmma removed, 312 us with the x copies removed).
+template <int T, int D>
 struct XTile {
-  static constexpr int STEP = THREADS / 8, CH = T * 8 / THREADS;
-  static_assert(T * 8 % THREADS == 0 && STEP % 8 == 0, "x chunks split evenly over the threads");
-  const half* src;   // chunk 0 of the next stage copied
-  unsigned dst;      // its byte offset in a stage
-  unsigned rows;     // bit i: row tid / 8 + STEP i is < M
-  __device__ __forceinline__ XTile(const half* x, int M, int K, int m0, int k0, int tid) {
-    const int xr = tid >> 3, xc = tid & 7;
-    src = x + (size_t)min(m0 + xr, M - 1) * K + k0 + 8 * xc;
-    dst = xr * 128 + ((xc ^ (xr & 7)) << 4);
-    rows = 0;
+  const TmaDesc* map;
+  unsigned bar0;   // shared address of buffer 0's mbarrier (buffer b: bar0 + 8 b)
+  int k, m0;       // the next stage's first k, the tile's first token
+  bool leader;
+  __device__ __forceinline__ XTile(const TmaDesc& xmap, unsigned long long* bars, int m0_, int k0, int tid)
+      : map(&xmap), bar0(awq::smem_addr(bars)), k(k0), m0(m0_), leader(tid == 0) {
+    if (leader) {
+      asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 #pragma unroll
-    for (int i = 0; i < CH; ++i) rows |= (m0 + xr + STEP * i < M) << i;
-  }
-  // copy the next stage into the stage at shared address S0 (k_ok: this thread's 8 k lie
-  // inside the block's K range), then advance
-  __device__ __forceinline__ void copy_next(unsigned S0, bool k_ok, const half* x, int K) {
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const bool ok = k_ok && ((rows >> i) & 1);
-      awq::cp_async16_at(S0 + dst + STEP * 128 * i, ok ? src + (size_t)STEP * K * i : x, ok);
+      for (int b = 0; b < D; ++b) mbar_init(bar0 + 8 * b);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    src += 64;
+    __syncthreads();
   }
+  // copy the next stage into buffer buf at shared address S0 (live: a stage of this split;
+  // otherwise nothing is copied and nothing waits on it), then advance
+  __device__ __forceinline__ void copy_next(unsigned S0, int buf, bool live) {
+    if (leader && live) {
+      const unsigned bar = bar0 + 8 * buf;
+      mbar_arrive_expect_tx(bar, T * 128);
+      asm volatile(
+          "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+          :: "r"(S0), "l"(reinterpret_cast<unsigned long long>(map)), "r"(k), "r"(m0), "r"(bar) : "memory");
+    }
+    k += 64;
+  }
+  // stage st has landed (buffer st % D, its (st / D)-th use)
+  __device__ __forceinline__ void wait(int st) const { mbar_wait(bar0 + 8 * (st % D), (st / D) & 1); }
 };
 }  // namespace wg
 #endif

@@ -162,9 +162,10 @@ def current_stream_ptr() -> int:
 
 def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
     """Launch on torch's current stream (so graph capture and stream semantics hold); inside
-    `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh)."""
-    if _PDL:
-        _launch_pdl(kernel, grid, block, args, shared_mem)
+    `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh). Arguments are
+    int pointers, numpy scalars, or TensorMap (a TMA descriptor passed by value)."""
+    if _PDL or any(type(a) is TensorMap for a in args):
+        _launch_ex(kernel, grid, block, args, shared_mem, _PDL)
         return
     # cupy.cuda.Function takes the stream per call; entering it as CuPy's current stream instead
     # costs a context switch in Python on every launch.
@@ -226,6 +227,8 @@ def _driver():
 def _ctype_arg(ctypes, a):
     import numpy as np
 
+    if type(a) is TensorMap:
+        return a.raw
     if isinstance(a, (bool, np.bool_)):
         raise TypeError(f"kernel argument {a!r}: pass an np.int32 flag, not a bool")
     if isinstance(a, int):            # device pointers, as CuPy passes them: 8 bytes
@@ -235,13 +238,15 @@ def _ctype_arg(ctypes, a):
     raise TypeError(f"kernel argument of type {type(a).__name__}: expected an int pointer or a numpy scalar")
 
 
-def _launch_pdl(kernel, grid, block, args, shared_mem: int) -> None:
+def _launch_ex(kernel, grid, block, args, shared_mem: int, pdl: bool) -> None:
+    """cuLaunchKernelEx through ctypes: with the programmatic-serialization attribute (pdl), and
+    for arguments CuPy cannot pass (TensorMap)."""
     ctypes, lib, Attribute, Config, fn = _driver()
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
     attr = Attribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
     cfg = Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
-                 ctypes.c_void_p(current_stream_ptr()), ctypes.pointer(attr), 1)
+                 ctypes.c_void_p(current_stream_ptr()), ctypes.pointer(attr), 1 if pdl else 0)
     vals = [_ctype_arg(ctypes, a) for a in args]
     params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
     func = getattr(kernel, "ptr", None) or kernel.kernel.ptr   # cupy Function, or RawKernel.kernel
@@ -249,5 +254,48 @@ def _launch_pdl(kernel, grid, block, args, shared_mem: int) -> None:
     if err:
         name = ctypes.c_char_p()
         lib.cuGetErrorName(err, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: "
+        raise RuntimeError(f"cuLaunchKernelEx{' (programmatic dependent launch)' if pdl else ''} failed: "
                            f"{(name.value or b'?').decode()} ({err})")
+
+
+# ---- TMA descriptors -------------------------------------------------------------------------
+class TensorMap:
+    """A CUtensorMap (the driver's 128-byte TMA descriptor) for a kernel parameter declared
+    `const __grid_constant__ wg::TmaDesc` (cuda/wgmma_sm90.cuh); `launch` passes it by value."""
+    __slots__ = ("raw",)
+
+    def __init__(self, raw):
+        self.raw = raw
+
+
+_TMAPS: dict = {}
+_F16 = 6            # CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}   # CU_TENSOR_MAP_SWIZZLE_NONE / 32B / 64B / 128B
+_L2_256B = 3        # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+
+
+def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, swizzle: int = 128) -> TensorMap:
+    """The TMA descriptor of a row-major fp16 matrix [rows, cols] at device address ptr (16-byte
+    aligned, cols % 8 == 0), copied in boxes of box_rows x box_cols with the given shared-memory
+    swizzle; elements past the matrix read as zeros. Encoded once per distinct argument tuple
+    (a prefill reuses a few activation buffers) and remembered."""
+    key = (ptr, rows, cols, box_rows, box_cols, swizzle)
+    tm = _TMAPS.get(key)
+    if tm is not None:
+        return tm
+    ctypes, lib, *_ = _driver()
+    enc = lib.cuTensorMapEncodeTiled
+    raw = (ctypes.c_uint64 * 16)()
+    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    err = enc(ctypes.byref(raw), ctypes.c_int(_F16), ctypes.c_uint32(2), ctypes.c_void_p(ptr),
+              u64x2(cols, rows), (ctypes.c_uint64 * 1)(2 * cols), u32x2(box_cols, box_rows), u32x2(1, 1),
+              ctypes.c_int(0), ctypes.c_int(_SWIZZLE[swizzle]), ctypes.c_int(_L2_256B), ctypes.c_int(0))
+    if err:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"cuTensorMapEncodeTiled ({rows} x {cols} fp16 at {ptr:#x}, box {box_rows} x "
+                           f"{box_cols}) failed: {(name.value or b'?').decode()} ({err})")
+    if len(_TMAPS) >= 1024:
+        _TMAPS.clear()
+    tm = _TMAPS[key] = TensorMap(raw)
+    return tm

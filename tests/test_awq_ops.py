@@ -130,17 +130,17 @@ def test_small_dispatch_thresholds():
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
-    """wgmma takes 17 <= M <= 256 on weights of at least 6144 x 4096 (to M = 512 where its grid
-    fills whole waves), and only where the device is a Hopper GPU; elsewhere (or with no device)
-    the rules above stand."""
+    """wgmma takes 17 <= M <= 512 on weights of at least 6144 x 4096, and only where the device
+    is a Hopper GPU; elsewhere (or with no device) the rules above stand."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
     monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
-    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (16, 17, 256, 257, 512)] == \
-        ["mma", "wgmma", "wgmma", "dequant+cublas", "dequant+cublas"]   # 512: 192 blocks, 2 waves
-    # M = 512 where the grid fills its waves: 4096->24576 (384 blocks), 12288->4096 (64 x 2 splits)
-    assert [awq.choose_path(512, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288))] == ["wgmma"] * 2
+    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (16, 17, 256, 257, 512, 513)] == \
+        ["mma"] + ["wgmma"] * 4 + ["dequant+cublas"]   # 512: 192 blocks, 2 waves, the last 3/4 empty
+    assert [awq.choose_path(512, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288), (6144, 4096))] \
+        == ["wgmma"] * 3
+    assert awq.choose_path(512, shape(4096, 4096), cuda) == "dequant+cublas"   # too small a weight
     assert awq.choose_path(513, shape(24576, 4096), cuda) == "dequant+cublas"
     assert awq.choose_path(128, shape(4096, 4096), cuda) == "dequant+cublas"   # too small a weight
     assert awq.choose_path(128, shape(12288, 4096)) == "mma"                   # no device given

@@ -48,8 +48,8 @@ def test_choose_path_thresholds(fmt):
 
 def test_wgmma_dispatch(monkeypatch):
     """Where wgmma_ok holds (a Q4_0 / Q5_0 / Q8_0 weight on Hopper): M = 9..256 on weights of 4096 x 4096
-    and up (Q5_0: 64..256), M <= 512 where the grid fills its waves on 6144 x 4096 and up (not Q5_0);
-    never below 9 (mmvq)."""
+    and up (Q5_0: 64..256), M <= 512 on 6144 x 4096 and up (Q8_0: only where the grid fills its
+    waves); never below 9 (mmvq)."""
     class Data:
         device = "cuda:0"
 
@@ -59,9 +59,13 @@ def test_wgmma_dispatch(monkeypatch):
     monkeypatch.setattr(G, "wgmma_ok", lambda q: q.format in G.WGMMA_FORMATS)
     monkeypatch.setattr(G, "_aligned16", lambda q: True)
     monkeypatch.setattr(G, "_sm_count", lambda device: 132)
-    assert [G.choose_path(m, qt(12288, 4096)) for m in (8, 9, 256, 512)] == ["mmvq", "wgmma", "wgmma", "dequant"]
-    assert [G.choose_path(512, qt(n, k)) for n, k in ((4096, 12288), (24576, 4096), (6144, 4096))] == \
-        ["wgmma", "wgmma", "dequant"]        # 128 blocks, 384 (3 waves); 96 blocks: 3/4 of a wave
+    assert [G.choose_path(m, qt(12288, 4096)) for m in (8, 9, 256, 512, 513)] == \
+        ["mmvq", "wgmma", "wgmma", "wgmma", "dequant"]
+    assert [G.choose_path(512, qt(n, k)) for n, k in ((4096, 12288), (24576, 4096), (6144, 4096))] == ["wgmma"] * 3
+    # Q8_0 above M = 256 only where the grid fills its waves: 128 blocks, 384 (3 waves); 96
+    # blocks: 3/4 of a wave; 4096->12288 at 192 blocks: the second wave 3/4 empty
+    assert [G.choose_path(512, qt(n, k, "q8_0")) for n, k in ((4096, 12288), (24576, 4096), (6144, 4096),
+                                                              (12288, 4096))] == ["wgmma", "wgmma", "dequant", "dequant"]
     assert G.choose_path(512, qt(4096, 4096)) == "dequant"       # whole waves, but below 6144 x 4096
     assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
     assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight
@@ -167,6 +171,8 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     monkeypatch.setattr(G, "wgmma_ok", lambda qt: qt.format in G.WGMMA_FORMATS)   # no Hopper here
     monkeypatch.setattr(G, "set_max_dynamic_smem", lambda kern, key, nbytes: None)
     monkeypatch.setattr(G, "resident_blocks", lambda kern, smem, threads: 1)
+    monkeypatch.setattr(G, "tensor_map_2d", lambda ptr, rows, cols, box_rows, box_cols, swizzle=128:
+                        ("tmap", ptr, rows, cols, box_rows, box_cols, swizzle))
     n, k = 70, 2048
     qt = _cpu_qt(fmt, n, k)
     for m in (1, 5, 8, 13, 24, 100, 300):
@@ -193,6 +199,8 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 sps = int(calls[0][3][7])
                 assert (grid[2] - 1) * sps < nb // 2 <= grid[2] * sps   # every split non-empty
                 assert calls[0][4] == G.wgmma_smem_bytes(fmt, nwg, t, d) <= 227 * 1024
+                # x by TMA: the whole [M, K] activation, boxes of T tokens x 64 k, 128-byte swizzle
+                assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, t, 64, 128)
                 assert names[1:] == (["mma_reduce"] if grid[2] > 1 else [])
             elif path == "mma":
                 assert names[0].startswith("quantize_q8_1_split<")

@@ -16,10 +16,9 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          up to MMA_MAX_M (MMA_MAX_M_BIG for N or K >= 8192)
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
     "wgmma"           cuda/awq_wgmma.cu  Hopper (sm_90a) only: wgmma with the weight dequantised
-                                         in registers as operand A, split K, any M; chosen on
-                                         Hopper for 17 <= M <= 256 and N * K >= WGMMA_MIN_NK,
-                                         and up to 512 where its grid fills whole waves
-                                         (bench/NOTES.md session 8)
+                                         in registers as operand A, x tiles by TMA, split K,
+                                         any M; chosen on Hopper for 17 <= M <= 512 and
+                                         N * K >= WGMMA_MIN_NK (bench/NOTES.md sessions 8, 13)
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
@@ -37,6 +36,7 @@ import torch
 from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
+from quantzoo.cuda_launch import tensor_map_2d
 from quantzoo.cuda_launch import wgmma_available
 from quantzoo.kernels import checked_once, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
@@ -82,12 +82,14 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 4096->24576 M = 128 68.7 vs 152 -- ties on some at M = 32, loses at M = 16 (mma 21.8 vs 24.0)
 # and on 4096->4096 / 4096->1024 (too few tiles to hide its per-stage latency: 4096->1024
 # M = 128 18.9 vs 13.4).
-# At M = 512 it wins only where its grid fills whole waves (12288->4096: 118.4 vs 124.1 us, 128
-# blocks on 132 SMs; 4096->24576: 218.0 vs 248.6, 384 blocks = 3 waves) and loses where the last
-# wave is 3/4 empty (4096->12288: 136.7 vs 123.0, 192 blocks; 4096->6144: 70.2 vs 61.6, 96).
-WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= wgmma_tiles.MAX_M and N * K >= WGMMA_MIN_NK:
-WGMMA_MAX_M_FULL = 512  # wgmma (before the rules below); up to WGMMA_MAX_M_FULL too if the grid's
-WGMMA_MIN_NK = 6144 * 4096   # last wave is at least wgmma_tiles.MIN_FILL full (wgmma_tiles.dispatch)
+# Since its x tiles come by TMA (session 13, .scratch/disp13.py, us) it also wins at M = 257..512
+# on every weight of 6144 x 4096 and up, whole waves or not: M = 512 4096->6144 52.9 vs 61.2
+# (dequant + cuBLAS), 4096->12288 109.7 vs 122.0, 12288->4096 109.3 vs 122.5, 4096->24576 190.2 vs
+# 246.0; it loses on 4096->4096 (47.6 vs 41.7). Above 512 its waves quantise (M = 768, three
+# token tiles: 4096->12288 177.9 vs 154.5) and wins at M = 1024 are within 5 %: not taken.
+WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M_FULL and N * K >= WGMMA_MIN_NK:
+WGMMA_MAX_M_FULL = 512  # wgmma (wgmma_tiles.dispatch, no wave-fill condition)
+WGMMA_MIN_NK = 6144 * 4096
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 GEMV_DEFAULT = (2, 8, 4)
 GEMV_MIN_STEPS = 8      # gemv_plan: fewest k-steps (8 rows) per warp
@@ -284,7 +286,8 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         dev = qw.device if isinstance(qw, torch.Tensor) else None
     if (WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and dev is not None and dev.type == "cuda"
             and wgmma_available(dev)
-            and wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(dev), WGMMA_MIN_NK, WGMMA_MIN_NK)):
+            and wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(dev), WGMMA_MIN_NK, WGMMA_MIN_NK,
+                                     need_fill=False)):
         return "wgmma"
     if m == 1 and n >= GEMV_MIN_N:
         return "gemv"
@@ -508,8 +511,9 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     per *= 64   # rows per split
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
     ctr = _buffer(dev, "ctr", max(tiles_m * tiles_n, 4096), torch.int32, zero=True)
+    xmap = tensor_map_2d(x2.data_ptr(), m, k, t, 64)   # x tiles of T tokens x 64 k, 128-byte swizzle
     _launch(kern, (tiles_m, tiles_n, splits), (128 * nwg,),
-            (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
+            (xmap, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
              np.int32(per)), smem)
 

@@ -20,7 +20,8 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
   "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M[fmt] <= M <= 256 (and
-                        to WGMMA_MAX_M_FULL[fmt] where the grid fills whole waves): the dequant
+                        to WGMMA_MAX_M_FULL[fmt] on the larger weights, for Q8_0 only where the
+                        grid fills whole waves; x tiles by TMA): the dequant
                         path's function with the blocks unpacked in registers as wgmma's A operand
                         (cuda/gguf_wgmma.cu).
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, resident_blocks
-from quantzoo.cuda_launch import set_max_dynamic_smem, wgmma_available
+from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
 from quantzoo.kernels import checked_once, wgmma_tiles
@@ -158,7 +159,13 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 WGMMA_MIN_M = {"q4_0": 9, "q5_0": 64, "q8_0": 9}
 WGMMA_MIN_NK = 4096 * 4096          # M <= wgmma_tiles.MAX_M: weights of at least this
 WGMMA_MAX_M_FULL = {"q4_0": 512, "q5_0": 256, "q8_0": 512}
-WGMMA_MIN_NK_FULL = 6144 * 4096     # above, or any M: whole waves (wgmma_tiles.dispatch) and this
+WGMMA_MIN_NK_FULL = 6144 * 4096     # above: weights of at least this, and for WGMMA_NEED_FILL
+WGMMA_NEED_FILL = {"q4_0": False, "q5_0": True, "q8_0": True}   # formats whole waves (wgmma_tiles.dispatch)
+# Since the x tiles come by TMA (session 13, .scratch/disp13.py, us), Q4_0 wins at M = 512 on
+# every weight of 6144 x 4096 and up, whole waves or not: 4096->6144 51.5 vs 60.6 (dequant),
+# 4096->12288 110.9 vs 121.0, 12288->4096 90.7 vs 119.3, 4096->24576 195.2 vs 247.3. Q8_0 still
+# loses where the last wave is 3/4 empty (4096->12288 M = 512: 141.5 vs 127.3; M = 384: 120.6 vs
+# 108.4), so it keeps the wave rule.
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -362,7 +369,8 @@ def choose_path(m: int, qt) -> str:
     if (fmt in WGMMA_FORMATS and WGMMA_MIN_M[fmt] <= m <= WGMMA_MAX_M_FULL[fmt]
             and not isinstance(qt, str) and wgmma_ok(qt)):
         n, k = qt.shape
-        if wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(qt.data.device), WGMMA_MIN_NK, WGMMA_MIN_NK_FULL):
+        if wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(qt.data.device), WGMMA_MIN_NK, WGMMA_MIN_NK_FULL,
+                                WGMMA_NEED_FILL[fmt]):
             return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
@@ -403,8 +411,9 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     part = 0
     if split > 1:
         part = _workspace("wgmma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()
+    xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, t, 64)   # x tiles of T tokens x 64 k, 128-byte swizzle
     launch(kern, (grid_m, grid_n, split), (128 * nwg,),
-           (w.data_ptr(), x2.data_ptr(), y2.data_ptr(), part, np.int32(m), np.int32(n), np.int32(nb),
+           (w.data_ptr(), xmap, y2.data_ptr(), part, np.int32(m), np.int32(n), np.int32(nb),
             np.int32(sps)), shared_mem=smem)
     if split > 1:
         total = m * n

@@ -51,13 +51,17 @@ def dispatch_fill(m: int, n: int, k: int, sms: int) -> float:
     return plan(m, n, k, BLOCKS_PER_SM[config(m)[1]] * sms)[1]
 
 
-def dispatch(m: int, n: int, k: int, sms, min_nk: int, min_nk_full: int) -> bool:
+def dispatch(m: int, n: int, k: int, sms, min_nk: int, min_nk_full: int, need_fill: bool = True) -> bool:
     """Whether dispatch takes wgmma for M rows (already inside the format's M range) of an N x K
-    weight: M <= MAX_M on weights of at least min_nk, or a grid that fills its waves (MIN_FILL)
-    on weights of at least min_nk_full. sms() gives the SM count; it is asked only then."""
+    weight: M <= MAX_M on weights of at least min_nk; above, weights of at least min_nk_full,
+    and (need_fill) only a grid that fills its waves (MIN_FILL). sms() gives the SM count; it is
+    asked only then."""
     nk = n * k
-    return ((m <= MAX_M and nk >= min_nk)
-            or (nk >= min_nk_full and dispatch_fill(m, n, k, sms()) >= MIN_FILL))
+    if m <= MAX_M and nk >= min_nk:
+        return True
+    if nk < min_nk_full:
+        return False
+    return not need_fill or dispatch_fill(m, n, k, sms()) >= MIN_FILL
 
 
 def split_k(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None) -> tuple[int, int]:
