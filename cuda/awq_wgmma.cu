@@ -45,10 +45,14 @@
 // * Tails: x rows past M and k past K are zero-filled by the tensor map, weight rows past K or
 //   the split and words past N/8 by cp.async (src size 0); a zero x row or weight contributes 0,
 //   and stores are guarded. Splits are whole 64-row stages, so x needs no split bound.
-// * Split K (gridDim.z): one block walks its K range at a fixed per-stage latency, so a grid of
-//   few tiles (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that
-//   the grid fills one wave of resident blocks; the fp32 partials meet in a workspace and the
-//   tile's last block adds them in split order (deterministic, one launch, graph-replayable).
+// * Split K: one block walks its K range at a fixed per-stage latency, so a grid of few tiles
+//   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
+//   fills one wave of resident blocks; the fp32 partials meet in a workspace and the tile's
+//   last block adds them in split order (deterministic, one launch, graph-replayable).
+// * More tiles than resident blocks: the first dp_tiles tiles (whole waves) walk all of K, and
+//   only the tiles of the last, partly empty wave are split, so that they fill it with shorter
+//   blocks (4096->12288 M = 512: 192 tiles on 132 SMs; without this the second wave runs 60
+//   full-length blocks and the time is two full waves).
 //
 // Measured on the H100 (bench/NOTES.md, sessions 7, 8 and 13): with TMA x tiles 0.78-0.88x of
 // cuBLAS fp16 at M = 2048, about what dequant + cuBLAS reaches there. With split K it is the
@@ -84,18 +88,20 @@ struct Cfg {
 
 }  // namespace awqw
 
-// grid (ceil(M / T), ceil(N/8 / WORDS), splits): token tiles vary fastest, so the blocks that
-// read the same weights run together and share L2; split z walks rows [z * rows_per_split,
-// (z + 1) * rows_per_split) of K (a multiple of BK; the host makes every split non-empty).
-// Block 128 * NWG threads, dynamic shared memory awqw::Cfg<NWG, T, D>::SMEM bytes.
-// K % 32 == 0 (K % G == 0, G >= 32). With splits > 1 the fp32 partials meet in ws
+// grid (dp_tiles + (tiles - dp_tiles) * splits): tile i = (token tile i % tiles_m, column tile
+// i / tiles_m), token tiles varying fastest, so the blocks that read the same weights run
+// together and share L2. Blocks below dp_tiles each do tile i over all of K; the rest do split
+// j % splits of tile dp_tiles + j / splits (j = block - dp_tiles): rows [split *
+// rows_per_split, (split + 1) * rows_per_split) of K (a multiple of BK; the host makes every
+// split non-empty). Block 128 * NWG threads, dynamic shared memory awqw::Cfg<NWG, T, D>::SMEM.
+// K % 32 == 0 (K % G == 0, G >= 32). With splits > 1 the split tiles' fp32 partials meet in ws
 // [splits][M][N] and the tile's last block sums them in split order (awq_common.cuh).
 template <int NWG, int T, int D>
 __global__ void __launch_bounds__(128 * NWG, 1)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const unsigned* __restrict__ qweight,
                  const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                  half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
-                 int M, int K, int N, int G, int rows_per_split) {
+                 int M, int K, int N, int G, int tiles_m, int dp_tiles, int splits, int rows_per_split) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = awqw::Cfg<NWG, T, D>;
@@ -109,8 +115,12 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const unsigned* __res
   const int lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int m0 = blockIdx.x * T;
-  const int col0 = blockIdx.y * C::WORDS;
+  const bool whole = (int)blockIdx.x < dp_tiles;   // this block's tile walks all of K
+  const int tile = whole ? blockIdx.x : dp_tiles + (blockIdx.x - dp_tiles) / splits;
+  const int split = whole ? 0 : (blockIdx.x - dp_tiles) % splits;
+  const int n_split = whole ? 1 : splits;
+  const int m0 = (tile % tiles_m) * T;
+  const int col0 = (tile / tiles_m) * C::WORDS;
   // this thread's column word within the block and its columns in it: JN = 2 -> the 4 columns
   // 4h .. 4h + 3 (instruction j takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1
   constexpr int JN = C::JN;
@@ -119,8 +129,8 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const unsigned* __res
   const int j0 = JN == 2 ? 0 : wq & 1;
   const unsigned j_mask = j0 ? awq::kHighMask : awq::kLowMask;                 // JN = 1 only
   const half2 j_mul = awq::as_h2(j0 ? 0x2c002c00u : 0x3c003c00u);              // 1/16 or 1
-  const int kb = blockIdx.z * rows_per_split;          // this split's rows [kb, ke)
-  const int ke = min(K, kb + rows_per_split);
+  const int kb = whole ? 0 : split * rows_per_split;   // this block's rows [kb, ke)
+  const int ke = whole ? K : min(K, kb + rows_per_split);
   const int n_stages = (ke - kb + BK - 1) / BK;
   const int groups_per_stage = G < BK ? BK / G : 1;
   const bool vec16 = (n8 % 4) == 0;
@@ -244,7 +254,6 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const unsigned* __res
 
   // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r (JN = 1: 8c + 4h + 2j0 + r), token m0 + 8i + 2t + e
   const int cg = col0 + c;
-  const int splits = gridDim.z;
   if (cg < n8) {
 #pragma unroll
     for (int i = 0; i < T / 8; ++i)
@@ -255,24 +264,24 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const unsigned* __res
           const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
           if constexpr (JN == 1) {   // columns 8c + 4h + 2j0 + r
             const size_t o = (size_t)m * N + 8 * cg + 4 * h + 2 * j0;
-            if (splits == 1) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
-            else *reinterpret_cast<float2*>(ws + (size_t)blockIdx.z * M * N + o) = make_float2(v0, v1);
+            if (n_split == 1) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
+            else *reinterpret_cast<float2*>(ws + (size_t)split * M * N + o) = make_float2(v0, v1);
             continue;
           }
           const float v2 = acc[JN - 1][4 * i + e], v3 = acc[JN - 1][4 * i + 2 + e];
-          if (splits == 1) {
+          if (n_split == 1) {
             const half2 p0 = __floats2half2_rn(v0, v1), p1 = __floats2half2_rn(v2, v3);
             *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
           } else {
-            *reinterpret_cast<float4*>(ws + ((size_t)blockIdx.z * M + m) * N + 8 * cg + 4 * h) =
+            *reinterpret_cast<float4*>(ws + ((size_t)split * M + m) * N + 8 * cg + 4 * h) =
                 make_float4(v0, v1, v2, v3);
           }
         }
       }
   }
-  if (splits == 1) return;
+  if (n_split == 1) return;
   __shared__ int last_flag;
-  if (!awq::last_block_of_tile(counters + blockIdx.y * gridDim.x + blockIdx.x, splits, &last_flag)) return;
+  if (!awq::last_block_of_tile(counters + tile, n_split, &last_flag)) return;
   for (int task = tid; task < T * C::WORDS; task += C::THREADS) {   // (token, column word)
     const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
     if (m >= M || cw >= n8) continue;

@@ -332,12 +332,14 @@ def test_dequant_cublas_slabs(k, n, g, m, monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", [(2, 128, 5), (2, 64, 6), (2, 32, 6), (1, 128, 6), (2, 256, 4)], ids=str)
-@pytest.mark.parametrize("k,n,g,m,splits", [(608, 576, 32, 100, 2), (608, 576, 32, 33, 10),
-                                             (4096, 1024, 128, 130, 3), (1024, 200, 64, 7, 16),
-                                             (12288, 256, 128, 300, 5)], ids=str)
-def test_wgmma_split_k(k, n, g, m, splits, cfg):
+@pytest.mark.parametrize("k,n,g,m,splits,dp", [(608, 576, 32, 100, 2, 0), (608, 576, 32, 33, 10, 0),
+                                                (4096, 1024, 128, 130, 3, 0), (1024, 200, 64, 7, 16, 0),
+                                                (12288, 256, 128, 300, 5, 0), (12288, 256, 128, 300, 5, 1),
+                                                (608, 1096, 32, 520, 3, 2)], ids=str)
+def test_wgmma_split_k(k, n, g, m, splits, dp, cfg):
     """Split K across blocks (fp32 partials, the tile's last block sums them): uneven splits,
-    K not a multiple of the 64-row stage (608 = 9.5 stages), one stage per split, M and N tails."""
+    K not a multiple of the 64-row stage (608 = 9.5 stages), one stage per split, M and N tails;
+    and the schedule with the first dp tiles whole and only the rest split."""
     awq = awq_mod()
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
@@ -348,9 +350,9 @@ def test_wgmma_split_k(k, n, g, m, splits, cfg):
     d = qtc.data
     for _ in range(2):   # the tile counters return to zero: a second call is as good as the first
         y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-        awq._wgmma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, g, cfg=cfg, splits=splits)
+        awq._wgmma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, g, cfg=cfg, splits=splits, dp_tiles=dp)
         torch.cuda.synchronize()
-        check(y, x16, qt, w16, f"wgmma {cfg} splits={splits}")
+        check(y, x16, qt, w16, f"wgmma {cfg} splits={splits} whole tiles={dp}")
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 300])

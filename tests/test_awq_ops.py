@@ -148,3 +148,30 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: False)
     assert awq.choose_path(128, shape(12288, 4096), cuda) == "mma"
     assert [awq.wgmma_config(m)[1] for m in (17, 32, 33, 64, 65, 128, 129, 512)] == [32, 32, 64, 64, 128, 128, 256, 256]
+
+
+def test_wgmma_schedule():
+    """wgmma_tiles.schedule: with no more tiles than slots every tile is split to fill a wave;
+    with more, whole waves walk all of K and only the last wave's tiles are split (at least
+    MIN_STAGES stages each), every split non-empty; forced splits / whole tiles are honoured."""
+    from quantzoo.kernels import wgmma_tiles as wt
+
+    slots = 132
+    for m in (17, 64, 200, 384, 512, 768, 1024, 2048):
+        for n, k in ((12288, 4096), (4096, 12288), (24576, 4096), (6144, 4096), (1096, 608)):
+            cfg = wt.config(m)
+            tm, tn = wt.grid(m, n, cfg)
+            tiles, stages = tm * tn, -(-k // 64)
+            dp, s, per = wt.schedule(m, n, k, slots, cfg)
+            assert 0 <= dp <= tiles and (s - 1) * per < stages <= s * per   # every split non-empty
+            if s == 1:
+                assert dp == tiles
+            elif tiles > slots:
+                assert dp == tiles - tiles % slots and per >= min(stages, wt.MIN_STAGES)
+                assert (tiles - dp) * s <= slots                               # the tail fits its wave
+            else:
+                assert dp == 0 and tiles * s <= slots
+    cfg = wt.config(512)
+    assert wt.schedule(512, 12288, 4096, slots, cfg) == (132, 2, 32)   # 192 tiles: 60 split in two
+    assert wt.schedule(512, 24576, 4096, slots, cfg) == (384, 1, 64)   # 384 tiles: 3 whole waves
+    assert wt.schedule(512, 12288, 4096, slots, cfg, splits=3, dp_tiles=5) == (5, 3, 22)

@@ -495,7 +495,7 @@ def _wgmma_smem(nwg: int, t: int, d: int) -> int:
 wgmma_config = wgmma_tiles.config
 
 
-def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
+def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp_tiles=None):
     dev = x2.device
     if not wgmma_available(dev):
         raise ValueError(f"path: 'wgmma' needs a compute capability 9.0 GPU (Hopper), "
@@ -506,16 +506,16 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, (str(dev), name), smem)
     tiles_m, tiles_n = wgmma_tiles.grid(m, n, (nwg, t, d))
+    tiles = tiles_m * tiles_n
     slots = _blocks_per_sm(kern, smem, 128 * nwg) * _sm_count(dev)
-    splits, per = wgmma_tiles.split_k(m, n, k, slots, (nwg, t, d), splits)
-    per *= 64   # rows per split
+    dp, splits, per = wgmma_tiles.schedule(m, n, k, slots, (nwg, t, d), splits, dp_tiles)
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
-    ctr = _buffer(dev, "ctr", max(tiles_m * tiles_n, 4096), torch.int32, zero=True)
+    ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
     xmap = tensor_map_2d(x2.data_ptr(), m, k, t, 64)   # x tiles of T tokens x 64 k, 128-byte swizzle
-    _launch(kern, (tiles_m, tiles_n, splits), (128 * nwg,),
+    _launch(kern, (dp + (tiles - dp) * splits,), (128 * nwg,),
             (xmap, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
-             np.int32(per)), smem)
+             np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per)), smem)
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,

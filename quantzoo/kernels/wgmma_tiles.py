@@ -72,6 +72,32 @@ def split_k(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None) 
     return -(-stages // per), per
 
 
+def schedule(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None,
+             dp_tiles: int | None = None) -> tuple[int, int, int]:
+    """(whole tiles, K splits, 64-row stages per split) of the AWQ kernel's launch, whose first
+    `whole tiles` blocks walk all of K and whose remaining tiles are split: with no more tiles
+    than slots, every tile is split as `plan` says; with more, whole waves of tiles walk all of
+    K and the last, partly filled wave's tiles are split to fill it (at least MIN_STAGES stages
+    a split). splits / dp_tiles force the choice (tests, sweeps)."""
+    tm, tn = grid(m, n, cfg)
+    tiles = tm * tn
+    stages = -(-k // 64)
+    if splits is None:
+        if tiles <= slots:
+            dp, s = 0, plan(m, n, k, slots, cfg)[0]
+        else:
+            rest = tiles % slots
+            s = max(1, min(slots // rest, stages // MIN_STAGES)) if rest else 1
+            dp = tiles - rest if s > 1 else tiles
+    else:
+        dp, s = 0, splits
+    if dp_tiles is not None:
+        dp = min(tiles, dp_tiles)
+    per = -(-stages // s)
+    s = -(-stages // per)
+    return (tiles if s == 1 else dp), s, per
+
+
 def smem_bytes(stage: int, d: int) -> int:
     """Dynamic shared memory of a kernel with d stages of `stage` bytes, each rounded up to
     1024 bytes (the 128-byte swizzle's alignment), plus 1024 of slack to align the base."""
