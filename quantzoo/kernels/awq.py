@@ -18,7 +18,8 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
     "wgmma"           cuda/awq_wgmma.cu  Hopper (sm_90a) only: wgmma with the weight dequantised
                                          in registers as operand A, x tiles by TMA, split K,
                                          any M; chosen on Hopper for 17 <= M <= 512 and
-                                         N * K >= WGMMA_MIN_NK (bench/NOTES.md sessions 8, 13)
+                                         N * K >= WGMMA_MIN_NK, to M = 1024 for N * K >=
+                                         WGMMA_MIN_NK_BIG (bench/NOTES.md sessions 8, 13)
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
@@ -85,11 +86,16 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # Since its x tiles come by TMA (session 13, .scratch/disp13.py, us) it also wins at M = 257..512
 # on every weight of 6144 x 4096 and up, whole waves or not: M = 512 4096->6144 52.9 vs 61.2
 # (dequant + cuBLAS), 4096->12288 109.7 vs 122.0, 12288->4096 109.3 vs 122.5, 4096->24576 190.2 vs
-# 246.0; it loses on 4096->4096 (47.6 vs 41.7). Above 512 its waves quantise (M = 768, three
-# token tiles: 4096->12288 177.9 vs 154.5) and wins at M = 1024 are within 5 %: not taken.
+# 246.0; it loses on 4096->4096 (47.6 vs 41.7). With the last wave's tiles split
+# (wgmma_tiles.schedule, .scratch/wg_ab13.py) it also wins or ties to M = 1024 on weights of
+# 12288 x 4096 and up: M = 768 4096->12288 149.6 vs 155.9, 12288->4096 159.2 vs 159.6, 4096->24576
+# 296.8 vs 342.0; M = 1024 196.9 vs 206.9, 184.2 vs 191.8, 384.1 vs 426.4 -- but not on 4096->6144
+# (M = 768: 89.4 vs 78.8), nor at M = 1536 (4096->12288 321.6 vs 273.0).
 WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M_FULL and N * K >= WGMMA_MIN_NK:
-WGMMA_MAX_M_FULL = 512  # wgmma (wgmma_tiles.dispatch, no wave-fill condition)
+WGMMA_MAX_M_FULL = 512  # wgmma (wgmma_tiles.dispatch, no wave-fill condition) ...
 WGMMA_MIN_NK = 6144 * 4096
+WGMMA_MAX_M_BIG = 1024          # ... and up to M = WGMMA_MAX_M_BIG where
+WGMMA_MIN_NK_BIG = 12288 * 4096  # N * K >= WGMMA_MIN_NK_BIG
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 GEMV_DEFAULT = (2, 8, 4)
 GEMV_MIN_STEPS = 8      # gemv_plan: fewest k-steps (8 rows) per warp
@@ -284,7 +290,8 @@ def choose_path(m: int, qt=None, dev=None) -> str:
     if dev is None and qt is not None and isinstance(getattr(qt, "data", None), dict):
         qw = qt.data.get("qweight")
         dev = qw.device if isinstance(qw, torch.Tensor) else None
-    if (WGMMA_MIN_M <= m <= WGMMA_MAX_M_FULL and dev is not None and dev.type == "cuda"
+    max_m = WGMMA_MAX_M_BIG if n * k >= WGMMA_MIN_NK_BIG else WGMMA_MAX_M_FULL
+    if (WGMMA_MIN_M <= m <= max_m and dev is not None and dev.type == "cuda"
             and wgmma_available(dev)
             and wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(dev), WGMMA_MIN_NK, WGMMA_MIN_NK,
                                      need_fill=False)):

@@ -398,8 +398,6 @@ def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
 
 
 def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
-    import torch
-
     nwg, t, d = wgmma_tiles.config(m)
     name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}>"
     kern = _kernel("gguf_wgmma.cu", name)
@@ -408,17 +406,17 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     grid_m, grid_n = wgmma_tiles.grid(m, n, (nwg, t, d))   # token tiles on x (up to 2^31 - 1)
     slots = resident_blocks(kern, smem, 128 * nwg) * _sm_count(y2.device)
     split, sps = wgmma_tiles.split_k(m, n, 32 * nb, slots, (nwg, t, d))   # sps: 64-k stages per split
-    part = 0
+    part = None   # held until both launches are queued (a fresh tensor during graph capture)
     if split > 1:
-        part = _workspace("wgmma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()
+        part = _workspace("wgmma_part", split * m * n * 4, y2.device)
     xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, t, 64)   # x tiles of T tokens x 64 k, 128-byte swizzle
     launch(kern, (grid_m, grid_n, split), (128 * nwg,),
-           (w.data_ptr(), xmap, y2.data_ptr(), part, np.int32(m), np.int32(n), np.int32(nb),
-            np.int32(sps)), shared_mem=smem)
+           (w.data_ptr(), xmap, y2.data_ptr(), 0 if part is None else part.data_ptr(), np.int32(m),
+            np.int32(n), np.int32(nb), np.int32(sps)), shared_mem=smem)
     if split > 1:
         total = m * n
         launch(_kernel("gguf_mma.cu", "mma_reduce"), (-(-total // 256),), (256,),
-               (part, y2.data_ptr(), np.int64(total), np.int32(split)))
+               (part.data_ptr(), y2.data_ptr(), np.int64(total), np.int32(split)))
 
 
 def mmvq16_ok(qt) -> bool:
@@ -546,24 +544,23 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
 
 
 def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
-    import torch
-
     bm, split, kchunk = mma_plan(m, n, nb, _sm_count(y2.device), split)
     grid = (-(-n // MMA_BN), -(-m // bm), split)
     if grid[1] > 65535:
         raise ValueError(f"x: {m} rows is too many for the mma path")
-    part = 0
+    part = None   # held until both launches are queued (a fresh tensor during graph capture)
     if split > 1:
-        part = _workspace("mma_part", split * m * n * 4, y2.device).view(torch.float32).data_ptr()
+        part = _workspace("mma_part", split * m * n * 4, y2.device)
     kern = _kernel("gguf_mma.cu", f"mma_gemm<{BLOCKS[fmt]}, {bm}>")
     smem = mma_smem_bytes(bm)   # <= 40 KB: no opt-in above the default 48 KB needed
     launch(kern, grid, (MMA_THREADS,),
-           (w.data_ptr(), xq.data_ptr(), xq.data_ptr() + m * nb * 32, y2.data_ptr(), part,
-            np.int32(m), np.int32(n), np.int32(nb), np.int32(kchunk)), shared_mem=smem)
+           (w.data_ptr(), xq.data_ptr(), xq.data_ptr() + m * nb * 32, y2.data_ptr(),
+            0 if part is None else part.data_ptr(), np.int32(m), np.int32(n), np.int32(nb),
+            np.int32(kchunk)), shared_mem=smem)
     if split > 1:
         total = m * n
         launch(_kernel("gguf_mma.cu", "mma_reduce"), (-(-total // 256),), (256,),
-               (part, y2.data_ptr(), np.int64(total), np.int32(split)))
+               (part.data_ptr(), y2.data_ptr(), np.int64(total), np.int32(split)))
 
 
 def launch_mmvq16(fmt, w, aqs_ptr: int, ads_ptr: int, y_ptr: int, n: int, nb: int, m: int, r: int,
