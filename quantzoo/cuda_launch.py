@@ -102,12 +102,20 @@ def set_max_dynamic_smem(kernel, key, nbytes: int) -> None:
     _SMEM_SET.add(key)
 
 
+_RESIDENT: dict = {}
+
+
 def resident_blocks(kernel, smem: int, threads: int = 128) -> int:
-    """Blocks of `kernel` one SM holds at once, by its registers and shared memory (1..8)."""
-    regs = getattr(kernel, "num_regs", 0) or 168
-    by_regs = 65536 // (threads * ((regs + 7) // 8 * 8))
-    by_smem = (227 * 1024) // (smem + 1024)
-    return max(1, min(8, by_regs, by_smem))
+    """Blocks of `kernel` one SM holds at once, by its registers and shared memory (1..8);
+    worked out once per (kernel, smem, threads): CuPy asks the driver for num_regs each time."""
+    key = (kernel, smem, threads)
+    n = _RESIDENT.get(key)
+    if n is None:
+        regs = getattr(kernel, "num_regs", 0) or 168
+        by_regs = 65536 // (threads * ((regs + 7) // 8 * 8))
+        by_smem = (227 * 1024) // (smem + 1024)
+        n = _RESIDENT[key] = max(1, min(8, by_regs, by_smem))
+    return n
 
 
 _SM_COUNTS: dict = {}
@@ -224,17 +232,30 @@ def _driver():
     return ctypes, lib, Attribute, Config, fn
 
 
+_CTYPE_OF: dict = {}   # numpy scalar type -> its ctypes type (looked up once per type)
+
+
 def _ctype_arg(ctypes, a):
+    """A kernel argument as a ctypes value: int -> 8-byte pointer (as CuPy passes them), numpy
+    scalar -> its own ctypes type, TensorMap -> its 128 bytes. A launch converts ~12 of these,
+    so the common types take one dict lookup (numpy.ctypeslib per scalar cost ~5 us each)."""
+    t = type(a)
+    if t is int:
+        return ctypes.c_uint64(a & 0xFFFFFFFFFFFFFFFF)
+    c = _CTYPE_OF.get(t)
+    if c is not None:
+        return c(a.item())
+    if t is TensorMap:
+        return a.raw
     import numpy as np
 
-    if type(a) is TensorMap:
-        return a.raw
     if isinstance(a, (bool, np.bool_)):
         raise TypeError(f"kernel argument {a!r}: pass an np.int32 flag, not a bool")
-    if isinstance(a, int):            # device pointers, as CuPy passes them: 8 bytes
-        return ctypes.c_uint64(a & 0xFFFFFFFFFFFFFFFF)
+    if isinstance(a, int):            # an int subclass: a pointer all the same
+        return ctypes.c_uint64(int(a) & 0xFFFFFFFFFFFFFFFF)
     if isinstance(a, np.generic):
-        return np.ctypeslib.as_ctypes(np.asarray(a))
+        c = _CTYPE_OF[t] = np.ctypeslib.as_ctypes_type(np.dtype(t))
+        return c(a.item())
     raise TypeError(f"kernel argument of type {type(a).__name__}: expected an int pointer or a numpy scalar")
 
 
