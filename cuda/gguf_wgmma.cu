@@ -42,8 +42,10 @@
 // Measured on the H100 (bench/NOTES.md, session 8; rotated weights, us): the fastest Q4_0 / Q8_0
 // path from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 against
 // 42.5 for the int8 mma path and 36.9 for cuBLAS fp16, M = 128 48.9 against 89.3 for dequant +
-// cuBLAS -- and at M = 512 where its grid fills whole waves; dispatch uses it there. Above, and on
-// 4096->1024, dequant + cuBLAS (or mma) stays faster. Q5_0 runs at about half that speed (its
+// cuBLAS -- and, since its x tiles come by TMA (session 13), Q4_0 to M = 512 on weights of
+// 6144 x 4096 and up (4096->12288 M = 512: 110.9 against 121.0), Q8_0 there where its grid fills
+// whole waves; dispatch uses it there. Above, and on 4096->1024, dequant + cuBLAS (or mma) stays
+// faster. Q5_0 runs at about half that speed (its
 // fifth bits cost ~5 instructions per A register) and is dispatched for M = 64..256 only.
 //
 // Compiled only for sm_90a; for any other target the kernel body is empty and the host
