@@ -54,11 +54,12 @@
 //   blocks (4096->12288 M = 512: 192 tiles on 132 SMs; without this the second wave runs 60
 //   full-length blocks and the time is two full waves).
 //
-// Measured on the H100 (bench/NOTES.md, sessions 7, 8 and 13): with TMA x tiles 0.78-0.88x of
-// cuBLAS fp16 at M = 2048, about what dequant + cuBLAS reaches there. With split K it is the
-// fastest AWQ path from M = 32 to 512 on weights of 6144 x 4096 and up (4096->12288 M = 128:
-// 45 us against 91 for mma.sync and 40 for cuBLAS fp16; M = 512: 110 against 122 for dequant +
-// cuBLAS and 75 for cuBLAS fp16), which is where dispatch uses it. One 8-warp block per SM
+// Measured on the H100 (bench/NOTES.md, sessions 7, 8 and 13): with TMA x tiles 0.73-0.88x of
+// cuBLAS fp16 at M = 2048 (run to run), no faster than dequant + cuBLAS there. With split K it is
+// the fastest AWQ path from M = 32 to 512 on weights of 6144 x 4096 and up, and to 1024 from
+// 12288 x 4096 (4096->12288 M = 128: 45 us against 91 for mma.sync and 40 for cuBLAS fp16;
+// M = 512: 101-104 against 122 for dequant + cuBLAS and 74 for cuBLAS fp16), which is where
+// dispatch uses it. One 8-warp block per SM
 // (about 200 registers per thread at T >= 128). (Tried and slower: a producer warpgroup issuing
 // cp.async + mbarriers + setmaxnreg, ~300 TFLOP/s; T = 64 at 2 blocks per SM, 10-30 % slower.)
 //

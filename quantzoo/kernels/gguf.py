@@ -160,7 +160,7 @@ WGMMA_MIN_M = {"q4_0": 9, "q5_0": 64, "q8_0": 9}
 WGMMA_MIN_NK = 4096 * 4096          # M <= wgmma_tiles.MAX_M: weights of at least this
 WGMMA_MAX_M_FULL = {"q4_0": 512, "q5_0": 256, "q8_0": 512}
 WGMMA_MIN_NK_FULL = 6144 * 4096     # above: weights of at least this, and for WGMMA_NEED_FILL
-WGMMA_NEED_FILL = {"q4_0": False, "q5_0": True, "q8_0": True}   # formats whole waves (wgmma_tiles.dispatch)
+WGMMA_NEED_FILL = {"q4_0": False, "q5_0": True, "q8_0": True}   # above MAX_M: only whole waves?
 # Since the x tiles come by TMA (session 13, .scratch/disp13.py, us), Q4_0 wins at M = 512 on
 # every weight of 6144 x 4096 and up, whole waves or not: 4096->6144 51.5 vs 60.6 (dequant),
 # 4096->12288 110.9 vs 121.0, 12288->4096 90.7 vs 119.3, 4096->24576 195.2 vs 247.3. Q8_0 still
