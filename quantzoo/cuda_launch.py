@@ -171,9 +171,9 @@ def current_stream_ptr() -> int:
 def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
     """Launch on torch's current stream (so graph capture and stream semantics hold); inside
     `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh). Arguments are
-    int pointers, numpy scalars, or TensorMap (a TMA descriptor passed by value)."""
-    if _PDL or any(type(a) is TensorMap for a in args):
-        _launch_ex(kernel, grid, block, args, shared_mem, _PDL)
+    int pointers and numpy scalars; a kernel that takes a TensorMap goes through `launch_tma`."""
+    if _PDL:
+        _launch_ex(kernel, grid, block, args, shared_mem, True)
         return
     # cupy.cuda.Function takes the stream per call; entering it as CuPy's current stream instead
     # costs a context switch in Python on every launch.
@@ -235,6 +235,19 @@ def _driver():
 _CTYPE_OF: dict = {}   # numpy scalar type -> its ctypes type (looked up once per type)
 
 
+def launch_tma(kernel, grid, block, args, shared_mem: int = 0) -> None:
+    """`launch` for a kernel with a TensorMap argument (a TMA descriptor passed by value), which
+    CuPy cannot pass: always through cuLaunchKernelEx, with PDL inside programmatic_launches()."""
+    _launch_ex(kernel, grid, block, args, shared_mem, _PDL)
+
+
+def _driver_error(ctypes, lib, err: int) -> str:
+    """'NAME (code)' of a CUresult."""
+    name = ctypes.c_char_p()
+    lib.cuGetErrorName(err, ctypes.byref(name))
+    return f"{(name.value or b'?').decode()} ({err})"
+
+
 def _ctype_arg(ctypes, a):
     """A kernel argument as a ctypes value: int -> 8-byte pointer (as CuPy passes them), numpy
     scalar -> its own ctypes type, TensorMap -> its 128 bytes. A launch converts ~12 of these,
@@ -273,16 +286,14 @@ def _launch_ex(kernel, grid, block, args, shared_mem: int, pdl: bool) -> None:
     func = getattr(kernel, "ptr", None) or kernel.kernel.ptr   # cupy Function, or RawKernel.kernel
     err = fn(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
     if err:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorName(err, ctypes.byref(name))
         raise RuntimeError(f"cuLaunchKernelEx{' (programmatic dependent launch)' if pdl else ''} failed: "
-                           f"{(name.value or b'?').decode()} ({err})")
+                           f"{_driver_error(ctypes, lib, err)}")
 
 
 # ---- TMA descriptors -------------------------------------------------------------------------
 class TensorMap:
     """A CUtensorMap (the driver's 128-byte TMA descriptor) for a kernel parameter declared
-    `const __grid_constant__ wg::TmaDesc` (cuda/wgmma_sm90.cuh); `launch` passes it by value."""
+    `const __grid_constant__ wg::TmaDesc` (cuda/wgmma_sm90.cuh); `launch_tma` passes it by value."""
     __slots__ = ("raw",)
 
     def __init__(self, raw):
@@ -312,10 +323,8 @@ def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, 
               u64x2(cols, rows), (ctypes.c_uint64 * 1)(2 * cols), u32x2(box_cols, box_rows), u32x2(1, 1),
               ctypes.c_int(0), ctypes.c_int(_SWIZZLE[swizzle]), ctypes.c_int(_L2_256B), ctypes.c_int(0))
     if err:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorName(err, ctypes.byref(name))
         raise RuntimeError(f"cuTensorMapEncodeTiled ({rows} x {cols} fp16 at {ptr:#x}, box {box_rows} x "
-                           f"{box_cols}) failed: {(name.value or b'?').decode()} ({err})")
+                           f"{box_cols}) failed: {_driver_error(ctypes, lib, err)}")
     if len(_TMAPS) >= 1024:
         _TMAPS.clear()
     tm = _TMAPS[key] = TensorMap(raw)

@@ -161,7 +161,9 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
         return name
 
     monkeypatch.setattr(G, "_kernel", fake_kernel)
-    monkeypatch.setattr(G, "launch", lambda k, grid, block, args, shared_mem=0: calls.append((k, grid, block, args, shared_mem)))
+    record = lambda k, grid, block, args, shared_mem=0: calls.append((k, grid, block, args, shared_mem))  # noqa: E731
+    monkeypatch.setattr(G, "launch", record)
+    monkeypatch.setattr(G, "launch_tma", record)   # the wgmma kernel (a TMA descriptor argument)
     monkeypatch.setattr(G, "_workspace", lambda kind, nbytes, device: torch.zeros(nbytes, dtype=torch.uint8))
     monkeypatch.setattr(G, "check_weight", lambda qt, arg="qt": (qt.format, *qt.shape))
     monkeypatch.setattr(G, "mmvq16_ok", lambda qt: True)  # CPU tensors: any alignment will do here

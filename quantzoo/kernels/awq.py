@@ -37,7 +37,7 @@ import torch
 from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
-from quantzoo.cuda_launch import tensor_map_2d
+from quantzoo.cuda_launch import launch_tma, tensor_map_2d
 from quantzoo.cuda_launch import wgmma_available
 from quantzoo.kernels import checked_once, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
@@ -519,10 +519,10 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
     ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
     xmap = tensor_map_2d(x2.data_ptr(), m, k, t, 64)   # x tiles of T tokens x 64 k, 128-byte swizzle
-    _launch(kern, (dp + (tiles - dp) * splits,), (128 * nwg,),
-            (xmap, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
-             ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
-             np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per)), smem)
+    launch_tma(kern, (dp + (tiles - dp) * splits,), (128 * nwg,),
+               (xmap, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
+                ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
+                np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per)), smem)
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,
@@ -549,8 +549,6 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path):
     if m == 0:
         return out
     path = path or choose_path(m, _Shape(n, k), x.device)
-    if path == "gemv" and m != 1:
-        raise ValueError(f"path: 'gemv' takes M = 1, got M={m}")
     if path == "small" and m > SMALL_MAX_M:
         raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
     if m > 2**31 // max(k, n):

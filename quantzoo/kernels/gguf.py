@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, resident_blocks
+from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, launch_tma, resident_blocks
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
@@ -410,9 +410,9 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     if split > 1:
         part = _workspace("wgmma_part", split * m * n * 4, y2.device)
     xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, t, 64)   # x tiles of T tokens x 64 k, 128-byte swizzle
-    launch(kern, (grid_m, grid_n, split), (128 * nwg,),
-           (w.data_ptr(), xmap, y2.data_ptr(), 0 if part is None else part.data_ptr(), np.int32(m),
-            np.int32(n), np.int32(nb), np.int32(sps)), shared_mem=smem)
+    launch_tma(kern, (grid_m, grid_n, split), (128 * nwg,),
+               (w.data_ptr(), xmap, y2.data_ptr(), 0 if part is None else part.data_ptr(), np.int32(m),
+                np.int32(n), np.int32(nb), np.int32(sps)), shared_mem=smem)
     if split > 1:
         total = m * n
         launch(_kernel("gguf_mma.cu", "mma_reduce"), (-(-total // 256),), (256,),

@@ -81,20 +81,14 @@ def schedule(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None,
     a split). splits / dp_tiles force the choice (tests, sweeps)."""
     tm, tn = grid(m, n, cfg)
     tiles = tm * tn
-    stages = -(-k // 64)
-    if splits is None:
-        if tiles <= slots:
-            dp, s = 0, plan(m, n, k, slots, cfg)[0]
-        else:
-            rest = tiles % slots
-            s = max(1, min(slots // rest, stages // MIN_STAGES)) if rest else 1
-            dp = tiles - rest if s > 1 else tiles
-    else:
-        dp, s = 0, splits
+    dp = 0
+    if splits is None and tiles > slots:
+        rest = tiles % slots
+        splits = max(1, min(slots // rest, -(-k // 64) // MIN_STAGES)) if rest else 1
+        dp = tiles - rest
     if dp_tiles is not None:
         dp = min(tiles, dp_tiles)
-    per = -(-stages // s)
-    s = -(-stages // per)
+    s, per = split_k(m, n, k, slots, cfg, splits)
     return (tiles if s == 1 else dp), s, per
 
 
