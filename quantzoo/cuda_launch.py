@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from functools import lru_cache
 from importlib.resources import files
 
@@ -172,6 +173,11 @@ def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
     """Launch on torch's current stream (so graph capture and stream semantics hold); inside
     `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh). Arguments are
     int pointers and numpy scalars; a kernel that takes a TensorMap goes through `launch_tma`."""
+    rec = getattr(_RECORDING, "launches", None)
+    if rec is not None:
+        rec.append(PackedLaunch(kernel, grid, block, args, shared_mem))
+        rec[-1]()
+        return
     if _PDL:
         _launch_ex(kernel, grid, block, args, shared_mem, True)
         return
@@ -238,6 +244,11 @@ _CTYPE_OF: dict = {}   # numpy scalar type -> its ctypes type (looked up once pe
 def launch_tma(kernel, grid, block, args, shared_mem: int = 0) -> None:
     """`launch` for a kernel with a TensorMap argument (a TMA descriptor passed by value), which
     CuPy cannot pass: always through cuLaunchKernelEx, with PDL inside programmatic_launches()."""
+    rec = getattr(_RECORDING, "launches", None)
+    if rec is not None:
+        rec.append(PackedLaunch(kernel, grid, block, args, shared_mem))
+        rec[-1]()
+        return
     _launch_ex(kernel, grid, block, args, shared_mem, _PDL)
 
 
@@ -293,11 +304,12 @@ def _launch_ex(kernel, grid, block, args, shared_mem: int, pdl: bool) -> None:
 # ---- TMA descriptors -------------------------------------------------------------------------
 class TensorMap:
     """A CUtensorMap (the driver's 128-byte TMA descriptor) for a kernel parameter declared
-    `const __grid_constant__ wg::TmaDesc` (cuda/wgmma_sm90.cuh); `launch_tma` passes it by value."""
-    __slots__ = ("raw",)
+    `const __grid_constant__ wg::TmaDesc` (cuda/wgmma_sm90.cuh); `launch_tma` passes it by value.
+    key is tensor_map_2d's arguments (ptr, rows, cols, box_rows, box_cols, swizzle)."""
+    __slots__ = ("raw", "key")
 
-    def __init__(self, raw):
-        self.raw = raw
+    def __init__(self, raw, key=()):
+        self.raw, self.key = raw, key
 
 
 _TMAPS: dict = {}
@@ -327,5 +339,108 @@ def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, 
                            f"{box_cols}) failed: {_driver_error(ctypes, lib, err)}")
     if len(_TMAPS) >= 1024:
         _TMAPS.clear()
-    tm = _TMAPS[key] = TensorMap(raw)
+    tm = _TMAPS[key] = TensorMap(raw, key)
     return tm
+
+
+# ---- launch plans ----------------------------------------------------------------------------
+# A quantized matmul costs 50-100 us of Python per call (checks, path choice, tile schedule,
+# workspace lookups, argument packing) against 5-30 us of GPU time at small M and ~20 us of host
+# time for F.linear, so a prefill of a few hundred such calls is bound by the host. A Plan keeps
+# the launches one call queued, packed for the driver, and replays them with only the input's and
+# the output's addresses changed. Workspace pointers are baked in, so every (re)allocation or
+# release of a workspace bumps `workspace_epoch` and a plan from an older epoch is recorded anew.
+_RECORDING = threading.local()   # .launches: the list a recording() on this thread fills
+_EPOCH = [0]
+
+
+def workspace_epoch() -> int:
+    return _EPOCH[0]
+
+
+def bump_workspace_epoch() -> None:
+    """Call when a workspace a kernel argument may point into is allocated, grown or released."""
+    _EPOCH[0] += 1
+
+
+class PackedLaunch:
+    """One kernel launch with its configuration and arguments packed once into the driver's
+    structures; calling it launches on torch's current stream (with PDL inside
+    programmatic_launches()). set_pointer / set_map change one argument in place."""
+    __slots__ = ("args", "cfg", "cfg_ref", "attr", "func", "vals", "params")
+
+    def __init__(self, kernel, grid, block, args, shared_mem: int = 0):
+        ctypes, lib, Attribute, Config, fn = _driver()
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        self.args = tuple(args)
+        self.attr = Attribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value[0] = 1
+        self.cfg = Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
+                          None, ctypes.pointer(self.attr), 0)
+        self.cfg_ref = ctypes.pointer(self.cfg)
+        self.func = ctypes.c_void_p(getattr(kernel, "ptr", None) or kernel.kernel.ptr)
+        self.vals = [_ctype_arg(ctypes, a) for a in self.args]
+        self.params = (ctypes.c_void_p * max(1, len(self.vals)))(*[ctypes.addressof(v) for v in self.vals])
+
+    def set_pointer(self, i: int, ptr: int) -> None:
+        self.vals[i].value = ptr
+
+    def set_map(self, i: int, tm: "TensorMap") -> None:
+        self.vals[i] = tm.raw                     # keeps the descriptor alive with the launch
+        self.params[i] = _driver()[0].addressof(tm.raw)
+
+    def __call__(self) -> None:
+        cfg = self.cfg
+        cfg.stream = current_stream_ptr()
+        cfg.num_attrs = 1 if _PDL else 0
+        err = _driver()[4](self.cfg_ref, self.func, self.params, None)
+        if err:
+            ctypes, lib, *_ = _driver()
+            raise RuntimeError(f"cuLaunchKernelEx{' (programmatic dependent launch)' if _PDL else ''} "
+                               f"failed: {_driver_error(ctypes, lib, err)}")
+
+
+class recording:
+    """Context manager: this thread's launches inside it go through PackedLaunch and are kept in
+    `.launches` (they still run). Not re-entrant."""
+
+    def __enter__(self):
+        if getattr(_RECORDING, "launches", None) is not None:
+            raise RuntimeError("recording: already recording launches")
+        self.launches = _RECORDING.launches = []
+        return self
+
+    def __exit__(self, *exc):
+        _RECORDING.launches = None
+        return False
+
+
+class Plan:
+    """Recorded launches of one call on input x and output y, replayable on other tensors of the
+    same shapes: every pointer argument inside x's bytes (inside y's) is re-aimed at the same
+    offset of the new x (y), and a TensorMap over x is re-encoded for the new address (cached by
+    tensor_map_2d). Everything else -- weights, workspaces, sizes, grid -- stays as recorded."""
+    __slots__ = ("epoch", "steps")
+
+    def __init__(self, launches, x_ptr: int, x_bytes: int, y_ptr: int, y_bytes: int, epoch: int):
+        self.epoch = epoch
+        self.steps = []
+        for pl in launches:
+            ptrs, maps = [], []
+            for i, a in enumerate(pl.args):
+                if type(a) is int:
+                    if x_ptr <= a < x_ptr + x_bytes:
+                        ptrs.append((i, 0, a - x_ptr))
+                    elif y_ptr <= a < y_ptr + y_bytes:
+                        ptrs.append((i, 1, a - y_ptr))
+                elif type(a) is TensorMap and a.key and x_ptr <= a.key[0] < x_ptr + x_bytes:
+                    maps.append((i, a.key[0] - x_ptr, a.key[1:]))
+            self.steps.append((pl, tuple(ptrs), tuple(maps)))
+
+    def replay(self, x_ptr: int, y_ptr: int) -> None:
+        for pl, ptrs, maps in self.steps:
+            for i, which, off in ptrs:
+                pl.set_pointer(i, (y_ptr if which else x_ptr) + off)
+            for i, off, rest in maps:
+                pl.set_map(i, tensor_map_2d(x_ptr + off, *rest))
+            pl()

@@ -19,11 +19,17 @@ def _same_device(a: str, b: str) -> bool:
     return norm(a) == norm(b)
 
 
+_KERNEL_MODULES: dict = {}
+
+
 def kernels_for(fmt):
     """The kernel module of a format (quantzoo.kernels.<name>), or a clear error."""
-    if fmt.kernels is None:
-        raise NotImplementedError(f"format {fmt.name!r} has no GPU kernels")
-    return importlib.import_module(f"quantzoo.kernels.{fmt.kernels}")
+    mod = _KERNEL_MODULES.get(fmt.kernels)
+    if mod is None:
+        if fmt.kernels is None:
+            raise NotImplementedError(f"format {fmt.name!r} has no GPU kernels")
+        mod = _KERNEL_MODULES[fmt.kernels] = importlib.import_module(f"quantzoo.kernels.{fmt.kernels}")
+    return mod
 
 
 def matmul(x, qt, *, mode: str = "emulate"):

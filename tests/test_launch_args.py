@@ -29,3 +29,39 @@ def test_tensor_map_passes_its_128_bytes():
 def test_bad_arguments_raise(bad):
     with pytest.raises(TypeError, match="kernel argument"):
         _ctype_arg(ctypes, bad)
+
+
+class _FakeLaunch:
+    """What cuda_launch.Plan uses of a PackedLaunch: args, set_pointer, set_map, a call."""
+
+    def __init__(self, args, log):
+        self.args, self.now, self.log = args, list(args), log
+
+    def set_pointer(self, i, ptr):
+        self.now[i] = ptr
+
+    def set_map(self, i, tm):
+        self.now[i] = tm
+
+    def __call__(self):
+        self.log.append(list(self.now))
+
+
+def test_plan_reaims_pointers_into_x_and_y_only(monkeypatch):
+    """Pointers inside x's bytes (and y's) move with the new x (y) at the same offset; a
+    TensorMap over x is rebuilt for the new address; weights, workspaces and sizes stay."""
+    from quantzoo import cuda_launch as cl
+
+    monkeypatch.setattr(cl, "tensor_map_2d", lambda ptr, *rest: ("map", ptr) + rest)
+    x, y, w, ws = 0x1000_0000, 0x2000_0000, 0x3000_0000, 0x4000_0000
+    log = []
+    xmap = TensorMap(None, (x, 512, 4096, 128, 64, 128))
+    wmap = TensorMap(None, (w, 4096, 4096, 128, 64, 128))
+    launches = [_FakeLaunch((x, w, ws, y + 4096, np.int32(7)), log),
+                _FakeLaunch((xmap, wmap, y, ws + 64, x + 100, y - 1), log)]
+    plan = cl.Plan(launches, x, 512 * 4096 * 2, y, 512 * 6144 * 2, epoch=3)
+    assert plan.epoch == 3
+    x2, y2 = 0x5000_0000, 0x6000_0000
+    plan.replay(x2, y2)
+    assert log[0] == [x2, w, ws, y2 + 4096, np.int32(7)]
+    assert log[1] == [("map", x2, 512, 4096, 128, 64, 128), wmap, y2, ws + 64, x2 + 100, y - 1]

@@ -37,9 +37,9 @@ import torch
 from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
-from quantzoo.cuda_launch import launch_tma, tensor_map_2d
+from quantzoo.cuda_launch import bump_workspace_epoch, launch_tma, tensor_map_2d
 from quantzoo.cuda_launch import wgmma_available
-from quantzoo.kernels import checked_once, wgmma_tiles
+from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -243,12 +243,14 @@ def _buffer(dev, key, numel, dtype, zero=False):
         alloc = torch.zeros if zero else torch.empty
         buf = alloc(max(numel, 1), dtype=dtype, device=dev)
         cache[key] = buf
+        bump_workspace_epoch()   # launch plans that point into the old buffer record anew
     return buf
 
 
 def release_buffers():
     """Drop the cached workspaces (the dequant buffer can be as large as the largest weight)."""
     _WS.clear()
+    bump_workspace_epoch()
 
 
 def _kernel(source, name):
@@ -535,8 +537,9 @@ def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
     return _gemm(x, qweight, scales, qzeros, k, n, g, out, path)
 
 
-def _gemm(x, qweight, scales, qzeros, k, n, g, out, path):
-    """gemm on weights check_weights has accepted (k, n, g are what it returned)."""
+def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None):
+    """gemm on weights check_weights has accepted (k, n, g are what it returned); with qt (the
+    checked_once weight) and no forced path, through its launch plans (run_planned)."""
     _check_x(x, k, qweight.device)
     lead = tuple(x.shape[:-1])
     m = math.prod(lead)
@@ -548,16 +551,24 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path):
         raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if m == 0:
         return out
-    path = path or choose_path(m, _Shape(n, k), x.device)
-    if path == "small" and m > SMALL_MAX_M:
-        raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
     if m > 2**31 // max(k, n):
         raise ValueError(f"x: M={m} is too large for 32-bit row indexing")
+    if path == "small" and m > SMALL_MAX_M:
+        raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
+    if path is None and qt is not None:
+        def queue():
+            p = choose_path(m, _Shape(n, k), x.device)
+            _PATHS[p](x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g)
+            return p != "dequant+cublas"   # the others only launch kernels
+        run_planned(qt, m, x, out, queue)
+        return out
+    path = path or choose_path(m, _Shape(n, k), x.device)
     _PATHS[path](x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g)
     return out
 
 
 def matmul(x, qt, *, out=None, path=None):
-    """x fp16 CUDA [.., K] -> fp16 [.., N] through the path chosen by M (choose_path)."""
+    """x fp16 CUDA [.., K] -> fp16 [.., N] through the path chosen by M (choose_path); without a
+    forced path, repeated calls replay the launches recorded for that M (kernels.run_planned)."""
     qweight, scales, qzeros, k, n, g = checked_once(qt, _unpack_qt)
-    return _gemm(x, qweight, scales, qzeros, k, n, g, out, path)
+    return _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt)

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, launch_tma, resident_blocks
+from quantzoo.cuda_launch import bump_workspace_epoch, current_stream_ptr, get_kernel, launch, launch_tma
+from quantzoo.cuda_launch import resident_blocks
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
-from quantzoo.kernels import checked_once, wgmma_tiles
+from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
 
 QK = 32
 Q8_1_BYTES = get("q8_1").bytes_per_block
@@ -286,12 +287,14 @@ def _workspace(kind: str, nbytes: int, device):
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device)
         _WORKSPACES[key] = buf
+        bump_workspace_epoch()   # launch plans that point into the old buffer record anew
     return buf[:nbytes]
 
 
 def release_buffers():
     """Drop the cached workspaces (the dequant buffer alone is up to DEQUANT_BUFFER_BYTES)."""
     _WORKSPACES.clear()
+    bump_workspace_epoch()
 
 
 # ---- public entry points ----------------------------------------------------------------------
@@ -478,6 +481,13 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         out = torch.empty(lead + (n,), dtype=torch.float16, device=x.device)
     else:
         _check_out(out, lead + (n,), torch.float16, x.device)
+    if m >= 2**31 // 2:
+        raise ValueError(f"x: {m} rows is too many")
+    if path is None and mmvq_rows is None and mmvq_kernel is None and mma_split is None:
+        if m:
+            run_planned(qt, m, x, out, lambda: _queue(fmt, x, qt, out, m, n, k, choose_path(m, qt),
+                                                      _vec_default(fmt, m, qt), None, None))
+        return out
     if path is None:
         path = choose_path(m, qt)
     elif path not in PATHS:
@@ -486,10 +496,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         raise ValueError(f"mmvq_rows: {mmvq_rows!r}, one of {MMVQ_ROW_CHOICES}")
     if mmvq_kernel is not None and mmvq_kernel not in MMVQ_KERNELS:
         raise ValueError(f"mmvq_kernel: {mmvq_kernel!r}, one of {MMVQ_KERNELS}")
-    if mmvq_kernel is None:  # the measured choice for this format and M (first chunk), if aligned
-        vec = mmvq_choice(fmt, max(1, min(MMVQ_COLS, m)))[0] == "vec" and mmvq16_ok(qt)
-    else:
-        vec = mmvq_kernel == "vec"
+    vec = _vec_default(fmt, m, qt) if mmvq_kernel is None else mmvq_kernel == "vec"
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
         raise ValueError(f"mma_split: {mma_split!r}, a positive int")
     if path == "wgmma" and not wgmma_ok(qt):
@@ -502,24 +509,33 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         raise ValueError(f"mmvq_kernel: 'vec' needs qt.data's address and size to be multiples of "
                          f"{MMVQ16_LW} bytes (address % {MMVQ16_LW} = {qt.data.data_ptr() % MMVQ16_LW}, "
                          f"size {qt.data.numel()})")
-    if m == 0:
-        return out
-    if m >= 2**31 // 2:
-        raise ValueError(f"x: {m} rows is too many")
+    if m:
+        _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split)
+    return out
+
+
+def _vec_default(fmt, m, qt) -> bool:
+    """The measured mmvq kernel choice for this format and M (first chunk): vec only if aligned."""
+    return mmvq_choice(fmt, max(1, min(MMVQ_COLS, m)))[0] == "vec" and mmvq16_ok(qt)
+
+
+def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split) -> bool:
+    """Launch matmul's kernels on checked arguments (M >= 1); False for the path that also calls
+    cuBLAS (dequant), True for those that only launch kernels (kernels.run_planned)."""
     nb = k // QK
     y2 = out.view(m, n)
     if path == "dequant":
         _dequant_matmul(fmt, x.view(m, k), qt.data, y2, n, k)
-        return out
+        return False
     if path == "wgmma":
         _launch_wgmma(fmt, x.view(m, k), qt.data, y2, m, n, nb)
-        return out
+        return True
     xq = _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
     w = qt.data
     if path == "mma":
         _launch_quantize(x, xq, m * nb, split=True)
         _launch_mma(fmt, w, xq, y2, m, n, nb, mma_split)
-        return out
+        return True
     if path == "mmvq" and vec:
         _launch_quantize(x, xq, m * nb, split=True)
         for c0 in range(0, m, MMVQ_COLS):
@@ -527,7 +543,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
             r, u = (mmvq_rows, 1) if mmvq_rows else mmvq_plan(fmt, "vec", mc, nb)
             launch_mmvq16(fmt, w, xq.data_ptr() + c0 * nb * 32, xq.data_ptr() + m * nb * 32 + c0 * nb * 4,
                           y2.data_ptr() + c0 * n * 2, n, nb, mc, r, u=u)
-        return out
+        return True
     _launch_quantize(x, xq, m * nb)
     if path == "mmvq":
         for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
@@ -540,7 +556,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
             raise ValueError(f"x: {m} rows is too many for the mmq path")
         launch(_kernel("gguf_mmq.cu", f"mmq<{BLOCKS[fmt]}>"), grid, (MMQ_THREADS,),
                (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(nb)))
-    return out
+    return True
 
 
 def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):

@@ -1,0 +1,99 @@
+"""GPU tier: launch plans (kernels.run_planned, cuda_launch.Plan). A matmul's second call with
+the same M replays the launches its first call recorded, re-aimed at the new x and y; the result
+must be bit-identical to an unplanned call on the same inputs, for every path of every format
+with kernels, on x at another address (a row-offset view), into a caller's `out`, after the
+workspaces were released, on another stream, under PDL and inside a CUDA graph capture."""
+from __future__ import annotations
+
+import pytest
+
+import quantzoo as qz
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+from quantzoo import kernels as K  # noqa: E402
+from quantzoo import ops  # noqa: E402
+from quantzoo.bench.model import random_weight  # noqa: E402
+from quantzoo.cuda_launch import Plan, programmatic_launches  # noqa: E402
+
+FORMATS = [f.name for f in qz.formats.weight_formats() if f.kernels in ("awq", "gguf")]
+# M = 1 (GEMVs), 3 / 12 (small-M and chunked mmvq), 40 (mma, wgmma on Hopper), 200 (wgmma, or
+# the dequant + cuBLAS paths that are not planned), 600 (wgmma with whole and split tiles, or dequant)
+MS = [1, 3, 12, 40, 200, 600]
+N, KD = 6144, 4096   # big enough for every path the dispatch has (wgmma needs N * K >= 6144 * 4096)
+
+
+def _unplanned(x, qt):
+    saved, K.PLANS = K.PLANS, False
+    try:
+        return ops.matmul(x, qt)
+    finally:
+        K.PLANS = saved
+
+
+def _plan(qt, m):
+    memo = qt.__dict__.get("_kernels_checked")
+    return memo[3].get((m, torch.cuda.current_stream().cuda_stream)) if memo else None
+
+
+def _path(qt, m):
+    return ops.kernels_for(qt.fmt).choose_path(m, qt)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    return {f: random_weight(f, N, KD, "cuda", gen) for f in FORMATS}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", MS)
+def test_replay_equals_an_unplanned_call(weights, fmt, m):
+    qt = weights[fmt]
+    big = torch.randn(3 * m + 1, KD, device="cuda").half()
+    x1, x2, x3 = big[:m], big[m:2 * m], big[2 * m + 1:]        # three addresses, x3 not 16-row aligned
+    if x3.data_ptr() % 16:
+        x3 = x3.clone()
+    refs = [_unplanned(x, qt) for x in (x1, x2, x3)]
+    ys = [ops.matmul(x1, qt), ops.matmul(x2, qt)]                  # records, then replays
+    out = torch.full((m, N), float("nan"), dtype=torch.float16, device="cuda")
+    ys.append(ops.kernels_for(qt.fmt).matmul(x3, qt, out=out))   # replays into the caller's out
+    torch.cuda.synchronize()
+    for i, (y, r) in enumerate(zip(ys, refs)):
+        assert torch.equal(y, r), f"{fmt} M={m} ({_path(qt, m)}): call {i} differs from the unplanned call"
+    plan = _plan(qt, m)
+    if _path(qt, m) in ("dequant", "dequant+cublas"):
+        assert not isinstance(plan, Plan), "a path that calls cuBLAS must not be planned"
+    else:
+        assert isinstance(plan, Plan) and plan.steps, f"{fmt} M={m}: no plan was recorded"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_release_stream_pdl_and_capture(weights, fmt):
+    qt, m = weights[fmt], 40
+    x = torch.randn(m, KD, device="cuda").half()
+    ref = _unplanned(x, qt)
+    ops.matmul(x, qt)
+    old = _plan(qt, m)
+    ops.release_workspaces()                       # the plan's workspaces are gone: record anew
+    assert torch.equal(ops.matmul(x, qt), ref)
+    assert _plan(qt, m) is not old
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                  # another stream: its own plan
+        y_side = ops.matmul(x, qt)
+        assert torch.equal(ops.matmul(x, qt), y_side)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(y_side, ref)
+    with programmatic_launches():
+        assert torch.equal(ops.matmul(x, qt), ref)
+    static_y = ops.matmul(x, qt)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):                      # capture runs unplanned, on the graph's pool
+        static_y = ops.matmul(x, qt)
+    x.copy_(torch.randn(m, KD, device="cuda").half())
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, _unplanned(x, qt))
+    assert torch.equal(ops.matmul(x, qt), static_y)
