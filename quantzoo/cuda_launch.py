@@ -400,6 +400,24 @@ class PackedLaunch:
                                f"failed: {_driver_error(ctypes, lib, err)}")
 
 
+class TorchStep:
+    """Torch work between a call's launches (a cuBLAS product), kept by a recording as fn(x, y):
+    a plan's replay calls it with that call's x and y."""
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def torch_step(fn, x, y) -> None:
+    """Run fn(x, y) now, and while recording keep it in the plan. fn must reach the call's input
+    and output only through its x and y arguments (views of them are fine)."""
+    rec = getattr(_RECORDING, "launches", None)
+    if rec is not None:
+        rec.append(TorchStep(fn))
+    fn(x, y)
+
+
 class recording:
     """Context manager: this thread's launches inside it go through PackedLaunch and are kept in
     `.launches` (they still run). Not re-entrant."""
@@ -416,16 +434,20 @@ class recording:
 
 
 class Plan:
-    """Recorded launches of one call on input x and output y, replayable on other tensors of the
-    same shapes: every pointer argument inside x's bytes (inside y's) is re-aimed at the same
-    offset of the new x (y), and a TensorMap over x is re-encoded for the new address (cached by
-    tensor_map_2d). Everything else -- weights, workspaces, sizes, grid -- stays as recorded."""
+    """Recorded launches (and TorchSteps) of one call on input x and output y, replayable on other
+    tensors of the same shapes: every pointer argument inside x's bytes (inside y's) is re-aimed
+    at the same offset of the new x (y), and a TensorMap over x is re-encoded for the new address
+    (cached by tensor_map_2d); TorchSteps get the new x and y. Everything else -- weights,
+    workspaces, sizes, grid -- stays as recorded."""
     __slots__ = ("epoch", "steps")
 
     def __init__(self, launches, x_ptr: int, x_bytes: int, y_ptr: int, y_bytes: int, epoch: int):
         self.epoch = epoch
         self.steps = []
         for pl in launches:
+            if type(pl) is TorchStep:
+                self.steps.append((pl, None, None))
+                continue
             ptrs, maps = [], []
             for i, a in enumerate(pl.args):
                 if type(a) is int:
@@ -437,8 +459,12 @@ class Plan:
                     maps.append((i, a.key[0] - x_ptr, a.key[1:]))
             self.steps.append((pl, tuple(ptrs), tuple(maps)))
 
-    def replay(self, x_ptr: int, y_ptr: int) -> None:
+    def replay(self, x, y) -> None:
+        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         for pl, ptrs, maps in self.steps:
+            if ptrs is None:
+                pl.fn(x, y)
+                continue
             for i, which, off in ptrs:
                 pl.set_pointer(i, (y_ptr if which else x_ptr) + off)
             for i, off, rest in maps:

@@ -28,19 +28,18 @@ def checked_once(qt, check):
 
 
 PLANS = True            # run_planned replays recorded launches (False: every call runs queue())
-_NO_PLAN = object()     # a plans entry: this call's path runs more than kernel launches
 _LOCK = threading.Lock()
 
 
 def run_planned(qt, m: int, x, y, queue) -> None:
-    """Run one matmul of x (M rows) by weight qt into y: queue() launches its kernels and returns
-    whether launches are all it does (False for paths that call torch, e.g. cuBLAS). The first
-    such call per (M, stream) records the launches as a cuda_launch.Plan on qt's checked_once
-    memo; later calls replay it with x's and y's addresses, skipping the path choice, tile
-    schedule and argument packing (tens of microseconds of Python per call). Never inside a CUDA
-    graph capture, whose workspaces are the graph's own; a workspace (re)allocation or release
-    (cuda_launch.workspace_epoch) sends the next call back to queue() to record anew. The weight
-    must have passed checked_once, which holds the plans."""
+    """Run one matmul of x (M rows) by weight qt into y: queue() launches its kernels, its torch
+    work going through cuda_launch.torch_step. The first such call per (M, stream) records them
+    as a cuda_launch.Plan on qt's checked_once memo; later calls replay it with x's and y's
+    addresses, skipping the path choice, tile schedule and argument packing (tens of
+    microseconds of Python per call). Never inside a CUDA graph capture, whose workspaces are
+    the graph's own; a workspace (re)allocation or release (cuda_launch.workspace_epoch) sends
+    the next call back to queue() to record anew. The weight must have passed checked_once,
+    which holds the plans."""
     import torch
 
     from quantzoo import cuda_launch as cl
@@ -51,15 +50,12 @@ def run_planned(qt, m: int, x, y, queue) -> None:
         return
     plans = memo[3]
     key = (m, cl.current_stream_ptr())
-    plan = plans.get(key)
-    if plan is _NO_PLAN:
-        queue()
-        return
     with _LOCK:   # a replay re-aims shared argument slots: one at a time
+        plan = plans.get(key)
         if plan is not None and plan.epoch == cl.workspace_epoch():
-            plan.replay(x.data_ptr(), y.data_ptr())
+            plan.replay(x, y)
             return
         with cl.recording() as rec:
-            plannable = queue()
-        plans[key] = (cl.Plan(rec.launches, x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(),
-                              y.numel() * y.element_size(), cl.workspace_epoch()) if plannable else _NO_PLAN)
+            queue()
+        plans[key] = cl.Plan(rec.launches, x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(),
+                             y.numel() * y.element_size(), cl.workspace_epoch())

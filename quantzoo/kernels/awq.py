@@ -29,6 +29,7 @@ ValueError naming the argument.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -37,7 +38,7 @@ import torch
 from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
-from quantzoo.cuda_launch import bump_workspace_epoch, launch_tma, tensor_map_2d
+from quantzoo.cuda_launch import bump_workspace_epoch, launch_tma, tensor_map_2d, torch_step
 from quantzoo.cuda_launch import wgmma_available
 from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
@@ -415,19 +416,24 @@ def slab_columns(m, k, n, slab_bytes=None):
 def _dequant_cublas(x2, qweight, scales, qzeros, y, m, k, n, g, slab_bytes=None):
     cols = slab_columns(m, k, n, slab_bytes)
     buf = _buffer(x2.device, "deq", k * cols, torch.float16)
-    # fp32 accumulation like the other paths: forbid cuBLAS's fp16 split-K reductions
+    for c in range(0, n, cols):
+        nc = min(cols, n - c)
+        w = buf[: k * nc].view(k, nc)
+        dequantize_into(qweight, scales, qzeros, w, k, n, g, c // 8, nc // 8)
+        torch_step(functools.partial(_slab_mm, w, m, k, n, c), x2, y)
+
+
+def _slab_mm(w, m, k, n, c, x, y):
+    """Columns [c, c + w's) of y (M x N) = x (M x K) @ w by cuBLAS, accumulating in fp32 like the
+    other paths (cuBLAS's fp16 split-K reductions forbidden for the call)."""
     flags = torch.backends.cuda.matmul
     prev = flags.allow_fp16_reduced_precision_reduction
     flags.allow_fp16_reduced_precision_reduction = False
     try:
-        for c in range(0, n, cols):
-            nc = min(cols, n - c)
-            w = buf[: k * nc].view(k, nc)
-            dequantize_into(qweight, scales, qzeros, w, k, n, g, c // 8, nc // 8)
-            if nc == n:
-                torch.mm(x2, w, out=y)
-            else:
-                y[:, c:c + nc] = torch.mm(x2, w)
+        if w.shape[1] == n:
+            torch.mm(x.view(m, k), w, out=y.view(m, n))
+        else:
+            y.view(m, n)[:, c:c + w.shape[1]] = torch.mm(x.view(m, k), w)
     finally:
         flags.allow_fp16_reduced_precision_reduction = prev
 
@@ -556,11 +562,8 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None):
     if path == "small" and m > SMALL_MAX_M:
         raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
     if path is None and qt is not None:
-        def queue():
-            p = choose_path(m, _Shape(n, k), x.device)
-            _PATHS[p](x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g)
-            return p != "dequant+cublas"   # the others only launch kernels
-        run_planned(qt, m, x, out, queue)
+        run_planned(qt, m, x, out, lambda: _PATHS[choose_path(m, _Shape(n, k), x.device)](
+            x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g))
         return out
     path = path or choose_path(m, _Shape(n, k), x.device)
     _PATHS[path](x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g)

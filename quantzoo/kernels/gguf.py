@@ -36,11 +36,13 @@ captured in a CUDA graph (during a capture, workspaces come from the graph's own
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from quantzoo.cuda_launch import bump_workspace_epoch, current_stream_ptr, get_kernel, launch, launch_tma
 from quantzoo.cuda_launch import resident_blocks
-from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, wgmma_available
+from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
 from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
@@ -519,23 +521,23 @@ def _vec_default(fmt, m, qt) -> bool:
     return mmvq_choice(fmt, max(1, min(MMVQ_COLS, m)))[0] == "vec" and mmvq16_ok(qt)
 
 
-def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split) -> bool:
-    """Launch matmul's kernels on checked arguments (M >= 1); False for the path that also calls
-    cuBLAS (dequant), True for those that only launch kernels (kernels.run_planned)."""
+def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split) -> None:
+    """Launch matmul's kernels on checked arguments (M >= 1); cuBLAS calls go through
+    cuda_launch.torch_step, so that kernels.run_planned can record them."""
     nb = k // QK
     y2 = out.view(m, n)
     if path == "dequant":
         _dequant_matmul(fmt, x.view(m, k), qt.data, y2, n, k)
-        return False
+        return
     if path == "wgmma":
         _launch_wgmma(fmt, x.view(m, k), qt.data, y2, m, n, nb)
-        return True
+        return
     xq = _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
     w = qt.data
     if path == "mma":
         _launch_quantize(x, xq, m * nb, split=True)
         _launch_mma(fmt, w, xq, y2, m, n, nb, mma_split)
-        return True
+        return
     if path == "mmvq" and vec:
         _launch_quantize(x, xq, m * nb, split=True)
         for c0 in range(0, m, MMVQ_COLS):
@@ -543,7 +545,7 @@ def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split) -> bool:
             r, u = (mmvq_rows, 1) if mmvq_rows else mmvq_plan(fmt, "vec", mc, nb)
             launch_mmvq16(fmt, w, xq.data_ptr() + c0 * nb * 32, xq.data_ptr() + m * nb * 32 + c0 * nb * 4,
                           y2.data_ptr() + c0 * n * 2, n, nb, mc, r, u=u)
-        return True
+        return
     _launch_quantize(x, xq, m * nb)
     if path == "mmvq":
         for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
@@ -556,7 +558,6 @@ def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split) -> bool:
             raise ValueError(f"x: {m} rows is too many for the mmq path")
         launch(_kernel("gguf_mmq.cu", f"mmq<{BLOCKS[fmt]}>"), grid, (MMQ_THREADS,),
                (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(nb)))
-    return True
 
 
 def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
@@ -609,11 +610,19 @@ def _dequant_matmul(fmt, x2, w, y2, n, k, buffer_bytes: int | None = None):
     if rows < n and rows > 64:
         rows -= rows % 64  # keep cuBLAS's N tiles whole
     buf = _workspace("dequant", rows * k * 2, x2.device).view(torch.float16)
+    m = x2.shape[0]
     for r0 in range(0, n, rows):
         r = min(rows, n - r0)
         wb = buf[: r * k].view(r, k)
         _launch_dequant(fmt, w, wb, r0, r, k // QK)
-        if r == n:
-            torch.mm(x2, wb.t(), out=y2)
-        else:
-            torch.mm(x2, wb.t(), out=y2[:, r0:r0 + r])
+        torch_step(functools.partial(_slab_mm, wb, m, n, k, r0), x2, y2)
+
+
+def _slab_mm(wb, m, n, k, r0, x, y):
+    """Columns [r0, r0 + rows of wb) of y (M x N) = x (M x K) @ wb.T by cuBLAS."""
+    import torch
+
+    if wb.shape[0] == n:
+        torch.mm(x.view(m, k), wb.t(), out=y.view(m, n))
+    else:
+        torch.mm(x.view(m, k), wb.t(), out=y.view(m, n)[:, r0:r0 + wb.shape[0]])
