@@ -94,3 +94,15 @@ def test_release_stream_pdl_and_capture(weights, fmt):
     torch.cuda.synchronize()
     assert torch.equal(static_y, _unplanned(x, qt))
     assert torch.equal(ops.matmul(x, qt), static_y)
+
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_out_overlapping_x_is_refused(weights, fmt):
+    qt, m = weights[fmt], 8
+    mod = ops.kernels_for(qt.fmt)
+    flat = torch.randn(m * (KD + N), device="cuda").half()
+    x, out = flat[: m * KD].view(m, KD), flat[m * KD - 64: m * KD - 64 + m * N].view(m, N)
+    mod.matmul(torch.randn(m, KD, device="cuda").half(), qt)     # a plan for M = 8 exists
+    with pytest.raises(ValueError, match="out: overlaps x"):
+        mod.matmul(x, qt, out=out)

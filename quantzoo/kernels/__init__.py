@@ -48,6 +48,9 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     if not PLANS or memo is None or torch._C._cuda_isCurrentStreamCapturing():
         queue()
         return
+    xp, xb, yp, yb = x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(), y.numel() * y.element_size()
+    if xp < yp + yb and yp < xp + xb:   # also: a plan could not tell x's pointers from y's
+        raise ValueError("out: overlaps x; the matmul needs a separate output")
     plans = memo[3]
     key = (m, cl.current_stream_ptr())
     with _LOCK:   # a replay re-aims shared argument slots: one at a time
@@ -57,5 +60,4 @@ def run_planned(qt, m: int, x, y, queue) -> None:
             return
         with cl.recording() as rec:
             queue()
-        plans[key] = cl.Plan(rec.launches, x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(),
-                             y.numel() * y.element_size(), cl.workspace_epoch())
+        plans[key] = cl.Plan(rec.launches, xp, xb, yp, yb, cl.workspace_epoch())
