@@ -131,15 +131,30 @@ def paths_for(m):
     return (["gemv"] if m == 1 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
 
 
+NMSE_MIN_OUTPUTS = 8192   # outputs a sample needs before its NMSE is held to the format's ceiling
+
+
+def assert_nmse(y, ref, exact, what):
+    """NMSE of y vs float64 on the unquantized weight (`exact`): never more than the emulation's
+    own (`ref`, what check() returned) beyond fp16 output rounding, and under 1.2 % (the issue's
+    bound for g128 on Gaussian data) once the sample holds NMSE_MIN_OUTPUTS outputs. A single
+    row of 1024 outputs is too small a sample for the ceiling: its NMSE scatters around the
+    format's ~1.0 % and was seen at 1.22 % with the kernel equal to the emulation."""
+    den = (exact ** 2).sum()
+    nmse = (((y.double() - exact) ** 2).sum() / den).item()
+    nmse_ref = (((ref - exact) ** 2).sum() / den).item()
+    assert nmse <= nmse_ref * 1.02 + 1e-7, f"{what}: NMSE {nmse:.4%}, the emulation's {nmse_ref:.4%}"
+    if y.numel() >= NMSE_MIN_OUTPUTS:
+        assert nmse < 0.012, f"{what}: NMSE {nmse:.4%}"
+
+
 def check_paths_and_nmse(x16, w, qt, qtc, w16, label=""):
-    """Every path at this M within its emulation bound, and NMSE vs float64 on the unquantized
-    weight w under 1.2 % (the issue's bound for g128 on Gaussian data)."""
+    """Every path at this M within its emulation bound, and its NMSE vs float64 on the
+    unquantized weight w within assert_nmse's bounds."""
     exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
     for path in paths_for(x16.shape[0]):
         y = run(x16, qtc, path)
-        check(y, x16, qt, w16, path)
-        nmse = (((y.double() - exact) ** 2).sum() / (exact ** 2).sum()).item()
-        assert nmse < 0.012, f"{path}{label}: NMSE {nmse:.4%}"
+        assert_nmse(y, check(y, x16, qt, w16, path), exact, f"{path}{label}")
 
 
 # ---------------------------------------------------------------- dequant kernel
