@@ -8,6 +8,9 @@
 //
 //   add_rms_norm   h += delta (in place, fp16 add);   out = fp16(w * fp16(h * r)),
 //                  r = rsqrt(mean(h^2) + eps) in fp32.  delta may be absent (first layer).
+//                  Q > 0: out also in Q8_1 (q8_1.cuh; Q = 1 interleaved, 2 split layout), the
+//                  bytes quantize_q8_1 would make of out -- the input of a GGUF matmul that
+//                  then skips its own quantize launch (a decode step's ~1.4 us per matmul).
 //   qk_rope_store  per token t and head of the fused qkv row [q heads | k heads | v heads]:
 //                  q, k: optional per-head RMSNorm (Qwen3's q_norm / k_norm, the same two
 //                  roundings), then rotate-half RoPE at position pos[t]:
@@ -16,7 +19,8 @@
 //                  x*cos + rotate_half(x)*sin. q goes to q_out (T, H, hd); k, and v unchanged,
 //                  go straight into this layer's KV cache rows pos[t] (KV, S, hd) -- no
 //                  separate index_copy, transpose or slicing kernels.
-//   silu_mul       gu = [gate | up] (T, 2F) -> fp16( fp16(silu(gate)) * up ), silu in fp32.
+//   silu_mul       gu = [gate | up] (T, 2F) -> fp16( fp16(silu(gate)) * up ), silu in fp32;
+//                  silu_mul_q8_1 the same values, also in Q8_1 (as add_rms_norm's Q).
 //   attn_decode    one query token (T = 1) against cache rows 0..pos: softmax(q k^T / sqrt(hd)) v
 //                  in fp32, split over the cache ("flash-decoding"): grid (splits, KV heads),
 //                  each CTA a run of positions for the G query heads that share a KV head
@@ -32,6 +36,7 @@
 // lanes hold E consecutive elements instead (one vector load per cache row).
 #include <cuda_fp16.h>
 #include "pdl.cuh"
+#include "q8_1.cuh"
 #include "warp_sum.cuh"
 
 namespace layer_ops {
@@ -56,9 +61,13 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // 16-byte chunks i, i + blockDim, ... (V of them) of the row in registers: every load of the
 // row is issued before the first use, and the second pass re-reads nothing (a loop that loaded,
 // added and stored one chunk at a time paid one memory latency per chunk: 4.6 us per call).
-template <bool ADD, int V>
+// Q > 0 (D % 32 == 0): after out is written, the block re-reads its row (__syncthreads makes
+// the block's global writes visible to it) and each warp quantizes 32-value blocks, lane j
+// value j, exactly as quantize_q8_1 does (q8_1.cuh); the row's blocks are T * D / 32 of q8.
+template <bool ADD, int V, int Q>
 __global__ void add_rms_norm(__half* __restrict__ h, const __half* __restrict__ delta,
-                             const __half* __restrict__ w, __half* __restrict__ out, int D, float eps) {
+                             const __half* __restrict__ w, __half* __restrict__ out,
+                             uint8_t* __restrict__ q8, int D, float eps) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace layer_ops;
   __shared__ float red[32];
@@ -107,6 +116,13 @@ __global__ void add_rms_norm(__half* __restrict__ h, const __half* __restrict__ 
       reinterpret_cast<__half2*>(&o)[i] = __floats2half2_rn(s.x * r16(v.x * r), s.y * r16(v.y * r));
     }
     reinterpret_cast<uint4*>(out + row)[c] = o;
+  }
+  if (Q) {
+    __syncthreads();
+    const int lane = threadIdx.x % 32, nb = D / 32;
+    for (int b = threadIdx.x / 32; b < nb; b += blockDim.x / 32)
+      q8_1_store<Q == 2>(__half2float(out[row + 32 * b + lane]), q8, (long long)blockIdx.x * nb + b,
+                         (long long)gridDim.x * nb, lane);
   }
 }
 
@@ -166,6 +182,25 @@ __global__ void silu_mul(const __half* __restrict__ gu, __half* __restrict__ out
     const float sx = r16(g.x / (1.0f + expf(-g.x))), sy = r16(g.y / (1.0f + expf(-g.y)));
     reinterpret_cast<__half2*>(out + t * F)[f2] = __floats2half2_rn(sx * u.x, sy * u.y);
   }
+}
+
+// silu_mul with Q8_1 output as well (F % 32 == 0): one warp per 32-value block, lane j computing
+// value j with silu_mul's arithmetic; grid.x * (blockDim.x / 32) >= T * F / 32 blocks.
+template <bool SPLIT>
+__global__ void silu_mul_q8_1(const __half* __restrict__ gu, __half* __restrict__ out,
+                              uint8_t* __restrict__ q8, long long T, int F) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
+  using namespace layer_ops;
+  const long long blk = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const long long n_blocks = T * (F / 32);
+  if (blk >= n_blocks) return;  // whole warps exit together
+  const int lane = threadIdx.x % 32;
+  const long long t = blk / (F / 32);
+  const int f = int(blk % (F / 32)) * 32 + lane;
+  const float g = __half2float(gu[t * 2 * F + f]), u = __half2float(gu[t * 2 * F + F + f]);
+  const __half o = __float2half_rn(r16(g / (1.0f + expf(-g))) * u);
+  out[t * F + f] = o;
+  q8_1_store<SPLIT>(__half2float(o), q8, blk, n_blocks, lane);
 }
 
 // Decode attention. grid (n_split, KV), block 128 (4 warps). The cache rows 0..pos[0] are cut

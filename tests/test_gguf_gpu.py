@@ -436,3 +436,28 @@ def test_mmvq_long_k_and_unaligned_weight(fmt):
                     G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel=kern)
                     _check_emulated(out.float().cpu().numpy(), x16, qt_cpu,
                                     f"{fmt} mmvq {kern} R={rows} M={m} N={n} K={k} offset {pad}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_matmul_q8_1_equals_matmul(fmt, m):
+    """matmul_q8_1 on x's Q8_1 blocks (in the layout q8_1_layout names) is matmul(x) bit for bit:
+    the same mmvq launches without the quantize launch. Bad layouts, M and buffers are refused."""
+    n, k = 1000, 2048
+    _, qt = _weight(fmt, n, k, RNG)
+    qt = qt.to(DEV)
+    x = torch.from_numpy((RNG.standard_normal((m, k)) * 2).astype(np.float16)).to(DEV)
+    layout = G.q8_1_layout(qt, m)
+    assert layout == ("split" if G.mmvq_choice(fmt, m)[0] == "vec" and G.mmvq16_ok(qt) else "interleaved")
+    xq = G.quantize_q8_1_split(x) if layout == "split" else G.quantize_q8_1(x).view(-1)
+    y = G.matmul_q8_1(xq, qt, m, layout)
+    assert torch.equal(y, G.matmul(x, qt))
+    assert torch.equal(G.matmul_q8_1(xq, qt, m, layout), y)          # the planned replay
+    other = "interleaved" if layout == "split" else "split"
+    with pytest.raises(ValueError, match="layout"):
+        G.matmul_q8_1(xq, qt, m, other)
+    with pytest.raises(ValueError, match="xq: shape"):
+        G.matmul_q8_1(xq[:-36], qt, m, layout)
+    with pytest.raises(ValueError, match="m: 9"):
+        G.matmul_q8_1(xq, qt, 9, layout)
+    assert G.q8_1_layout(qt, 9) is None and G.q8_1_layout(qt.to("cpu"), 1) is None

@@ -49,6 +49,66 @@ def test_add_rms_norm(rng, T, D, add):
     _ulp_close(out, _hf_rms(want_h, w, 1e-6), ulps=2)
 
 
+def _q8_1_ref(out, layout):
+    """Q8_1 of fp16 `out` by the stand-alone quantizer (itself checked against the codec in
+    test_gguf_gpu.py) in the layout's byte order."""
+    from quantzoo.kernels import gguf
+
+    return (gguf.quantize_q8_1_split(out) if layout == "split" else gguf.quantize_q8_1(out).view(-1))
+
+
+@pytest.mark.parametrize("T,D", [(1, 4096), (3, 576), (1, 12288), (2, 32), (8, 2048)])
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_add_rms_norm_q8_1(rng, T, D, layout):
+    """With a Q8_1 buffer: the same fp16 output and residual, and in the buffer exactly the bytes
+    the stand-alone quantizer makes of that output (zeros, fp16 extremes and tiny values included)."""
+    from quantzoo.kernels import layer_ops as lo
+
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    h = (torch.randn(T, D, device="cuda", generator=g) * 3).half()
+    h[0, :32] = 0                                            # an all-zero Q8_1 block (d = 0, q = 0)
+    h[-1, :4] = torch.tensor([6e4, -6e4, 1e-7, 0.0], device="cuda").half()
+    delta = torch.randn(T, D, device="cuda", generator=g).half()
+    delta[0, :32] = 0
+    w = (torch.rand(D, device="cuda", generator=g) * 2).half()
+    h2 = h.clone()
+    q8 = torch.full((T * D // 32 * 36,), 0xAB, dtype=torch.uint8, device="cuda")
+    out = lo.add_rms_norm(h, delta, w, 1e-6, q8, layout)
+    assert torch.equal(out, lo.add_rms_norm(h2, delta, w, 1e-6)) and torch.equal(h, h2)
+    assert torch.equal(q8, _q8_1_ref(out, layout))
+
+
+@pytest.mark.parametrize("T,F", [(1, 12288), (3, 1536), (1, 32)])
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_silu_mul_q8_1(rng, T, F, layout):
+    from quantzoo.kernels import layer_ops as lo
+
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    gu = (torch.randn(T, 2 * F, device="cuda", generator=g) * 4).half()
+    gu[0, :4] = torch.tensor([-6e4, 6e4, 0.0, -20.0]).half()
+    gu[-1, F - 32:F] = 0                                     # silu(0) * up = 0: an all-zero block
+    q8 = torch.full((T * F // 32 * 36,), 0xAB, dtype=torch.uint8, device="cuda")
+    out = lo.silu_mul(gu, q8, layout)
+    assert torch.equal(out, lo.silu_mul(gu))
+    assert torch.equal(q8, _q8_1_ref(out, layout))
+
+
+def test_q8_1_output_bad_arguments():
+    from quantzoo.kernels import layer_ops as lo
+
+    h = torch.zeros(2, 40, device="cuda", dtype=torch.float16)
+    w = torch.ones(40, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="not whole 32-value Q8_1 blocks"):
+        lo.add_rms_norm(h, None, w, 1e-6, torch.zeros(90, dtype=torch.uint8, device="cuda"))
+    h, w = h[:, :32].contiguous(), w[:32].contiguous()
+    with pytest.raises(ValueError, match="q8_1: shape"):
+        lo.add_rms_norm(h, None, w, 1e-6, torch.zeros(36, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(ValueError, match="layout"):
+        lo.add_rms_norm(h, None, w, 1e-6, torch.zeros(72, dtype=torch.uint8, device="cuda"), "rows")
+    with pytest.raises(ValueError, match="q8_1: dtype"):
+        lo.silu_mul(torch.zeros(1, 64, device="cuda", dtype=torch.float16), torch.zeros(36, device="cuda"))
+
+
 @pytest.mark.parametrize("T,H,KV,hd,norm", [(1, 32, 8, 128, True), (5, 9, 3, 64, False),
                                             (3, 4, 4, 128, False), (17, 6, 2, 64, True)])
 def test_qk_rope_store(rng, T, H, KV, hd, norm):
@@ -135,6 +195,34 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="head_dim 96"):
         lo.qk_rope_store(torch.zeros(1, 6 * 96, device="cuda", dtype=torch.float16), None, kc[0], kc[0],
                          torch.zeros(1, dtype=torch.int64, device="cuda"), kc, kc, 2, 2, 1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q5_1"])   # split and interleaved Q8_1 at M = 1
+def test_model_q8_1_fusion_is_bit_identical(fmt):
+    """A GGUF model's norms and SiLU writing Q8_1 for its linears (Model.q8_1_fusion) give the
+    same logits, bit for bit, as the linears quantizing their fp16 inputs: prefill of 5 tokens
+    (M = 5 mmvq), eager and graph decode."""
+    from quantzoo.bench.model import synthetic_weights
+    from quantzoo.model import build_model
+    from quantzoo.model.config import ModelConfig
+
+    cfg = ModelConfig(arch="qwen3", vocab_size=1000, hidden_size=512, intermediate_size=1536,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
+    m = build_model(cfg, synthetic_weights(fmt, cfg, "cuda", seed=7), None, device="cuda")
+    assert m.fused_ops and m.layers[0].qkv.q8_1_layout(1) in ("split", "interleaved")
+    ids = [(53 * i + 5) % 1000 for i in range(12)]
+    runs = {}
+    for fusion in (True, False):
+        m.q8_1_fusion = fusion
+        for graph in (False, True):
+            m.use_graph, m._graph = graph, None
+            m.setup_cache(256)
+            out = [m.prefill(ids[:5])]
+            out += [m.decode_step(t, 5 + i) for i, t in enumerate(ids[5:])]
+            runs[fusion, graph] = torch.stack(out)
+    for graph in (False, True):
+        assert torch.equal(runs[True, graph], runs[False, graph]), f"graph={graph}"
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "q4_0", "awq"])

@@ -538,26 +538,64 @@ def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split) -> None:
         _launch_quantize(x, xq, m * nb, split=True)
         _launch_mma(fmt, w, xq, y2, m, n, nb, mma_split)
         return
-    if path == "mmvq" and vec:
-        _launch_quantize(x, xq, m * nb, split=True)
-        for c0 in range(0, m, MMVQ_COLS):
-            mc = min(MMVQ_COLS, m - c0)
+    if path == "mmvq":
+        _launch_quantize(x, xq, m * nb, split=vec)
+        _launch_mmvq_rows(fmt, w, xq, y2, m, n, nb, vec, mmvq_rows)
+        return
+    grid = ((n + MMQ_TILE - 1) // MMQ_TILE, (m + MMQ_TILE - 1) // MMQ_TILE)   # mmq
+    if grid[1] > 65535:
+        raise ValueError(f"x: {m} rows is too many for the mmq path")
+    _launch_quantize(x, xq, m * nb)
+    launch(_kernel("gguf_mmq.cu", f"mmq<{BLOCKS[fmt]}>"), grid, (MMQ_THREADS,),
+           (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(nb)))
+
+
+def _launch_mmvq_rows(fmt, w, xq, y2, m, n, nb, vec: bool, mmvq_rows=None):
+    """The mmvq launches of M rows whose Q8_1 is in xq (split layout for vec, else interleaved),
+    in chunks of up to MMVQ_COLS rows."""
+    for c0 in range(0, m, MMVQ_COLS):
+        mc = min(MMVQ_COLS, m - c0)
+        if vec:
             r, u = (mmvq_rows, 1) if mmvq_rows else mmvq_plan(fmt, "vec", mc, nb)
             launch_mmvq16(fmt, w, xq.data_ptr() + c0 * nb * 32, xq.data_ptr() + m * nb * 32 + c0 * nb * 4,
                           y2.data_ptr() + c0 * n * 2, n, nb, mc, r, u=u)
-        return
-    _launch_quantize(x, xq, m * nb)
-    if path == "mmvq":
-        for c0 in range(0, m, MMVQ_COLS):  # chunks of up to 8 activation rows
-            mc = min(MMVQ_COLS, m - c0)
+        else:
             r = mmvq_rows or mmvq_plan(fmt, "scalar", mc)[0]
             launch_mmvq(fmt, w, xq.data_ptr() + c0 * nb * Q8_1_BYTES, y2.data_ptr() + c0 * n * 2, n, nb, mc, r)
+
+
+def q8_1_layout(qt, m: int) -> str | None:
+    """The Q8_1 layout in which matmul_q8_1 takes M rows of x for this (CUDA, GGUF) weight:
+    "split" (the vector-load mmvq) or "interleaved" (the scalar one), as matmul would quantize
+    them itself; None where matmul runs no mmvq (M outside 1..MMVQ_MAX_M) or the weight is not
+    a GGUF block format on CUDA. The runner asks it to have its layer ops emit Q8_1 directly."""
+    fmt = getattr(qt, "format", None)
+    if fmt not in BLOCKS or not 1 <= m <= MMVQ_MAX_M[fmt] or not getattr(qt.data, "is_cuda", False):
+        return None
+    return "split" if _vec_default(fmt, m, qt) else "interleaved"
+
+
+def matmul_q8_1(xq, qt, m: int, layout: str, out=None):
+    """y = x @ W.T from x already quantized to Q8_1: xq uint8 CUDA, M * K/32 blocks of 36 bytes in
+    `layout`, which must be q8_1_layout(qt, m); fp16 (M, N) out. The same kernels and result as
+    matmul(x, qt) on the x those blocks came from, without its quantize launch."""
+    import torch
+
+    fmt, n, k = checked_once(qt, check_weight)
+    want = q8_1_layout(qt, m) if isinstance(m, int) and not isinstance(m, bool) else None
+    if want is None:
+        raise ValueError(f"m: {m!r}; matmul_q8_1 takes 1 <= M <= {MMVQ_MAX_M[fmt]} rows (the mmvq path)")
+    if layout != want:
+        raise ValueError(f"layout: {layout!r}, this {fmt} weight's mmvq at M={m} reads {want!r}")
+    nb = k // QK
+    _check_out(xq, (m * nb * Q8_1_BYTES,), torch.uint8, qt.data.device, arg="xq", align=16)
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float16, device=xq.device)
     else:
-        grid = ((n + MMQ_TILE - 1) // MMQ_TILE, (m + MMQ_TILE - 1) // MMQ_TILE)
-        if grid[1] > 65535:
-            raise ValueError(f"x: {m} rows is too many for the mmq path")
-        launch(_kernel("gguf_mmq.cu", f"mmq<{BLOCKS[fmt]}>"), grid, (MMQ_THREADS,),
-               (w.data_ptr(), xq.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(nb)))
+        _check_out(out, (m, n), torch.float16, xq.device)
+    run_planned(qt, ("q8_1", m), xq, out,
+                lambda: _launch_mmvq_rows(fmt, qt.data, xq, out, m, n, nb, layout == "split"))
+    return out
 
 
 def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):

@@ -1,9 +1,10 @@
 """The decoder's small per-layer ops as fused CUDA kernels (cuda/layer_ops.cu), for the runner.
 
-    add_rms_norm(h, delta, w, eps)        h += delta in place; returns rms_norm(h) * w
+    add_rms_norm(h, delta, w, eps[, q8_1, layout])   h += delta in place; returns rms_norm(h) * w
+                                          (with q8_1, also writes that output in Q8_1 there)
     qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H, KV, eps) -> q (T, H, hd)
                                           q/k RMSNorm (optional) + RoPE; k, v written to the cache
-    silu_mul(gu)                          [gate | up] (T, 2F) -> silu(gate) * up (T, F)
+    silu_mul(gu[, q8_1, layout])          [gate | up] (T, 2F) -> silu(gate) * up (T, F) (and Q8_1)
     attn_decode(q, k_cache, v_cache, pos, work) -> (1, H*hd)   one token against cache rows <= pos
 
 Each equals the torch code it replaces in quantzoo/model/llm.py with the same fp16 roundings
@@ -26,8 +27,12 @@ HEAD_DIMS = {64: 2, 128: 4}      # head_dim -> elements per lane (E)
 MAX_GROUP = 8                    # query heads per KV head served by attn_decode
 SPLITS_MAX = 256                 # attn_decode cuts the context into at most this many runs
 NORM_CHUNKS = (1, 2, 4)         # 16-byte chunks per thread in add_rms_norm: D <= 8 * 1024 * 4
-SOURCES = {"layer_ops.cu": tuple(f"add_rms_norm<{a}, {v}>" for a in ("true", "false") for v in NORM_CHUNKS)
-           + ("silu_mul",)
+# Q8_1 output of add_rms_norm / silu_mul (the input a GGUF mmvq reads, kernels.gguf.q8_1_layout):
+# the layout name -> the kernels' template value (add_rms_norm's Q; silu_mul_q8_1's SPLIT)
+Q8_LAYOUTS = {"interleaved": 1, "split": 2}
+SOURCES = {"layer_ops.cu": tuple(f"add_rms_norm<{a}, {v}, {q}>" for a in ("true", "false") for v in NORM_CHUNKS
+                                 for q in (0, 1, 2))
+           + ("silu_mul", "silu_mul_q8_1<false>", "silu_mul_q8_1<true>")
            + tuple(f"qk_rope_store<{e}, {b}>" for e in HEAD_DIMS.values() for b in ("true", "false"))
            + tuple(f"attn_decode<{e}, {g}>" for e in HEAD_DIMS.values() for g in range(1, MAX_GROUP + 1))}
 
@@ -64,8 +69,24 @@ def _check(name, t, shape=None, dtype=None, device=None):
         raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
-def add_rms_norm(h, delta, w, eps: float):
-    """h (T, D) fp16 (updated in place to h + delta when delta is not None) -> fp16 (T, D)."""
+def _check_q8_1(q8_1, layout, T, D, device, arg):
+    """The Q8_1 output buffer of T rows of D values: uint8, exactly T * D / 32 blocks of 36 bytes."""
+    import torch
+
+    if layout not in Q8_LAYOUTS:
+        raise ValueError(f"layout: {layout!r}, one of {tuple(Q8_LAYOUTS)}")
+    if D % 32:
+        raise ValueError(f"{arg}: a row of {D} values is not whole 32-value Q8_1 blocks")
+    _check("q8_1", q8_1, (T * D // 32 * 36,), torch.uint8, device)
+    if q8_1.data_ptr() % 16:
+        raise ValueError("q8_1: address not 16-byte aligned")
+
+
+def add_rms_norm(h, delta, w, eps: float, q8_1=None, layout: str = "split"):
+    """h (T, D) fp16 (updated in place to h + delta when delta is not None) -> fp16 (T, D).
+    With q8_1 (uint8, T * D / 32 * 36 bytes; D % 32 == 0) the output is also written there as
+    Q8_1 blocks in `layout` ("split" or "interleaved"), the bytes kernels.gguf.quantize_q8_1(_split)
+    would make of it."""
     import torch
 
     _check("h", h)
@@ -76,12 +97,16 @@ def add_rms_norm(h, delta, w, eps: float):
     if delta is not None:
         _check("delta", delta, (T, D), device=h.device)
     _check("w", w, (D,), device=h.device)
+    q = 0
+    if q8_1 is not None:
+        _check_q8_1(q8_1, layout, T, D, h.device, "h")
+        q = Q8_LAYOUTS[layout]
     out = torch.empty_like(h)
     V = next(v for v in NORM_CHUNKS if D <= 8 * 1024 * v)
     threads = -(-D // (8 * V * 32)) * 32
-    launch(_k(f"add_rms_norm<{'true' if delta is not None else 'false'}, {V}>"), (T,), (threads,),
+    launch(_k(f"add_rms_norm<{'true' if delta is not None else 'false'}, {V}, {q}>"), (T,), (threads,),
            (h.data_ptr(), delta.data_ptr() if delta is not None else 0, w.data_ptr(), out.data_ptr(),
-            np.int32(D), np.float32(eps)))
+            q8_1.data_ptr() if q else 0, np.int32(D), np.float32(eps)))
     return out
 
 
@@ -116,8 +141,9 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     return q
 
 
-def silu_mul(gu):
-    """gu (T, 2F) fp16 = [gate | up] -> silu(gate) * up (T, F) fp16."""
+def silu_mul(gu, q8_1=None, layout: str = "split"):
+    """gu (T, 2F) fp16 = [gate | up] -> silu(gate) * up (T, F) fp16; with q8_1 (uint8, T * F / 32
+    * 36 bytes; F % 32 == 0) also as Q8_1 blocks in `layout` (as add_rms_norm)."""
     import torch
 
     _check("gu", gu)
@@ -125,6 +151,12 @@ def silu_mul(gu):
         raise ValueError(f"gu: shape {tuple(gu.shape)}, expected (T, 2F) with F even")
     T, F2 = gu.shape
     out = torch.empty((T, F2 // 2), dtype=gu.dtype, device=gu.device)
+    if q8_1 is not None:
+        _check_q8_1(q8_1, layout, T, F2 // 2, gu.device, "gu")
+        n_blocks = T * F2 // 64
+        launch(_k(f"silu_mul_q8_1<{'true' if layout == 'split' else 'false'}>"), (-(-n_blocks // 8),), (256,),
+               (gu.data_ptr(), out.data_ptr(), q8_1.data_ptr(), np.int64(T), np.int32(F2 // 2)))
+        return out
     pairs = T * F2 // 4
     blocks = max(1, min(math.ceil(pairs / 256), 132 * 8))
     launch(_k("silu_mul"), (blocks,), (256,), (gu.data_ptr(), out.data_ptr(), np.int64(T), np.int32(F2 // 2)))

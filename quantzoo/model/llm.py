@@ -87,6 +87,24 @@ class Linear:
             return fp16_kernels.linear(x, self.w)
         return ops.matmul(x, self.qt, mode=self.mode)
 
+    def q8_1_layout(self, m: int) -> str | None:
+        """The Q8_1 layout in which this linear's GGUF kernel takes M rows already quantized
+        (kernels.gguf.q8_1_layout), or None: it takes fp16 x (other formats, other M, CPU)."""
+        if self.qt is None or self.qt.fmt.kernels != "gguf" or self.mode != "emulate":
+            return None
+        layouts = self.__dict__.setdefault("_q8_layouts", {})
+        if m not in layouts:
+            from ..kernels import gguf
+
+            layouts[m] = gguf.q8_1_layout(self.qt, m)
+        return layouts[m]
+
+    def from_q8_1(self, xq, m: int, layout: str):
+        """y for M rows of x given as Q8_1 blocks in `layout` (q8_1_layout(m)); equal to self(x)."""
+        from ..kernels import gguf
+
+        return gguf.matmul_q8_1(xq, self.qt, m, layout)
+
     @property
     def nbytes(self) -> int:
         if self.qt is not None:
@@ -282,6 +300,9 @@ class Model:
         self._cache_len = 0
         self.k_cache = self.v_cache = None
         self._graph = None
+        # fused ops: a norm or SiLU feeding a GGUF linear at M <= 8 writes its output in Q8_1 too,
+        # and the linear skips its quantize launch (bit-identical; False: the linear quantizes)
+        self.q8_1_fusion = True
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def _fused_ops_status(self, want) -> tuple[bool, str | None]:
@@ -336,9 +357,13 @@ class Model:
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.cos, self.sin = rope_tables(cfg, n, self.device, self.dtype)
             if self.fused_ops:
+                from ..kernels.gguf import MMVQ_COLS
                 from ..kernels.layer_ops import DecodeWork
 
                 self._decode_work = DecodeWork(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, n, self.device)
+                # Q8_1 of a norm's or SiLU's output, for GGUF linears at M <= MMVQ_COLS (_forward_fused)
+                self._q8 = torch.empty(MMVQ_COLS * max(cfg.hidden_size, cfg.intermediate_size) // 32 * 36,
+                                       dtype=torch.uint8, device=self.device)
             self._graph = None
         self._cache_len = n
         return n
@@ -397,19 +422,35 @@ class Model:
         mask = None if from_start or T == 1 else self._mask(pos)
         h = self.embed(ids).reshape(T, -1)          # the residual stream, updated in place
         delta = None
+        q8 = self._q8 if self.q8_1_fusion else None
+
+        def norm_into(lin, h, delta, w):   # h += delta, RMSNorm, lin: in Q8_1 where lin takes it
+            lq = lin.q8_1_layout(h.shape[0]) if q8 is not None else None
+            if lq is None:
+                return lin(lo.add_rms_norm(h, delta, w, eps))
+            xq = q8[: h.numel() // 32 * 36]
+            lo.add_rms_norm(h, delta, w, eps, xq, lq)
+            return lin.from_q8_1(xq, h.shape[0], lq)
+
         for li, lay in enumerate(self.layers):
-            x = lo.add_rms_norm(h, delta, lay.attn_norm, eps)
+            qkv = norm_into(lay.qkv, h, delta, lay.attn_norm)
             kc, vc = self.k_cache[li, 0], self.v_cache[li, 0]            # (KV, S, hd)
-            q = lo.qk_rope_store(lay.qkv(x), lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
+            q = lo.qk_rope_store(qkv, lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
             if T == 1:
                 a = lo.attn_decode(q, kc, vc, pos, self._decode_work)
             else:
                 a = self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd)
-            x = lo.add_rms_norm(h, lay.o(a), lay.mlp_norm, eps)
-            delta = lay.down(lo.silu_mul(lay.gate_up(x)))
+            gu = norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm)
+            lq = lay.down.q8_1_layout(T) if q8 is not None else None
+            if lq is None:
+                delta = lay.down(lo.silu_mul(gu))
+            else:
+                xq = q8[: T * gu.shape[1] // 64 * 36]
+                lo.silu_mul(gu, xq, lq)
+                delta = lay.down.from_q8_1(xq, T, lq)
         if not all_logits:
             h, delta = h[-1:], delta[-1:]
-        return self.lm_head(lo.add_rms_norm(h, delta, self.norm, eps))
+        return norm_into(self.lm_head, h, delta, self.norm)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, all_logits: bool,
                  from_start: bool = False) -> torch.Tensor:
