@@ -67,7 +67,7 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 template <bool ADD, int V, int Q>
 __global__ void add_rms_norm(__half* __restrict__ h, const __half* __restrict__ delta,
                              const __half* __restrict__ w, __half* __restrict__ out,
-                             uint8_t* __restrict__ q8, int D, float eps) {
+                             unsigned char* __restrict__ q8, int D, float eps) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace layer_ops;
   __shared__ float red[32];
@@ -188,7 +188,7 @@ __global__ void silu_mul(const __half* __restrict__ gu, __half* __restrict__ out
 // value j with silu_mul's arithmetic; grid.x * (blockDim.x / 32) >= T * F / 32 blocks.
 template <bool SPLIT>
 __global__ void silu_mul_q8_1(const __half* __restrict__ gu, __half* __restrict__ out,
-                              uint8_t* __restrict__ q8, long long T, int F) {
+                              unsigned char* __restrict__ q8, long long T, int F) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace layer_ops;
   const long long blk = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;

@@ -17,8 +17,7 @@
 // qs at out + 36 i; split (gguf_mmvq16.cu reads it with aligned 16-byte loads): qs of block i at
 // out + 32 i, its half2 (d, s) at out + 32 n_blocks + 4 i.
 #pragma once
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include <cuda_fp16.h>   // (no <stdint.h>: NVRTC ships no C library headers)
 
 // Lane j's q_j; d and s in every lane. All 32 lanes must call it (full-warp shuffles).
 __device__ __forceinline__ int q8_1_quantize_value(float v, float& d, float& sum) {
@@ -35,17 +34,17 @@ __device__ __forceinline__ int q8_1_quantize_value(float v, float& d, float& sum
 
 // Quantize lane's value v as element `lane` of block blk and store it in the given layout.
 template <bool SPLIT>
-__device__ __forceinline__ void q8_1_store(float v, uint8_t* __restrict__ out, long long blk,
+__device__ __forceinline__ void q8_1_store(float v, unsigned char* __restrict__ out, long long blk,
                                            long long n_blocks, int lane) {
   float d, sum;
   const int q = q8_1_quantize_value(v, d, sum);
   const __half2 ds = __halves2half2(__float2half_rn(d), __float2half_rn(sum));
   if (SPLIT) {
-    out[blk * 32 + lane] = uint8_t(int8_t(q));
+    out[blk * 32 + lane] = (unsigned char)(signed char)q;
     if (lane == 0) *reinterpret_cast<__half2*>(out + n_blocks * 32 + blk * 4) = ds;
   } else {
-    uint8_t* b = out + blk * 36;
-    b[4 + lane] = uint8_t(int8_t(q));
+    unsigned char* b = out + blk * 36;
+    b[4 + lane] = (unsigned char)(signed char)q;
     if (lane == 0) *reinterpret_cast<__half2*>(b) = ds;
   }
 }
