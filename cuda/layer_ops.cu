@@ -61,9 +61,10 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // 16-byte chunks i, i + blockDim, ... (V of them) of the row in registers: every load of the
 // row is issued before the first use, and the second pass re-reads nothing (a loop that loaded,
 // added and stored one chunk at a time paid one memory latency per chunk: 4.6 us per call).
-// Q > 0 (D % 32 == 0): after out is written, the block re-reads its row (__syncthreads makes
-// the block's global writes visible to it) and each warp quantizes 32-value blocks, lane j
-// value j, exactly as quantize_q8_1 does (q8_1.cuh); the row's blocks are T * D / 32 of q8.
+// Q > 0 (D % 32 == 0): each output chunk is also quantized from registers by q8_1_store8, whose
+// lane groups are the 4 threads holding one 32-value block (blockDim % 4 == 0; a first version
+// that re-read the written row with one warp per block took 4.1 us a call at T = 1 instead of
+// 1.9, a single CTA quantizing 128 blocks in 8 rounds). q8 holds the T * D / 32 blocks.
 template <bool ADD, int V, int Q>
 __global__ void add_rms_norm(__half* __restrict__ h, const __half* __restrict__ delta,
                              const __half* __restrict__ w, __half* __restrict__ out,
@@ -107,22 +108,20 @@ __global__ void add_rms_norm(__half* __restrict__ h, const __half* __restrict__ 
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int c = threadIdx.x + j * blockDim.x;
-    if (c >= chunks) continue;
-    uint4 o;
+    const bool ok = c < chunks;
+    if (!Q && !ok) continue;
+    uint4 o = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = __half22float2(reinterpret_cast<const __half2*>(&hv[j])[i]);
-      const float2 s = __half22float2(reinterpret_cast<const __half2*>(&wv[j])[i]);
-      reinterpret_cast<__half2*>(&o)[i] = __floats2half2_rn(s.x * r16(v.x * r), s.y * r16(v.y * r));
+      for (int i = 0; i < 4; ++i) {
+        const float2 v = __half22float2(reinterpret_cast<const __half2*>(&hv[j])[i]);
+        const float2 s = __half22float2(reinterpret_cast<const __half2*>(&wv[j])[i]);
+        reinterpret_cast<__half2*>(&o)[i] = __floats2half2_rn(s.x * r16(v.x * r), s.y * r16(v.y * r));
+      }
+      reinterpret_cast<uint4*>(out + row)[c] = o;
     }
-    reinterpret_cast<uint4*>(out + row)[c] = o;
-  }
-  if (Q) {
-    __syncthreads();
-    const int lane = threadIdx.x % 32, nb = D / 32;
-    for (int b = threadIdx.x / 32; b < nb; b += blockDim.x / 32)
-      q8_1_store<Q == 2>(__half2float(out[row + 32 * b + lane]), q8, (long long)blockIdx.x * nb + b,
-                         (long long)gridDim.x * nb, lane);
+    if (Q)   // chunks 4b..4b+3 (Q8_1 block b of the row) sit in lanes 4q..4q+3 of one warp
+      q8_1_store8<Q == 2>(o, ok, q8, (long long)blockIdx.x * (D / 32) + c / 4, (long long)gridDim.x * (D / 32), c & 3);
   }
 }
 

@@ -48,3 +48,49 @@ __device__ __forceinline__ void q8_1_store(float v, unsigned char* __restrict__ 
     if (lane == 0) *reinterpret_cast<__half2*>(b) = ds;
   }
 }
+
+// The same block from the 4 lanes 4q..4q+3 of a group, lane t = lane & 3 holding elements
+// 8t..8t+7 as 8 fp16 values (a 16-byte chunk): the same bytes as q8_1_store's, with no trip
+// through memory. The sum keeps the butterfly's tree: its first two levels (elements 16 and 8
+// apart) are across lanes t ^ 2 and t ^ 1, the last three (4, 2, 1 apart) inside the lane. All
+// 32 lanes must call it; ok = false lanes (a group is whole or absent) compute but store nothing.
+template <bool SPLIT>
+__device__ __forceinline__ void q8_1_store8(uint4 chunk, bool ok, unsigned char* __restrict__ out,
+                                            long long blk, long long n_blocks, int t) {
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(reinterpret_cast<const __half2*>(&chunk)[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+  float amax = 0.0f, a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = v[i] + __shfl_xor_sync(0xffffffffu, v[i], 2);   // 16 apart
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], 1);         // 8 apart
+  const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];  // 4 apart
+  const float sum = (b0 + b2) + (b1 + b3);                                             // 2, then 1
+  const float d = amax / 127.0f;
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int q = amax == 0.0f ? 0 : int(roundf(v[i] / d));
+    w[i / 4] |= unsigned((unsigned char)(signed char)q) << (8 * (i % 4));
+  }
+  if (!ok) return;
+  const __half2 ds = __halves2half2(__float2half_rn(d), __float2half_rn(sum));
+  if (SPLIT) {
+    *reinterpret_cast<uint2*>(out + blk * 32 + 8 * t) = make_uint2(w[0], w[1]);
+    if (t == 0) *reinterpret_cast<__half2*>(out + n_blocks * 32 + blk * 4) = ds;
+  } else {
+    unsigned char* b = out + blk * 36;
+    reinterpret_cast<unsigned*>(b + 4 + 8 * t)[0] = w[0];
+    reinterpret_cast<unsigned*>(b + 4 + 8 * t)[1] = w[1];
+    if (t == 0) *reinterpret_cast<__half2*>(b) = ds;
+  }
+}
