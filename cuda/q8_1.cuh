@@ -3,8 +3,9 @@
 // ops that emit their output in Q8_1 as well (layer_ops.cu), so that both write the same bytes:
 //
 //   amax = max |x_j|            d = amax / 127 (fp32 division)
-//   q_j  = roundf(x_j / d)      (a true fp32 division; roundf takes halves away from zero;
-//                                 q = 0 for the whole block when amax == 0)
+//   q_j  = roundf(x_j / d)      (a true fp32 division -- q8_1_round takes it only near a tie;
+//                                 roundf takes halves away from zero; q = 0 for the whole
+//                                 block when amax == 0)
 //   s    = sum_j x_j            (the values, fp32)
 //
 // amax and s are xor-butterfly reductions (offsets 16, 8, 4, 2, 1). fp32 addition is
@@ -19,6 +20,18 @@
 #pragma once
 #include <cuda_fp16.h>   // (no <stdint.h>: NVRTC ships no C library headers)
 
+// roundf(v / d) for |v| <= 127 d (d = amax / 127 > 0), with the division only where it can
+// matter: r = v * (1 / d) is within 2 ulps of v / d (|r - fl(v / d)| < 1.9e-5 for |r| <= 128),
+// and roundf changes only at k + 1/2, so where r is farther than 3.1e-5 from one, roundf(r) is
+// roundf(fl(v / d)) -- bit-identical to the division. A fused layer op quantizing 8 values a
+// lane on one SM spent most of its extra time in the 8 IEEE divisions (~40 instructions each).
+__device__ __forceinline__ int q8_1_round(float v, float d, float inv_d) {
+  float r = v * inv_d;
+  const float a = fabsf(r);
+  if (fabsf(a - truncf(a) - 0.5f) <= 3.1e-5f) r = v / d;   // near a tie: the true quotient
+  return int(roundf(r));
+}
+
 // Lane j's q_j; d and s in every lane. All 32 lanes must call it (full-warp shuffles).
 __device__ __forceinline__ int q8_1_quantize_value(float v, float& d, float& sum) {
   float amax = fabsf(v);
@@ -29,7 +42,7 @@ __device__ __forceinline__ int q8_1_quantize_value(float v, float& d, float& sum
     sum += __shfl_xor_sync(0xffffffffu, sum, off);
   }
   d = amax / 127.0f;
-  return amax == 0.0f ? 0 : int(roundf(v / d));
+  return amax == 0.0f ? 0 : q8_1_round(v, d, 1.0f / d);
 }
 
 // Quantize lane's value v as element `lane` of block blk and store it in the given layout.
@@ -75,11 +88,11 @@ __device__ __forceinline__ void q8_1_store8(uint4 chunk, bool ok, unsigned char*
   for (int i = 0; i < 8; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], 1);         // 8 apart
   const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];  // 4 apart
   const float sum = (b0 + b2) + (b1 + b3);                                             // 2, then 1
-  const float d = amax / 127.0f;
+  const float d = amax / 127.0f, inv_d = 1.0f / d;
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int q = amax == 0.0f ? 0 : int(roundf(v[i] / d));
+    const int q = amax == 0.0f ? 0 : q8_1_round(v[i], d, inv_d);
     w[i / 4] |= unsigned((unsigned char)(signed char)q) << (8 * (i % 4));
   }
   if (!ok) return;

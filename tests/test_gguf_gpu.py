@@ -136,6 +136,39 @@ def test_quantize_q8_1_bit_equal(dtype, m, k):
     assert diff.size == 0, f"first differing (row, byte): {diff[:5].tolist()}"
 
 
+def _near_tie_blocks(rng, n_blocks=64):
+    """fp16 Q8_1 blocks whose values x have fl(x / d) at or within 3.1e-5 of a half-integer --
+    where q8_1.cuh's q8_1_round falls back from x * (1 / d) to the division: exact ties (d a
+    power of two) and near ones found by search over all fp16 values under a random amax."""
+    pos = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
+    out = []
+    while len(out) < n_blocks:
+        amax = np.float32(127 * 2.0 ** rng.integers(-8, 4)) if len(out) % 4 == 0 else \
+            np.float32(rng.choice(pos[(pos > 1e-3) & (pos < 6e4)]))
+        d = amax / np.float32(127)
+        cand = pos[pos <= amax]
+        r = cand / d
+        near = cand[np.abs(r - np.floor(r) - np.float32(0.5)) <= 3.1e-5]
+        if near.size == 0:
+            continue
+        blk = rng.choice(near, 32) * rng.choice(np.float32([-1, 1]), 32)
+        blk[rng.integers(32)] = amax * rng.choice([-1, 1])
+        out.append(blk)
+    return np.stack(out).astype(np.float16)
+
+
+def test_quantize_q8_1_near_ties():
+    """Values at and next to roundf's half-integer boundaries: the kernels' reciprocal shortcut
+    (q8_1.cuh) gives the codec's bytes, in both layouts."""
+    x = _near_tie_blocks(RNG).reshape(1, -1)
+    want = qz.formats.get("q8_1").quantize(x.astype(np.float32)).data
+    got = G.quantize_q8_1(torch.from_numpy(x).to(DEV)).cpu().numpy()
+    assert np.array_equal(got, want)
+    n = x.size // 32
+    split = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV)).cpu().numpy()
+    assert np.array_equal(split[: 32 * n].reshape(n, 32), want.reshape(n, 36)[:, 4:])
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("m,k", [(1, 32), (3, 576), (5, 4096)])
 def test_quantize_q8_1_split_layout(dtype, m, k):
