@@ -29,7 +29,6 @@
 //                  head merges the splits' (max, sum, unnormalised output) and writes fp16.
 //                  The grid is fixed by the cache size S, CTAs past pos exit at once, and pos is
 //                  read from device memory, so one CUDA graph serves every decode position.
-//                  With q8 it also writes its output in Q8_1 (as add_rms_norm's Q).
 //
 // Layouts: row-major fp16, contiguous. head_dim hd = 32*E (E = 2: hd 64, E = 4: hd 128), one warp
 // per head. In qk_rope_store lane l holds elements l + 32e, so element i and its RoPE partner
@@ -228,24 +227,12 @@ __device__ __forceinline__ void load_row(float* dst, const __half* src) {
   }
 }
 
-// One output value e of attn_decode, and with q8_layout (1 interleaved, 2 split) its Q8_1 as well:
-// the merge loops walk G * HD outputs (a multiple of 32) a warp at a time, so lane j holds value j
-// of block e / 32, as q8_1_store wants.
-__device__ __forceinline__ void store_out(__half* __restrict__ out, unsigned char* __restrict__ q8,
-                                          int q8_layout, long long e, long long n_blocks, float v) {
-  const __half o = __float2half_rn(v);
-  out[e] = o;
-  if (q8_layout == 2) q8_1_store<true>(__half2float(o), q8, e / 32, n_blocks, int(e % 32));
-  else if (q8_layout == 1) q8_1_store<false>(__half2float(o), q8, e / 32, n_blocks, int(e % 32));
-}
-
 template <int E, int G>
 __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q, const __half* __restrict__ k_cache,
                             const __half* __restrict__ v_cache, const long long* __restrict__ pos,
                             float* __restrict__ part_o, float* __restrict__ part_ml,
                             int* __restrict__ count, __half* __restrict__ out,
-                            int S, int n_split, float scale_log2,
-                            unsigned char* __restrict__ q8, int q8_layout) {
+                            int S, int n_split, float scale_log2) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using layer_ops::neg_inf;
   constexpr int HD = 32 * E, W = 4;
@@ -350,7 +337,7 @@ __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q,
       sum += sm_l[w][g] * f;
     }
     if (n == 1) {   // the whole context was this CTA's: done
-      store_out(out, q8, q8_layout, (long long)kv * G * HD + idx, (long long)gridDim.y * G * HD / 32, o / sum);
+      out[(kv * G + g) * HD + d] = __float2half_rn(o / sum);
       continue;
     }
     const long long slot = (long long)(kv * G + g) * n_split + split;
@@ -376,7 +363,7 @@ __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q,
       sum += __ldcg(part_ml + (base + sp) * 2 + 1) * f;
       o += __ldcg(part_o + (base + sp) * HD + d) * f;
     }
-    store_out(out, q8, q8_layout, (long long)kv * G * HD + idx, (long long)gridDim.y * G * HD / 32, o / sum);
+    out[(kv * G + g) * HD + d] = __float2half_rn(o / sum);
   }
   if (threadIdx.x == 0) count[kv] = 0;   // ready for the next call (or graph replay)
 }

@@ -144,7 +144,7 @@ def _near_tie_blocks(rng, n_blocks=64):
     out = []
     while len(out) < n_blocks:
         amax = np.float32(127 * 2.0 ** rng.integers(-8, 4)) if len(out) % 4 == 0 else \
-            np.float32(rng.choice(pos[(pos > 1e-3) & (pos < 6e4)]))
+            np.float32(rng.choice(pos[(pos > 1e-3) & (pos < 1000)]))   # s = sum x stays in fp16
         d = amax / np.float32(127)
         cand = pos[pos <= amax]
         r = cand / d

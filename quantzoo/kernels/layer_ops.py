@@ -5,8 +5,7 @@
     qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H, KV, eps) -> q (T, H, hd)
                                           q/k RMSNorm (optional) + RoPE; k, v written to the cache
     silu_mul(gu[, q8_1, layout])          [gate | up] (T, 2F) -> silu(gate) * up (T, F) (and Q8_1)
-    attn_decode(q, k_cache, v_cache, pos, work[, q8_1, layout]) -> (1, H*hd)   one token against
-                                          cache rows <= pos (and its Q8_1)
+    attn_decode(q, k_cache, v_cache, pos, work) -> (1, H*hd)   one token against cache rows <= pos
 
 Each equals the torch code it replaces in quantzoo/model/llm.py with the same fp16 roundings
 (tests/test_layer_ops_gpu.py checks them against that code). Every tensor is fp16 and contiguous
@@ -178,10 +177,9 @@ class DecodeWork:
         self.count = torch.zeros(kv_heads, dtype=torch.int32, device=device)  # finished CTAs
 
 
-def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork, q8_1=None, layout: str = "split"):
+def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     """q (1, H, hd) one token; k_cache/v_cache (KV, S, hd); pos (1,) int64 -> (1, H*hd) fp16:
-    softmax(q k^T / sqrt(hd)) v over cache rows 0..pos (GQA: head h reads KV head h // G).
-    With q8_1 (uint8, H * hd / 32 * 36 bytes) the output also as Q8_1 blocks in `layout`."""
+    softmax(q k^T / sqrt(hd)) v over cache rows 0..pos (GQA: head h reads KV head h // G)."""
     import torch
 
     _check("k_cache", k_cache)
@@ -201,15 +199,11 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork, q8_1=None, layout: s
     if work.S != S or work.o.shape[0] != H or work.count.shape[0] != KV:
         raise ValueError(f"work: made for S={work.S}, {work.o.shape[0]} heads / {work.count.shape[0]} KV heads;"
                          f" the cache has S={S}, {H} / {KV}")
-    ql = 0
-    if q8_1 is not None:
-        _check_q8_1(q8_1, layout, 1, H * hd, k_cache.device, "q")
-        ql = Q8_LAYOUTS[layout]
     E = HEAD_DIMS[hd]
     scale_log2 = math.log2(math.e) / math.sqrt(hd)
     out = torch.empty((1, H * hd), dtype=q.dtype, device=q.device)
     launch(_k(f"attn_decode<{E}, {G}>"), (work.n_split, KV), (128,),
            (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos.data_ptr(), work.o.data_ptr(),
             work.ml.data_ptr(), work.count.data_ptr(), out.data_ptr(), np.int32(S), np.int32(work.n_split),
-            np.float32(scale_log2), q8_1.data_ptr() if ql else 0, np.int32(ql)))
+            np.float32(scale_log2)))
     return out

@@ -300,9 +300,9 @@ class Model:
         self._cache_len = 0
         self.k_cache = self.v_cache = None
         self._graph = None
-        # fused ops: a norm, the decode attention or SiLU feeding a GGUF linear at M <= 8 writes
-        # its output in Q8_1 too, and the linear skips its quantize launch (bit-identical; False:
-        # the linear quantizes its fp16 input)
+        # fused ops: a norm or SiLU feeding a GGUF linear at M <= 8 writes its output in Q8_1 too,
+        # and the linear skips its quantize launch (bit-identical; False: the linear quantizes its
+        # fp16 input). Not the decode attention: fused there it cost what it saved (session 14).
         self.q8_1_fusion = True
 
     # ---- bookkeeping ----------------------------------------------------------------------
@@ -362,8 +362,8 @@ class Model:
                 from ..kernels.layer_ops import DecodeWork
 
                 self._decode_work = DecodeWork(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, n, self.device)
-                # Q8_1 of a norm's, the attention's or SiLU's output, for GGUF linears at M <= MMVQ_COLS
-                widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+                # Q8_1 of a norm's or SiLU's output, for GGUF linears at M <= MMVQ_COLS (_forward_fused)
+                widest = max(cfg.hidden_size, cfg.intermediate_size)
                 self._q8 = torch.empty(MMVQ_COLS * widest // 32 * 36, dtype=torch.uint8, device=self.device)
             self._graph = None
         self._cache_len = n
@@ -438,16 +438,11 @@ class Model:
             qkv = norm_into(lay.qkv, h, delta, lay.attn_norm)
             kc, vc = self.k_cache[li, 0], self.v_cache[li, 0]            # (KV, S, hd)
             q = lo.qk_rope_store(qkv, lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
-            lq = lay.o.q8_1_layout(1) if q8 is not None and T == 1 else None
-            if lq is not None:
-                xq = q8[: H * hd // 32 * 36]
-                lo.attn_decode(q, kc, vc, pos, self._decode_work, xq, lq)
-                o = lay.o.from_q8_1(xq, 1, lq)
-            elif T == 1:
-                o = lay.o(lo.attn_decode(q, kc, vc, pos, self._decode_work))
+            if T == 1:
+                a = lo.attn_decode(q, kc, vc, pos, self._decode_work)
             else:
-                o = lay.o(self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd))
-            gu = norm_into(lay.gate_up, h, o, lay.mlp_norm)
+                a = self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd)
+            gu = norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm)
             lq = lay.down.q8_1_layout(T) if q8 is not None else None
             if lq is None:
                 delta = lay.down(lo.silu_mul(gu))
