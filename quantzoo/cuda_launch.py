@@ -171,8 +171,9 @@ def current_stream_ptr() -> int:
 
 def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
     """Launch on torch's current stream (so graph capture and stream semantics hold); inside
-    `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh). Arguments are
-    int pointers and numpy scalars; a kernel that takes a TensorMap goes through `launch_tma`."""
+    `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh); inside a
+    `recording()` as a PackedLaunch it keeps. Arguments are int pointers and numpy scalars; a
+    kernel that takes a TensorMap goes through `launch_tma`."""
     rec = getattr(_RECORDING, "launches", None)
     if rec is not None:
         rec.append(PackedLaunch(kernel, grid, block, args, shared_mem))

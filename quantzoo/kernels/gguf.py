@@ -29,6 +29,10 @@ mmvq, mma and mmq compute exactly what reference/gguf_dot.py emulates (per-block
 only the fp32 order of the sum over blocks differs); dequant and wgmma are fp16 x fp16 with fp32
 accumulation (cuBLAS; the tensor cores), on weights bit-equal to fmt.dequantize(qt) rounded to half.
 
+matmul_q8_1(xq, qt, m, layout) takes activations already in Q8_1 (the runner's norms and SiLU
+write them, q8_1_layout names the layout the mmvq of that M reads) and runs the same launches
+without the quantize one. Repeated calls replay their recorded launches (kernels.run_planned).
+
 Everything is checked in Python before a launch (ValueError naming the argument); kernels go on
 torch's current stream; nothing here allocates with CuPy, and the per-stream workspaces (Q8_1
 activations, the dequant buffer, the mma path's split-K partials) are torch tensors reused across calls, so a call can be
