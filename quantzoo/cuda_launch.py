@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from functools import lru_cache
 from importlib.resources import files
 
@@ -349,19 +350,33 @@ def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, 
 # workspace lookups, argument packing) against 5-30 us of GPU time at small M and ~20 us of host
 # time for F.linear, so a prefill of a few hundred such calls is bound by the host. A Plan keeps
 # the launches one call queued, packed for the driver, and replays them with only the input's and
-# the output's addresses changed. Workspace pointers are baked in, so every (re)allocation or
-# release of a workspace bumps `workspace_epoch` and a plan from an older epoch is recorded anew.
+# the output's addresses changed. Workspace pointers (and views, in torch steps) are baked in, so
+# every (re)allocation or release of a workspace empties every PlanCache (workspaces_changed):
+# no plan can point into a freed buffer or keep one alive.
 _RECORDING = threading.local()   # .launches: the list a recording() on this thread fills
-_EPOCH = [0]
+_PLAN_CACHES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # id -> PlanCache
 
 
-def workspace_epoch() -> int:
-    return _EPOCH[0]
+class PlanCache(dict):
+    """One weight's plans by key (kernels.run_planned), at most LIMIT of them, the oldest dropped
+    first (a server sees many prompt lengths); emptied by workspaces_changed."""
+    LIMIT = 32
+
+    def __init__(self):
+        super().__init__()
+        _PLAN_CACHES[id(self)] = self
+
+    def put(self, key, plan) -> None:
+        while len(self) >= self.LIMIT:
+            del self[next(iter(self))]
+        self[key] = plan
 
 
-def bump_workspace_epoch() -> None:
-    """Call when a workspace a kernel argument may point into is allocated, grown or released."""
-    _EPOCH[0] += 1
+def workspaces_changed() -> None:
+    """Call when a workspace a kernel argument may point into is allocated, grown or released:
+    every recorded plan is dropped (the next call of each records anew)."""
+    for cache in list(_PLAN_CACHES.values()):
+        cache.clear()
 
 
 class PackedLaunch:
@@ -440,10 +455,9 @@ class Plan:
     at the same offset of the new x (y), and a TensorMap over x is re-encoded for the new address
     (cached by tensor_map_2d); TorchSteps get the new x and y. Everything else -- weights,
     workspaces, sizes, grid -- stays as recorded."""
-    __slots__ = ("epoch", "steps")
+    __slots__ = ("steps",)
 
-    def __init__(self, launches, x_ptr: int, x_bytes: int, y_ptr: int, y_bytes: int, epoch: int):
-        self.epoch = epoch
+    def __init__(self, launches, x_ptr: int, x_bytes: int, y_ptr: int, y_bytes: int):
         self.steps = []
         for pl in launches:
             if type(pl) is TorchStep:

@@ -61,8 +61,7 @@ def test_plan_reaims_pointers_into_x_and_y_only(monkeypatch):
     launches = [_FakeLaunch((x, w, ws, y + 4096, np.int32(7)), log),
                 cl.TorchStep(lambda a, b: log.append(("torch", a, b))),
                 _FakeLaunch((xmap, wmap, y, ws + 64, x + 100, y - 1), log)]
-    plan = cl.Plan(launches, x, 512 * 4096 * 2, y, 512 * 6144 * 2, epoch=3)
-    assert plan.epoch == 3
+    plan = cl.Plan(launches, x, 512 * 4096 * 2, y, 512 * 6144 * 2)
 
     class Ptr:
         def __init__(self, p):
@@ -76,3 +75,18 @@ def test_plan_reaims_pointers_into_x_and_y_only(monkeypatch):
     assert log[0] == [x2.p, w, ws, y2.p + 4096, np.int32(7)]
     assert log[1] == ("torch", x2, y2)
     assert log[2] == [("map", x2.p, 512, 4096, 128, 64, 128), wmap, y2.p, ws + 64, x2.p + 100, y - 1]
+
+
+def test_plan_cache_is_bounded_and_dropped_when_workspaces_change():
+    from quantzoo import cuda_launch as cl
+
+    a, b = cl.PlanCache(), cl.PlanCache()
+    for m in range(cl.PlanCache.LIMIT + 5):
+        a.put(m, f"plan {m}")
+    assert len(a) == cl.PlanCache.LIMIT and 0 not in a and cl.PlanCache.LIMIT + 4 in a   # oldest out
+    b.put("k", "plan")
+    cl.workspaces_changed()
+    assert not a and not b
+    ia = id(a)
+    del a                                        # a dropped cache leaves the registry with it
+    assert ia not in cl._PLAN_CACHES and cl._PLAN_CACHES[id(b)] is b

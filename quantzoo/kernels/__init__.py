@@ -21,7 +21,9 @@ def checked_once(qt, check):
     result = check(qt)
     try:   # QuantizedTensor is a frozen dataclass: the memo is not one of its fields
         # the 4th slot holds the weight's launch plans (run_planned), dropped with the memo
-        object.__setattr__(qt, "_kernels_checked", (check, parts, result, {}))
+        from quantzoo.cuda_launch import PlanCache
+
+        object.__setattr__(qt, "_kernels_checked", (check, parts, result, PlanCache()))
     except (AttributeError, TypeError):
         pass
     return result
@@ -37,9 +39,9 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     as a cuda_launch.Plan on qt's checked_once memo; later calls replay it with x's and y's
     addresses, skipping the path choice, tile schedule and argument packing (tens of
     microseconds of Python per call). Never inside a CUDA graph capture, whose workspaces are
-    the graph's own; a workspace (re)allocation or release (cuda_launch.workspace_epoch) sends
-    the next call back to queue() to record anew. The weight must have passed checked_once,
-    which holds the plans."""
+    the graph's own; a workspace (re)allocation or release (cuda_launch.workspaces_changed)
+    drops every plan, and the next call records anew. The weight must have passed checked_once,
+    which holds the plans (cuda_launch.PlanCache)."""
     import torch
 
     from quantzoo import cuda_launch as cl
@@ -55,9 +57,9 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     key = (m, cl.current_stream_ptr())
     with _LOCK:   # a replay re-aims shared argument slots: one at a time
         plan = plans.get(key)
-        if plan is not None and plan.epoch == cl.workspace_epoch():
+        if plan is not None:
             plan.replay(x, y)
             return
         with cl.recording() as rec:
             queue()
-        plans[key] = cl.Plan(rec.launches, xp, xb, yp, yb, cl.workspace_epoch())
+        plans.put(key, cl.Plan(rec.launches, xp, xb, yp, yb))

@@ -38,7 +38,7 @@ import torch
 from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
-from quantzoo.cuda_launch import bump_workspace_epoch, launch_tma, tensor_map_2d, torch_step
+from quantzoo.cuda_launch import workspaces_changed, launch_tma, tensor_map_2d, torch_step
 from quantzoo.cuda_launch import wgmma_available
 from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
@@ -244,14 +244,14 @@ def _buffer(dev, key, numel, dtype, zero=False):
         alloc = torch.zeros if zero else torch.empty
         buf = alloc(max(numel, 1), dtype=dtype, device=dev)
         cache[key] = buf
-        bump_workspace_epoch()   # launch plans that point into the old buffer record anew
+        workspaces_changed()   # launch plans may point into the old buffer
     return buf
 
 
 def release_buffers():
     """Drop the cached workspaces (the dequant buffer can be as large as the largest weight)."""
     _WS.clear()
-    bump_workspace_epoch()
+    workspaces_changed()
 
 
 def _kernel(source, name):

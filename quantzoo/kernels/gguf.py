@@ -44,7 +44,7 @@ import functools
 
 import numpy as np
 
-from quantzoo.cuda_launch import bump_workspace_epoch, current_stream_ptr, get_kernel, launch, launch_tma
+from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, launch_tma, workspaces_changed
 from quantzoo.cuda_launch import resident_blocks
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
@@ -293,14 +293,14 @@ def _workspace(kind: str, nbytes: int, device):
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device)
         _WORKSPACES[key] = buf
-        bump_workspace_epoch()   # launch plans that point into the old buffer record anew
+        workspaces_changed()   # launch plans may point into the old buffer
     return buf[:nbytes]
 
 
 def release_buffers():
     """Drop the cached workspaces (the dequant buffer alone is up to DEQUANT_BUFFER_BYTES)."""
     _WORKSPACES.clear()
-    bump_workspace_epoch()
+    workspaces_changed()
 
 
 # ---- public entry points ----------------------------------------------------------------------
