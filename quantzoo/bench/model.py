@@ -173,9 +173,9 @@ def time_decode(m, steps: int, prompt: int = 16, graph: bool = True) -> float:
 def time_prefill(m, n: int, reps: int = 7, warmup_s: float = 0.5) -> float:
     ids = prompt_ids(n, m.config.vocab_size)
     # warm-up by time, not by count: kernel compiles, cuBLAS heuristics, the allocator, and the
-    # GPU's clocks, which idle low while a model is built. (A 512-token prefill is bound by the
-    # host's Python, ~15-50 ms of wall time for ~13-19 ms of GPU work, and still moves up to 2x
-    # run to run on the lent machine; bench/NOTES.md, session 4.)
+    # GPU's clocks, which idle low while a model is built. (A 512-token prefill is partly bound
+    # by the host's Python -- wall 1.2-1.4x its ~12-16 ms of GPU work since the launch plans of
+    # session 14, 2.5-2.8x before -- and moves with the lent machine's host; bench/NOTES.md.)
     t_end = time.perf_counter() + warmup_s
     for i in range(1000):
         m.prefill(ids)
