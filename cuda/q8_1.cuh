@@ -45,21 +45,24 @@ __device__ __forceinline__ int q8_1_quantize_value(float v, float& d, float& sum
   return amax == 0.0f ? 0 : q8_1_round(v, d, 1.0f / d);
 }
 
+// Where block blk of n_blocks keeps its 32 qs bytes and its half2 (d, s), in either layout.
+template <bool SPLIT>
+__device__ __forceinline__ unsigned char* q8_1_qs(unsigned char* out, long long blk) {
+  return SPLIT ? out + blk * 32 : out + blk * 36 + 4;
+}
+template <bool SPLIT>
+__device__ __forceinline__ __half2* q8_1_ds(unsigned char* out, long long blk, long long n_blocks) {
+  return reinterpret_cast<__half2*>(SPLIT ? out + n_blocks * 32 + blk * 4 : out + blk * 36);
+}
+
 // Quantize lane's value v as element `lane` of block blk and store it in the given layout.
 template <bool SPLIT>
 __device__ __forceinline__ void q8_1_store(float v, unsigned char* __restrict__ out, long long blk,
                                            long long n_blocks, int lane) {
   float d, sum;
   const int q = q8_1_quantize_value(v, d, sum);
-  const __half2 ds = __halves2half2(__float2half_rn(d), __float2half_rn(sum));
-  if (SPLIT) {
-    out[blk * 32 + lane] = (unsigned char)(signed char)q;
-    if (lane == 0) *reinterpret_cast<__half2*>(out + n_blocks * 32 + blk * 4) = ds;
-  } else {
-    unsigned char* b = out + blk * 36;
-    b[4 + lane] = (unsigned char)(signed char)q;
-    if (lane == 0) *reinterpret_cast<__half2*>(b) = ds;
-  }
+  q8_1_qs<SPLIT>(out, blk)[lane] = (unsigned char)(signed char)q;
+  if (lane == 0) *q8_1_ds<SPLIT>(out, blk, n_blocks) = __halves2half2(__float2half_rn(d), __float2half_rn(sum));
 }
 
 // The same block from the 4 lanes 4q..4q+3 of a group, lane t = lane & 3 holding elements
@@ -96,14 +99,12 @@ __device__ __forceinline__ void q8_1_store8(uint4 chunk, bool ok, unsigned char*
     w[i / 4] |= unsigned((unsigned char)(signed char)q) << (8 * (i % 4));
   }
   if (!ok) return;
-  const __half2 ds = __halves2half2(__float2half_rn(d), __float2half_rn(sum));
-  if (SPLIT) {
-    *reinterpret_cast<uint2*>(out + blk * 32 + 8 * t) = make_uint2(w[0], w[1]);
-    if (t == 0) *reinterpret_cast<__half2*>(out + n_blocks * 32 + blk * 4) = ds;
+  unsigned char* qs = q8_1_qs<SPLIT>(out, blk) + 8 * t;
+  if (SPLIT) {   // 8-byte aligned; the interleaved blocks' qs only 4-byte
+    *reinterpret_cast<uint2*>(qs) = make_uint2(w[0], w[1]);
   } else {
-    unsigned char* b = out + blk * 36;
-    reinterpret_cast<unsigned*>(b + 4 + 8 * t)[0] = w[0];
-    reinterpret_cast<unsigned*>(b + 4 + 8 * t)[1] = w[1];
-    if (t == 0) *reinterpret_cast<__half2*>(b) = ds;
+    reinterpret_cast<unsigned*>(qs)[0] = w[0];
+    reinterpret_cast<unsigned*>(qs)[1] = w[1];
   }
+  if (t == 0) *q8_1_ds<SPLIT>(out, blk, n_blocks) = __halves2half2(__float2half_rn(d), __float2half_rn(sum));
 }

@@ -175,13 +175,8 @@ def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
     `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh); inside a
     `recording()` as a PackedLaunch it keeps. Arguments are int pointers and numpy scalars; a
     kernel that takes a TensorMap goes through `launch_tma`."""
-    rec = getattr(_RECORDING, "launches", None)
-    if rec is not None:
-        rec.append(PackedLaunch(kernel, grid, block, args, shared_mem))
-        rec[-1]()
-        return
-    if _PDL:
-        _launch_ex(kernel, grid, block, args, shared_mem, True)
+    if _PDL or getattr(_RECORDING, "launches", None) is not None:
+        launch_tma(kernel, grid, block, args, shared_mem)
         return
     # cupy.cuda.Function takes the stream per call; entering it as CuPy's current stream instead
     # costs a context switch in Python on every launch.
@@ -245,13 +240,13 @@ _CTYPE_OF: dict = {}   # numpy scalar type -> its ctypes type (looked up once pe
 
 def launch_tma(kernel, grid, block, args, shared_mem: int = 0) -> None:
     """`launch` for a kernel with a TensorMap argument (a TMA descriptor passed by value), which
-    CuPy cannot pass: always through cuLaunchKernelEx, with PDL inside programmatic_launches()."""
+    CuPy cannot pass: always through cuLaunchKernelEx (a PackedLaunch), with PDL inside
+    programmatic_launches(); kept by a `recording()`."""
+    pl = PackedLaunch(kernel, grid, block, args, shared_mem)
     rec = getattr(_RECORDING, "launches", None)
     if rec is not None:
-        rec.append(PackedLaunch(kernel, grid, block, args, shared_mem))
-        rec[-1]()
-        return
-    _launch_ex(kernel, grid, block, args, shared_mem, _PDL)
+        rec.append(pl)
+    pl()
 
 
 def _driver_error(ctypes, lib, err: int) -> str:
@@ -283,24 +278,6 @@ def _ctype_arg(ctypes, a):
         c = _CTYPE_OF[t] = np.ctypeslib.as_ctypes_type(np.dtype(t))
         return c(a.item())
     raise TypeError(f"kernel argument of type {type(a).__name__}: expected an int pointer or a numpy scalar")
-
-
-def _launch_ex(kernel, grid, block, args, shared_mem: int, pdl: bool) -> None:
-    """cuLaunchKernelEx through ctypes: with the programmatic-serialization attribute (pdl), and
-    for arguments CuPy cannot pass (TensorMap)."""
-    ctypes, lib, Attribute, Config, fn = _driver()
-    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-    attr = Attribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
-    cfg = Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
-                 ctypes.c_void_p(current_stream_ptr()), ctypes.pointer(attr), 1 if pdl else 0)
-    vals = [_ctype_arg(ctypes, a) for a in args]
-    params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
-    func = getattr(kernel, "ptr", None) or kernel.kernel.ptr   # cupy Function, or RawKernel.kernel
-    err = fn(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
-    if err:
-        raise RuntimeError(f"cuLaunchKernelEx{' (programmatic dependent launch)' if pdl else ''} failed: "
-                           f"{_driver_error(ctypes, lib, err)}")
 
 
 # ---- TMA descriptors -------------------------------------------------------------------------
@@ -381,8 +358,9 @@ def workspaces_changed() -> None:
 
 class PackedLaunch:
     """One kernel launch with its configuration and arguments packed once into the driver's
-    structures; calling it launches on torch's current stream (with PDL inside
-    programmatic_launches()). set_pointer / set_map change one argument in place."""
+    structures (cuLaunchKernelEx through ctypes: for the programmatic-serialization attribute
+    and for arguments CuPy cannot pass); calling it launches on torch's current stream, with
+    PDL inside programmatic_launches(). set_pointer / set_map change one argument in place."""
     __slots__ = ("args", "cfg", "cfg_ref", "attr", "func", "vals", "params")
 
     def __init__(self, kernel, grid, block, args, shared_mem: int = 0):
