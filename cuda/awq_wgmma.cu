@@ -29,22 +29,30 @@
 //   (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a word (warp w: columns
 //   4h + 2 j0, +1 with h = w / 2, j0 = w % 2) -- half the dequant per MMA again.
 // * A stage's 16 weight words, scales and zeros of a thread are read from shared memory at
-//   once, so the per-k-step chain is dequant -> wgmma with no shared-memory latency in it.
+//   once and all 4 k-steps dequantised, then issued as one wgmma group (wg::stage_step).
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
 //   the layout the wgmma descriptor reads without bank conflicts. One TMA copy per stage writes
 //   it (wg::XTile; the host encodes x's tensor map): no per-thread copy instructions. With every
 //   thread issuing 16-byte cp.async chunks instead, the copies were a third of the kernel's time
 //   at M = 2048 (bench/NOTES.md, session 13: 430 -> 358 us on 4096->12288).
-// * Pipeline: D stages, one block barrier per stage; the weights, scales and zeros by cp.async
-//   from every thread (each thread's sources carried from stage to stage, since offsets worked
-//   out once were recomputed by ptxas every stage), x by TMA onto one mbarrier per buffer. A
-//   warpgroup keeps at most 3 k-steps (wgmma groups, 4 per stage) in flight, so every wgmma of
-//   stage s - 2 is done when a warpgroup reaches the barrier of stage s: loads run D - 2 stages
-//   ahead, into the buffer of stage s - 2. (Issuing the copies after the stage's first wgmma
-//   instead, to hide them behind it, makes ptxas serialise the wgmma: warning C7513.)
-// * Tails: x rows past M and k past K are zero-filled by the tensor map, weight rows past K or
-//   the split and words past N/8 by cp.async (src size 0); a zero x row or weight contributes 0,
-//   and stores are guarded. Splits are whole 64-row stages, so x needs no split bound.
+// * Pipeline: warp-specialised, no block barrier in the K loop. A producer warpgroup (after the
+//   consumer warpgroups) gives its registers to them (setmaxnreg: 40 vs 232 a thread) and one of
+//   its threads issues each stage's four TMA copies -- x tile, weight words, scales, zeros --
+//   onto the buffer's "full" mbarrier, after waiting on its "empty" mbarrier. Each consumer warp
+//   waits on "full", reads its fragments, dequantises the stage, issues it as one wgmma group,
+//   waits for it (wg::stage_step says why), and arrives on "empty". So copies run D stages
+//   ahead, the two consumer warpgroups hide each other's dequantisation behind their wgmma, and
+//   no thread spends issue slots on addresses and predicates of copies.
+//   Against session 13's kernel (every thread cp.async'ing its weight chunk, then
+//   cp.async.wait + fence + one __syncthreads a stage, a wgmma group per k-step):
+//   4096->12288 M = 512 101-105 -> 97 us, M = 2048 395 -> 329 us (bench/NOTES.md, session 15).
+//   The producer needs its own warpgroup: a single producer warp (9 warps) puts 3 warps on one
+//   SM sub-partition and caps every thread at 168 registers, and the batched stage then spills.
+// * The weight tile is what TMA writes: 64 rows of WORDS words, dense, with the 128-byte swizzle
+//   (64-byte at 16 words a row): 16-byte chunk ch of row r at chunk ch ^ (r % 8) (ch ^ (r / 2 %
+//   4)). A thread's fragment words (rows 2t + {0, 1, 8, 9}, one column word) then fall in distinct
+//   banks across the warp at 32 words (2-way conflicts at 16). TMA needs 16-byte global rows, so
+//   this path takes N % 32 == 0 (host: wgmma_ok); other N go to mma.sync.
 // * Split K: one block walks its K range at a fixed per-stage latency, so a grid of few tiles
 //   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
 //   fills one wave of resident blocks; the fp32 partials meet in a workspace and the tile's
@@ -59,9 +67,9 @@
 // the fastest AWQ path from M = 32 to 512 on weights of 6144 x 4096 and up, and to 1024 from
 // 12288 x 4096 (4096->12288 M = 128: 45 us against 91 for mma.sync and 40 for cuBLAS fp16;
 // M = 512: 101-104 against 122 for dequant + cuBLAS and 74 for cuBLAS fp16), which is where
-// dispatch uses it. One 8-warp block per SM
-// (about 200 registers per thread at T >= 128). (Tried and slower: a producer warpgroup issuing
-// cp.async + mbarriers + setmaxnreg, ~300 TFLOP/s; T = 64 at 2 blocks per SM, 10-30 % slower.)
+// dispatch uses it. One block of 2 warpgroups + the producer warp per SM (about 200 registers per
+// thread at T >= 128). (Tried and slower: a producer warpgroup issuing cp.async + mbarriers +
+// setmaxnreg, ~300 TFLOP/s, session 7; T = 64 at 2 blocks per SM, 10-30 % slower.)
 //
 // Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
 // host (quantzoo/kernels/awq.py) never launches it there.
@@ -74,18 +82,28 @@ constexpr int BK = 64;  // k rows per stage
 
 template <int NWG, int T, int D>
 struct Cfg {
-  static constexpr int THREADS = 128 * NWG;
+  static constexpr int CONSUMERS = 128 * NWG;
+  static constexpr int THREADS = CONSUMERS + 128;         // + the producer warpgroup
   static constexpr int JN = T == 256 ? 1 : 2;              // wgmma instructions (64 columns) per k-step
   static constexpr int WORDS = 8 * JN * NWG;              // column words per block
-  static constexpr int W_LD = WORDS + 4;                  // == 4 (mod 16): rows 2t in distinct banks
+  static constexpr int ROW = WORDS * 4;                   // bytes of a weight row: 128 or 64 (its swizzle)
   static constexpr int X_BYTES = T * 128;                 // T tokens x 64 halves, swizzled
-  static constexpr int W_BYTES = BK * W_LD * 4;
+  static constexpr int W_BYTES = BK * ROW;
   static constexpr int S_BYTES = 2 * WORDS * 16;          // up to 2 groups per stage (G = 32)
   static constexpr int Z_BYTES = 2 * WORDS * 4;
   static constexpr int STAGE = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
+  static_assert(ROW == 64 || ROW == 128, "weight rows are one 64- or 128-byte swizzle span");
 };
+
+// Byte offset of word w of row r in a stage's weight tile, as TMA's swizzle placed it: the
+// 16-byte chunk index XORed with address bits 7.. of the row (r % 8 at 128-byte rows, r / 2 % 4
+// at 64-byte rows).
+template <int ROW>
+__device__ __forceinline__ int w_offset(int r, int w) {
+  return r * ROW + ((((w >> 2) ^ ((r * ROW >> 7) & (ROW / 16 - 1)))) << 4) + ((w & 3) << 2);
+}
 
 }  // namespace awqw
 
@@ -94,13 +112,17 @@ struct Cfg {
 // together and share L2. Blocks below dp_tiles each do tile i over all of K; the rest do split
 // j % splits of tile dp_tiles + j / splits (j = block - dp_tiles): rows [split *
 // rows_per_split, (split + 1) * rows_per_split) of K (a multiple of BK; the host makes every
-// split non-empty). Block 128 * NWG threads, dynamic shared memory awqw::Cfg<NWG, T, D>::SMEM.
-// K % 32 == 0 (K % G == 0, G >= 32). With splits > 1 the split tiles' fp32 partials meet in ws
-// [splits][M][N] and the tile's last block sums them in split order (awq_common.cuh).
+// split non-empty). Block awqw::Cfg::THREADS (128 * NWG + 32) threads, dynamic shared memory
+// awqw::Cfg<NWG, T, D>::SMEM. Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x T,
+// 128-byte swizzle; qweight u32 [K, N/8] box WORDS x 64, swizzle ROW; scales fp16 [K/G, N] box
+// 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2 at G = 32,
+// else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. With splits > 1 the split tiles' fp32
+// partials meet in ws [splits][M][N] and the tile's last block sums them in split order
+// (awq_common.cuh).
 template <int NWG, int T, int D>
-__global__ void __launch_bounds__(128 * NWG, 1)
-awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const unsigned* __restrict__ qweight,
-                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
+__global__ void __launch_bounds__(128 * NWG + 128, 1)
+awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,
+                 const __grid_constant__ wg::TmaDesc smap, const __grid_constant__ wg::TmaDesc zmap,
                  half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
                  int M, int K, int N, int G, int tiles_m, int dp_tiles, int splits, int rows_per_split) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
@@ -114,176 +136,174 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const unsigned* __res
   const int n8 = N / 8;
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
-  const int wg = warp >> 2, wq = warp & 3;
-  const int g = lane >> 2, t = lane & 3;
   const bool whole = (int)blockIdx.x < dp_tiles;   // this block's tile walks all of K
   const int tile = whole ? blockIdx.x : dp_tiles + (blockIdx.x - dp_tiles) / splits;
   const int split = whole ? 0 : (blockIdx.x - dp_tiles) % splits;
   const int n_split = whole ? 1 : splits;
   const int m0 = (tile % tiles_m) * T;
   const int col0 = (tile / tiles_m) * C::WORDS;
-  // this thread's column word within the block and its columns in it: JN = 2 -> the 4 columns
-  // 4h .. 4h + 3 (instruction j takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1
-  constexpr int JN = C::JN;
-  const int c = JN == 2 ? 16 * wg + 8 * (wq & 1) + g : 8 * wg + g;
-  const int h = wq >> 1;
-  const int j0 = JN == 2 ? 0 : wq & 1;
-  const unsigned j_mask = j0 ? awq::kHighMask : awq::kLowMask;                 // JN = 1 only
-  const half2 j_mul = awq::as_h2(j0 ? 0x2c002c00u : 0x3c003c00u);              // 1/16 or 1
   const int kb = whole ? 0 : split * rows_per_split;   // this block's rows [kb, ke)
   const int ke = whole ? K : min(K, kb + rows_per_split);
   const int n_stages = (ke - kb + BK - 1) / BK;
-  const int groups_per_stage = G < BK ? BK / G : 1;
-  const bool vec16 = (n8 % 4) == 0;
+  const int gps = G < BK ? BK / G : 1;   // groups a stage spans
 
-  // Copies: x by TMA (wg::XTile; a split's K range is whole 64-row stages, except at K, which
-  // the map zero-fills); thread tid copies weight chunk wc (4 words) of rows wr + WSTEP j, from
-  // a pointer carried from stage to stage (offsets worked out once from threadIdx were
-  // recomputed by ptxas every stage, bench/NOTES.md session 9). Rows past M, K or the split
-  // and words past N/8 are zero-filled (src size 0).
-  __shared__ unsigned long long xbar[D];
-  wg::XTile<T, D> xt(xmap, xbar, m0, kb, tid);
-  constexpr int WCPR = C::WORDS / 4, WSTEP = C::THREADS / WCPR, WCH = BK / WSTEP;
-  static_assert(C::THREADS % WCPR == 0 && BK % WSTEP == 0, "weight chunks split evenly");
-  const int wr = tid / WCPR, wc = 4 * (tid % WCPR);
-  const bool w_col = col0 + wc < n8;
-  const unsigned* wsrc = qweight + (size_t)(kb + wr) * n8 + col0 + (w_col ? wc : 0);   // next stage's
-  const unsigned w_dst = C::X_BYTES + 4 * (wr * C::W_LD + wc);   // + WSTEP * W_LD * 4 * j
-  const int g_shift = __ffs(G) - 1;   // G is 32, 64 or 128
-  auto load_stage = [&](int st, int buf) {
-    const int k0 = kb + st * BK;
-    const bool live = st < n_stages;   // past the split: zero-fill a free buffer, no branch
-    const unsigned S0 = base + buf * C::STAGE;
-    xt.copy_next(S0, buf, live);
-    if (vec16) {
+  // full[b]: stage in buffer b has landed (the producer's arrival + the copies' bytes);
+  // empty[b]: every consumer warp is done with buffer b (one arrival per warp).
+  __shared__ unsigned long long bars[2 * D];
+  const unsigned full0 = awq::smem_addr(bars), empty0 = full0 + 8 * D;
+  if (tid == 0) {
 #pragma unroll
-      for (int j = 0; j < WCH; ++j) {
-        const bool ok = live && w_col && k0 + wr + WSTEP * j < ke;
-        awq::cp_async16_at(S0 + w_dst + WSTEP * C::W_LD * 4 * j, ok ? wsrc + (size_t)WSTEP * j * n8 : qweight, ok);
+    for (int b = 0; b < D; ++b) {
+      wg::mbar_init(full0 + 8 * b, 1);
+      wg::mbar_init(empty0 + 8 * b, C::CONSUMERS / 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= C::CONSUMERS) {   // the producer warpgroup: one thread issues every copy
+    wg::set_max_regs<false, 40>();
+    if (tid == C::CONSUMERS) {
+      wg::prefetch_map(&xmap); wg::prefetch_map(&wmap); wg::prefetch_map(&smap); wg::prefetch_map(&zmap);
+      const unsigned tx = C::X_BYTES + C::W_BYTES + gps * C::WORDS * (16 + 4);
+      for (int st = 0; st < n_stages; ++st) {
+        const int b = st % D, k0 = kb + st * BK;
+        if (st >= D) wg::mbar_wait(empty0 + 8 * b, (st / D - 1) & 1);
+        const unsigned S0 = base + b * C::STAGE, bar = full0 + 8 * b;
+        wg::mbar_arrive_expect_tx(bar, tx);
+        wg::tma_2d(S0, &xmap, k0, m0, bar);
+        wg::tma_2d(S0 + C::X_BYTES, &wmap, col0, k0, bar);
+        wg::tma_2d(S0 + C::X_BYTES + C::W_BYTES, &smap, 8 * col0, k0 / G, bar);
+        wg::tma_2d(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES, &zmap, col0, k0 / G, bar);
       }
-      wsrc += (size_t)BK * n8;
-    } else {   // N/8 % 4 != 0: rows are not 16-byte aligned, 4-byte copies
-      awq::load_words<BK, C::WORDS, C::THREADS>(reinterpret_cast<unsigned*>(smem + buf * C::STAGE + C::X_BYTES),
-                                                C::W_LD, qweight, n8, k0, live ? ke : k0, col0, n8, false);
     }
-    if (tid < groups_per_stage * C::WORDS) {
-      half* S = reinterpret_cast<half*>(smem + buf * C::STAGE + C::X_BYTES + C::W_BYTES);
-      unsigned* Z = reinterpret_cast<unsigned*>(smem + buf * C::STAGE + C::X_BYTES + C::W_BYTES + C::S_BYTES);
-      const int gi = tid / C::WORDS, cw = tid % C::WORDS;
-      const int kg = k0 + gi * G;
-      const bool ok = live && (kg < ke) && (col0 + cw < n8);
-      const int grp = kg >> g_shift;
-      awq::cp_async16(S + 8 * tid, ok ? scales + (size_t)grp * N + 8 * (col0 + cw) : scales, ok);
-      awq::cp_async4(Z + tid, ok ? qzeros + (size_t)grp * n8 + col0 + cw : qzeros, ok);
-    }
-  };
-
-  float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
-
-  wg::fill_pipeline<D>(load_stage);
-  for (int st = 0; st < n_stages; ++st) {
-    wg::enter_stage<D>(st, load_stage, xt);
-
-    unsigned char* S0 = smem + (st % D) * C::STAGE;
-    const unsigned long long desc = wg::desc_sw128(awq::smem_addr(S0));
-    const unsigned* Wc = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES) + c;
-    const half* S = reinterpret_cast<const half*>(S0 + C::X_BYTES + C::W_BYTES);
-    const unsigned* Z = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
-    // the stage's 16 weight words of this thread (rows 16 kk + 2t + {0, 1, 8, 9}) and both
-    // groups' scales and zeros
-    unsigned wv[BK / 16][4];
+    // Done: no code after setmaxnreg.dec may be shared with the consumers, whose registers it
+    // could not hold (the split-K handshake below meets at a named barrier of the consumers).
+    return;
+  }
+  {   // the consumer warpgroups
+    wg::set_max_regs<true, 232>();
+    const int wg = warp >> 2, wq = warp & 3;
+    const int g = lane >> 2, t = lane & 3;
+    // this thread's column word within the block and its columns in it: JN = 2 -> the 4 columns
+    // 4h .. 4h + 3 (instruction j takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1
+    constexpr int JN = C::JN;
+    const int c = JN == 2 ? 16 * wg + 8 * (wq & 1) + g : 8 * wg + g;
+    const int h = wq >> 1;
+    const int j0 = JN == 2 ? 0 : wq & 1;
+    const unsigned j_mask = j0 ? awq::kHighMask : awq::kLowMask;                 // JN = 1 only
+    const half2 j_mul = awq::as_h2(j0 ? 0x2c002c00u : 0x3c003c00u);              // 1/16 or 1
+    // this thread's fragment words in a stage's weight tile: rows 16 kk + 2t + {0, 1, 8, 9} of
+    // word c (the swizzle's XOR is the same for every kk)
+    int w_off[4];
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const unsigned* Wr = Wc + (16 * kk + 2 * t) * C::W_LD;
-      wv[kk][0] = Wr[0]; wv[kk][1] = Wr[C::W_LD]; wv[kk][2] = Wr[8 * C::W_LD]; wv[kk][3] = Wr[9 * C::W_LD];
-    }
-    const int g2 = G == 32;   // a stage spans 2 groups only when G == 32
-    const uint4 sv0 = *reinterpret_cast<const uint4*>(S + 8 * c);
-    const uint4 sv1 = *reinterpret_cast<const uint4*>(S + 8 * (g2 * C::WORDS + c));
-    const unsigned zw0 = Z[c], zw1 = Z[g2 * C::WORDS + c];
-    // per column 4h + i of this thread, both lanes: its scale, and its zero term -- 1024 + z for
-    // the low-mask columns 4h, 4h + 1, -(64 + z) for the high-mask ones 4h + 2, 4h + 3
-    half2 sc[4], zc[4];
+    for (int i = 0; i < 4; ++i) w_off[i] = awqw::w_offset<C::ROW>(2 * t + (i & 1) + 8 * (i >> 1), c);
+
+    float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
+
+    for (int st = 0; st < n_stages; ++st) {
+      const int b = st % D;
+      wg::mbar_wait(full0 + 8 * b, (st / D) & 1);
+      const unsigned char* S0 = smem + b * C::STAGE;
+      const unsigned long long desc = wg::desc_sw128(base + b * C::STAGE);
+      const unsigned char* Wt = S0 + C::X_BYTES;
+      const half* S = reinterpret_cast<const half*>(S0 + C::X_BYTES + C::W_BYTES);
+      const unsigned* Z = reinterpret_cast<const unsigned*>(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES);
+      // the stage's 16 weight words of this thread and both groups' scales and zeros
+      unsigned wv[BK / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      if (kk == 0 || kk == 2) {   // the second group's terms (the same as the first unless G == 32)
-        const uint4 sv = kk == 0 ? sv0 : sv1;
-        const half2 s01 = awq::as_h2(h ? sv.z : sv.x), s23 = awq::as_h2(h ? sv.w : sv.y);
-        const awq::Zeros z = awq::make_zeros(kk == 0 ? zw0 : zw1);
-        const half2 zlo = h ? z.lo[1] : z.lo[0], zhi = h ? z.hi[1] : z.hi[0];
-        if constexpr (JN == 2) {
-          sc[0] = __low2half2(s01); sc[1] = __high2half2(s01); sc[2] = __low2half2(s23); sc[3] = __high2half2(s23);
-          zc[0] = __low2half2(zlo); zc[1] = __high2half2(zlo); zc[2] = __low2half2(zhi); zc[3] = __high2half2(zhi);
-        } else {   // columns 4h + 2j0, +1 only; the zero term is added (below): -(1024 + z) or -(64 + z)
-          const half2 sp = j0 ? s23 : s01, zp = j0 ? zhi : __hneg2(zlo);
-          sc[0] = __low2half2(sp); sc[1] = __high2half2(sp); zc[0] = __low2half2(zp); zc[1] = __high2half2(zp);
+      for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wv[kk][i] = *reinterpret_cast<const unsigned*>(Wt + 16 * kk * C::ROW + w_off[i]);
+      const int g2 = G == 32;   // a stage spans 2 groups only when G == 32
+      const uint4 sv0 = *reinterpret_cast<const uint4*>(S + 8 * c);
+      const uint4 sv1 = *reinterpret_cast<const uint4*>(S + 8 * (g2 * C::WORDS + c));
+      const unsigned zw0 = Z[c], zw1 = Z[g2 * C::WORDS + c];
+      // per column 4h + i of this thread, both lanes: its scale, and its zero term -- 1024 + z for
+      // the low-mask columns 4h, 4h + 1, -(64 + z) for the high-mask ones 4h + 2, 4h + 3
+      half2 sc[4], zc[4];
+      unsigned a[BK / 16][JN][4];   // the stage's A fragments, all dequantised before its wgmma
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        if (kk == 0 || kk == 2) {   // the second group's terms (the same as the first unless G == 32)
+          const uint4 sv = kk == 0 ? sv0 : sv1;
+          const half2 s01 = awq::as_h2(h ? sv.z : sv.x), s23 = awq::as_h2(h ? sv.w : sv.y);
+          const awq::Zeros z = awq::make_zeros(kk == 0 ? zw0 : zw1);
+          const half2 zlo = h ? z.lo[1] : z.lo[0], zhi = h ? z.hi[1] : z.hi[0];
+          if constexpr (JN == 2) {
+            sc[0] = __low2half2(s01); sc[1] = __high2half2(s01); sc[2] = __low2half2(s23); sc[3] = __high2half2(s23);
+            zc[0] = __low2half2(zlo); zc[1] = __high2half2(zlo); zc[2] = __low2half2(zhi); zc[3] = __high2half2(zhi);
+          } else {   // columns 4h + 2j0, +1 only; the zero term is added (below): -(1024 + z) or -(64 + z)
+            const half2 sp = j0 ? s23 : s01, zp = j0 ? zhi : __hneg2(zlo);
+            sc[0] = __low2half2(sp); sc[1] = __high2half2(sp); zc[0] = __low2half2(zp); zc[1] = __high2half2(zp);
+          }
         }
-      }
-      // k pairs first: byte h and byte h + 2 of rows k and k + 1 -> [k.bh, k.bh2, k1.bh, k1.bh2],
-      // so each mask below picks one column's nibble in rows k (low lane) and k + 1 (high lane):
-      // low nibbles of bytes 0 / 2 are columns 4h / 4h + 1, high nibbles 4h + 2 / 4h + 3.
-      const unsigned sel = 0x6420u + 0x1111u * h;
-      const unsigned p0 = __byte_perm(wv[kk][0], wv[kk][1], sel);   // rows 2t, 2t + 1
-      const unsigned p8 = __byte_perm(wv[kk][2], wv[kk][3], sel);   // rows 2t + 8, 2t + 9
-      const unsigned q0 = p0 >> 8, q8 = p8 >> 8;
-      const half2 one16 = awq::as_h2(0x2c002c00u);
-      auto lo = [&](unsigned p, int i) {   // (q - z) * s of a low-mask column, exact then one rounding
-        return awq::as_u32(__hmul2_rn(__hsub2(awq::as_h2(awq::lop3_and_or(p, awq::kLowMask, awq::kMagic)), zc[i]), sc[i]));
-      };
-      auto hi = [&](unsigned p, int i) {
-        return awq::as_u32(__hmul2_rn(__hfma2(awq::as_h2(awq::lop3_and_or(p, awq::kHighMask, awq::kMagic)), one16, zc[i]), sc[i]));
-      };
-      // instruction j: row g = column 4h + 2j, row g + 8 = column 4h + 2j + 1; registers 0, 1 at
-      // k 2t.., 2, 3 at k 2t + 8..
-      unsigned a[JN][4];
-      if constexpr (JN == 2) {
-        const unsigned a0[4] = {lo(p0, 0), lo(q0, 1), lo(p8, 0), lo(q8, 1)};
-        const unsigned a1[4] = {hi(p0, 2), hi(q0, 3), hi(p8, 2), hi(q8, 3)};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) { a[0][e] = a0[e]; a[JN - 1][e] = a1[e]; }
-      } else {   // one instruction, this thread's columns 4h + 2j0 (row g) and 4h + 2j0 + 1 (row g + 8)
-        auto f = [&](unsigned p, int i) {   // low mask: (1024 + q) * 1 - (1024 + z); high: as hi()
-          return awq::as_u32(__hmul2_rn(__hfma2(awq::as_h2(awq::lop3_and_or(p, j_mask, awq::kMagic)), j_mul, zc[i]), sc[i]));
+        // k pairs first: byte h and byte h + 2 of rows k and k + 1 -> [k.bh, k.bh2, k1.bh, k1.bh2],
+        // so each mask below picks one column's nibble in rows k (low lane) and k + 1 (high lane):
+        // low nibbles of bytes 0 / 2 are columns 4h / 4h + 1, high nibbles 4h + 2 / 4h + 3.
+        const unsigned sel = 0x6420u + 0x1111u * h;
+        const unsigned p0 = __byte_perm(wv[kk][0], wv[kk][1], sel);   // rows 2t, 2t + 1
+        const unsigned p8 = __byte_perm(wv[kk][2], wv[kk][3], sel);   // rows 2t + 8, 2t + 9
+        const unsigned q0 = p0 >> 8, q8 = p8 >> 8;
+        const half2 one16 = awq::as_h2(0x2c002c00u);
+        auto lo = [&](unsigned p, int i) {   // (q - z) * s of a low-mask column, exact then one rounding
+          return awq::as_u32(__hmul2_rn(__hsub2(awq::as_h2(awq::lop3_and_or(p, awq::kLowMask, awq::kMagic)), zc[i]), sc[i]));
         };
-        a[0][0] = f(p0, 0); a[0][1] = f(q0, 1); a[0][2] = f(p8, 0); a[0][3] = f(q8, 1);
-      }
-      wg::k_step<T, JN>(acc, a, desc + 2 * kk, st > 0 || kk > 0);   // desc + 2: 32 bytes along k per k16
-    }
-  }
-  wg::drain<T, JN>(acc);
-  awq::cp_async_wait<0>();
-
-  // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r (JN = 1: 8c + 4h + 2j0 + r), token m0 + 8i + 2t + e
-  const int cg = col0 + c;
-  if (cg < n8) {
+        auto hi = [&](unsigned p, int i) {
+          return awq::as_u32(__hmul2_rn(__hfma2(awq::as_h2(awq::lop3_and_or(p, awq::kHighMask, awq::kMagic)), one16, zc[i]), sc[i]));
+        };
+        // instruction j: row g = column 4h + 2j, row g + 8 = column 4h + 2j + 1; registers 0, 1 at
+        // k 2t.., 2, 3 at k 2t + 8..
+        if constexpr (JN == 2) {
+          const unsigned a0[4] = {lo(p0, 0), lo(q0, 1), lo(p8, 0), lo(q8, 1)};
+          const unsigned a1[4] = {hi(p0, 2), hi(q0, 3), hi(p8, 2), hi(q8, 3)};
 #pragma unroll
-    for (int i = 0; i < T / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = m0 + 8 * i + 2 * t + e;
-        if (m < M) {
-          const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
-          if constexpr (JN == 1) {   // columns 8c + 4h + 2j0 + r
-            const size_t o = (size_t)m * N + 8 * cg + 4 * h + 2 * j0;
-            if (n_split == 1) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
-            else *reinterpret_cast<float2*>(ws + (size_t)split * M * N + o) = make_float2(v0, v1);
-            continue;
-          }
-          const float v2 = acc[JN - 1][4 * i + e], v3 = acc[JN - 1][4 * i + 2 + e];
-          if (n_split == 1) {
-            const half2 p0 = __floats2half2_rn(v0, v1), p1 = __floats2half2_rn(v2, v3);
-            *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
-          } else {
-            *reinterpret_cast<float4*>(ws + ((size_t)split * M + m) * N + 8 * cg + 4 * h) =
-                make_float4(v0, v1, v2, v3);
-          }
+          for (int e = 0; e < 4; ++e) { a[kk][0][e] = a0[e]; a[kk][JN - 1][e] = a1[e]; }
+        } else {   // one instruction, this thread's columns 4h + 2j0 (row g) and 4h + 2j0 + 1 (row g + 8)
+          auto f = [&](unsigned p, int i) {   // low mask: (1024 + q) * 1 - (1024 + z); high: as hi()
+            return awq::as_u32(__hmul2_rn(__hfma2(awq::as_h2(awq::lop3_and_or(p, j_mask, awq::kMagic)), j_mul, zc[i]), sc[i]));
+          };
+          a[kk][0][0] = f(p0, 0); a[kk][0][1] = f(q0, 1); a[kk][0][2] = f(p8, 0); a[kk][0][3] = f(q8, 1);
         }
       }
-  }
+      // the stage's 4 k-steps as one wgmma group, done on return: the buffer is free again
+      wg::stage_step<T, JN, BK / 16>(acc, a, desc, st > 0);
+      if (lane == 0) wg::mbar_arrive(empty0 + 8 * b);
+    }
+    wg::drain<T, JN>(acc);
+
+    // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r (JN = 1: 8c + 4h + 2j0 + r), token m0 + 8i + 2t + e
+    const int cg = col0 + c;
+    if (cg < n8) {
+#pragma unroll
+      for (int i = 0; i < T / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = m0 + 8 * i + 2 * t + e;
+          if (m < M) {
+            const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
+            if constexpr (JN == 1) {   // columns 8c + 4h + 2j0 + r
+              const size_t o = (size_t)m * N + 8 * cg + 4 * h + 2 * j0;
+              if (n_split == 1) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
+              else *reinterpret_cast<float2*>(ws + (size_t)split * M * N + o) = make_float2(v0, v1);
+              continue;
+            }
+            const float v2 = acc[JN - 1][4 * i + e], v3 = acc[JN - 1][4 * i + 2 + e];
+            if (n_split == 1) {
+              const half2 p0 = __floats2half2_rn(v0, v1), p1 = __floats2half2_rn(v2, v3);
+              *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
+            } else {
+              *reinterpret_cast<float4*>(ws + ((size_t)split * M + m) * N + 8 * cg + 4 * h) =
+                  make_float4(v0, v1, v2, v3);
+            }
+          }
+        }
+    }
+  }   // consumers
   if (n_split == 1) return;
   __shared__ int last_flag;
-  if (!awq::last_block_of_tile(counters + tile, n_split, &last_flag)) return;
-  for (int task = tid; task < T * C::WORDS; task += C::THREADS) {   // (token, column word)
+  if (!awq::last_block_of_tile(counters + tile, n_split, &last_flag, C::CONSUMERS)) return;
+  for (int task = tid; task < T * C::WORDS; task += C::CONSUMERS) {   // (token, column word)
     const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
     if (m >= M || cw >= n8) continue;
     float v[8];

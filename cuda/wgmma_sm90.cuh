@@ -26,6 +26,14 @@ __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync
 // accumulators after the last wait (so the epilogue cannot read them earlier).
 __device__ __forceinline__ void pin(unsigned& r) { asm volatile("" : "+r"(r) :: "memory"); }
 __device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+// Move registers between warpgroups (all threads of a warpgroup execute it): a producer that
+// only issues copies gives its registers up (INC = false) so that the consumers' wgmma
+// accumulators and A fragments fit (INC = true; waits until the registers are free).
+template <bool INC, int N>
+__device__ __forceinline__ void set_max_regs() {
+  if constexpr (INC) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}
 template <int N>
 __device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
 
@@ -150,6 +158,34 @@ __device__ __forceinline__ void k_step(float (&acc)[JN][T / 2], unsigned (&a)[JN
   commit();
 }
 
+// A whole stage of KS k-steps (JN instructions each, k-step kk at desc + 2 kk: 32 bytes along k
+// per k16) as one wgmma group, waited for before returning. accumulate = 0 overwrites d with the
+// first k-step.
+// Why wait at once: with the group left in flight while the next stage was dequantised (wait<1>
+// before the next fence), the results were garbage on every test shape (bench/NOTES.md, session
+// 15), also with the previous stage's fragments pinned past the wait that retired them: new
+// fragments were written into A registers a running wgmma still read. (k_step's pattern, a wait
+// before each fence and at most 3 k-steps in flight, tests correct.) Waiting costs no tensor
+// time here: a block has two consumer warpgroups, and while one waits for its group the other
+// dequantises its next stage.
+template <int T, int JN, int KS>
+__device__ __forceinline__ void stage_step(float (&acc)[JN][T / 2], unsigned (&a)[KS][JN][4],
+                                           unsigned long long desc, int accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int j = 0; j < JN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pin(a[kk][j][e]);
+  fence();
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int j = 0; j < JN; ++j) Wgmma<T>::run(acc[j], a[kk][j], desc + 2 * kk, accumulate || kk > 0);
+  commit();
+  wait<0>();
+}
+
 // After the last k-step: every wgmma done, and the accumulators pinned so that the epilogue
 // cannot read them earlier.
 template <int T, int JN>
@@ -163,8 +199,11 @@ __device__ __forceinline__ void drain(float (&acc)[JN][T / 2]) {
 
 // mbarriers (shared memory, 8 bytes each) for the TMA copies: one arrival per phase (the
 // thread that issues the copy, announcing its bytes), completed when the bytes have landed.
-__device__ __forceinline__ void mbar_init(unsigned bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(bar) : "memory");
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count = 1) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
@@ -173,6 +212,17 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   asm volatile("{\n.reg .pred done;\nWAIT:\n"
                "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                "@!done bra WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// One TMA copy: the box of `map` at coordinates (c0 innermost, c1) into shared address dst,
+// its bytes announced to mbarrier bar when they land. Box elements outside the tensor read as 0.
+__device__ __forceinline__ void tma_2d(unsigned dst, const TmaDesc* map, int c0, int c1, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void prefetch_map(const TmaDesc* map) {
+  asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
 // The x tile of a 64-k stage, B of the descriptor above: T tokens x 64 halves, 128 bytes a row,
@@ -194,7 +244,7 @@ struct XTile {
   __device__ __forceinline__ XTile(const TmaDesc& xmap, unsigned long long* bars, int m0_, int k0, int tid)
       : map(&xmap), bar0(awq::smem_addr(bars)), k(k0), m0(m0_), leader(tid == 0) {
     if (leader) {
-      asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+      prefetch_map(map);
 #pragma unroll
       for (int b = 0; b < D; ++b) mbar_init(bar0 + 8 * b);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -207,9 +257,7 @@ struct XTile {
     if (leader && live) {
       const unsigned bar = bar0 + 8 * buf;
       mbar_arrive_expect_tx(bar, T * 128);
-      asm volatile(
-          "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-          :: "r"(S0), "l"(reinterpret_cast<unsigned long long>(map)), "r"(k), "r"(m0), "r"(bar) : "memory");
+      tma_2d(S0, map, k, m0, bar);
     }
     k += 64;
   }

@@ -284,7 +284,7 @@ def _ctype_arg(ctypes, a):
 class TensorMap:
     """A CUtensorMap (the driver's 128-byte TMA descriptor) for a kernel parameter declared
     `const __grid_constant__ wg::TmaDesc` (cuda/wgmma_sm90.cuh); `launch_tma` passes it by value.
-    key is tensor_map_2d's arguments (ptr, rows, cols, box_rows, box_cols, swizzle)."""
+    key is tensor_map_2d's arguments (ptr, rows, cols, box_rows, box_cols, swizzle, dtype)."""
     __slots__ = ("raw", "key")
 
     def __init__(self, raw, key=()):
@@ -292,29 +292,32 @@ class TensorMap:
 
 
 _TMAPS: dict = {}
-_F16 = 6            # CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+_TMAP_TYPES = {"f16": (6, 2), "u32": (2, 4)}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / UINT32, bytes
 _SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}   # CU_TENSOR_MAP_SWIZZLE_NONE / 32B / 64B / 128B
 _L2_256B = 3        # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 
 
-def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, swizzle: int = 128) -> TensorMap:
-    """The TMA descriptor of a row-major fp16 matrix [rows, cols] at device address ptr (16-byte
-    aligned, cols % 8 == 0), copied in boxes of box_rows x box_cols with the given shared-memory
-    swizzle; elements past the matrix read as zeros. Encoded once per distinct argument tuple
-    (a prefill reuses a few activation buffers) and remembered."""
-    key = (ptr, rows, cols, box_rows, box_cols, swizzle)
+def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, swizzle: int = 128,
+                  dtype: str = "f16") -> TensorMap:
+    """The TMA descriptor of a row-major matrix [rows, cols] of fp16 ("f16") or 32-bit words
+    ("u32") at device address ptr (16-byte aligned, rows 16-byte multiples), copied in boxes of
+    box_rows x box_cols with the given shared-memory swizzle (0 = none); elements past the matrix
+    read as zeros. Encoded once per distinct argument tuple (a prefill reuses a few activation
+    buffers) and remembered."""
+    key = (ptr, rows, cols, box_rows, box_cols, swizzle, dtype)
     tm = _TMAPS.get(key)
     if tm is not None:
         return tm
+    code, size = _TMAP_TYPES[dtype]
     ctypes, lib, *_ = _driver()
     enc = lib.cuTensorMapEncodeTiled
     raw = (ctypes.c_uint64 * 16)()
     u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
-    err = enc(ctypes.byref(raw), ctypes.c_int(_F16), ctypes.c_uint32(2), ctypes.c_void_p(ptr),
-              u64x2(cols, rows), (ctypes.c_uint64 * 1)(2 * cols), u32x2(box_cols, box_rows), u32x2(1, 1),
+    err = enc(ctypes.byref(raw), ctypes.c_int(code), ctypes.c_uint32(2), ctypes.c_void_p(ptr),
+              u64x2(cols, rows), (ctypes.c_uint64 * 1)(size * cols), u32x2(box_cols, box_rows), u32x2(1, 1),
               ctypes.c_int(0), ctypes.c_int(_SWIZZLE[swizzle]), ctypes.c_int(_L2_256B), ctypes.c_int(0))
     if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled ({rows} x {cols} fp16 at {ptr:#x}, box {box_rows} x "
+        raise RuntimeError(f"cuTensorMapEncodeTiled ({rows} x {cols} {dtype} at {ptr:#x}, box {box_rows} x "
                            f"{box_cols}) failed: {_driver_error(ctypes, lib, err)}")
     if len(_TMAPS) >= 1024:
         _TMAPS.clear()

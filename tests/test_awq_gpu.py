@@ -125,9 +125,12 @@ def run(x16, qt_cuda, path=None):
     return out
 
 
-def paths_for(m):
-    """Every path that takes M rows on this GPU (wgmma: Hopper only)."""
-    hopper = ["wgmma"] if awq_mod().wgmma_available(torch.device("cuda")) else []
+def paths_for(m, n):
+    """Every path that takes M rows of an N-column weight on this GPU (wgmma: Hopper only, N % 32
+    == 0; test_wgmma_refuses_n_not_multiple_of_32 covers the rest)."""
+    awq = awq_mod()
+    hopper = (["wgmma"] if awq.wgmma_available(torch.device("cuda")) and n % awq.WGMMA_N_MULTIPLE == 0
+              else [])
     return (["gemv"] if m == 1 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
 
 
@@ -152,7 +155,7 @@ def check_paths_and_nmse(x16, w, qt, qtc, w16, label=""):
     """Every path at this M within its emulation bound, and its NMSE vs float64 on the
     unquantized weight w within assert_nmse's bounds."""
     exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
-    for path in paths_for(x16.shape[0]):
+    for path in paths_for(x16.shape[0], qt.shape[0]):
         y = run(x16, qtc, path)
         assert_nmse(y, check(y, x16, qt, w16, path), exact, f"{path}{label}")
 
@@ -196,7 +199,7 @@ def test_tail_shape_all_paths(m, g):
     k, n = 9 * 64, 72 * 8
     _, qt, qtc, w16 = weight(k, n, g, seed=m)
     x16 = rand_x(rng, m, k)
-    for path in paths_for(m):
+    for path in paths_for(m, n):
         check(run(x16, qtc, path), x16, qt, w16, path)
     check(run(x16, qtc), x16, qt, w16, "dispatch")
 
@@ -211,7 +214,7 @@ def test_small_shapes_all_paths(m, k, n, g):
     qt = FMT.quantize(w, group_size=g)
     w16 = awq_fp16.dequantize_fp16(qt)
     x16 = rand_x(rng, m, k)
-    for path in paths_for(m):
+    for path in paths_for(m, n):
         check(run(x16, qt.to("cuda"), path), x16, qt, w16, path)
 
 
@@ -224,7 +227,7 @@ def test_small_magnitudes_and_zeros():
         w16 = awq_fp16.dequantize_fp16(qt)
         for m in (1, 5, 16, 70):
             x16 = rand_x(rng, m, k, scale_x)
-            for path in paths_for(m):
+            for path in paths_for(m, n):
                 y = run(x16, qt.to("cuda"), path)
                 check(y, x16, qt, w16, f"{path} x*{scale_x} w*{scale_w}")
                 if scale_x == 0.0:
@@ -250,7 +253,7 @@ def test_qwen_shapes(k, n, m):
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
     # above M = 16: the forced tensor-core paths and dispatch (None: mma or dequant + cuBLAS)
-    for path in paths_for(m) if m <= 16 else [p for p in paths_for(m) if p != "dequant+cublas"] + [None]:
+    for path in paths_for(m, n) if m <= 16 else [p for p in paths_for(m, n) if p != "dequant+cublas"] + [None]:
         check(run(x16, qtc, path), x16, qt, w16, str(path))
 
 
@@ -348,9 +351,9 @@ def test_dequant_cublas_slabs(k, n, g, m, monkeypatch):
 
 @pytest.mark.parametrize("cfg", [(2, 128, 5), (2, 64, 6), (2, 32, 6), (1, 128, 6), (2, 256, 4)], ids=str)
 @pytest.mark.parametrize("k,n,g,m,splits,dp", [(608, 576, 32, 100, 2, 0), (608, 576, 32, 33, 10, 0),
-                                                (4096, 1024, 128, 130, 3, 0), (1024, 200, 64, 7, 16, 0),
+                                                (4096, 1024, 128, 130, 3, 0), (1024, 224, 64, 7, 16, 0),
                                                 (12288, 256, 128, 300, 5, 0), (12288, 256, 128, 300, 5, 1),
-                                                (608, 1096, 32, 520, 3, 2)], ids=str)
+                                                (608, 1120, 32, 520, 3, 2)], ids=str)
 def test_wgmma_split_k(k, n, g, m, splits, dp, cfg):
     """Split K across blocks (fp32 partials, the tile's last block sums them): uneven splits,
     K not a multiple of the 64-row stage (608 = 9.5 stages), one stage per split, M and N tails;
@@ -370,6 +373,22 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg):
         check(y, x16, qt, w16, f"wgmma {cfg} splits={splits} whole tiles={dp}")
 
 
+def test_wgmma_refuses_n_not_multiple_of_32():
+    """The forced wgmma path on N % 32 != 0 (rows TMA cannot copy) is a one-line ValueError, and
+    dispatch sends such a weight elsewhere."""
+    awq = awq_mod()
+    if not awq.wgmma_available(torch.device("cuda")):
+        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    rng = np.random.default_rng()
+    k, n = 4096, 6152
+    _, qt, qtc, w16 = weight(k, n, 128)
+    x16 = rand_x(rng, 64, k)
+    with pytest.raises(ValueError, match="N % 32"):
+        run(x16, qtc, "wgmma")
+    assert awq.choose_path(64, qtc) != "wgmma"
+    check(run(x16, qtc), x16, qt, w16, "dispatch")
+
+
 @pytest.mark.parametrize("m", [1, 5, 16, 300])
 def test_cuda_graph_replay(m, monkeypatch):
     """A captured call replays correctly with new data in the static input (every path)."""
@@ -377,7 +396,7 @@ def test_cuda_graph_replay(m, monkeypatch):
     rng = np.random.default_rng()
     k, n = 4096, 1024
     _, qt, qtc, w16 = weight(k, n, 64)
-    for path in paths_for(m) + (["slab"] if m > 16 else []):
+    for path in paths_for(m, n) + (["slab"] if m > 16 else []):
         if path == "slab":   # dequant+cublas in 4 column slabs
             monkeypatch.setattr(awq, "SLAB_BYTES", 1)
             path = "dequant+cublas"

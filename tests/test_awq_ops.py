@@ -130,8 +130,9 @@ def test_small_dispatch_thresholds():
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
-    """wgmma takes 17 <= M <= 512 on weights of at least 6144 x 4096 (to 1024 from 12288 x 4096),
-    and only where the device is a Hopper GPU; elsewhere (or with no device) the rules above stand."""
+    """wgmma takes 17 <= M <= 512 on weights of at least 6144 x 4096 (to 1024 from 12288 x 4096)
+    with N % 32 == 0, and only where the device is a Hopper GPU; elsewhere (or with no device)
+    the rules above stand."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
@@ -144,6 +145,7 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     assert awq.choose_path(513, shape(6144, 4096), cuda) == "dequant+cublas"   # past 512 only from 12288 x 4096
     assert awq.choose_path(1024, shape(4096, 12288), cuda) == "wgmma"
     assert awq.choose_path(128, shape(4096, 4096), cuda) == "dequant+cublas"   # too small a weight
+    assert awq.choose_path(128, shape(12296, 4096), cuda) == "mma"             # N % 32 != 0: no TMA rows
     assert awq.choose_path(128, shape(12288, 4096)) == "mma"                   # no device given
     assert awq.choose_path(128, shape(12288, 4096), torch.device("cpu")) == "mma"
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: False)

@@ -56,8 +56,8 @@ def test_plan_reaims_pointers_into_x_and_y_only(monkeypatch):
     monkeypatch.setattr(cl, "tensor_map_2d", lambda ptr, *rest: ("map", ptr) + rest)
     x, y, w, ws = 0x1000_0000, 0x2000_0000, 0x3000_0000, 0x4000_0000
     log = []
-    xmap = TensorMap(None, (x, 512, 4096, 128, 64, 128))
-    wmap = TensorMap(None, (w, 4096, 4096, 128, 64, 128))
+    xmap = TensorMap(None, (x, 512, 4096, 128, 64, 128, "f16"))
+    wmap = TensorMap(None, (w, 512, 1024, 64, 32, 128, "u32"))
     launches = [_FakeLaunch((x, w, ws, y + 4096, np.int32(7)), log),
                 cl.TorchStep(lambda a, b: log.append(("torch", a, b))),
                 _FakeLaunch((xmap, wmap, y, ws + 64, x + 100, y - 1), log)]
@@ -74,7 +74,7 @@ def test_plan_reaims_pointers_into_x_and_y_only(monkeypatch):
     plan.replay(x2, y2)
     assert log[0] == [x2.p, w, ws, y2.p + 4096, np.int32(7)]
     assert log[1] == ("torch", x2, y2)
-    assert log[2] == [("map", x2.p, 512, 4096, 128, 64, 128), wmap, y2.p, ws + 64, x2.p + 100, y - 1]
+    assert log[2] == [("map", x2.p, 512, 4096, 128, 64, 128, "f16"), wmap, y2.p, ws + 64, x2.p + 100, y - 1]
 
 
 def test_plan_cache_is_bounded_and_dropped_when_workspaces_change():

@@ -16,10 +16,11 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          up to MMA_MAX_M (MMA_MAX_M_BIG for N or K >= 8192)
     "dequant+cublas"  cuda/awq_dequant.cu into a reused fp16 [K, N] buffer, then torch.mm
     "wgmma"           cuda/awq_wgmma.cu  Hopper (sm_90a) only: wgmma with the weight dequantised
-                                         in registers as operand A, x tiles by TMA, split K,
-                                         any M; chosen on Hopper for 17 <= M <= 512 and
-                                         N * K >= WGMMA_MIN_NK, to M = 1024 for N * K >=
-                                         WGMMA_MIN_NK_BIG (bench/NOTES.md sessions 8, 13)
+                                         in registers as operand A, every tile by TMA from a
+                                         producer warpgroup, split K, any M, N % 32 == 0;
+                                         chosen on Hopper for 17 <= M <= 512 and N * K >=
+                                         WGMMA_MIN_NK, to M = 1024 for N * K >= WGMMA_MIN_NK_BIG
+                                         (bench/NOTES.md sessions 8, 13, 15)
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
@@ -97,6 +98,7 @@ WGMMA_MAX_M_FULL = 512  # wgmma (wgmma_tiles.dispatch, no wave-fill condition) .
 WGMMA_MIN_NK = 6144 * 4096
 WGMMA_MAX_M_BIG = 1024          # ... and up to M = WGMMA_MAX_M_BIG where
 WGMMA_MIN_NK_BIG = 12288 * 4096  # N * K >= WGMMA_MIN_NK_BIG
+WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte rows: N/8 words % 4 == 0
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 GEMV_DEFAULT = (2, 8, 4)
 GEMV_MIN_STEPS = 8      # gemv_plan: fewest k-steps (8 rows) per warp
@@ -294,7 +296,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         qw = qt.data.get("qweight")
         dev = qw.device if isinstance(qw, torch.Tensor) else None
     max_m = WGMMA_MAX_M_BIG if n * k >= WGMMA_MIN_NK_BIG else WGMMA_MAX_M_FULL
-    if (WGMMA_MIN_M <= m <= max_m and dev is not None and dev.type == "cuda"
+    if (WGMMA_MIN_M <= m <= max_m and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"
             and wgmma_available(dev)
             and wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(dev), WGMMA_MIN_NK, WGMMA_MIN_NK,
                                      need_fill=False)):
@@ -504,7 +506,7 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
 def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     """Dynamic shared memory of awq_wgmma_kernel (awqw::Cfg in awq_wgmma.cu)."""
     words = wgmma_tiles.columns(nwg, t) // 8
-    return wgmma_tiles.smem_bytes(t * 128 + 64 * (words + 4) * 4 + 2 * words * 16 + 2 * words * 4, d)
+    return wgmma_tiles.smem_bytes(t * 128 + 64 * words * 4 + 2 * words * 16 + 2 * words * 4, d)
 
 
 wgmma_config = wgmma_tiles.config
@@ -515,6 +517,9 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     if not wgmma_available(dev):
         raise ValueError(f"path: 'wgmma' needs a compute capability 9.0 GPU (Hopper), "
                          f"{torch.cuda.get_device_name(dev)} is {torch.cuda.get_device_capability(dev)}")
+    if n % WGMMA_N_MULTIPLE:
+        raise ValueError(f"path: 'wgmma' needs N % {WGMMA_N_MULTIPLE} == 0 (its weight rows come by TMA, "
+                         f"16 bytes at a time), got N={n}")
     nwg, t, d = cfg or wgmma_config(m)
     name = f"awq_wgmma_kernel<{nwg}, {t}, {d}>"
     kern = _kernel("awq_wgmma.cu", name)
@@ -522,15 +527,20 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     _set_smem(kern, (str(dev), name), smem)
     tiles_m, tiles_n = wgmma_tiles.grid(m, n, (nwg, t, d))
     tiles = tiles_m * tiles_n
-    slots = _blocks_per_sm(kern, smem, 128 * nwg) * _sm_count(dev)
+    threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup
+    slots = _blocks_per_sm(kern, smem, threads) * _sm_count(dev)
     dp, splits, per = wgmma_tiles.schedule(m, n, k, slots, (nwg, t, d), splits, dp_tiles)
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
     ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
-    xmap = tensor_map_2d(x2.data_ptr(), m, k, t, 64)   # x tiles of T tokens x 64 k, 128-byte swizzle
-    launch_tma(kern, (dp + (tiles - dp) * splits,), (128 * nwg,),
-               (xmap, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
-                ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
-                np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per)), smem)
+    words = wgmma_tiles.columns(nwg, t) // 8
+    gps = 2 if g == 32 else 1   # groups a 64-row stage spans
+    launch_tma(kern, (dp + (tiles - dp) * splits,), (threads,),
+               (tensor_map_2d(x2.data_ptr(), m, k, t, 64),   # T tokens x 64 k, 128-byte swizzle
+                tensor_map_2d(qweight.data_ptr(), k, n // 8, 64, words, 4 * words, "u32"),
+                tensor_map_2d(scales.data_ptr(), k // g, n, gps, 8 * words, 0),
+                tensor_map_2d(qzeros.data_ptr(), k // g, n // 8, gps, words, 0, "u32"),
+                y.data_ptr(), ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n),
+                np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per)), smem)
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,

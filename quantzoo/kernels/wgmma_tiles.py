@@ -1,17 +1,17 @@
 """Tile and split choices shared by the Hopper wgmma kernels (cuda/awq_wgmma.cu, cuda/gguf_wgmma.cu).
 
-Both walk K in 64-row shared-memory stages with one block of 2 warpgroups per tile of T tokens;
-the rules below were measured on the AWQ kernel (bench/NOTES.md, session 8) and the GGUF one
-is built the same way.
+Both walk K in 64-row shared-memory stages with one block of 2 consumer warpgroups per tile of T
+tokens (the AWQ kernel adds a producer warpgroup); the rules below were measured on the AWQ
+kernel (bench/NOTES.md, session 8) and the GGUF one is built the same way.
 """
 from __future__ import annotations
 
 MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (pipeline fill and drain)
 MAX_M = 256      # dispatch: wgmma up to this M on a format's smaller weights, and beyond it (to the
 MIN_FILL = 0.9   # format's own limit) only where the grid's last wave is at least this full
-# resident blocks per SM by T, for dispatch (which compiles nothing): 256 threads at ptxas's
-# 112-136 / 146-161 / 214-230 / 179-201 registers (CUDA 13, sm_90a; Q5_0 at T = 32 fits only one
-# block); launches ask the compiled kernel.
+# resident blocks per SM by T, for the GGUF kernel's dispatch (which compiles nothing; AWQ's
+# dispatch asks no wave fill): 256 threads at ptxas's 112-136 / 146-161 / 214-230 / 179-201
+# registers (CUDA 13, sm_90a; Q5_0 at T = 32 fits only one block); launches ask the compiled kernel.
 BLOCKS_PER_SM = {32: 2, 64: 1, 128: 1, 256: 1}
 
 
