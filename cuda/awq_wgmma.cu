@@ -52,7 +52,7 @@
 //   (64-byte at 16 words a row): 16-byte chunk ch of row r at chunk ch ^ (r % 8) (ch ^ (r / 2 %
 //   4)). A thread's fragment words (rows 2t + {0, 1, 8, 9}, one column word) then fall in distinct
 //   banks across the warp at 32 words (2-way conflicts at 16). TMA needs 16-byte global rows, so
-//   this path takes N % 32 == 0 (host: wgmma_ok); other N go to mma.sync.
+//   this path takes N % 32 == 0 (host: WGMMA_N_MULTIPLE); dispatch sends other N to mma.sync.
 // * Split K: one block walks its K range at a fixed per-stage latency, so a grid of few tiles
 //   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
 //   fills one wave of resident blocks; the fp32 partials meet in a workspace and the tile's
@@ -67,8 +67,8 @@
 // the fastest AWQ path from M = 32 to 512 on weights of 6144 x 4096 and up, and to 1024 from
 // 12288 x 4096 (4096->12288 M = 128: 45 us against 91 for mma.sync and 40 for cuBLAS fp16;
 // M = 512: 101-104 against 122 for dequant + cuBLAS and 74 for cuBLAS fp16), which is where
-// dispatch uses it. One block of 2 warpgroups + the producer warp per SM (about 200 registers per
-// thread at T >= 128). (Tried and slower: a producer warpgroup issuing cp.async + mbarriers +
+// dispatch uses it. One block of 2 consumer warpgroups (232 registers a thread) + the producer
+// warpgroup (40) per SM. (Tried and slower: a producer warpgroup issuing cp.async + mbarriers +
 // setmaxnreg, ~300 TFLOP/s, session 7; T = 64 at 2 blocks per SM, 10-30 % slower.)
 //
 // Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
@@ -112,7 +112,7 @@ __device__ __forceinline__ int w_offset(int r, int w) {
 // together and share L2. Blocks below dp_tiles each do tile i over all of K; the rest do split
 // j % splits of tile dp_tiles + j / splits (j = block - dp_tiles): rows [split *
 // rows_per_split, (split + 1) * rows_per_split) of K (a multiple of BK; the host makes every
-// split non-empty). Block awqw::Cfg::THREADS (128 * NWG + 32) threads, dynamic shared memory
+// split non-empty). Block awqw::Cfg::THREADS (128 * NWG + 128) threads, dynamic shared memory
 // awqw::Cfg<NWG, T, D>::SMEM. Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x T,
 // 128-byte swizzle; qweight u32 [K, N/8] box WORDS x 64, swizzle ROW; scales fp16 [K/G, N] box
 // 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2 at G = 32,
