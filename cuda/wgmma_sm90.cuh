@@ -1,7 +1,8 @@
 // wgmma_sm90.cuh -- the Hopper (sm_90a) warpgroup MMA pieces the wgmma kernels share
-// (awq_wgmma.cu, gguf_wgmma.cu): fence / commit / wait, register "pins", the register-A
-// m64nTk16 f16 -> f32 instructions, the 128-byte-swizzle shared-memory descriptor, the stage
-// pipeline, and the x tile's TMA copy (tensor map, mbarriers).
+// (awq_wgmma.cu, gguf_wgmma.cu): fence / commit / wait, register "pins", setmaxnreg, the
+// register-A m64nTk16 f16 -> f32 instructions issued per k-step (k_step) or per stage
+// (stage_step), the 128-byte-swizzle shared-memory descriptor, the cp.async stage pipeline of
+// the GGUF kernel, and TMA copies onto mbarriers (tma_2d; the x tile's XTile).
 // Only defined where the architecture-specific features exist (sm_90a); elsewhere the kernels
 // that include this compile to empty bodies.
 #pragma once
