@@ -32,7 +32,7 @@
 //   once and all 4 k-steps dequantised, then issued as one wgmma group (wg::stage_step).
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
 //   the layout the wgmma descriptor reads without bank conflicts. One TMA copy per stage writes
-//   it (wg::XTile; the host encodes x's tensor map): no per-thread copy instructions. With every
+//   it (the host encodes x's tensor map): no per-thread copy instructions. With every
 //   thread issuing 16-byte cp.async chunks instead, the copies were a third of the kernel's time
 //   at M = 2048 (bench/NOTES.md, session 13: 430 -> 358 us on 4096->12288).
 // * Pipeline: warp-specialised, no block barrier in the K loop. A producer warpgroup (after the

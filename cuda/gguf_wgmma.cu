@@ -14,16 +14,26 @@
 // computed transposed, y^T = W x^T: wgmma's M (64 rows per instruction) runs over weight rows
 // (output columns n), its N over tokens; one instruction is 64 rows x T tokens x 16 k.
 //
-// Block: NWG warpgroups, each owning 64 JN weight rows (JN = 2 instructions per k-step up to
-// T = 128, 1 at T = 256), x T tokens; K walked in D shared-memory stages of 64 k = 2 GGUF blocks.
+// Block: NWG consumer warpgroups, each owning 64 JN weight rows (JN = 2 instructions per k-step
+// up to T = 128, 1 at T = 256), x T tokens, and a producer warpgroup; K walked in D
+// shared-memory stages of 64 k = 2 GGUF blocks.
 //
 // Why the tricks:
-// * Copies: a row's 2 blocks of a stage are 36 / 44 / 68 bytes (Q4_0 / Q5_0 / Q8_0) at a
-//   4-byte-aligned offset. With row strides a multiple of 16 bytes (K % 256 == 0, checked by
-//   the host) every row's stage sits at the same offset o = (stage * 2 BYTES) % 16 inside a
-//   16-byte-aligned window of 48 / 64 / 80 bytes, so each thread issues 3-5 16-byte cp.async per
-//   stage at addresses worked out once (chunks past the stage's bytes skipped), and readers add
-//   the uniform o.
+// * Copies by TMA from one producer thread, as in awq_wgmma.cu (which says why: no per-thread
+//   copy addresses or predicates, no block barrier in the K loop, setmaxnreg 40 / 232). The
+//   weight is seen as a byte matrix [N, nb BYTES] (rows 16-byte multiples: K % 256 == 0, checked
+//   by the host). A row's two blocks of stage s are RB = 36 / 44 / 68 bytes (Q4_0 / Q5_0 / Q8_0)
+//   at byte s RB, a multiple of 4 but not of 16, and a TMA box must start on a 16-byte boundary
+//   (an unaligned innermost coordinate is an illegal instruction, found here). So a stage's box
+//   is ROWS rows x SLOT = 48 / 64 / 80 bytes from the 16-byte window holding the stage, and the
+//   readers add the stage's offset o = (s RB) % 16, the same in every row. Bytes of the window
+//   outside the stage are never read; past the row's end TMA reads zeros, and rows past N read as
+//   zeros (d = 0: they contribute 0, and are not stored). Before (sessions 8 to 15) every thread
+//   issued 3-5 16-byte cp.async a stage into such windows and the block met at one barrier a
+//   stage.
+// * Shared rows of 48 or 80 bytes (12 or 20 words) put the 8 rows g of a warp's reads 4 words
+//   apart mod 32 banks; a thread's 2-byte reads of one row span at most 3 words: no conflicts.
+//   (Q5_0's 64-byte rows are 2-way conflicted.)
 // * A fragment (mma.sync's m16n8k16 A, per warp of the warpgroup): thread (g, t) holds rows g,
 //   g + 8 and k pairs (2t, 2t+1), (2t+8, 2t+9) of a 16-k step. In a Q4_0 block, k < 16 is the
 //   low nibble of qs byte k and k >= 16 the high nibble of byte k - 16, so the two bytes
@@ -33,9 +43,13 @@
 //   from qh or-ed onto mantissa bit 4 (bit 8 in the 16x form). Q8_0: signed bytes,
 //   (b & 0xff) ^ 0x80 in the mantissa of 1024 (one LOP3: (v & 0x00ff00ff) ^ 0x64806480) is
 //   1152 + b, exact b by hsub2.
-// * Everything else -- the x tile by TMA into the 128-byte swizzle, cp.async weight stages with
-//   one barrier each, 3 k-steps in flight, pins, split K -- as in awq_wgmma.cu. Split-K partials go to an fp32
-//   workspace [split][M][N] that gguf_mma.cu's mma_reduce sums in split order.
+// * A stage's fragments are all dequantised, then issued as one wgmma group that the warpgroup
+//   waits for (wg::stage_step says why) before it frees the buffer; the other consumer
+//   warpgroup dequantises meanwhile.
+// * Split K and whole waves as in awq_wgmma.cu: with no more tiles than resident blocks every
+//   tile is split so that the grid fills one wave; with more, whole waves of tiles walk all of K
+//   and only the last, partly empty wave's tiles are split. Their partials meet in an fp32
+//   workspace that wgmma_reduce adds in split order (deterministic).
 // * Tails: weight rows past N and tokens past M are zero-filled (d = 0 and x = 0 contribute 0)
 //   and not stored.
 //
@@ -51,7 +65,7 @@
 // Compiled only for sm_90a; for any other target the kernel body is empty and the host
 // (quantzoo/kernels/gguf.py) never launches it there.
 #include "gguf_common.cuh"
-#include "awq_common.cuh"   // cp.async helpers (awq::cp_async16_at, smem_addr)
+#include "awq_common.cuh"   // smem_addr, as_h2, lop3_and_or
 #include "wgmma_sm90.cuh"
 
 namespace ggw {
@@ -60,30 +74,39 @@ constexpr int BK = 64;  // k per stage: 2 GGUF blocks
 
 template <class F, int NWG, int T, int D>
 struct Cfg {
-  static constexpr int THREADS = 128 * NWG;
+  static constexpr int CONSUMERS = 128 * NWG;
+  static constexpr int THREADS = CONSUMERS + 128;      // + the producer warpgroup
   static constexpr int JN = T == 256 ? 1 : 2;          // wgmma instructions (64 rows) per k-step
   static constexpr int ROWS = 64 * JN * NWG;           // weight rows (output columns) per block
   static constexpr int RB = 2 * F::BYTES;              // bytes of a row per stage (36, 44, 68)
-  static constexpr int CH = (RB + 12 + 15) / 16;       // 16-byte chunks of the window (3, 4, 5)
-  static constexpr int SLOT = 16 * CH;                 // shared bytes per row and stage
+  static constexpr int SLOT = (RB + 12 + 15) / 16 * 16;   // the TMA box's row: 48, 64, 80 bytes
   static constexpr int X_BYTES = T * 128;              // T tokens x 64 halves, swizzled
   static constexpr int STAGE = (X_BYTES + ROWS * SLOT + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;        // + slack to align the base to 1024
   static_assert(!F::HAS_MIN && (F::BITS == 8 || F::OFFSET == (1 << (F::BITS - 1))),
                 "one-product formats only: Q4_0, Q5_0, Q8_0");
-  static_assert(RB % 4 == 0, "a row's stage is 4-byte aligned");
+  static_assert(RB % 4 == 0, "a stage sits at offset o <= 12 of its window (SLOT), its fields 2-byte aligned");
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
+  static_assert(ROWS <= 256, "a TMA box is at most 256 rows");
 };
 
 }  // namespace ggw
 
-// grid (ceil(M / T), ceil(N / ROWS), splits); split z walks stages [z sps, (z + 1) sps) of the
-// nb / 2 stages. W: N rows of nb blocks, base 16-byte aligned, nb % 8 == 0 (row stride a multiple
-// of 16 bytes), N * nb * BYTES < 2^32. part: fp32 [splits][M][N] when splits > 1, else unused.
+// grid (dp_tiles + (tiles - dp_tiles) * splits), tiles = tiles_m x ceil(N / ROWS): tile i =
+// (token tile i % tiles_m, row tile i / tiles_m), token tiles varying fastest so that the blocks
+// reading the same weights run together. Blocks below dp_tiles each do tile i over all of K; the
+// rest do split j % splits of tile dp_tiles + j / splits (j = block - dp_tiles): stages
+// [split sps, (split + 1) sps) of the nb / 2 (the host makes every split non-empty) -- the
+// schedule of awq_wgmma.cu (wgmma_tiles.schedule). Block ggw::Cfg::THREADS (128 NWG + 128)
+// threads. Tensor maps (host, kernels/gguf.py): x fp16 [M, K] box 64 x T, 128-byte swizzle;
+// W bytes [N, nb BYTES] box SLOT x ROWS, no swizzle (rows 16-byte multiples: nb % 8 == 0). With
+// splits > 1 the split tiles' fp32 partials go to part [splits][M][N], which wgmma_reduce
+// (below, the next launch) sums.
 template <class F, int NWG, int T, int D>
-__global__ void __launch_bounds__(128 * NWG, 1)
-gguf_wgmma(const uint8_t* __restrict__ W, const __grid_constant__ wg::TmaDesc xmap, half* __restrict__ y,
-           float* __restrict__ part, int M, int N, int nb, int sps) {
+__global__ void __launch_bounds__(128 * NWG + 128, 1)
+gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg::TmaDesc xmap,
+           half* __restrict__ y, float* __restrict__ part, int M, int N, int nb, int tiles_m, int dp_tiles,
+           int splits, int sps) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = ggw::Cfg<F, NWG, T, D>;
@@ -94,133 +117,126 @@ gguf_wgmma(const uint8_t* __restrict__ W, const __grid_constant__ wg::TmaDesc xm
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
+  const bool whole = (int)blockIdx.x < dp_tiles;   // this block's tile walks all of K
+  const int tile = whole ? blockIdx.x : dp_tiles + (blockIdx.x - dp_tiles) / splits;
+  const int split = whole ? 0 : (blockIdx.x - dp_tiles) % splits;
+  const int n_split = whole ? 1 : splits;
+  const int m0 = (tile % tiles_m) * T;
+  const int n0 = (tile / tiles_m) * C::ROWS;
+  const int st0 = split * sps;
+  const int n_stages = whole ? nb / 2 : min(nb / 2, st0 + sps) - st0;
+
+  // full[b]: stage in buffer b has landed (the producer's arrival + the copies' bytes);
+  // empty[b]: every consumer warp is done with buffer b (one arrival per warp).
+  __shared__ unsigned long long bars[2 * D];
+  const unsigned full0 = awq::smem_addr(bars), empty0 = full0 + 8 * D;
+  if (tid == 0) {
+#pragma unroll
+    for (int b = 0; b < D; ++b) {
+      wg::mbar_init(full0 + 8 * b, 1);
+      wg::mbar_init(empty0 + 8 * b, C::CONSUMERS / 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= C::CONSUMERS) {   // the producer warpgroup: one thread issues every copy
+    wg::set_max_regs<false, 40>();
+    if (tid == C::CONSUMERS) {
+      wg::prefetch_map(&xmap); wg::prefetch_map(&wmap);
+      for (int st = 0; st < n_stages; ++st) {
+        const int b = st % D, s = st0 + st;
+        if (st >= D) wg::mbar_wait(empty0 + 8 * b, (st / D - 1) & 1);
+        const unsigned S0 = base + b * C::STAGE, bar = full0 + 8 * b;
+        wg::mbar_arrive_expect_tx(bar, C::X_BYTES + C::ROWS * C::SLOT);
+        wg::tma_2d(S0, &xmap, 64 * s, m0, bar);
+        wg::tma_2d(S0 + C::X_BYTES, &wmap, (s * C::RB) & ~15, n0, bar);   // the 16-byte window
+      }
+    }
+    return;   // nothing after setmaxnreg.dec is shared with the consumers (awq_wgmma.cu says why)
+  }
+  wg::set_max_regs<true, 232>();
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int m0 = blockIdx.x * T;
-  const int n0 = blockIdx.y * C::ROWS;
-  const int st0 = blockIdx.z * sps;
-  const int n_stages = min(nb / 2, st0 + sps) - st0;
-
-  // Copies: x by TMA (wg::XTile; splits are whole stages); weight copy c of this thread is
-  // chunk (i % CH) of the window of block row i / CH, i = tid + THREADS c (rows past N
-  // zero-filled), worked out once (a stage only moves the window along the row).
-  __shared__ unsigned long long xbar[D];
-  wg::XTile<T, D> xt(xmap, xbar, m0, 64 * st0, tid);
-  constexpr int WCH = (C::ROWS * C::CH + C::THREADS - 1) / C::THREADS;
-  const unsigned row_bytes = (unsigned)nb * F::BYTES;
-  unsigned w_src[WCH], w_dst[WCH];   // byte offset of the row's window start in W; in the stage
-  unsigned w_ok = 0;                 // bit c: the chunk exists and its row is < N
-  unsigned w_ch = 0;                 // bits 4c..4c+3: the chunk's index in the window
-#pragma unroll
-  for (int c = 0; c < WCH; ++c) {
-    const int i = tid + C::THREADS * c;
-    const int r = i / C::CH, ch = i % C::CH;
-    w_ok |= (i < C::ROWS * C::CH && n0 + r < N) << c;
-    w_ch |= unsigned(ch) << (4 * c);
-    w_src[c] = (unsigned)min(n0 + r, N - 1) * row_bytes + 16 * ch;
-    w_dst[c] = C::X_BYTES + r * C::SLOT + 16 * ch;
-  }
-  auto load_stage = [&](int st, int buf) {
-    const int s = st0 + st;
-    const bool live = st < n_stages;   // past the split: zero-fill a free buffer, no branch
-    const unsigned S0 = base + buf * C::STAGE;
-    xt.copy_next(S0, buf, live);
-    const unsigned win = (unsigned)(s * C::RB) & ~15u;   // the 16-byte window holding the stage
-    // chunks past the stage's last byte are not copied: a window may reach past the row, and
-    // for the last row past the tensor (Q5_0: 44 bytes at offset 4 in a 64-byte window)
-    const unsigned n_ch = ((unsigned)(s * C::RB) - win + C::RB + 15) / 16;
-#pragma unroll
-    for (int c = 0; c < WCH; ++c) {
-      const bool ok = live && ((w_ok >> c) & 1) && ((w_ch >> (4 * c)) & 15u) < n_ch;
-      if (tid + C::THREADS * c < C::ROWS * C::CH)
-        awq::cp_async16_at(S0 + w_dst[c], ok ? W + w_src[c] + win : W, ok);
-    }
-  };
-
-  float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
-
-  wg::fill_pipeline<D>(load_stage);
   // this thread's weight rows in the block: instruction j, r8 = 0 / 1 -> row rr(j) + 8 r8
   auto rr = [&](int j) { return 64 * JN * wg + 64 * j + 16 * wq + g; };
-  for (int st = 0; st < n_stages; ++st) {
-    wg::enter_stage<D>(st, load_stage, xt);
+  float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
 
-    const unsigned char* S0 = smem + (st % D) * C::STAGE;
-    const unsigned long long desc = wg::desc_sw128(awq::smem_addr(S0));
+  for (int st = 0; st < n_stages; ++st) {
+    const int buf = st % D;
+    wg::mbar_wait(full0 + 8 * buf, (st / D) & 1);
+    const unsigned char* S0 = smem + buf * C::STAGE;
+    const unsigned long long desc = wg::desc_sw128(base + buf * C::STAGE);
     const int o = ((st0 + st) * C::RB) & 15;   // the stage's offset in each row's window
-    // per row (j, r8) and block b of the stage: d broadcast, and the 16-bit words the k pairs
-    // come from -- Q4_0: bytes 2t, 2t+1 and 2t+8, 2t+9 of qs (both k-steps of the block);
-    // Q8_0: bytes 16 h + 2t.. and 16 h + 2t + 8.. for k-step half h; Q5_0 as Q4_0 plus its
-    // 32 fifth bits qh (bit k: element k).
-    constexpr int NQ = F::BITS == 8 ? 4 : 2;
-    unsigned qv[JN][2][2][NQ];
-    unsigned qh[JN][2][F::BITS == 5 ? 2 : 1];
-    half2 dd[JN][2][2];
+    unsigned a[ggw::BK / 16][JN][4];   // the stage's A fragments, all dequantised before its wgmma
 #pragma unroll
-    for (int j = 0; j < JN; ++j)
-#pragma unroll
-      for (int r8 = 0; r8 < 2; ++r8) {
-        const unsigned char* row = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT + o;
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          const unsigned char* blk = row + b * F::BYTES;
-          const unsigned short dh = *reinterpret_cast<const unsigned short*>(blk);
-          dd[j][r8][b] = awq::as_h2(unsigned(dh) * 0x10001u);
-          const unsigned char* qs = blk + (F::BITS == 5 ? 6 : 2);
-#pragma unroll
-          for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs sits at an even, not 4-byte, offset
-            qv[j][r8][b][q] = *reinterpret_cast<const unsigned short*>(qs + 16 * (q >> 1) + 8 * (q & 1) + 2 * t);
-          if constexpr (F::BITS == 5) {
-            const unsigned short* h = reinterpret_cast<const unsigned short*>(blk + 2);
-            qh[j][r8][b] = unsigned(h[0]) | (unsigned(h[1]) << 16);
-          }
-        }
-      }
-#pragma unroll
-    for (int kk = 0; kk < ggw::BK / 16; ++kk) {
-      const int b = kk >> 1, hf = kk & 1;   // block of the stage, and which 16 of its 32 k
-      unsigned a[JN][4];
+    for (int b = 0; b < 2; ++b) {   // the stage's two GGUF blocks, 2 k-steps each
+      // per row (j, r8): d broadcast, and the 16-bit words the k pairs come from -- Q4_0: bytes
+      // 2t, 2t+1 and 2t+8, 2t+9 of qs (both k-steps of the block); Q8_0: bytes 16 h + 2t.. and
+      // 16 h + 2t + 8.. for k-step half h; Q5_0 as Q4_0 plus its 32 fifth bits qh (bit k: element k).
+      constexpr int NQ = F::BITS == 8 ? 4 : 2;
+      unsigned qv[JN][2][NQ];
+      unsigned qh[JN][2];
+      half2 dd[JN][2];
 #pragma unroll
       for (int j = 0; j < JN; ++j)
 #pragma unroll
-        for (int r8 = 0; r8 < 2; ++r8)
+        for (int r8 = 0; r8 < 2; ++r8) {
+          const unsigned char* blk = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT + o + b * F::BYTES;
+          const unsigned short dh = *reinterpret_cast<const unsigned short*>(blk);
+          dd[j][r8] = awq::as_h2(unsigned(dh) * 0x10001u);
+          const unsigned char* qs = blk + (F::BITS == 5 ? 6 : 2);
 #pragma unroll
-          for (int p = 0; p < 2; ++p) {   // p: k pair 2t.. or 2t + 8..
-            half2 v;
-            if constexpr (F::BITS == 4) {
-              const unsigned sp = __byte_perm(qv[j][r8][b][p], 0u, 0x4140);   // [b0, 0, b1, 0]
-              if (hf == 0)
-                v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic)), awq::as_h2(0x64086408u));
-              else
-                v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic)), awq::as_h2(0x2c002c00u),
-                            awq::as_h2(0xd480d480u));   // (1024 + 16 q) / 16 - 72 = q - 8
-            } else if constexpr (F::BITS == 5) {
-              // the fifth bits of elements k, k + 1 (k = 16 hf + 8 p + 2t) land on mantissa bit 4 of
-              // each lane (bit 8 in the 16x high-nibble form): 1024 + q, or 1024 + 16 q, q < 32
-              const unsigned sp = __byte_perm(qv[j][r8][b][p], 0u, 0x4140);
-              const unsigned hb = qh[j][r8][b] >> (16 * hf + 8 * p + 2 * t);
-              const unsigned hi = ((hb & 1u) << 4) | ((hb & 2u) << 19);   // bits 4 and 20
-              if (hf == 0)
-                v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic) | hi), awq::as_h2(0x64106410u));
-              else
-                v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic) | (hi << 4)),
-                            awq::as_h2(0x2c002c00u), awq::as_h2(0xd500d500u));   // (1024 + 16 q) / 16 - 80
-            } else {
-              const unsigned sp = __byte_perm(qv[j][r8][b][2 * hf + p], 0u, 0x4140);
-              unsigned u;
-              asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(u) : "r"(sp), "r"(0x00ff00ffu), "r"(0x64806480u));
-              v = __hsub2(awq::as_h2(u), awq::as_h2(0x64806480u));   // (1152 + b) - 1152 = b
-            }
-            a[j][r8 + 2 * p] = awq::as_u32(__hmul2_rn(v, dd[j][r8][b]));
+          for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs sits at an even, not 4-byte, offset
+            qv[j][r8][q] = *reinterpret_cast<const unsigned short*>(qs + 16 * (q >> 1) + 8 * (q & 1) + 2 * t);
+          if constexpr (F::BITS == 5) {
+            const unsigned short* h = reinterpret_cast<const unsigned short*>(blk + 2);
+            qh[j][r8] = unsigned(h[0]) | (unsigned(h[1]) << 16);
           }
-      wg::k_step<T, JN>(acc, a, desc + 2 * kk, st > 0 || kk > 0);   // desc + 2: 32 bytes along k per k16
+        }
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)   // which 16 of the block's 32 k
+#pragma unroll
+        for (int j = 0; j < JN; ++j)
+#pragma unroll
+          for (int r8 = 0; r8 < 2; ++r8)
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {   // p: k pair 2t.. or 2t + 8..
+              half2 v;
+              if constexpr (F::BITS == 4) {
+                const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);   // [b0, 0, b1, 0]
+                if (hf == 0)
+                  v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic)), awq::as_h2(0x64086408u));
+                else
+                  v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic)), awq::as_h2(0x2c002c00u),
+                              awq::as_h2(0xd480d480u));   // (1024 + 16 q) / 16 - 72 = q - 8
+              } else if constexpr (F::BITS == 5) {
+                // the fifth bits of elements k, k + 1 (k = 16 hf + 8 p + 2t) land on mantissa bit 4 of
+                // each lane (bit 8 in the 16x high-nibble form): 1024 + q, or 1024 + 16 q, q < 32
+                const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);
+                const unsigned hb = qh[j][r8] >> (16 * hf + 8 * p + 2 * t);
+                const unsigned hi = ((hb & 1u) << 4) | ((hb & 2u) << 19);   // bits 4 and 20
+                if (hf == 0)
+                  v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic) | hi), awq::as_h2(0x64106410u));
+                else
+                  v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic) | (hi << 4)),
+                              awq::as_h2(0x2c002c00u), awq::as_h2(0xd500d500u));   // (1024 + 16 q) / 16 - 80
+              } else {
+                const unsigned sp = __byte_perm(qv[j][r8][2 * hf + p], 0u, 0x4140);
+                unsigned u;
+                asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(u) : "r"(sp), "r"(0x00ff00ffu), "r"(0x64806480u));
+                v = __hsub2(awq::as_h2(u), awq::as_h2(0x64806480u));   // (1152 + b) - 1152 = b
+              }
+              a[2 * b + hf][j][r8 + 2 * p] = awq::as_u32(__hmul2_rn(v, dd[j][r8]));
+            }
     }
+    // the stage's 4 k-steps as one wgmma group, done on return: the buffer is free again
+    wg::stage_step<T, JN, ggw::BK / 16>(acc, a, desc, st > 0);
+    if (lane == 0) wg::mbar_arrive(empty0 + 8 * buf);
   }
   wg::drain<T, JN>(acc);
-  awq::cp_async_wait<0>();
 
   // acc[j][4i + 2 r8 + e]: weight row n0 + rr(j) + 8 r8, token m0 + 8i + 2t + e
-  const bool split = gridDim.z > 1;
 #pragma unroll
   for (int j = 0; j < JN; ++j)
 #pragma unroll
@@ -234,9 +250,29 @@ gguf_wgmma(const uint8_t* __restrict__ W, const __grid_constant__ wg::TmaDesc xm
           const int m = m0 + 8 * i + 2 * t + e;
           if (m >= M) continue;
           const float v = acc[j][4 * i + 2 * r8 + e];
-          if (split) part[((size_t)blockIdx.z * M + m) * N + n] = v;
+          if (n_split > 1) part[((size_t)split * M + m) * N + n] = v;
           else y[(size_t)m * N + n] = __float2half_rn(v);
         }
     }
 #endif
+}
+
+// y = the sum of the split tiles' partials in split order, one thread an element: the elements
+// of tiles dp_tiles .. tiles - 1 (count = their number x T rows x `rows` columns), numbered tile
+// by tile, token-major inside a tile. A separate launch over the whole GPU: summed by each tile's
+// last block inside gguf_wgmma (as awq_wgmma does, with scalar loads: N may be odd here), the
+// few blocks doing it made a split launch 2x slower (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us).
+__global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ y, int M, int N, int T, int rows,
+                             int tiles_m, int dp_tiles, int splits, long long count) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  const int per = T * rows;
+  const int tile = dp_tiles + (int)(i / per), r = (int)(i % per);
+  const int m = (tile % tiles_m) * T + r / rows, n = (tile / tiles_m) * rows + r % rows;
+  if (m >= M || n >= N) return;
+  const size_t o = (size_t)m * N + n;
+  float s = part[o];
+  for (int z = 1; z < splits; ++z) s += part[(size_t)z * M * N + o];
+  y[o] = __float2half_rn(s);
 }

@@ -1,13 +1,12 @@
 // wgmma_sm90.cuh -- the Hopper (sm_90a) warpgroup MMA pieces the wgmma kernels share
-// (awq_wgmma.cu, gguf_wgmma.cu): fence / commit / wait, register "pins", setmaxnreg, the
-// register-A m64nTk16 f16 -> f32 instructions issued per k-step (k_step) or per stage
-// (stage_step), the 128-byte-swizzle shared-memory descriptor, the cp.async stage pipeline of
-// the GGUF kernel, and TMA copies onto mbarriers (tma_2d; the x tile's XTile).
+// (awq_wgmma.cu, gguf_wgmma.cu), both built as a TMA producer warpgroup feeding consumer
+// warpgroups: fence / commit / wait, register "pins", setmaxnreg, the register-A m64nTk16
+// f16 -> f32 instructions issued a stage at a time (stage_step), the 128-byte-swizzle
+// shared-memory descriptor, and TMA copies onto mbarriers (tma_2d).
 // Only defined where the architecture-specific features exist (sm_90a); elsewhere the kernels
 // that include this compile to empty bodies.
 #pragma once
 #include <cuda_fp16.h>
-#include "awq_common.cuh"   // cp.async helpers
 
 namespace wg {
 // The driver's CUtensorMap (128 bytes, 64-byte aligned): a TMA descriptor encoded on the host
@@ -115,58 +114,14 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
   return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
-// The stage pipeline both kernels run: D shared-memory buffers, each stage one cp.async group,
-// loads D - 2 stages ahead. A warpgroup keeps at most 3 k-steps in flight (k_step below), so
-// every wgmma of stage s - 2 is done when it reaches the barrier of stage s, whose buffer is
-// then refilled. load(st, buf) issues the copies of stage st into buffer buf.
-template <int D, class Load>
-__device__ __forceinline__ void fill_pipeline(Load& load) {
-  static_assert(D >= 3, "loads run D - 2 stages ahead");
-#pragma unroll
-  for (int st = 0; st < D - 2; ++st) {
-    load(st, st);
-    awq::cp_async_commit();
-  }
-}
-// Wait for stage st (its x tile, this thread's copies, then every thread's), make it visible
-// to wgmma, and start stage st + D - 2.
-template <int D, class Load, class X>
-__device__ __forceinline__ void enter_stage(int st, Load& load, const X& xt) {
-  xt.wait(st);
-  awq::cp_async_wait<D - 3>();
-  // cp.async wrote through the generic proxy; wgmma reads through the async proxy
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
-  load(st + D - 2, (st + D - 2) % D);
-  awq::cp_async_commit();
-}
-
-// One k-step of JN instructions (64 rows each, register A), as both kernels issue it: the A
-// fragments are pinned before the fence (computed after it, ptxas serialises the wgmma: C7513);
-// at most 2 earlier k-steps stay in flight, so 3 are after this one (a stage's buffer is free
-// again 2 stages later: the kernels load D - 2 stages ahead).
-template <int T, int JN>
-__device__ __forceinline__ void k_step(float (&acc)[JN][T / 2], unsigned (&a)[JN][4],
-                                       unsigned long long desc, int accumulate) {
-#pragma unroll
-  for (int j = 0; j < JN; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) pin(a[j][e]);
-  wait<2>();
-  fence();
-#pragma unroll
-  for (int j = 0; j < JN; ++j) Wgmma<T>::run(acc[j], a[j], desc, accumulate);
-  commit();
-}
-
 // A whole stage of KS k-steps (JN instructions each, k-step kk at desc + 2 kk: 32 bytes along k
 // per k16) as one wgmma group, waited for before returning. accumulate = 0 overwrites d with the
 // first k-step.
 // Why wait at once: with the group left in flight while the next stage was dequantised (wait<1>
 // before the next fence), the results were garbage on every test shape (bench/NOTES.md, session
 // 15), also with the previous stage's fragments pinned past the wait that retired them: new
-// fragments were written into A registers a running wgmma still read. (k_step's pattern, a wait
-// before each fence and at most 3 k-steps in flight, tests correct.) Waiting costs no tensor
+// fragments were written into A registers a running wgmma still read. (A wait before each
+// fence with at most 3 k-steps in flight, sessions 7-14, tested correct.) Waiting costs no tensor
 // time here: a block has two consumer warpgroups, and while one waits for its group the other
 // dequantises its next stage.
 template <int T, int JN, int KS>
@@ -226,44 +181,5 @@ __device__ __forceinline__ void prefetch_map(const TmaDesc* map) {
   asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
-// The x tile of a 64-k stage, B of the descriptor above: T tokens x 64 halves, 128 bytes a row,
-// 16-byte chunk c of row r at byte r * 128 + ((c ^ (r % 8)) << 4) -- exactly what one TMA
-// copy with the 128-byte swizzle writes. The map (host: a 2-D fp16 tensor K wide, M tall, box
-// 64 x T, 128-byte swizzle) zero-fills rows past M and k past K, so tails need no code here.
-// One thread issues a stage's copy and announces its bytes on the buffer's mbarrier; every
-// thread waits on it before the stage's wgmma read it.
-// Why TMA and not cp.async from every thread (bench/NOTES.md, session 13): the 8 x 16-byte
-// copies a thread issued per stage at T = 256, with their addresses and predicates, made the
-// kernel's non-tensor work as long as its tensor work (4096->12288 M = 2048: 241 of 424 us
-// with the wgmma removed, 312 us with the x copies removed).
-template <int T, int D>
-struct XTile {
-  const TmaDesc* map;
-  unsigned bar0;   // shared address of buffer 0's mbarrier (buffer b: bar0 + 8 b)
-  int k, m0;       // the next stage's first k, the tile's first token
-  bool leader;
-  __device__ __forceinline__ XTile(const TmaDesc& xmap, unsigned long long* bars, int m0_, int k0, int tid)
-      : map(&xmap), bar0(awq::smem_addr(bars)), k(k0), m0(m0_), leader(tid == 0) {
-    if (leader) {
-      prefetch_map(map);
-#pragma unroll
-      for (int b = 0; b < D; ++b) mbar_init(bar0 + 8 * b);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-  }
-  // copy the next stage into buffer buf at shared address S0 (live: a stage of this split;
-  // otherwise nothing is copied and nothing waits on it), then advance
-  __device__ __forceinline__ void copy_next(unsigned S0, int buf, bool live) {
-    if (leader && live) {
-      const unsigned bar = bar0 + 8 * buf;
-      mbar_arrive_expect_tx(bar, T * 128);
-      tma_2d(S0, map, k, m0, bar);
-    }
-    k += 64;
-  }
-  // stage st has landed (buffer st % D, its (st / D)-th use)
-  __device__ __forceinline__ void wait(int st) const { mbar_wait(bar0 + 8 * (st % D), (st / D) & 1); }
-};
 }  // namespace wg
 #endif

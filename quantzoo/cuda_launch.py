@@ -292,15 +292,15 @@ class TensorMap:
 
 
 _TMAPS: dict = {}
-_TMAP_TYPES = {"f16": (6, 2), "u32": (2, 4)}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / UINT32, bytes
+_TMAP_TYPES = {"f16": (6, 2), "u32": (2, 4), "u8": (0, 1)}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / UINT32 / UINT8, bytes
 _SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}   # CU_TENSOR_MAP_SWIZZLE_NONE / 32B / 64B / 128B
 _L2_256B = 3        # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 
 
 def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, swizzle: int = 128,
                   dtype: str = "f16") -> TensorMap:
-    """The TMA descriptor of a row-major matrix [rows, cols] of fp16 ("f16") or 32-bit words
-    ("u32") at device address ptr (16-byte aligned, rows 16-byte multiples), copied in boxes of
+    """The TMA descriptor of a row-major matrix [rows, cols] of fp16 ("f16"), 32-bit words
+    ("u32") or bytes ("u8") at device address ptr (16-byte aligned, rows 16-byte multiples), copied in boxes of
     box_rows x box_cols with the given shared-memory swizzle (0 = none); elements past the matrix
     read as zeros. Encoded once per distinct argument tuple (a prefill reuses a few activation
     buffers) and remembered."""

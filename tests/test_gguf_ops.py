@@ -173,8 +173,8 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     monkeypatch.setattr(G, "wgmma_ok", lambda qt: qt.format in G.WGMMA_FORMATS)   # no Hopper here
     monkeypatch.setattr(G, "set_max_dynamic_smem", lambda kern, key, nbytes: None)
     monkeypatch.setattr(G, "resident_blocks", lambda kern, smem, threads: 1)
-    monkeypatch.setattr(G, "tensor_map_2d", lambda ptr, rows, cols, box_rows, box_cols, swizzle=128:
-                        ("tmap", ptr, rows, cols, box_rows, box_cols, swizzle))
+    monkeypatch.setattr(G, "tensor_map_2d", lambda ptr, rows, cols, box_rows, box_cols, swizzle=128, dtype="f16":
+                        ("tmap", ptr, rows, cols, box_rows, box_cols, swizzle, dtype))
     n, k = 70, 2048
     qt = _cpu_qt(fmt, n, k)
     for m in (1, 5, 8, 13, 24, 100, 300):
@@ -195,15 +195,24 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
             elif path == "wgmma":   # one launch (+ the split-K reduce); T and splits as planned
                 nwg, t, d = G.wgmma_tiles.config(m)
                 assert names[0] == f"gguf_wgmma<{G.BLOCKS[fmt]}, {nwg}, {t}, {d}>"
-                grid = calls[0][1]
                 rows = 64 * (1 if t == 256 else 2) * nwg
-                assert grid[:2] == (-(-m // t), -(-n // rows)) and calls[0][2] == (128 * nwg,)
-                sps = int(calls[0][3][7])
-                assert (grid[2] - 1) * sps < nb // 2 <= grid[2] * sps   # every split non-empty
+                tiles_m, tiles = -(-m // t), -(-m // t) * -(-n // rows)
+                args = calls[0][3]
+                assert [int(a) for a in args[4:8]] == [m, n, nb, tiles_m]
+                dp, splits, sps = (int(a) for a in args[8:11])
+                assert calls[0][1] == (dp + (tiles - dp) * splits,) and calls[0][2] == (128 * nwg + 128,)
+                assert (splits - 1) * sps < nb // 2 <= splits * sps   # every split non-empty
+                assert (dp == tiles) == (splits == 1) and (args[3] != 0) == (splits > 1)
                 assert calls[0][4] == G.wgmma_smem_bytes(fmt, nwg, t, d) <= 227 * 1024
-                # x by TMA: the whole [M, K] activation, boxes of T tokens x 64 k, 128-byte swizzle
-                assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, t, 64, 128)
-                assert names[1:] == (["mma_reduce"] if grid[2] > 1 else [])
+                # by TMA: the weight as bytes [N, nb BYTES], boxes of the block's rows x the
+                # 16-byte window of a stage's 2 blocks, no swizzle; the whole [M, K] activation,
+                # boxes of T tokens x 64 k, 128-byte swizzle
+                slot = {"q4_0": 48, "q5_0": 64, "q8_0": 80}[fmt]
+                assert calls[0][3][0] == ("tmap", qt.data.data_ptr(), n, nb * G.BYTES[fmt], rows, slot, 0, "u8")
+                assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, t, 64, 128, "f16")
+                assert names[1:] == (["wgmma_reduce"] if splits > 1 else [])
+                if splits > 1:   # one thread per element of the split tiles
+                    assert int(calls[1][3][-1]) == (tiles - dp) * t * rows <= calls[1][1][0] * 256
             elif path == "mma":
                 assert names[0].startswith("quantize_q8_1_split<")
                 bm, split, kchunk = G.mma_plan(m, n, nb, G._sm_count(None), None)

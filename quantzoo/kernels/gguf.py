@@ -197,7 +197,7 @@ SOURCES = {
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
     "gguf_wgmma.cu": tuple(f"gguf_wgmma<{BLOCKS[f]}, {n}, {t}, {d}>" for f in WGMMA_FORMATS
-                           for n, t, d in WGMMA_CFGS),
+                           for n, t, d in WGMMA_CFGS) + ("wgmma_reduce",),
 }
 ARCH_SPECIFIC = {"gguf_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
@@ -402,30 +402,42 @@ def wgmma_ok(qt) -> bool:
 def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
     """ggw::Cfg<F, NWG, T, D>::SMEM in cuda/gguf_wgmma.cu."""
     rows = wgmma_tiles.columns(nwg, t)   # weight rows = output columns
-    slot = 16 * ((2 * BYTES[fmt] + 12 + 15) // 16)
-    return wgmma_tiles.smem_bytes(t * 128 + rows * slot, d)
+    return wgmma_tiles.smem_bytes(t * 128 + rows * _wgmma_slot(fmt), d)
 
 
-def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
-    nwg, t, d = wgmma_tiles.config(m)
+def _wgmma_slot(fmt: str) -> int:
+    """Bytes of a weight row in a stage of the wgmma kernel (ggw::Cfg::SLOT): the 16-byte window
+    that holds its 2 blocks at any 4-byte offset (a TMA box starts on a 16-byte boundary)."""
+    return -(-(2 * BYTES[fmt] + 12) // 16) * 16
+
+
+def _launch_wgmma(fmt, x2, w, y2, m, n, nb, splits=None, dp_tiles=None):
+    nwg, t, d = cfg = wgmma_tiles.config(m)
     name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}>"
     kern = _kernel("gguf_wgmma.cu", name)
     smem = wgmma_smem_bytes(fmt, nwg, t, d)
     set_max_dynamic_smem(kern, (str(y2.device), name), smem)
-    grid_m, grid_n = wgmma_tiles.grid(m, n, (nwg, t, d))   # token tiles on x (up to 2^31 - 1)
-    slots = resident_blocks(kern, smem, 128 * nwg) * _sm_count(y2.device)
-    split, sps = wgmma_tiles.split_k(m, n, 32 * nb, slots, (nwg, t, d))   # sps: 64-k stages per split
+    tiles_m, tiles_n = wgmma_tiles.grid(m, n, cfg)
+    tiles = tiles_m * tiles_n
+    threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup
+    slots = resident_blocks(kern, smem, threads) * _sm_count(y2.device)
+    dp, splits, sps = wgmma_tiles.schedule(m, n, 32 * nb, slots, cfg, splits, dp_tiles)   # sps: stages a split
     part = None   # held until both launches are queued (a fresh tensor during graph capture)
-    if split > 1:
-        part = _workspace("wgmma_part", split * m * n * 4, y2.device)
-    xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, t, 64)   # x tiles of T tokens x 64 k, 128-byte swizzle
-    launch_tma(kern, (grid_m, grid_n, split), (128 * nwg,),
-               (w.data_ptr(), xmap, y2.data_ptr(), 0 if part is None else part.data_ptr(), np.int32(m),
-                np.int32(n), np.int32(nb), np.int32(sps)), shared_mem=smem)
-    if split > 1:
-        total = m * n
-        launch(_kernel("gguf_mma.cu", "mma_reduce"), (-(-total // 256),), (256,),
-               (part.data_ptr(), y2.data_ptr(), np.int64(total), np.int32(split)))
+    if splits > 1:
+        part = _workspace("wgmma_part", splits * m * n * 4, y2.device)
+    # the weight as bytes [N, nb BYTES], a stage's box ROWS rows x SLOT bytes; x tiles of T
+    # tokens x 64 k in the 128-byte swizzle
+    wmap = tensor_map_2d(w.data_ptr(), n, nb * BYTES[fmt], wgmma_tiles.columns(nwg, t), _wgmma_slot(fmt), 0, "u8")
+    xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, t, 64)
+    launch_tma(kern, (dp + (tiles - dp) * splits,), (threads,),
+               (wmap, xmap, y2.data_ptr(), 0 if part is None else part.data_ptr(), np.int32(m), np.int32(n),
+                np.int32(nb), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(sps)), shared_mem=smem)
+    if splits > 1:   # the split tiles' partials, summed in split order
+        rows = wgmma_tiles.columns(nwg, t)
+        count = (tiles - dp) * t * rows
+        launch(_kernel("gguf_wgmma.cu", "wgmma_reduce"), (-(-count // 256),), (256,),
+               (part.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(t), np.int32(rows),
+                np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int64(count)))
 
 
 def mmvq16_ok(qt) -> bool:

@@ -1,7 +1,7 @@
 """Tile and split choices shared by the Hopper wgmma kernels (cuda/awq_wgmma.cu, cuda/gguf_wgmma.cu).
 
-Both walk K in 64-row shared-memory stages with one block of 2 consumer warpgroups per tile of T
-tokens (the AWQ kernel adds a producer warpgroup); the rules below were measured on the AWQ
+Both walk K in 64-row shared-memory stages with one block of 2 consumer warpgroups and a TMA
+producer warpgroup per tile of T tokens; the rules below were measured on the AWQ
 kernel (bench/NOTES.md, session 8) and the GGUF one is built the same way.
 """
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (pipeline fill and drain)
 MAX_M = 256      # dispatch: wgmma up to this M on a format's smaller weights, and beyond it (to the
 MIN_FILL = 0.9   # format's own limit) only where the grid's last wave is at least this full
-# resident blocks per SM by T, for the GGUF kernel's dispatch (which compiles nothing; AWQ's
-# dispatch asks no wave fill): 256 threads at ptxas's 112-136 / 146-161 / 214-230 / 179-201
-# registers (CUDA 13, sm_90a; Q5_0 at T = 32 fits only one block); launches ask the compiled kernel.
-BLOCKS_PER_SM = {32: 2, 64: 1, 128: 1, 256: 1}
+# resident blocks per SM, for the GGUF kernel's dispatch (which compiles nothing; launches ask
+# the compiled kernel): one at every T -- 2 consumer warpgroups at 232 registers a thread + the
+# producer warpgroup at 40 (setmaxnreg) hold 63 k of the SM's 64 k registers.
+BLOCKS_PER_SM = 1
 
 
 def config(m: int) -> tuple[int, int, int]:
@@ -48,7 +48,7 @@ def plan(m: int, n: int, k: int, slots: int, cfg=None) -> tuple[int, float]:
 
 def dispatch_fill(m: int, n: int, k: int, sms: int) -> float:
     """The wave fill `plan` gives with BLOCKS_PER_SM (dispatch compiles no kernel to ask)."""
-    return plan(m, n, k, BLOCKS_PER_SM[config(m)[1]] * sms)[1]
+    return plan(m, n, k, BLOCKS_PER_SM * sms)[1]
 
 
 def dispatch(m: int, n: int, k: int, sms, min_nk: int, min_nk_full: int, need_fill: bool = True) -> bool:
