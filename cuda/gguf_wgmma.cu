@@ -53,14 +53,14 @@
 // * Tails: weight rows past N and tokens past M are zero-filled (d = 0 and x = 0 contribute 0)
 //   and not stored.
 //
-// Measured on the H100 (bench/NOTES.md, session 8; rotated weights, us): the fastest Q4_0 / Q8_0
-// path from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 against
-// 42.5 for the int8 mma path and 36.9 for cuBLAS fp16, M = 128 48.9 against 89.3 for dequant +
-// cuBLAS -- and, since its x tiles come by TMA (session 13), Q4_0 to M = 512 on weights of
-// 6144 x 4096 and up (4096->12288 M = 512: 110.9 against 121.0), Q8_0 there where its grid fills
-// whole waves; dispatch uses it there. Above, and on 4096->1024, dequant + cuBLAS (or mma) stays
-// faster. Q5_0 runs at about half that speed (its
-// fifth bits cost ~5 instructions per A register) and is dispatched for M = 64..256 only.
+// Measured on the H100 (bench/NOTES.md, sessions 8 and 16; rotated weights, us): with the
+// producer warpgroup 0.7-1.0x the time of the session-15 kernel (every thread cp.async'ing, one
+// barrier a stage): q4_0 4096->12288 M = 64 38.2 -> 33.1, M = 512 107.2 -> 97.3, M = 2048
+// 332.9 -> 309.5 (0.90x cuBLAS fp16); q8_0 4096->24576 M = 2048 758 -> 671; q5_0 0.7-0.9x. It is
+// the fastest Q4_0 / Q8_0 path from M = 9 (Q5_0: 64) on weights of 4096 x 4096 and up to M = 256,
+// and on 6144 x 4096 and up to M = 2048 (Q4_0) / 1024 (Q5_0, Q8_0), where dispatch uses it;
+// on 4096->1024, mma or dequant + cuBLAS stay faster. Q5_0's fifth bits cost ~5 instructions per
+// A register.
 //
 // Compiled only for sm_90a; for any other target the kernel body is empty and the host
 // (quantzoo/kernels/gguf.py) never launches it there.

@@ -20,10 +20,9 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
   "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M[fmt] <= M <= 256 (and
-                        to WGMMA_MAX_M_FULL[fmt] on the larger weights, for Q8_0 only where the
-                        grid fills whole waves; x tiles by TMA): the dequant
-                        path's function with the blocks unpacked in registers as wgmma's A operand
-                        (cuda/gguf_wgmma.cu).
+                        to WGMMA_MAX_M_FULL[fmt] on the larger weights): the dequant path's
+                        function with the blocks unpacked in registers as wgmma's A operand, fed
+                        by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
 
 mmvq, mma and mmq compute exactly what reference/gguf_dot.py emulates (per-block terms bit-equal;
 only the fp32 order of the sum over blocks differs); dequant and wgmma are fp16 x fp16 with fp32
@@ -154,25 +153,23 @@ DEQUANT_BUFFER_BYTES = 128 << 20
 # whose value is one product; needs a 16-byte-aligned weight with K % 256 == 0 (wgmma_ok).
 WGMMA_FORMATS = tuple(f for f in ("q4_0", "q5_0", "q8_0") if f in BLOCKS)
 WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D); wgmma_tiles.config
-# Dispatch on Hopper (session 8 sweep, bench/NOTES.md; us, rotated weights): wgmma beats mma and
-# dequant + cuBLAS from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16
-# 26.8 vs 42.5 (mma), M = 128 48.9 vs 89.3 (dequant); q8_0 12288->4096 M = 128 52.1 vs 100.9 --
-# and at M = 512 where its grid fills whole waves on weights of 6144 x 4096 and up (12288->4096
-# q4_0 113.3 vs 120.0; 4096->24576 226.3 vs 254.9); it loses on 4096->1024 (M = 16: 11.7 vs 9.8)
-# and where the last wave is 3/4 empty (4096->12288 M = 512: 145.9 vs 119.9).
-# Q5_0 unpacks its fifth bits per element pair and runs at about half Q4_0's speed: it wins only
-# from M = 64 to 256 (12288->4096 M = 128 57.8 vs 99.7; 4096->12288 M = 16 52.7 vs 46.2 for mma,
-# M = 512 185.6 vs 148.0 for dequant), so its range is narrower.
+# Dispatch on Hopper (us, rotated weights, event medians). Session 8: wgmma beats mma and dequant
+# + cuBLAS from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 vs
+# 42.5 (mma), M = 128 48.9 vs 89.3 (dequant) -- and loses on 4096->1024 (M = 16: 11.7 vs 9.8).
+# Q5_0 unpacks its fifth bits per element pair: against mma it wins only from M = 64 (4096->12288
+# M = 16 52.7 vs 46.2 then). Session 16, the kernel with a TMA producer and the last wave's tiles
+# split (bench/NOTES.md, "Session 16"; wgmma vs dequant + cuBLAS):
+#   q4_0 wins to M = 2048 on 6144 x 4096 and up: 4096->12288 M = 512 97.3 vs 119.5, M = 1024
+#        156.6 vs 183.7, M = 2048 309.5 vs 328.6; 4096->24576 M = 2048 621.4 vs 651.2;
+#   q8_0 wins to M = 1024 and loses at 2048: 4096->12288 M = 512 105.4 vs 127.4, M = 1024 174.7
+#        vs 192.6, M = 2048 343.0 vs 323.8; 12288->4096 M = 2048 342.9 vs 314.6;
+#   q5_0 wins or ties to M = 1024: 4096->12288 M = 512 111.9 vs 125.5, M = 1024 185.8 vs 188.9;
+#   on 4096->4096 above M = 256 it is a toss-up (q4_0 M = 512 43.0 vs 41.8, q8_0 48.4 vs 43.7;
+#        M = 1024 51.7 vs 63.2): those weights keep dequant there (WGMMA_MIN_NK_FULL).
 WGMMA_MIN_M = {"q4_0": 9, "q5_0": 64, "q8_0": 9}
 WGMMA_MIN_NK = 4096 * 4096          # M <= wgmma_tiles.MAX_M: weights of at least this
-WGMMA_MAX_M_FULL = {"q4_0": 512, "q5_0": 256, "q8_0": 512}
-WGMMA_MIN_NK_FULL = 6144 * 4096     # above: weights of at least this, and for WGMMA_NEED_FILL
-WGMMA_NEED_FILL = {"q4_0": False, "q5_0": True, "q8_0": True}   # above MAX_M: only whole waves?
-# Since the x tiles come by TMA (session 13, .scratch/disp13.py, us), Q4_0 wins at M = 512 on
-# every weight of 6144 x 4096 and up, whole waves or not: 4096->6144 51.5 vs 60.6 (dequant),
-# 4096->12288 110.9 vs 121.0, 12288->4096 90.7 vs 119.3, 4096->24576 195.2 vs 247.3. Q8_0 still
-# loses where the last wave is 3/4 empty (4096->12288 M = 512: 141.5 vs 127.3; M = 384: 120.6 vs
-# 108.4), so it keeps the wave rule.
+WGMMA_MAX_M_FULL = {"q4_0": 2048, "q5_0": 1024, "q8_0": 1024}
+WGMMA_MIN_NK_FULL = 6144 * 4096     # above: weights of at least this
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -378,8 +375,7 @@ def choose_path(m: int, qt) -> str:
     if (fmt in WGMMA_FORMATS and WGMMA_MIN_M[fmt] <= m <= WGMMA_MAX_M_FULL[fmt]
             and not isinstance(qt, str) and wgmma_ok(qt)):
         n, k = qt.shape
-        if wgmma_tiles.dispatch(m, n, k, lambda: _sm_count(qt.data.device), WGMMA_MIN_NK, WGMMA_MIN_NK_FULL,
-                                WGMMA_NEED_FILL[fmt]):
+        if wgmma_tiles.dispatch(m, n, k, WGMMA_MIN_NK, WGMMA_MIN_NK_FULL):
             return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:

@@ -7,12 +7,8 @@ kernel (bench/NOTES.md, session 8) and the GGUF one is built the same way.
 from __future__ import annotations
 
 MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (pipeline fill and drain)
-MAX_M = 256      # dispatch: wgmma up to this M on a format's smaller weights, and beyond it (to the
-MIN_FILL = 0.9   # format's own limit) only where the grid's last wave is at least this full
-# resident blocks per SM, for the GGUF kernel's dispatch (which compiles nothing; launches ask
-# the compiled kernel): one at every T -- 2 consumer warpgroups at 232 registers a thread + the
-# producer warpgroup at 40 (setmaxnreg) hold 63 k of the SM's 64 k registers.
-BLOCKS_PER_SM = 1
+MAX_M = 256      # dispatch: wgmma up to this M on a format's smaller weights, beyond it (to the
+                 # format's own limit) on its larger ones
 
 
 def config(m: int) -> tuple[int, int, int]:
@@ -35,46 +31,33 @@ def grid(m: int, n: int, cfg) -> tuple[int, int]:
     return -(-m // t), -(-n // columns(nwg, t))
 
 
-def plan(m: int, n: int, k: int, slots: int, cfg=None) -> tuple[int, float]:
-    """(K splits, wave fill) for M x N outputs over K on a GPU that holds `slots` blocks at once:
-    as many splits as fit in one wave (at least MIN_STAGES 64-row stages each), and the fraction
-    of the last wave's slots the grid fills (1.0 = whole waves)."""
+def plan(m: int, n: int, k: int, slots: int, cfg=None) -> int:
+    """K splits for M x N outputs over K on a GPU that holds `slots` blocks at once: as many as
+    fit in one wave, at least MIN_STAGES 64-row stages each."""
     tm, tn = grid(m, n, cfg or config(m))
-    tiles = tm * tn
-    s = max(1, min(slots // tiles, -(-k // 64) // MIN_STAGES))
-    blocks = tiles * s
-    return s, blocks / (-(-blocks // slots) * slots)
+    return max(1, min(slots // (tm * tn), -(-k // 64) // MIN_STAGES))
 
 
-def dispatch_fill(m: int, n: int, k: int, sms: int) -> float:
-    """The wave fill `plan` gives with BLOCKS_PER_SM (dispatch compiles no kernel to ask)."""
-    return plan(m, n, k, BLOCKS_PER_SM * sms)[1]
-
-
-def dispatch(m: int, n: int, k: int, sms, min_nk: int, min_nk_full: int, need_fill: bool = True) -> bool:
+def dispatch(m: int, n: int, k: int, min_nk: int, min_nk_full: int) -> bool:
     """Whether dispatch takes wgmma for M rows (already inside the format's M range) of an N x K
-    weight: M <= MAX_M on weights of at least min_nk; above, weights of at least min_nk_full,
-    and (need_fill) only a grid that fills its waves (MIN_FILL). sms() gives the SM count; it is
-    asked only then."""
+    weight: M <= MAX_M on weights of at least min_nk, above on weights of at least min_nk_full.
+    (Until session 16 the GGUF kernel also asked a grid that filled its waves; with the last
+    wave's tiles split (schedule) that rule lost its reason.)"""
     nk = n * k
-    if m <= MAX_M and nk >= min_nk:
-        return True
-    if nk < min_nk_full:
-        return False
-    return not need_fill or dispatch_fill(m, n, k, sms()) >= MIN_FILL
+    return nk >= (min_nk if m <= MAX_M else min_nk_full)
 
 
 def split_k(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None) -> tuple[int, int]:
     """(K splits, 64-row stages per split) of a launch on a GPU that holds `slots` blocks at
     once: `plan`'s splits (or the caller's), evened out so that every split is non-empty."""
     stages = -(-k // 64)
-    per = -(-stages // (splits or plan(m, n, k, slots, cfg)[0]))
+    per = -(-stages // (splits or plan(m, n, k, slots, cfg)))
     return -(-stages // per), per
 
 
 def schedule(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None,
              dp_tiles: int | None = None) -> tuple[int, int, int]:
-    """(whole tiles, K splits, 64-row stages per split) of the AWQ kernel's launch, whose first
+    """(whole tiles, K splits, 64-row stages per split) of a launch whose first
     `whole tiles` blocks walk all of K and whose remaining tiles are split: with no more tiles
     than slots, every tile is split as `plan` says; with more, whole waves of tiles walk all of
     K and the last, partly filled wave's tiles are split to fill it (at least MIN_STAGES stages
