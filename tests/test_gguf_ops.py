@@ -48,8 +48,8 @@ def test_choose_path_thresholds(fmt):
 
 def test_wgmma_dispatch(monkeypatch):
     """Where wgmma_ok holds (a Q4_0 / Q5_0 / Q8_0 weight on Hopper): M = 9..256 on weights of 4096 x 4096
-    and up (Q5_0: 64..256), and to M = 2048 (Q4_0) / 1024 (Q5_0, Q8_0) on 6144 x 4096 and up,
-    whatever the grid's wave fill; never below 9 (mmvq)."""
+    and up, to M = 512 on 6144 x 4096 and up, to M = 2048 (Q4_0) / 1024 (Q5_0, Q8_0) on 12288 x
+    4096 and up, whatever the grid's wave fill; never below 9 (mmvq)."""
     class Data:
         device = "cuda:0"
 
@@ -61,18 +61,17 @@ def test_wgmma_dispatch(monkeypatch):
     monkeypatch.setattr(G, "_sm_count", lambda device: 132)
     assert [G.choose_path(m, qt(12288, 4096)) for m in (8, 9, 256, 512, 513, 2048, 2049)] == \
         ["mmvq", "wgmma", "wgmma", "wgmma", "wgmma", "wgmma", "dequant"]
-    assert [G.choose_path(512, qt(n, k)) for n, k in ((4096, 12288), (24576, 4096), (6144, 4096))] == ["wgmma"] * 3
-    # Q8_0 to M = 1024, also where the last wave is part empty (4096->12288 M = 512: 192 tiles)
-    assert [G.choose_path(m, qt(n, k, "q8_0")) for n, k in ((4096, 12288), (24576, 4096), (6144, 4096),
-                                                            (12288, 4096)) for m in (512, 1024, 1025)] == \
-        ["wgmma", "wgmma", "dequant"] * 4
+    assert [G.choose_path(m, qt(n, k)) for n, k in ((4096, 12288), (24576, 4096), (6144, 4096))
+            for m in (512, 513)] == ["wgmma"] * 5 + ["dequant"]   # 4096->6144: to M = 512
+    # Q8_0 and Q5_0 to M = 1024, also where the last wave is part empty (4096->12288 M = 512: 192 tiles)
+    for fmt in ("q8_0", "q5_0"):
+        assert [G.choose_path(m, qt(n, k, fmt)) for n, k in ((4096, 12288), (24576, 4096), (12288, 4096))
+                for m in (9, 512, 1024, 1025)] == ["wgmma", "wgmma", "wgmma", "dequant"] * 3
+        assert [G.choose_path(m, qt(6144, 4096, fmt)) for m in (512, 513)] == ["wgmma", "dequant"]
     assert G.choose_path(512, qt(4096, 4096)) == "dequant"       # above M = 256, below 6144 x 4096
     assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
     assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight
     assert G.choose_path(64, qt(12288, 4096, "q4_1")) == "mma"   # not a wgmma format
-    # Q5_0: slower to unpack, from M = 64
-    assert [G.choose_path(m, qt(12288, 4096, "q5_0")) for m in (16, 63, 64, 256, 1024, 1025)] == \
-        ["mma", "mma", "wgmma", "wgmma", "wgmma", "dequant"]
 
 
 def test_mma_plan():

@@ -19,8 +19,8 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
                         on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
-  "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M[fmt] <= M <= 256 (and
-                        to WGMMA_MAX_M_FULL[fmt] on the larger weights): the dequant path's
+  "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M <= M <= 256 (and further
+                        on the larger weights, WGMMA_MAX_M_*): the dequant path's
                         function with the blocks unpacked in registers as wgmma's A operand, fed
                         by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
 
@@ -156,20 +156,23 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 # Dispatch on Hopper (us, rotated weights, event medians). Session 8: wgmma beats mma and dequant
 # + cuBLAS from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 vs
 # 42.5 (mma), M = 128 48.9 vs 89.3 (dequant) -- and loses on 4096->1024 (M = 16: 11.7 vs 9.8).
-# Q5_0 unpacks its fifth bits per element pair: against mma it wins only from M = 64 (4096->12288
-# M = 16 52.7 vs 46.2 then). Session 16, the kernel with a TMA producer and the last wave's tiles
-# split (bench/NOTES.md, "Session 16"; wgmma vs dequant + cuBLAS):
-#   q4_0 wins to M = 2048 on 6144 x 4096 and up: 4096->12288 M = 512 97.3 vs 119.5, M = 1024
-#        156.6 vs 183.7, M = 2048 309.5 vs 328.6; 4096->24576 M = 2048 621.4 vs 651.2;
-#   q8_0 wins to M = 1024 and loses at 2048: 4096->12288 M = 512 105.4 vs 127.4, M = 1024 174.7
-#        vs 192.6, M = 2048 343.0 vs 323.8; 12288->4096 M = 2048 342.9 vs 314.6;
-#   q5_0 wins or ties to M = 1024: 4096->12288 M = 512 111.9 vs 125.5, M = 1024 185.8 vs 188.9;
-#   on 4096->4096 above M = 256 it is a toss-up (q4_0 M = 512 43.0 vs 41.8, q8_0 48.4 vs 43.7;
-#        M = 1024 51.7 vs 63.2): those weights keep dequant there (WGMMA_MIN_NK_FULL).
-WGMMA_MIN_M = {"q4_0": 9, "q5_0": 64, "q8_0": 9}
+# Session 16, the kernel with a TMA producer and the last wave's tiles split (bench/NOTES.md,
+# "Session 16"; wgmma vs dequant + cuBLAS unless named):
+#   to M = 512 on 6144 x 4096 and up, every format: 4096->6144 M = 512 q4_0 48.0 vs 60.9, q8_0
+#        52.9 vs 65.6, q5_0 60.9 vs 65.0; 4096->12288 q8_0 105.4 vs 127.4;
+#   beyond, on 12288 x 4096 and up: q4_0 to M = 2048 (4096->12288 M = 1024 156.6 vs 183.7,
+#        M = 2048 309.5 vs 328.6), q8_0 to 1024 (174.7 vs 192.6; M = 2048 343.0 vs 323.8), q5_0
+#        to 1024 (185.8 vs 188.9); on 4096->6144 M = 1024 dequant wins (q4_0 97.3 vs 94.4, q8_0
+#        106.0 vs 99.1, q5_0 113.5 vs 98.8), and on 4096->4096 above M = 256 it is a toss-up
+#        (q4_0 M = 512 43.0 vs 41.8, q8_0 48.4 vs 43.7);
+#   Q5_0 (fifth bits unpacked per element pair) now beats mma from M = 16: 4096->12288 40.3 vs
+#        47.1, 12288->4096 33.2 vs 39.2 (mma's M = 9..16 share its 16-row tile).
+WGMMA_MIN_M = 9
 WGMMA_MIN_NK = 4096 * 4096          # M <= wgmma_tiles.MAX_M: weights of at least this
-WGMMA_MAX_M_FULL = {"q4_0": 2048, "q5_0": 1024, "q8_0": 1024}
-WGMMA_MIN_NK_FULL = 6144 * 4096     # above: weights of at least this
+WGMMA_MAX_M_FULL = 512              # above MAX_M, to this M: weights of at least WGMMA_MIN_NK_FULL
+WGMMA_MIN_NK_FULL = 6144 * 4096
+WGMMA_MAX_M_BIG = {"q4_0": 2048, "q5_0": 1024, "q8_0": 1024}   # and to this M: weights of at least
+WGMMA_MIN_NK_BIG = 12288 * 4096                                 # WGMMA_MIN_NK_BIG
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -372,10 +375,10 @@ def choose_path(m: int, qt) -> str:
         raise ValueError(f"m: {m} rows")
     if m <= max(MMVQ_COLS, MMVQ_MAX_M[fmt]):
         return "mmvq"
-    if (fmt in WGMMA_FORMATS and WGMMA_MIN_M[fmt] <= m <= WGMMA_MAX_M_FULL[fmt]
-            and not isinstance(qt, str) and wgmma_ok(qt)):
+    if fmt in WGMMA_FORMATS and m >= WGMMA_MIN_M and not isinstance(qt, str) and wgmma_ok(qt):
         n, k = qt.shape
-        if wgmma_tiles.dispatch(m, n, k, WGMMA_MIN_NK, WGMMA_MIN_NK_FULL):
+        max_m = WGMMA_MAX_M_BIG[fmt] if n * k >= WGMMA_MIN_NK_BIG else WGMMA_MAX_M_FULL
+        if m <= max_m and wgmma_tiles.dispatch(m, n, k, WGMMA_MIN_NK, WGMMA_MIN_NK_FULL):
             return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
