@@ -173,9 +173,9 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     monkeypatch.setattr(G, "resident_blocks", lambda kern, smem, threads: 1)
     monkeypatch.setattr(G, "tensor_map_2d", lambda ptr, rows, cols, box_rows, box_cols, swizzle=128, dtype="f16":
                         ("tmap", ptr, rows, cols, box_rows, box_cols, swizzle, dtype))
-    n, k = 70, 2048
-    qt = _cpu_qt(fmt, n, k)
-    for m in (1, 5, 8, 13, 24, 100, 300):
+    k = 2048
+    for n, m in [(70, m) for m in (1, 5, 8, 13, 24, 100, 300)] + [(72, 13)]:   # N % 4 == 0: 4-wide reduce
+        qt = _cpu_qt(fmt, n, k)
         x = torch.zeros((m, k), dtype=torch.float16)
         for path in G.PATHS:
             calls.clear()
@@ -208,9 +208,10 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 slot = {"q4_0": 48, "q5_0": 64, "q8_0": 80}[fmt]
                 assert calls[0][3][0] == ("tmap", qt.data.data_ptr(), n, nb * G.BYTES[fmt], rows, slot, 0, "u8")
                 assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, t, 64, 128, "f16")
-                assert names[1:] == (["wgmma_reduce"] if splits > 1 else [])
-                if splits > 1:   # one thread per element of the split tiles
-                    assert int(calls[1][3][-1]) == (tiles - dp) * t * rows <= calls[1][1][0] * 256
+                v = 4 if n % 4 == 0 else 1   # columns a thread (y from torch: aligned)
+                assert names[1:] == ([f"wgmma_reduce<{v}>"] if splits > 1 else [])
+                if splits > 1:   # every element of the split tiles
+                    assert int(calls[1][3][-1]) == (tiles - dp) * t * rows <= calls[1][1][0] * 256 * v
             elif path == "mma":
                 assert names[0].startswith("quantize_q8_1_split<")
                 bm, split, kchunk = G.mma_plan(m, n, nb, G._sm_count(None), None)

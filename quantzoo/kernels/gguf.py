@@ -197,7 +197,7 @@ SOURCES = {
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
     "gguf_wgmma.cu": tuple(f"gguf_wgmma<{BLOCKS[f]}, {n}, {t}, {d}>" for f in WGMMA_FORMATS
-                           for n, t, d in WGMMA_CFGS) + ("wgmma_reduce",),
+                           for n, t, d in WGMMA_CFGS) + ("wgmma_reduce<1>", "wgmma_reduce<4>"),
 }
 ARCH_SPECIFIC = {"gguf_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
@@ -434,7 +434,8 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb, splits=None, dp_tiles=None):
     if splits > 1:   # the split tiles' partials, summed in split order
         rows = wgmma_tiles.columns(nwg, t)
         count = (tiles - dp) * t * rows
-        launch(_kernel("gguf_wgmma.cu", "wgmma_reduce"), (-(-count // 256),), (256,),
+        v = 4 if n % 4 == 0 and y2.data_ptr() % 8 == 0 else 1   # columns a thread
+        launch(_kernel("gguf_wgmma.cu", f"wgmma_reduce<{v}>"), (-(-count // (256 * v)),), (256,),
                (part.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(t), np.int32(rows),
                 np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int64(count)))
 
