@@ -48,8 +48,8 @@ def test_choose_path_thresholds(fmt):
 
 def test_wgmma_dispatch(monkeypatch):
     """Where wgmma_ok holds (a Q4_0 / Q5_0 / Q8_0 weight on Hopper): M = 9..256 on weights of 4096 x 4096
-    and up, to M = 512 on 6144 x 4096 and up, to M = 2048 (Q4_0) / 1024 (Q5_0, Q8_0) on 12288 x
-    4096 and up, whatever the grid's wave fill; never below 9 (mmvq)."""
+    and up, beyond to M = 2048 (Q4_0) / 512 (Q5_0) / 1024 (Q8_0) on 6144 x 4096 and up, whatever
+    the grid's wave fill (4096->12288 M = 512: 192 tiles, 1.45 waves); never below 9 (mmvq)."""
     class Data:
         device = "cuda:0"
 
@@ -58,16 +58,10 @@ def test_wgmma_dispatch(monkeypatch):
 
     monkeypatch.setattr(G, "wgmma_ok", lambda q: q.format in G.WGMMA_FORMATS)
     monkeypatch.setattr(G, "_aligned16", lambda q: True)
-    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
-    assert [G.choose_path(m, qt(12288, 4096)) for m in (8, 9, 256, 512, 513, 2048, 2049)] == \
-        ["mmvq", "wgmma", "wgmma", "wgmma", "wgmma", "wgmma", "dequant"]
-    assert [G.choose_path(m, qt(n, k)) for n, k in ((4096, 12288), (24576, 4096), (6144, 4096))
-            for m in (512, 513)] == ["wgmma"] * 5 + ["dequant"]   # 4096->6144: to M = 512
-    # Q8_0 and Q5_0 to M = 1024, also where the last wave is part empty (4096->12288 M = 512: 192 tiles)
-    for fmt in ("q8_0", "q5_0"):
-        assert [G.choose_path(m, qt(n, k, fmt)) for n, k in ((4096, 12288), (24576, 4096), (12288, 4096))
-                for m in (9, 512, 1024, 1025)] == ["wgmma", "wgmma", "wgmma", "dequant"] * 3
-        assert [G.choose_path(m, qt(6144, 4096, fmt)) for m in (512, 513)] == ["wgmma", "dequant"]
+    for fmt, top in (("q4_0", 2048), ("q5_0", 512), ("q8_0", 1024)):
+        for n, k in ((6144, 4096), (12288, 4096), (4096, 12288), (24576, 4096)):
+            assert [G.choose_path(m, qt(n, k, fmt)) for m in (8, 9, 256, 257, top, top + 1)] == \
+                ["mmvq"] + ["wgmma"] * 4 + ["dequant"], (fmt, n, k)
     assert G.choose_path(512, qt(4096, 4096)) == "dequant"       # above M = 256, below 6144 x 4096
     assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
     assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight

@@ -20,7 +20,7 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
   "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M <= M <= 256 (and further
-                        on the larger weights, WGMMA_MAX_M_*): the dequant path's
+                        to WGMMA_MAX_M[fmt] on the larger weights): the dequant path's
                         function with the blocks unpacked in registers as wgmma's A operand, fed
                         by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
 
@@ -156,23 +156,21 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 # Dispatch on Hopper (us, rotated weights, event medians). Session 8: wgmma beats mma and dequant
 # + cuBLAS from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 vs
 # 42.5 (mma), M = 128 48.9 vs 89.3 (dequant) -- and loses on 4096->1024 (M = 16: 11.7 vs 9.8).
-# Session 16, the kernel with a TMA producer and the last wave's tiles split (bench/NOTES.md,
-# "Session 16"; wgmma vs dequant + cuBLAS unless named):
-#   to M = 512 on 6144 x 4096 and up, every format: 4096->6144 M = 512 q4_0 48.0 vs 60.9, q8_0
-#        52.9 vs 65.6, q5_0 60.9 vs 65.0; 4096->12288 q8_0 105.4 vs 127.4;
-#   beyond, on 12288 x 4096 and up: q4_0 to M = 2048 (4096->12288 M = 1024 156.6 vs 183.7,
-#        M = 2048 309.5 vs 328.6), q8_0 to 1024 (174.7 vs 192.6; M = 2048 343.0 vs 323.8), q5_0
-#        to 1024 (185.8 vs 188.9); on 4096->6144 M = 1024 dequant wins (q4_0 97.3 vs 94.4, q8_0
-#        106.0 vs 99.1, q5_0 113.5 vs 98.8), and on 4096->4096 above M = 256 it is a toss-up
-#        (q4_0 M = 512 43.0 vs 41.8, q8_0 48.4 vs 43.7);
+# Session 16, the kernel with a TMA producer, the last wave's tiles split and a 4-wide split-K
+# reduce (bench/NOTES.md, "Session 16"; wgmma vs dequant + cuBLAS unless named):
+#   on 6144 x 4096 and up, q4_0 wins to M = 2048 (4096->6144 M = 1024 89.7 vs 94.5, M = 2048
+#        159.6 vs 165.1; 4096->12288 M = 1536 241.1 vs 251.0, M = 2048 313.0 vs 324.5), q8_0 to
+#        1024 (4096->6144 95.9 vs 98.6; 4096->12288 M = 1536 283.8 vs 281.2, M = 2048 356.1 vs
+#        331.2), q5_0 to 512 (4096->6144 M = 512 60.8 vs 64.4, M = 768 84.6 vs 80.1, M = 1024
+#        105.1 vs 99.2; 4096->12288 M = 1536 324.4 vs 275.8);
+#   on 4096->4096 above M = 256 it is a toss-up (M = 384 q4_0 42.7 vs 36.9, M = 512 35.3 vs
+#        41.2; q5_0 M = 768 59.8 vs 55.4): those weights keep dequant there (WGMMA_MIN_NK_FULL);
 #   Q5_0 (fifth bits unpacked per element pair) now beats mma from M = 16: 4096->12288 40.3 vs
 #        47.1, 12288->4096 33.2 vs 39.2 (mma's M = 9..16 share its 16-row tile).
 WGMMA_MIN_M = 9
 WGMMA_MIN_NK = 4096 * 4096          # M <= wgmma_tiles.MAX_M: weights of at least this
-WGMMA_MAX_M_FULL = 512              # above MAX_M, to this M: weights of at least WGMMA_MIN_NK_FULL
-WGMMA_MIN_NK_FULL = 6144 * 4096
-WGMMA_MAX_M_BIG = {"q4_0": 2048, "q5_0": 1024, "q8_0": 1024}   # and to this M: weights of at least
-WGMMA_MIN_NK_BIG = 12288 * 4096                                 # WGMMA_MIN_NK_BIG
+WGMMA_MAX_M = {"q4_0": 2048, "q5_0": 512, "q8_0": 1024}   # above MAX_M, to this M: weights of
+WGMMA_MIN_NK_FULL = 6144 * 4096                             # at least WGMMA_MIN_NK_FULL
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -377,8 +375,7 @@ def choose_path(m: int, qt) -> str:
         return "mmvq"
     if fmt in WGMMA_FORMATS and m >= WGMMA_MIN_M and not isinstance(qt, str) and wgmma_ok(qt):
         n, k = qt.shape
-        max_m = WGMMA_MAX_M_BIG[fmt] if n * k >= WGMMA_MIN_NK_BIG else WGMMA_MAX_M_FULL
-        if m <= max_m and wgmma_tiles.dispatch(m, n, k, WGMMA_MIN_NK, WGMMA_MIN_NK_FULL):
+        if m <= WGMMA_MAX_M[fmt] and wgmma_tiles.dispatch(m, n, k, WGMMA_MIN_NK, WGMMA_MIN_NK_FULL):
             return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
