@@ -259,9 +259,10 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
 // y = the sum of the split tiles' partials in split order, one thread V consecutive columns
 // (V = 4 when N % 4 == 0 and y is 8-byte aligned: 16-byte partial loads; else 1): the elements
 // of tiles dp_tiles .. tiles - 1 (count = their number x T rows x `rows` columns), numbered tile
-// by tile, token-major inside a tile. A separate launch over the whole GPU: summed by each tile's
-// last block inside gguf_wgmma (as awq_wgmma does, with scalar loads: N may be odd here), the
-// few blocks doing it made a split launch 2x slower (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us).
+// by tile, token-major inside a tile. Why a launch of its own over the whole GPU: summed by each
+// tile's last block inside gguf_wgmma, as awq_wgmma does (scalar loads there, since N may be odd
+// here), the few blocks doing it made a split launch 2x slower (4096->4096 Q4_0 M = 64: 16.4 ->
+// 36.9 us).
 template <int V>
 __global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ y, int M, int N, int T, int rows,
                              int tiles_m, int dp_tiles, int splits, long long count) {

@@ -353,9 +353,9 @@ def test_matmul_gguf_file_tensor(fmt, tmp_path):
 @pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
 def test_wgmma_tails_splits_graph(fmt):
     """M and N tails of every token tile (T = 32 .. 256), K split into 5-8 parts (uneven: 44
-    stages in 5) and summed by each tile's last block, more tiles than an H100 holds at once
-    (8704 rows at M = 130 / 300: 136 tiles, 132 walking all of K and the last 4 split), and a
-    graph replay equal to the eager call."""
+    stages in 5) and summed by wgmma_reduce (1-wide at N = 202, 4-wide else), more tiles than an
+    H100 holds at once (8704 rows at M = 130 / 300: 136 tiles, 132 walking all of K and the last
+    4 split), and a graph replay equal to the eager call."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k in ((202, 4096), (8704, 2048), (72, 2816)):   # N % 4 != 0: the 1-wide reduce
         w, qt_cpu = _weight(fmt, n, k, rng)

@@ -388,11 +388,11 @@ def choose_path(m: int, qt) -> str:
 def wgmma_ok(qt) -> bool:
     """Whether the wgmma path can read this (checked, CUDA) weight: a Q4_0 / Q5_0 / Q8_0 weight whose
     base is 16-byte aligned and whose rows are whole 256-element stage windows (K % 256 == 0),
-    under 4 GiB (32-bit offsets), on a Hopper GPU."""
+    rows under 2 GiB (TMA's byte coordinate along a row is a 32-bit int), on a Hopper GPU."""
     data = getattr(qt, "data", None)
     return (getattr(qt, "format", None) in WGMMA_FORMATS and hasattr(data, "data_ptr")
             and data.device.type == "cuda" and qt.shape[1] % 256 == 0 and data.data_ptr() % 16 == 0
-            and data.numel() < 2**32 and wgmma_available(data.device))
+            and qt.shape[1] // 32 * BYTES[qt.format] < 2**31 and wgmma_available(data.device))
 
 
 def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
@@ -407,7 +407,7 @@ def _wgmma_slot(fmt: str) -> int:
     return -(-(2 * BYTES[fmt] + 12) // 16) * 16
 
 
-def _launch_wgmma(fmt, x2, w, y2, m, n, nb, splits=None, dp_tiles=None):
+def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     nwg, t, d = cfg = wgmma_tiles.config(m)
     name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}>"
     kern = _kernel("gguf_wgmma.cu", name)
@@ -417,7 +417,7 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb, splits=None, dp_tiles=None):
     tiles = tiles_m * tiles_n
     threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup
     slots = resident_blocks(kern, smem, threads) * _sm_count(y2.device)
-    dp, splits, sps = wgmma_tiles.schedule(m, n, 32 * nb, slots, cfg, splits, dp_tiles)   # sps: stages a split
+    dp, splits, sps = wgmma_tiles.schedule(m, n, 32 * nb, slots, cfg)   # sps: 64-k stages a split
     part = None   # held until both launches are queued (a fresh tensor during graph capture)
     if splits > 1:
         part = _workspace("wgmma_part", splits * m * n * 4, y2.device)

@@ -41,8 +41,7 @@ def plan(m: int, n: int, k: int, slots: int, cfg=None) -> int:
 def dispatch(m: int, n: int, k: int, min_nk: int, min_nk_full: int) -> bool:
     """Whether dispatch takes wgmma for M rows (already inside the format's M range) of an N x K
     weight: M <= MAX_M on weights of at least min_nk, above on weights of at least min_nk_full.
-    (Until session 16 the GGUF kernel also asked a grid that filled its waves; with the last
-    wave's tiles split (schedule) that rule lost its reason.)"""
+    No wave-fill condition: `schedule` splits the last wave's tiles to fill it."""
     nk = n * k
     return nk >= (min_nk if m <= MAX_M else min_nk_full)
 
