@@ -136,10 +136,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   const int n8 = N / 8;
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
-  const bool whole = (int)blockIdx.x < dp_tiles;   // this block's tile walks all of K
-  const int tile = whole ? blockIdx.x : dp_tiles + (blockIdx.x - dp_tiles) / splits;
-  const int split = whole ? 0 : (blockIdx.x - dp_tiles) % splits;
-  const int n_split = whole ? 1 : splits;
+  const auto [whole, tile, split, n_split] = wg::BlockWork(dp_tiles, splits);
   const int m0 = (tile % tiles_m) * T;
   const int col0 = (tile / tiles_m) * C::WORDS;
   const int kb = whole ? 0 : split * rows_per_split;   // this block's rows [kb, ke)
@@ -147,19 +144,9 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   const int n_stages = (ke - kb + BK - 1) / BK;
   const int gps = G < BK ? BK / G : 1;   // groups a stage spans
 
-  // full[b]: stage in buffer b has landed (the producer's arrival + the copies' bytes);
-  // empty[b]: every consumer warp is done with buffer b (one arrival per warp).
+  // full[b]: stage in buffer b has landed; empty[b]: every consumer warp is done with buffer b
   __shared__ unsigned long long bars[2 * D];
-  const unsigned full0 = awq::smem_addr(bars), empty0 = full0 + 8 * D;
-  if (tid == 0) {
-#pragma unroll
-    for (int b = 0; b < D; ++b) {
-      wg::mbar_init(full0 + 8 * b, 1);
-      wg::mbar_init(empty0 + 8 * b, C::CONSUMERS / 32);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  const unsigned full0 = wg::init_stage_bars<D>(bars, C::CONSUMERS / 32), empty0 = full0 + 8 * D;
 
   if (tid >= C::CONSUMERS) {   // the producer warpgroup: one thread issues every copy
     wg::set_max_regs<false, 40>();

@@ -116,28 +116,15 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
-  const bool whole = (int)blockIdx.x < dp_tiles;   // this block's tile walks all of K
-  const int tile = whole ? blockIdx.x : dp_tiles + (blockIdx.x - dp_tiles) / splits;
-  const int split = whole ? 0 : (blockIdx.x - dp_tiles) % splits;
-  const int n_split = whole ? 1 : splits;
+  const auto [whole, tile, split, n_split] = wg::BlockWork(dp_tiles, splits);
   const int m0 = (tile % tiles_m) * T;
   const int n0 = (tile / tiles_m) * C::ROWS;
   const int st0 = split * sps;
   const int n_stages = whole ? nb / 2 : min(nb / 2, st0 + sps) - st0;
 
-  // full[b]: stage in buffer b has landed (the producer's arrival + the copies' bytes);
-  // empty[b]: every consumer warp is done with buffer b (one arrival per warp).
+  // full[b]: stage in buffer b has landed; empty[b]: every consumer warp is done with buffer b
   __shared__ unsigned long long bars[2 * D];
-  const unsigned full0 = awq::smem_addr(bars), empty0 = full0 + 8 * D;
-  if (tid == 0) {
-#pragma unroll
-    for (int b = 0; b < D; ++b) {
-      wg::mbar_init(full0 + 8 * b, 1);
-      wg::mbar_init(empty0 + 8 * b, C::CONSUMERS / 32);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  const unsigned full0 = wg::init_stage_bars<D>(bars, C::CONSUMERS / 32), empty0 = full0 + 8 * D;
 
   if (tid >= C::CONSUMERS) {   // the producer warpgroup: one thread issues every copy
     wg::set_max_regs<false, 40>();

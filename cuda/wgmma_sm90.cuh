@@ -170,6 +170,37 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
                "@!done bra WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
 }
 
+// The stage ring's mbarriers of both kernels, D of each kind: full[b] (one arrival, the
+// producer's, plus the bytes of its copies) and empty[b] (one arrival per consumer warp); empty
+// buffer b's barrier is full0 + 8 (D + b). Thread 0 initialises them, then the block meets; call
+// with every thread. Returns full0, the shared address of full[0].
+template <int D>
+__device__ __forceinline__ unsigned init_stage_bars(unsigned long long (&bars)[2 * D], unsigned consumer_warps) {
+  const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(bars));
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int b = 0; b < D; ++b) {
+      mbar_init(full0 + 8 * b, 1);
+      mbar_init(full0 + 8 * (D + b), consumer_warps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  return full0;
+}
+
+// A block's work under wgmma_tiles.schedule (both kernels): blocks below dp_tiles take tile
+// blockIdx.x over all of K; block dp_tiles + j takes split j % splits of tile dp_tiles + j / splits.
+struct BlockWork {
+  bool whole;    // this block's tile walks all of K
+  int tile, split, n_split;
+  __device__ __forceinline__ BlockWork(int dp_tiles, int splits)
+      : whole((int)blockIdx.x < dp_tiles),
+        tile(whole ? (int)blockIdx.x : dp_tiles + ((int)blockIdx.x - dp_tiles) / splits),
+        split(whole ? 0 : ((int)blockIdx.x - dp_tiles) % splits),
+        n_split(whole ? 1 : splits) {}
+};
+
 // One TMA copy: the box of `map` at coordinates (c0 innermost, c1) into shared address dst,
 // its bytes announced to mbarrier bar when they land. Box elements outside the tensor read as 0.
 __device__ __forceinline__ void tma_2d(unsigned dst, const TmaDesc* map, int c0, int c1, unsigned bar) {
