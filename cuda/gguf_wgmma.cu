@@ -1,15 +1,19 @@
-// gguf_wgmma.cu -- GGUF Q4_0 / Q5_0 / Q8_0 weights x fp16 activations for Hopper (sm_90a): the weight
-// blocks, dequantised in registers, are the register operand A of wgmma; x is operand B, read by
-// the tensor cores from 128-byte-swizzled shared memory. The AWQ kernel awq_wgmma.cu is the
-// model; this file differs in how weights reach the A fragments.
+// gguf_wgmma.cu -- GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights x fp16 activations for Hopper
+// (sm_90a): the weight blocks, dequantised in registers, are the register operand A of wgmma; x is
+// operand B, read by the tensor cores from 128-byte-swizzled shared memory. The AWQ kernel
+// awq_wgmma.cu is the model; this file differs in how weights reach the A fragments.
 //
-//   y[m, n] = fp16( sum_k x[m, k] * w16[n, k] ),   w16 = half((q - offset) * d)
+//   y[m, n] = fp16( sum_k x[m, k] * w16[n, k] ),   w16 = half((q - offset) d)  or  half(q d + m)
 //
-// the same function as the dequant path (gguf_dequant.cu + cuBLAS): weights bit-equal to
-// fmt.dequantize rounded to half, fp32 accumulation -- not the Q8_1 integer path of mmvq / mma.
-// Only the formats whose value is one product, (q - 8) d, (q - 16) d and q d, are served: there
-// fp16 math rounds the exact product once, exactly like the fp32 product rounded to half
-// (Q4_1 / Q5_1's q d + m would round twice in fp32).
+// the same function as the dequant path (gguf_dequant.cu + cuBLAS): fp16 weights, fp32
+// accumulation -- not the Q8_1 integer path of mmvq / mma. Q4_0 / Q5_0 / Q8_0's value is one
+// product of an exact small integer and d, which fp16 math rounds once, exactly as the fp32
+// product rounded to half: w16 is bit-equal to fmt.dequantize rounded to half. Q4_1 / Q5_1's
+// q d + m is one fp16 FMA, the correctly rounded half of q d + m. The dequant path rounds twice
+// (fp32 sum, then half), which is the same value whenever the fp32 sum is exact -- always when
+// |q d| and |m| are within 2^9 of each other (15 + 11 significant bits fit in fp32's 24), as in
+// any block quantised from real data (m ~ -8 d) -- and at most one ulp of that weight away
+// otherwise (the tests' bound covers it).
 //
 // computed transposed, y^T = W x^T: wgmma's M (64 rows per instruction) runs over weight rows
 // (output columns n), its N over tokens; one instruction is 64 rows x T tokens x 16 k.
@@ -22,11 +26,12 @@
 // * Copies by TMA from one producer thread, as in awq_wgmma.cu (which says why: no per-thread
 //   copy addresses or predicates, no block barrier in the K loop, setmaxnreg 40 / 232). The
 //   weight is seen as a byte matrix [N, nb BYTES] (rows 16-byte multiples: K % 256 == 0, checked
-//   by the host). A row's two blocks of stage s are RB = 36 / 44 / 68 bytes (Q4_0 / Q5_0 / Q8_0)
-//   at byte s RB, a multiple of 4 but not of 16, and a TMA box must start on a 16-byte boundary
-//   (an unaligned innermost coordinate is an illegal instruction, found here). So a stage's box
-//   is ROWS rows x SLOT = 48 / 64 / 80 bytes from the 16-byte window holding the stage, and the
-//   readers add the stage's offset o = (s RB) % 16, the same in every row. Bytes of the window
+//   by the host). A row's two blocks of stage s are RB = 36 / 40 / 44 / 48 / 68 bytes (Q4_0 /
+//   Q4_1 / Q5_0 / Q5_1 / Q8_0) at byte s RB, mostly not a multiple of 16, and a TMA box must
+//   start on a 16-byte boundary (an unaligned innermost coordinate is an illegal instruction,
+//   found here). So a stage's box is ROWS rows x SLOT = 48 / 48 / 64 / 48 / 80 bytes from the
+//   16-byte window holding the stage, and the readers add the stage's offset o = (s RB) % 16,
+//   the same in every row (a multiple of gcd(RB, 16), so at most 16 - gcd(RB, 16)). Bytes of the window
 //   outside the stage are never read; past the row's end TMA reads zeros, and rows past N read as
 //   zeros (d = 0: they contribute 0, and are not stored). Before (sessions 8 to 15) every thread
 //   issued 3-5 16-byte cp.async a stage into such windows and the block met at one barrier a
@@ -39,8 +44,9 @@
 //   low nibble of qs byte k and k >= 16 the high nibble of byte k - 16, so the two bytes
 //   2t, 2t+1 spread 16 bits apart by one byte permute give, through one LOP3 each, the k pair of
 //   step 0 (low nibbles, 1024 + q) and of step 1 (high nibbles, 1024 + 16 q): exact q - 8 by
-//   one hsub2 / hfma2, then one hmul2 by d. Q5_0: the same, with the two elements' fifth bits
-//   from qh or-ed onto mantissa bit 4 (bit 8 in the 16x form). Q8_0: signed bytes,
+//   one hsub2 / hfma2, then one hmul2 by d (Q4_1: exact q, then one hfma2 by d plus m -- the
+//   same count). Q5_0 / Q5_1: the same, with the two elements' fifth bits from qh or-ed onto
+//   mantissa bit 4 (bit 8 in the 16x form). Q8_0: signed bytes,
 //   (b & 0xff) ^ 0x80 in the mantissa of 1024 (one LOP3: (v & 0x00ff00ff) ^ 0x64806480) is
 //   1152 + b, exact b by hsub2.
 // * A stage's fragments are all dequantised, then issued as one wgmma group that the warpgroup
@@ -77,14 +83,19 @@ struct Cfg {
   static constexpr int THREADS = CONSUMERS + 128;      // + the producer warpgroup
   static constexpr int JN = T == 256 ? 1 : 2;          // wgmma instructions (64 rows) per k-step
   static constexpr int ROWS = 64 * JN * NWG;           // weight rows (output columns) per block
-  static constexpr int RB = 2 * F::BYTES;              // bytes of a row per stage (36, 44, 68)
-  static constexpr int SLOT = (RB + 12 + 15) / 16 * 16;   // the TMA box's row: 48, 64, 80 bytes
+  static constexpr int RB = 2 * F::BYTES;              // bytes of a row per stage (36, 40, 44, 48, 68)
+  static constexpr int GCD16 = (RB & -RB) < 16 ? (RB & -RB) : 16;   // gcd(RB, 16): RB's lowest set bit, at most 16
+  static constexpr int MAX_O = 16 - GCD16;             // the largest stage offset o in a window
+  static constexpr int SLOT = (RB + MAX_O + 15) / 16 * 16;   // the TMA box's row: 48, 48, 64, 48, 80 bytes
+  static constexpr int PH = F::HAS_MIN ? 4 : 2;        // in a block: qh (5-bit formats) after d [, m]
+  static constexpr int PQ = PH + (F::BITS == 5 ? 4 : 0);   // and qs after that
   static constexpr int X_BYTES = T * 128;              // T tokens x 64 halves, swizzled
   static constexpr int STAGE = (X_BYTES + ROWS * SLOT + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;        // + slack to align the base to 1024
-  static_assert(!F::HAS_MIN && (F::BITS == 8 || F::OFFSET == (1 << (F::BITS - 1))),
-                "one-product formats only: Q4_0, Q5_0, Q8_0");
-  static_assert(RB % 4 == 0, "a stage sits at offset o <= 12 of its window (SLOT), its fields 2-byte aligned");
+  static_assert(F::BITS == 8 ? !F::HAS_MIN && F::OFFSET == 0
+                             : F::OFFSET == (F::HAS_MIN ? 0 : 1 << (F::BITS - 1)),
+                "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0");
+  static_assert(RB % 4 == 0, "a stage sits at a 4-byte offset o of its window (SLOT), its fields 2-byte aligned");
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(ROWS <= 256, "a TMA box is at most 256 rows");
 };
@@ -157,29 +168,38 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
     unsigned a[ggw::BK / 16][JN][4];   // the stage's A fragments, all dequantised before its wgmma
 #pragma unroll
     for (int b = 0; b < 2; ++b) {   // the stage's two GGUF blocks, 2 k-steps each
-      // per row (j, r8): d broadcast, and the 16-bit words the k pairs come from -- Q4_0: bytes
-      // 2t, 2t+1 and 2t+8, 2t+9 of qs (both k-steps of the block); Q8_0: bytes 16 h + 2t.. and
-      // 16 h + 2t + 8.. for k-step half h; Q5_0 as Q4_0 plus its 32 fifth bits qh (bit k: element k).
+      // per row (j, r8): d (and m) broadcast, and the 16-bit words the k pairs come from -- 4 and
+      // 5 bits: bytes 2t, 2t+1 and 2t+8, 2t+9 of qs (both k-steps of the block) plus, for 5 bits,
+      // the 32 fifth bits qh (bit k: element k); Q8_0: bytes 16 h + 2t.. and 16 h + 2t + 8.. for
+      // k-step half h.
       constexpr int NQ = F::BITS == 8 ? 4 : 2;
       unsigned qv[JN][2][NQ];
       unsigned qh[JN][2];
-      half2 dd[JN][2];
+      half2 dd[JN][2], mm[JN][2];
 #pragma unroll
       for (int j = 0; j < JN; ++j)
 #pragma unroll
         for (int r8 = 0; r8 < 2; ++r8) {
           const unsigned char* blk = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT + o + b * F::BYTES;
-          const unsigned short dh = *reinterpret_cast<const unsigned short*>(blk);
-          dd[j][r8] = awq::as_h2(unsigned(dh) * 0x10001u);
-          const unsigned char* qs = blk + (F::BITS == 5 ? 6 : 2);
+          if constexpr (F::HAS_MIN) {   // 20 / 24-byte blocks at o in {0, 8}: d, m one aligned word
+            const unsigned dm = *reinterpret_cast<const unsigned*>(blk);
+            dd[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x1010));
+            mm[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x3232));
+          } else {
+            dd[j][r8] = awq::as_h2(unsigned(*reinterpret_cast<const unsigned short*>(blk)) * 0x10001u);
+          }
+          const unsigned char* qs = blk + C::PQ;
 #pragma unroll
-          for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs sits at an even, not 4-byte, offset
+          for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs may sit at an even, not 4-byte, offset
             qv[j][r8][q] = *reinterpret_cast<const unsigned short*>(qs + 16 * (q >> 1) + 8 * (q & 1) + 2 * t);
           if constexpr (F::BITS == 5) {
-            const unsigned short* h = reinterpret_cast<const unsigned short*>(blk + 2);
+            const unsigned short* h = reinterpret_cast<const unsigned short*>(blk + C::PH);
             qh[j][r8] = unsigned(h[0]) | (unsigned(h[1]) << 16);
           }
         }
+      // 4 / 5 bits: (1024 + q) - (1024 + OFFSET), and (1024 + 16 q) / 16 - (64 + OFFSET), both
+      // exact: the halves of 1024 + OFFSET and -(64 + OFFSET)
+      constexpr unsigned LO = (0x6400u + F::OFFSET) * 0x10001u, HI = (0xd400u + 16 * F::OFFSET) * 0x10001u;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)   // which 16 of the block's 32 k
 #pragma unroll
@@ -189,31 +209,31 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
 #pragma unroll
             for (int p = 0; p < 2; ++p) {   // p: k pair 2t.. or 2t + 8..
               half2 v;
-              if constexpr (F::BITS == 4) {
-                const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);   // [b0, 0, b1, 0]
-                if (hf == 0)
-                  v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic)), awq::as_h2(0x64086408u));
-                else
-                  v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic)), awq::as_h2(0x2c002c00u),
-                              awq::as_h2(0xd480d480u));   // (1024 + 16 q) / 16 - 72 = q - 8
-              } else if constexpr (F::BITS == 5) {
-                // the fifth bits of elements k, k + 1 (k = 16 hf + 8 p + 2t) land on mantissa bit 4 of
-                // each lane (bit 8 in the 16x high-nibble form): 1024 + q, or 1024 + 16 q, q < 32
-                const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);
-                const unsigned hb = qh[j][r8] >> (16 * hf + 8 * p + 2 * t);
-                const unsigned hi = ((hb & 1u) << 4) | ((hb & 2u) << 19);   // bits 4 and 20
-                if (hf == 0)
-                  v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic) | hi), awq::as_h2(0x64106410u));
-                else
-                  v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic) | (hi << 4)),
-                              awq::as_h2(0x2c002c00u), awq::as_h2(0xd500d500u));   // (1024 + 16 q) / 16 - 80
-              } else {
+              if constexpr (F::BITS == 8) {
                 const unsigned sp = __byte_perm(qv[j][r8][2 * hf + p], 0u, 0x4140);
                 unsigned u;
                 asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(u) : "r"(sp), "r"(0x00ff00ffu), "r"(0x64806480u));
                 v = __hsub2(awq::as_h2(u), awq::as_h2(0x64806480u));   // (1152 + b) - 1152 = b
+              } else {
+                const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);   // [b0, 0, b1, 0]
+                // 5 bits: the fifth bits of elements k, k + 1 (k = 16 hf + 8 p + 2t) onto mantissa
+                // bit 4 of each lane (bit 8 in the 16x high-nibble form): 1024 + q, or 1024 + 16 q
+                unsigned hi = 0;
+                if constexpr (F::BITS == 5) {
+                  const unsigned hb = qh[j][r8] >> (16 * hf + 8 * p + 2 * t);
+                  hi = ((hb & 1u) << 4) | ((hb & 2u) << 19);   // bits 4 and 20
+                }
+                if (hf == 0)
+                  v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic) | hi), awq::as_h2(LO));
+                else
+                  v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic) | (hi << 4)),
+                              awq::as_h2(0x2c002c00u), awq::as_h2(HI));
               }
-              a[2 * b + hf][j][r8 + 2 * p] = awq::as_u32(__hmul2_rn(v, dd[j][r8]));
+              // v = q - OFFSET exactly; then one rounding: (q - OFFSET) d, or q d + m
+              half2 w;
+              if constexpr (F::HAS_MIN) w = __hfma2(v, dd[j][r8], mm[j][r8]);
+              else w = __hmul2_rn(v, dd[j][r8]);
+              a[2 * b + hf][j][r8 + 2 * p] = awq::as_u32(w);
             }
     }
     // the stage's 4 k-steps as one wgmma group, done on return: the buffer is free again

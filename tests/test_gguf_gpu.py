@@ -8,10 +8,12 @@ Oracles:
   per-block term is bit-equal, only the fp32 order of the sum over blocks differs, so
   |y_gpu - y_emul| <= bound (any fp32 order) + float32 rounding of y_emul + the fp16 rounding of
   the kernel's output (half an ulp: 2^-11 relative, 2^-25 absolute in subnormals).
-* dequant path (W -> fp16 + cuBLAS) and wgmma path (Hopper; the same fp16 weights formed in
-  registers): the fp16 weights bit-equal to fmt.dequantize rounded to half; the product vs
-  float64 on those weights within 2^-10 * sum |x||w| (cuBLAS may keep split-K partials in fp16;
-  wgmma sums in fp32, well inside it) + fp16 output rounding.
+* dequant path (W -> fp16 + cuBLAS) and wgmma path (Hopper; the weights formed in registers):
+  the product vs float64 on fmt.dequantize rounded to half within 2^-10 * sum |x||w| (cuBLAS may
+  keep split-K partials in fp16; wgmma sums in fp32, well inside it) + fp16 output rounding.
+  The weights themselves, read back bit for bit through x = I (test_fp16_paths_weights_bit_exact):
+  dequant's are fmt.dequantize (float32) rounded to half; wgmma's the correctly rounded half of
+  the exact value -- the same except for Q4_1 / Q5_1 blocks whose float32 sum q d + m rounds.
 * every path vs float64 with the unquantized weights: NMSE under fmt.nmse_ceiling (seed 004).
 Outputs are NaN-poisoned before each launch; data are fresh random draws per run.
 """
@@ -347,6 +349,53 @@ def test_matmul_gguf_file_tensor(fmt, tmp_path):
     qf = qt.fmt.from_bytes(np.array(t.data), (n, k))
     assert np.array_equal(qf.data, qt.data)
     _check_all_paths(fmt, w, qf, [1, 8, 33, 600], rng)
+
+
+# ---- the fp16-weight paths' weights, bit for bit ------------------------------------------------
+def _extreme_fields(fmt, n, nb, rng):
+    """Fields with d and m over fp16's whole range of exponents (subnormals, zeros, signs) up to
+    2^9, so that |q d + m| stays finite in fp16, and every q."""
+    def halves(shape):
+        v = rng.choice([-1.0, 1.0], shape) * 2.0 ** rng.uniform(-25, 9, shape)
+        v[rng.random(shape) < 0.05] = 0.0
+        return v.astype(np.float16)
+    d = halves((n, nb))
+    m = halves((n, nb)) if fmt.has_min else None
+    lo, hi = (-127, 127) if fmt.bits == 8 else (0, (1 << fmt.bits) - 1)
+    return d, m, rng.integers(lo, hi + 1, (n, nb, 32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp16_paths_weights_bit_exact(fmt):
+    """x = the identity reads each fp16-weight path's weights back exactly (one product by 1, the
+    rest exact zeros; fp32 sums; the fp16 output of an fp16 value): dequant's are the float32
+    fmt.dequantize rounded to half, wgmma's (Hopper) the correctly rounded half of the exact
+    value q d + m or (q - offset) d (float64 holds it exactly). Q4_1 / Q5_1 with |q d| and |m|
+    far apart are where the two differ (the float32 sum rounds first); everywhere else they agree.
+    N = 200: a row tile's tail; K = 512: all 8 stages' offsets in their 16-byte windows."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    f = qz.formats.get(fmt)
+    n, k = 200, 512
+    d, m, q = _extreme_fields(f, n, k // 32, rng)
+    qt_cpu = qz.formats.QuantizedTensor(fmt, (n, k), f.pack(d, q, m))
+    fields = f.unpack(qt_cpu.data)
+    assert np.array_equal(fields["q"], q), "pack / unpack round trip"
+    d64 = fields["d"].astype(np.float64)[..., None]
+    exact = (d64 * q + fields["m"].astype(np.float64)[..., None] if f.has_min
+             else d64 * (q - f.offset)).reshape(n, k)
+    want = {"dequant": f.dequantize(qt_cpu).astype(np.float16), "wgmma": exact.astype(np.float16)}
+    qt = qt_cpu.to(DEV)
+    eye = torch.eye(k, dtype=torch.float16, device=DEV)
+    for path in (["dequant"] + (["wgmma"] if G.wgmma_ok(qt) else [])):
+        for rows in (slice(0, k), slice(128, 192)):   # M = 512 (T = 256) and 64 (T = 64)
+            got = _run(eye[rows].contiguous(), qt, path).T
+            diff = got != want[path][:, rows].astype(np.float32)
+            assert not diff.any(), (f"{fmt} {path}: {diff.sum()} weights differ, first at "
+                                    f"{tuple(int(i) for i in np.argwhere(diff)[0])}")
+    if f.has_min:   # how often the two paths' weights differ: only where float32's sum rounded
+        print(f"{fmt}: {(want['dequant'] != want['wgmma']).mean():.2%} of these weights differ between paths")
+    else:
+        assert np.array_equal(want["dequant"], want["wgmma"])
 
 
 # ---- the Hopper wgmma path: tails, split K, graph replay -------------------------------------------

@@ -47,9 +47,9 @@ def test_choose_path_thresholds(fmt):
 
 
 def test_wgmma_dispatch(monkeypatch):
-    """Where wgmma_ok holds (a Q4_0 / Q5_0 / Q8_0 weight on Hopper): M = 9..256 on weights of 4096 x 4096
-    and up, beyond to M = 2048 (Q4_0) / 512 (Q5_0) / 1024 (Q8_0) on 6144 x 4096 and up, whatever
-    the grid's wave fill (4096->12288 M = 512: 192 tiles, 1.45 waves); never below 9 (mmvq)."""
+    """Where wgmma_ok holds (on Hopper): M = 9..256 on weights of 4096 x 4096 and up, beyond to
+    the format's WGMMA_MAX_M on 6144 x 4096 and up, whatever the grid's wave fill (4096->12288
+    M = 512: 192 tiles, 1.45 waves); never below 9 (mmvq)."""
     class Data:
         device = "cuda:0"
 
@@ -58,14 +58,14 @@ def test_wgmma_dispatch(monkeypatch):
 
     monkeypatch.setattr(G, "wgmma_ok", lambda q: q.format in G.WGMMA_FORMATS)
     monkeypatch.setattr(G, "_aligned16", lambda q: True)
-    for fmt, top in (("q4_0", 2048), ("q5_0", 512), ("q8_0", 1024)):
+    assert set(G.WGMMA_MAX_M) == set(G.WGMMA_FORMATS) == set(G.BLOCKS)
+    for fmt, top in G.WGMMA_MAX_M.items():
         for n, k in ((6144, 4096), (12288, 4096), (4096, 12288), (24576, 4096)):
             assert [G.choose_path(m, qt(n, k, fmt)) for m in (8, 9, 256, 257, top, top + 1)] == \
                 ["mmvq"] + ["wgmma"] * 4 + ["dequant"], (fmt, n, k)
     assert G.choose_path(512, qt(4096, 4096)) == "dequant"       # above M = 256, below 6144 x 4096
     assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
     assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight
-    assert G.choose_path(64, qt(12288, 4096, "q4_1")) == "mma"   # not a wgmma format
 
 
 def test_mma_plan():
@@ -199,7 +199,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 # by TMA: the weight as bytes [N, nb BYTES], boxes of the block's rows x the
                 # 16-byte window of a stage's 2 blocks, no swizzle; the whole [M, K] activation,
                 # boxes of T tokens x 64 k, 128-byte swizzle
-                slot = {"q4_0": 48, "q5_0": 64, "q8_0": 80}[fmt]
+                slot = {"q4_0": 48, "q4_1": 48, "q5_0": 64, "q5_1": 48, "q8_0": 80}[fmt]
                 assert calls[0][3][0] == ("tmap", qt.data.data_ptr(), n, nb * G.BYTES[fmt], rows, slot, 0, "u8")
                 assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, t, 64, 128, "f16")
                 v = 4 if n % 4 == 0 else 1   # columns a thread (y from torch: aligned)

@@ -19,7 +19,7 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
                         on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
-  "wgmma"    Hopper only, Q4_0 / Q5_0 / Q8_0 (wgmma_ok), WGMMA_MIN_M <= M <= 256 (and further
+  "wgmma"    Hopper only, every format (wgmma_ok), WGMMA_MIN_M <= M <= 256 (and further
                         to WGMMA_MAX_M[fmt] on the larger weights): the dequant path's
                         function with the blocks unpacked in registers as wgmma's A operand, fed
                         by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
@@ -40,6 +40,7 @@ captured in a CUDA graph (during a capture, workspaces come from the graph's own
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -149,9 +150,9 @@ MMQ_MAX_M = {f: 0 for f in BLOCKS}
 # 32 MB buffer, 136 us with 128 MB; M=2048 384 vs 360 us -- fewer, larger cuBLAS calls win.
 DEQUANT_BUFFER_BYTES = 128 << 20
 # Hopper (sm_90a) path, cuda/gguf_wgmma.cu: the dequant path's function (fp16 weights, fp32
-# accumulation) with the weights unpacked in registers as wgmma's A operand, for the formats
-# whose value is one product; needs a 16-byte-aligned weight with K % 256 == 0 (wgmma_ok).
-WGMMA_FORMATS = tuple(f for f in ("q4_0", "q5_0", "q8_0") if f in BLOCKS)
+# accumulation) with the weights unpacked in registers as wgmma's A operand; needs a
+# 16-byte-aligned weight with K % 256 == 0 (wgmma_ok).
+WGMMA_FORMATS = tuple(f for f in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0") if f in BLOCKS)
 WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D); wgmma_tiles.config
 # Dispatch on Hopper (us, rotated weights, event medians). Session 8: wgmma beats mma and dequant
 # + cuBLAS from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 vs
@@ -167,9 +168,16 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 #        41.2; q5_0 M = 768 59.8 vs 55.4): those weights keep dequant there (WGMMA_MIN_NK_FULL);
 #   Q5_0 (fifth bits unpacked per element pair) now beats mma from M = 16: 4096->12288 40.3 vs
 #        47.1, 12288->4096 33.2 vs 39.2 (mma's M = 9..16 share its 16-row tile).
+# Session 17, Q4_1 / Q5_1 on the same kernel (one hfma2 by d plus m in place of Q4_0's hmul2;
+# bench/NOTES.md, "Session 17"; wgmma vs mma, then vs dequant + cuBLAS): the same rules hold.
+#   from M = 9: q4_1 4096->12288 M = 9 28.1 vs 45.2, 12288->4096 26.3 vs 39.3; q5_1 31.0 vs
+#        45.2, 30.0 vs 43.0; 4096->1024 stays with mma (q4_1 M = 16 10.0 vs 9.7);
+#   q4_1 to M = 2048 as Q4_0 (4096->12288 M = 2048 306.7 vs 308.0, 12288->4096 297.3 vs 291.1,
+#        4096->6144 155.0 vs 155.6), q5_1 to 512 as Q5_0 (4096->6144 M = 512 54.8 vs 61.3,
+#        M = 768 77.3 vs 75.9).
 WGMMA_MIN_M = 9
 WGMMA_MIN_NK = 4096 * 4096          # M <= wgmma_tiles.MAX_M: weights of at least this
-WGMMA_MAX_M = {"q4_0": 2048, "q5_0": 512, "q8_0": 1024}   # above MAX_M, to this M: weights of
+WGMMA_MAX_M = {"q4_0": 2048, "q4_1": 2048, "q5_0": 512, "q5_1": 512, "q8_0": 1024}   # above MAX_M, to this M: weights of
 WGMMA_MIN_NK_FULL = 6144 * 4096                             # at least WGMMA_MIN_NK_FULL
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
@@ -386,8 +394,8 @@ def choose_path(m: int, qt) -> str:
 
 
 def wgmma_ok(qt) -> bool:
-    """Whether the wgmma path can read this (checked, CUDA) weight: a Q4_0 / Q5_0 / Q8_0 weight whose
-    base is 16-byte aligned and whose rows are whole 256-element stage windows (K % 256 == 0),
+    """Whether the wgmma path can read this (checked, CUDA) weight: a weight whose base is 16-byte
+    aligned and whose rows are whole 256-element stage windows (K % 256 == 0),
     rows under 2 GiB (TMA's byte coordinate along a row is a 32-bit int), on a Hopper GPU."""
     data = getattr(qt, "data", None)
     return (getattr(qt, "format", None) in WGMMA_FORMATS and hasattr(data, "data_ptr")
@@ -403,8 +411,10 @@ def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
 
 def _wgmma_slot(fmt: str) -> int:
     """Bytes of a weight row in a stage of the wgmma kernel (ggw::Cfg::SLOT): the 16-byte window
-    that holds its 2 blocks at any 4-byte offset (a TMA box starts on a 16-byte boundary)."""
-    return -(-(2 * BYTES[fmt] + 12) // 16) * 16
+    that holds its 2 blocks (rb bytes) at any offset a stage can have in it, a multiple of
+    gcd(rb, 16) (a TMA box starts on a 16-byte boundary)."""
+    rb = 2 * BYTES[fmt]
+    return -(-(rb + 16 - math.gcd(rb, 16)) // 16) * 16
 
 
 def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
@@ -515,7 +525,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
         raise ValueError(f"mma_split: {mma_split!r}, a positive int")
     if path == "wgmma" and not wgmma_ok(qt):
-        raise ValueError(f"path: 'wgmma' takes a Q4_0 / Q5_0 / Q8_0 weight on a Hopper GPU (compute capability "
+        raise ValueError(f"path: 'wgmma' takes a weight on a Hopper GPU (compute capability "
                          f"9.0), 16-byte aligned, with K % 256 == 0; got {fmt} K={k} on {qt.data.device}")
     if path == "mma" and not _aligned16(qt):
         raise ValueError("path: 'mma' needs qt.data's address and size to be multiples of 16 bytes "
