@@ -23,8 +23,9 @@
 //   words of rows k and k + 1 first puts both rows' nibbles of a column 16 bits apart, so each
 //   LOP3 yields a k pair of one column; then exact q - z and one hmul2 (bit-identical fp16
 //   weights). No repacked weight.
-// * T = 32, 64, 128 or 256 tokens per instruction, the narrowest that holds M up to 128
-//   (host: wgmma_config). Up to T = 128 a warpgroup issues 2 instructions per k-step (j), each
+// * T = 32, 64, 128 or 256 tokens per instruction, the narrowest that holds M up to 128, above
+//   that 128 or 256, whichever leaves fewer idle SMs and padded tokens (host:
+//   wgmma_tiles.config). No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions per k-step (j), each
 //   thread dequantising half a word; at T = 256 the 64 x 256 fp32 accumulators allow only one
 //   (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a word (warp w: columns
 //   4h + 2 j0, +1 with h = w / 2, j0 = w % 2) -- half the dequant per MMA again.
@@ -113,9 +114,9 @@ __device__ __forceinline__ int w_offset(int r, int w) {
 // j % splits of tile dp_tiles + j / splits (j = block - dp_tiles): rows [split *
 // rows_per_split, (split + 1) * rows_per_split) of K (a multiple of BK; the host makes every
 // split non-empty). Block awqw::Cfg::THREADS (128 * NWG + 128) threads, dynamic shared memory
-// awqw::Cfg<NWG, T, D>::SMEM. Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x T,
-// 128-byte swizzle; qweight u32 [K, N/8] box WORDS x 64, swizzle ROW; scales fp16 [K/G, N] box
-// 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2 at G = 32,
+// awqw::Cfg<NWG, T, D>::SMEM. Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x
+// x_rows (x_rows = min(T, M): wg::x_box_row), 128-byte swizzle; qweight u32 [K, N/8] box
+// WORDS x 64, swizzle ROW; scales fp16 [K/G, N] box 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2 at G = 32,
 // else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. With splits > 1 the split tiles' fp32
 // partials meet in ws [splits][M][N] and the tile's last block sums them in split order
 // (awq_common.cuh).
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,
                  const __grid_constant__ wg::TmaDesc smap, const __grid_constant__ wg::TmaDesc zmap,
                  half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
-                 int M, int K, int N, int G, int tiles_m, int dp_tiles, int splits, int rows_per_split) {
+                 int M, int K, int N, int G, int tiles_m, int dp_tiles, int splits, int rows_per_split, int x_rows) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = awqw::Cfg<NWG, T, D>;
@@ -137,7 +138,8 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const auto [whole, tile, split, n_split] = wg::BlockWork(dp_tiles, splits);
-  const int m0 = (tile % tiles_m) * T;
+  // this tile's tokens are [m_tile, m_tile + T); its x box starts at token m0
+  const int m0 = wg::x_box_row((tile % tiles_m) * T, M, x_rows);
   const int col0 = (tile / tiles_m) * C::WORDS;
   const int kb = whole ? 0 : split * rows_per_split;   // this block's rows [kb, ke)
   const int ke = whole ? K : min(K, kb + rows_per_split);
@@ -152,7 +154,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     wg::set_max_regs<false, 40>();
     if (tid == C::CONSUMERS) {
       wg::prefetch_map(&xmap); wg::prefetch_map(&wmap); wg::prefetch_map(&smap); wg::prefetch_map(&zmap);
-      const unsigned tx = C::X_BYTES + C::W_BYTES + gps * C::WORDS * (16 + 4);
+      const unsigned tx = x_rows * 128 + C::W_BYTES + gps * C::WORDS * (16 + 4);
       for (int st = 0; st < n_stages; ++st) {
         const int b = st % D, k0 = kb + st * BK;
         if (st >= D) wg::mbar_wait(empty0 + 8 * b, (st / D - 1) & 1);
@@ -260,6 +262,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     wg::drain<T, JN>(acc);
 
     // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r (JN = 1: 8c + 4h + 2j0 + r), token m0 + 8i + 2t + e
+    const int m_tile = wg::first_stored_row(m0, M, x_rows, tiles_m, T);
     const int cg = col0 + c;
     if (cg < n8) {
 #pragma unroll
@@ -267,7 +270,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int m = m0 + 8 * i + 2 * t + e;
-          if (m < M) {
+          if (m >= m_tile && m < M) {   // not another tile's row, nor past M
             const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
             if constexpr (JN == 1) {   // columns 8c + 4h + 2j0 + r
               const size_t o = (size_t)m * N + 8 * cg + 4 * h + 2 * j0;
@@ -288,11 +291,12 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     }
   }   // consumers
   if (n_split == 1) return;
+  const int m_tile = wg::first_stored_row(m0, M, x_rows, tiles_m, T);
   __shared__ int last_flag;
   if (!awq::last_block_of_tile(counters + tile, n_split, &last_flag, C::CONSUMERS)) return;
   for (int task = tid; task < T * C::WORDS; task += C::CONSUMERS) {   // (token, column word)
     const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
-    if (m >= M || cw >= n8) continue;
+    if (m < m_tile || m >= M || cw >= n8) continue;
     float v[8];
     awq::sum8_partials(v, ws + (size_t)m * N + 8 * cw, (size_t)M * N, splits);
     awq::store8_half(y + (size_t)m * N + 8 * cw, v);

@@ -56,8 +56,10 @@
 //   tile is split so that the grid fills one wave; with more, whole waves of tiles walk all of K
 //   and only the last, partly empty wave's tiles are split. Their partials meet in an fp32
 //   workspace that wgmma_reduce adds in split order (deterministic).
-// * Tails: weight rows past N and tokens past M are zero-filled (d = 0 and x = 0 contribute 0)
-//   and not stored.
+// * Tails: weight rows past N are zero-filled (d = 0: they contribute 0) and not stored. No x box
+//   reaches past token M (wg::x_box_row says why): with M < T the box holds the M rows, and the
+//   stale shared-memory rows after them feed only outputs that are not stored; with M >= T the
+//   last token tile is shifted back to end at M.
 //
 // Measured on the H100 (bench/NOTES.md, sessions 8 and 16; rotated weights, us): with the
 // producer warpgroup 0.7-1.0x the time of the session-15 kernel (every thread cp.async'ing, one
@@ -108,7 +110,8 @@ struct Cfg {
 // rest do split j % splits of tile dp_tiles + j / splits (j = block - dp_tiles): stages
 // [split sps, (split + 1) sps) of the nb / 2 (the host makes every split non-empty) -- the
 // schedule of awq_wgmma.cu (wgmma_tiles.schedule). Block ggw::Cfg::THREADS (128 NWG + 128)
-// threads. Tensor maps (host, kernels/gguf.py): x fp16 [M, K] box 64 x T, 128-byte swizzle;
+// threads. Tensor maps (host, kernels/gguf.py): x fp16 [M, K] box 64 x x_rows (x_rows =
+// min(T, M): wg::x_box_row), 128-byte swizzle;
 // W bytes [N, nb BYTES] box SLOT x ROWS, no swizzle (rows 16-byte multiples: nb % 8 == 0). With
 // splits > 1 the split tiles' fp32 partials go to part [splits][M][N], which wgmma_reduce
 // (below, the next launch) sums.
@@ -116,7 +119,7 @@ template <class F, int NWG, int T, int D>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
 gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg::TmaDesc xmap,
            half* __restrict__ y, float* __restrict__ part, int M, int N, int nb, int tiles_m, int dp_tiles,
-           int splits, int sps) {
+           int splits, int sps, int x_rows) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = ggw::Cfg<F, NWG, T, D>;
@@ -128,7 +131,8 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const auto [whole, tile, split, n_split] = wg::BlockWork(dp_tiles, splits);
-  const int m0 = (tile % tiles_m) * T;
+  // this tile's tokens are [m_tile, m_tile + T); its x box starts at token m0
+  const int m0 = wg::x_box_row((tile % tiles_m) * T, M, x_rows);
   const int n0 = (tile / tiles_m) * C::ROWS;
   const int st0 = split * sps;
   const int n_stages = whole ? nb / 2 : min(nb / 2, st0 + sps) - st0;
@@ -145,7 +149,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
         const int b = st % D, s = st0 + st;
         if (st >= D) wg::mbar_wait(empty0 + 8 * b, (st / D - 1) & 1);
         const unsigned S0 = base + b * C::STAGE, bar = full0 + 8 * b;
-        wg::mbar_arrive_expect_tx(bar, C::X_BYTES + C::ROWS * C::SLOT);
+        wg::mbar_arrive_expect_tx(bar, x_rows * 128 + C::ROWS * C::SLOT);
         wg::tma_2d(S0, &xmap, 64 * s, m0, bar);
         wg::tma_2d(S0 + C::X_BYTES, &wmap, (s * C::RB) & ~15, n0, bar);   // the 16-byte window
       }
@@ -243,6 +247,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
   wg::drain<T, JN>(acc);
 
   // acc[j][4i + 2 r8 + e]: weight row n0 + rr(j) + 8 r8, token m0 + 8i + 2t + e
+  const int m_tile = wg::first_stored_row(m0, M, x_rows, tiles_m, T);
 #pragma unroll
   for (int j = 0; j < JN; ++j)
 #pragma unroll
@@ -254,7 +259,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int m = m0 + 8 * i + 2 * t + e;
-          if (m >= M) continue;
+          if (m < m_tile || m >= M) continue;   // another tile's row, or past M
           const float v = acc[j][4 * i + 2 * r8 + e];
           if (n_split > 1) part[((size_t)split * M + m) * N + n] = v;
           else y[(size_t)m * N + n] = __float2half_rn(v);

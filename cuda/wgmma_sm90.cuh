@@ -201,6 +201,20 @@ struct BlockWork {
         n_split(whole ? 1 : splits) {}
 };
 
+// The first token row of a tile's x box (both kernels; x_rows = the box's rows, T, or M when
+// M < T): the tile's own first row m_tile, except that the last tile of M >= T rows starts at
+// M - T instead, so that no box reaches past row M. TMA fills rows past the tensor with zeros
+// slowly: a tile with 224 of its 256 rows past M made a launch 30 % slower than the same work
+// on a padded x (bench/NOTES.md, session 17). A shifted tile computes the rows before m_tile
+// again and stores only its own, [m_tile, min(m_tile + T, M)).
+__device__ __forceinline__ int x_box_row(int m_tile, int M, int x_rows) { return min(m_tile, M - x_rows); }
+// ... and that tile's m_tile again, for its epilogue, from m0 and the launch's constants (only the
+// last token tile's box can start before its m_tile, and that box ends at row M), so that the
+// K loop keeps one row number live, not two (two cost the AWQ kernel 3-6 %, session 17).
+__device__ __forceinline__ int first_stored_row(int m0, int M, int x_rows, int tiles_m, int T) {
+  return m0 == M - x_rows ? (tiles_m - 1) * T : m0;
+}
+
 // One TMA copy: the box of `map` at coordinates (c0 innermost, c1) into shared address dst,
 // its bytes announced to mbarrier bar when they land. Box elements outside the tensor read as 0.
 __device__ __forceinline__ void tma_2d(unsigned dst, const TmaDesc* map, int c0, int c1, unsigned bar) {

@@ -153,6 +153,27 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     assert [awq.wgmma_config(m)[1] for m in (17, 32, 33, 64, 65, 128, 129, 512)] == [32, 32, 64, 64, 128, 128, 256, 256]
 
 
+def test_wgmma_token_tile_choice():
+    """Above M = 128 wgmma_tiles.config takes T = 128 or 256 by its cost model; on the H100
+    (132 SMs) it must pick the faster of the two measured (GGUF q4_0, us, bench/NOTES.md session
+    17) wherever they were more than 5 % apart. T = 256 at M not a multiple of 256 was timed on x
+    padded to the next multiple: the work of a tile shifted back to end at row M."""
+    from quantzoo.kernels import wgmma_tiles as wt
+
+    measured = {   # (K, N, M): (T = 256, T = 128)
+        (4096, 12288, 288): (90.5, 71.5), (4096, 12288, 384): (90.4, 76.4), (4096, 12288, 512): (90.3, 97.2),
+        (4096, 12288, 640): (130.6, 113.4), (4096, 12288, 768): (129.0, 137.1),
+        (12288, 4096, 448): (77.9, 101.6), (12288, 4096, 512): (79.9, 94.2), (12288, 4096, 640): (122.6, 134.3),
+        (4096, 4096, 512): (35.3, 39.9), (4096, 4096, 640): (45.7, 49.9), (4096, 6144, 288): (47.1, 50.2),
+        (4096, 6144, 640): (70.9, 55.6), (4096, 6144, 768): (71.4, 74.7),
+    }
+    for (k, n, m), (t256, t128) in measured.items():
+        if abs(t256 - t128) > 0.05 * min(t256, t128):
+            assert wt.config(m, n, k, 132)[1] == (256 if t256 < t128 else 128), (k, n, m)
+    assert wt.config(100, 12288, 4096, 132)[1] == 128 and wt.config(300)[1] == 256   # no shape: 256
+    assert [wt.x_rows(m, 256) for m in (1, 200, 256, 300)] == [1, 200, 256, 256]
+
+
 def test_wgmma_schedule():
     """wgmma_tiles.schedule: with no more tiles than slots every tile is split to fill a wave;
     with more, whole waves walk all of K and only the last wave's tiles are split (at least

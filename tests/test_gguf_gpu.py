@@ -404,7 +404,8 @@ def test_wgmma_tails_splits_graph(fmt):
     """M and N tails of every token tile (T = 32 .. 256), K split into 5-8 parts (uneven: 44
     stages in 5) and summed by wgmma_reduce (1-wide at N = 202, 4-wide else), more tiles than an
     H100 holds at once (8704 rows at M = 130 / 300: 136 tiles, 132 walking all of K and the last
-    4 split), and a graph replay equal to the eager call."""
+    4 split), a second call equal to the first (the split sum's order is fixed), and a graph
+    replay equal to the eager call."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k in ((202, 4096), (8704, 2048), (72, 2816)):   # N % 4 != 0: the 1-wide reduce
         w, qt_cpu = _weight(fmt, n, k, rng)
@@ -414,7 +415,9 @@ def test_wgmma_tails_splits_graph(fmt):
         w16 = qt_cpu.fmt.dequantize(qt_cpu).astype(np.float16).astype(np.float64)
         for m in (1, 7, 33, 65, 130, 300):
             x16 = rng.standard_normal((m, k)).astype(np.float16)
-            _check_fp16(_run(torch.from_numpy(x16).to(DEV), qt, "wgmma"), x16, w16, f"{fmt} wgmma {n}x{k} M={m}")
+            y = _run(torch.from_numpy(x16).to(DEV), qt, "wgmma")
+            _check_fp16(y, x16, w16, f"{fmt} wgmma {n}x{k} M={m}")
+            assert np.array_equal(y, _run(torch.from_numpy(x16).to(DEV), qt, "wgmma")), "a second call differs"
     m = 96
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).to(DEV)
     y = torch.empty((m, n), dtype=torch.float16, device=DEV)

@@ -185,12 +185,12 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 assert names == [f"dequant<{G.BLOCKS[fmt]}>"]
                 assert calls[0][1][0] * 256 >= n * (k // 32) * 4
             elif path == "wgmma":   # one launch (+ the split-K reduce); T and splits as planned
-                nwg, t, d = G.wgmma_tiles.config(m)
+                nwg, t, d = G.wgmma_tiles.config(m, n, k, 132)
                 assert names[0] == f"gguf_wgmma<{G.BLOCKS[fmt]}, {nwg}, {t}, {d}>"
                 rows = 64 * (1 if t == 256 else 2) * nwg
                 tiles_m, tiles = -(-m // t), -(-m // t) * -(-n // rows)
                 args = calls[0][3]
-                assert [int(a) for a in args[4:8]] == [m, n, nb, tiles_m]
+                assert [int(a) for a in args[4:8]] == [m, n, nb, tiles_m] and int(args[11]) == min(m, t)
                 dp, splits, sps = (int(a) for a in args[8:11])
                 assert calls[0][1] == (dp + (tiles - dp) * splits,) and calls[0][2] == (128 * nwg + 128,)
                 assert (splits - 1) * sps < nb // 2 <= splits * sps   # every split non-empty
@@ -198,10 +198,10 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 assert calls[0][4] == G.wgmma_smem_bytes(fmt, nwg, t, d) <= 227 * 1024
                 # by TMA: the weight as bytes [N, nb BYTES], boxes of the block's rows x the
                 # 16-byte window of a stage's 2 blocks, no swizzle; the whole [M, K] activation,
-                # boxes of T tokens x 64 k, 128-byte swizzle
+                # boxes of T tokens (M when M < T: never past row M) x 64 k, 128-byte swizzle
                 slot = {"q4_0": 48, "q4_1": 48, "q5_0": 64, "q5_1": 48, "q8_0": 80}[fmt]
                 assert calls[0][3][0] == ("tmap", qt.data.data_ptr(), n, nb * G.BYTES[fmt], rows, slot, 0, "u8")
-                assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, t, 64, 128, "f16")
+                assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, min(m, t), 64, 128, "f16")
                 v = 4 if n % 4 == 0 else 1   # columns a thread (y from torch: aligned)
                 assert names[1:] == ([f"wgmma_reduce<{v}>"] if splits > 1 else [])
                 if splits > 1:   # every element of the split tiles

@@ -519,7 +519,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     if n % WGMMA_N_MULTIPLE:
         raise ValueError(f"path: 'wgmma' needs N % {WGMMA_N_MULTIPLE} == 0 (its weight rows come by TMA, "
                          f"16 bytes at a time), got N={n}")
-    nwg, t, d = cfg or wgmma_config(m)
+    nwg, t, d = cfg or wgmma_config(m, n, k, _sm_count(dev))   # 1 block an SM
     name = f"awq_wgmma_kernel<{nwg}, {t}, {d}>"
     kern = _kernel("awq_wgmma.cu", name)
     smem = _wgmma_smem(nwg, t, d)
@@ -533,13 +533,15 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
     words = wgmma_tiles.columns(nwg, t) // 8
     gps = 2 if g == 32 else 1   # groups a 64-row stage spans
+    xr = wgmma_tiles.x_rows(m, t)
     launch_tma(kern, (dp + (tiles - dp) * splits,), (threads,),
-               (tensor_map_2d(x2.data_ptr(), m, k, t, 64),   # T tokens x 64 k, 128-byte swizzle
+               (tensor_map_2d(x2.data_ptr(), m, k, xr, 64),   # T tokens (M when M < T) x 64 k, 128-byte swizzle
                 tensor_map_2d(qweight.data_ptr(), k, n // 8, 64, words, 4 * words, "u32"),
                 tensor_map_2d(scales.data_ptr(), k // g, n, gps, 8 * words, 0),
                 tensor_map_2d(qzeros.data_ptr(), k // g, n // 8, gps, words, 0, "u32"),
                 y.data_ptr(), ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n),
-                np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per)), smem)
+                np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per), np.int32(xr)),
+               smem)
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,

@@ -418,7 +418,7 @@ def _wgmma_slot(fmt: str) -> int:
 
 
 def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
-    nwg, t, d = cfg = wgmma_tiles.config(m)
+    nwg, t, d = cfg = wgmma_tiles.config(m, n, 32 * nb, _sm_count(y2.device))   # 1 block an SM
     name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}>"
     kern = _kernel("gguf_wgmma.cu", name)
     smem = wgmma_smem_bytes(fmt, nwg, t, d)
@@ -432,12 +432,14 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     if splits > 1:
         part = _workspace("wgmma_part", splits * m * n * 4, y2.device)
     # the weight as bytes [N, nb BYTES], a stage's box ROWS rows x SLOT bytes; x tiles of T
-    # tokens x 64 k in the 128-byte swizzle
+    # tokens (M when M < T) x 64 k in the 128-byte swizzle
     wmap = tensor_map_2d(w.data_ptr(), n, nb * BYTES[fmt], wgmma_tiles.columns(nwg, t), _wgmma_slot(fmt), 0, "u8")
-    xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, t, 64)
+    xr = wgmma_tiles.x_rows(m, t)
+    xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, xr, 64)
     launch_tma(kern, (dp + (tiles - dp) * splits,), (threads,),
                (wmap, xmap, y2.data_ptr(), 0 if part is None else part.data_ptr(), np.int32(m), np.int32(n),
-                np.int32(nb), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(sps)), shared_mem=smem)
+                np.int32(nb), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(sps), np.int32(xr)),
+               shared_mem=smem)
     if splits > 1:   # the split tiles' partials, summed in split order
         rows = wgmma_tiles.columns(nwg, t)
         count = (tiles - dp) * t * rows

@@ -11,12 +11,44 @@ MAX_M = 256      # dispatch: wgmma up to this M on a format's smaller weights, b
                  # format's own limit) on its larger ones
 
 
-def config(m: int) -> tuple[int, int, int]:
-    """(NWG, T, D) for M rows: the narrowest token tile that holds M up to 128, else 256 (T = 32 /
-    64 / 128 each fastest in its range; T = 256, one 64 x 256 instruction per k-step and half
-    the dequant per MMA, 3-15 % faster than T = 128 from M = 256 up, slower at M = 128)."""
-    return ((2, 32, 6) if m <= 32 else (2, 64, 6) if m <= 64 else (2, 128, 5) if m <= 128
-            else (2, 256, 5))
+# Above M = 128 config picks T = 128 or 256 by the time `cost` predicts, in units of one 64-row
+# stage of a T = 256 tile (128 x 256 outputs; T = 128 tiles are 256 x 128, as many MACs):
+T128_STAGE = 1.08    # a T = 128 stage: 4096->12288 M = 512, the same schedule, 97.2 vs 90.3 us
+SPLIT_STAGES = 7     # a split launch's extra time, the split-K reduce (~5 us / 0.75 us a stage)
+
+
+def config(m: int, n: int | None = None, k: int | None = None, slots: int | None = None) -> tuple[int, int, int]:
+    """(NWG, T, D) for M rows: the narrowest token tile that holds M up to 128 (T = 32 / 64 / 128
+    each fastest in its range); above, T = 128 or 256, whichever `cost` predicts faster for an
+    N x K weight on a GPU holding `slots` blocks at once (T = 256 without them). T = 256, one
+    64 x 256 instruction per k-step and half the dequant per MMA, is 3-15 % faster than T = 128
+    on whole tiles; T = 128 wins where it leaves fewer tokens padded or SMs idle: 4096->12288
+    M = 384 76.4 vs 90.4 us (144 vs 192 tiles on 132 SMs), M = 640 113.4 vs 130.6
+    (bench/NOTES.md, session 17)."""
+    if m <= 128:
+        return (2, 32, 6) if m <= 32 else (2, 64, 6) if m <= 64 else (2, 128, 5)
+    wide = (2, 256, 5)
+    if n is None or k is None or not slots:
+        return wide
+    return min((wide, (2, 128, 5)), key=lambda cfg: cost(m, n, k, slots, cfg))
+
+
+def cost(m: int, n: int, k: int, slots: int, cfg) -> float:
+    """Predicted time of a launch, in T = 256 stages: the stages of the most loaded SM (whole
+    waves of whole tiles, then the last wave's split tiles), plus the reduce of a split launch."""
+    dp, splits, per = schedule(m, n, k, slots, cfg)
+    stages = -(-k // 64)
+    if splits == 1:
+        t = -(-dp // slots) * stages
+    else:
+        t = dp // slots * stages + per + SPLIT_STAGES
+    return t * (T128_STAGE if cfg[1] == 128 else 1.0)
+
+
+def x_rows(m: int, t: int) -> int:
+    """Rows of a launch's x box: T, or M when M < T (no box reaches past row M:
+    wg::x_box_row in cuda/wgmma_sm90.cuh)."""
+    return min(m, t)
 
 
 def columns(nwg: int, t: int) -> int:
