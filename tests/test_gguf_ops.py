@@ -47,9 +47,9 @@ def test_choose_path_thresholds(fmt):
 
 
 def test_wgmma_dispatch(monkeypatch):
-    """Where wgmma_ok holds (on Hopper): M = 9..256 on weights of 4096 x 4096 and up, beyond to
-    the format's WGMMA_MAX_M on 6144 x 4096 and up, whatever the grid's wave fill (4096->12288
-    M = 512: 192 tiles, 1.45 waves); never below 9 (mmvq)."""
+    """Where wgmma_ok holds (on Hopper): M = 9 to the format's WGMMA_MAX_M on weights of 4096 x 4096
+    and up, whatever the grid's wave fill (4096->12288 M = 512: 192 tiles, 1.45 waves); never
+    below 9 (mmvq), nor on smaller weights."""
     class Data:
         device = "cuda:0"
 
@@ -60,10 +60,9 @@ def test_wgmma_dispatch(monkeypatch):
     monkeypatch.setattr(G, "_aligned16", lambda q: True)
     assert set(G.WGMMA_MAX_M) == set(G.WGMMA_FORMATS) == set(G.BLOCKS)
     for fmt, top in G.WGMMA_MAX_M.items():
-        for n, k in ((6144, 4096), (12288, 4096), (4096, 12288), (24576, 4096)):
+        for n, k in ((4096, 4096), (6144, 4096), (12288, 4096), (4096, 12288), (24576, 4096)):
             assert [G.choose_path(m, qt(n, k, fmt)) for m in (8, 9, 256, 257, top, top + 1)] == \
                 ["mmvq"] + ["wgmma"] * 4 + ["dequant"], (fmt, n, k)
-    assert G.choose_path(512, qt(4096, 4096)) == "dequant"       # above M = 256, below 6144 x 4096
     assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
     assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight
 

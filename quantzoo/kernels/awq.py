@@ -94,7 +94,7 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 296.8 vs 342.0; M = 1024 196.9 vs 206.9, 184.2 vs 191.8, 384.1 vs 426.4 -- but not on 4096->6144
 # (M = 768: 89.4 vs 78.8), nor at M = 1536 (4096->12288 321.6 vs 273.0).
 WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M_FULL and N * K >= WGMMA_MIN_NK:
-WGMMA_MAX_M_FULL = 512  # wgmma (wgmma_tiles.dispatch) ...
+WGMMA_MAX_M_FULL = 512  # wgmma ...
 WGMMA_MIN_NK = 6144 * 4096
 WGMMA_MAX_M_BIG = 1024          # ... and up to M = WGMMA_MAX_M_BIG where
 WGMMA_MIN_NK_BIG = 12288 * 4096  # N * K >= WGMMA_MIN_NK_BIG
@@ -298,7 +298,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
     max_m = WGMMA_MAX_M_BIG if n * k >= WGMMA_MIN_NK_BIG else WGMMA_MAX_M_FULL
     if (WGMMA_MIN_M <= m <= max_m and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"
             and wgmma_available(dev)
-            and wgmma_tiles.dispatch(m, n, k, WGMMA_MIN_NK, WGMMA_MIN_NK)):
+            and n * k >= WGMMA_MIN_NK):
         return "wgmma"
     if m == 1 and n >= GEMV_MIN_N:
         return "gemv"

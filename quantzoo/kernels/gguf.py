@@ -19,14 +19,15 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
                         on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
-  "wgmma"    Hopper only, every format (wgmma_ok), WGMMA_MIN_M <= M <= 256 (and further
-                        to WGMMA_MAX_M[fmt] on the larger weights): the dequant path's
+  "wgmma"    Hopper only, every format (wgmma_ok), WGMMA_MIN_M <= M <= WGMMA_MAX_M[fmt] on
+                        weights of WGMMA_MIN_NK elements and up: the dequant path's
                         function with the blocks unpacked in registers as wgmma's A operand, fed
                         by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
 
 mmvq, mma and mmq compute exactly what reference/gguf_dot.py emulates (per-block terms bit-equal;
 only the fp32 order of the sum over blocks differs); dequant and wgmma are fp16 x fp16 with fp32
-accumulation (cuBLAS; the tensor cores), on weights bit-equal to fmt.dequantize(qt) rounded to half.
+accumulation (cuBLAS; the tensor cores), on weights bit-equal to fmt.dequantize(qt) rounded to half
+(wgmma's Q4_1 / Q5_1 weights: q d + m rounded once, cuda/gguf_wgmma.cu says where that differs).
 
 matmul_q8_1(xq, qt, m, layout) takes activations already in Q8_1 (the runner's norms and SiLU
 write them, q8_1_layout names the layout the mmvq of that M reads) and runs the same launches
@@ -164,8 +165,8 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 #        1024 (4096->6144 95.9 vs 98.6; 4096->12288 M = 1536 283.8 vs 281.2, M = 2048 356.1 vs
 #        331.2), q5_0 to 512 (4096->6144 M = 512 60.8 vs 64.4, M = 768 84.6 vs 80.1, M = 1024
 #        105.1 vs 99.2; 4096->12288 M = 1536 324.4 vs 275.8);
-#   on 4096->4096 above M = 256 it is a toss-up (M = 384 q4_0 42.7 vs 36.9, M = 512 35.3 vs
-#        41.2; q5_0 M = 768 59.8 vs 55.4): those weights keep dequant there (WGMMA_MIN_NK_FULL);
+#   on 4096->4096 above M = 256 it was a toss-up (M = 384 q4_0 42.7 vs 36.9, M = 512 35.3 vs
+#        41.2; q5_0 M = 768 59.8 vs 55.4) until session 17 kept x boxes inside x (below);
 #   Q5_0 (fifth bits unpacked per element pair) now beats mma from M = 16: 4096->12288 40.3 vs
 #        47.1, 12288->4096 33.2 vs 39.2 (mma's M = 9..16 share its 16-row tile).
 # Session 17, Q4_1 / Q5_1 on the same kernel (one hfma2 by d plus m in place of Q4_0's hmul2;
@@ -175,10 +176,12 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 #   q4_1 to M = 2048 as Q4_0 (4096->12288 M = 2048 306.7 vs 308.0, 12288->4096 297.3 vs 291.1,
 #        4096->6144 155.0 vs 155.6), q5_1 to 512 as Q5_0 (4096->6144 M = 512 54.8 vs 61.3,
 #        M = 768 77.3 vs 75.9).
+#   with no x box past row M (wg::x_box_row) wgmma also wins on 4096->4096 to M = 1024: q4_0
+#        M = 384 34.5 (was 43.8), M = 512 34.9, M = 1000 49.6 vs dequant 41-42 / 60; q4_1 M = 768
+#        46.0 vs 50.9; at M = 1536-2048 the two tie (q4_1 86.4 vs 82.5, 103.5 vs 103.4).
 WGMMA_MIN_M = 9
-WGMMA_MIN_NK = 4096 * 4096          # M <= wgmma_tiles.MAX_M: weights of at least this
-WGMMA_MAX_M = {"q4_0": 2048, "q4_1": 2048, "q5_0": 512, "q5_1": 512, "q8_0": 1024}   # above MAX_M, to this M: weights of
-WGMMA_MIN_NK_FULL = 6144 * 4096                             # at least WGMMA_MIN_NK_FULL
+WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMMA_MIN_M to WGMMA_MAX_M
+WGMMA_MAX_M = {"q4_0": 2048, "q4_1": 2048, "q5_0": 512, "q5_1": 512, "q8_0": 1024}
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -383,7 +386,7 @@ def choose_path(m: int, qt) -> str:
         return "mmvq"
     if fmt in WGMMA_FORMATS and m >= WGMMA_MIN_M and not isinstance(qt, str) and wgmma_ok(qt):
         n, k = qt.shape
-        if m <= WGMMA_MAX_M[fmt] and wgmma_tiles.dispatch(m, n, k, WGMMA_MIN_NK, WGMMA_MIN_NK_FULL):
+        if m <= WGMMA_MAX_M[fmt] and n * k >= WGMMA_MIN_NK:
             return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:

@@ -7,8 +7,6 @@ kernel (bench/NOTES.md, session 8) and the GGUF one is built the same way.
 from __future__ import annotations
 
 MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (pipeline fill and drain)
-MAX_M = 256      # dispatch: wgmma up to this M on a format's smaller weights, beyond it (to the
-                 # format's own limit) on its larger ones
 
 
 # Above M = 128 config picks T = 128 or 256 by the time `cost` predicts, in units of one 64-row
@@ -68,14 +66,6 @@ def plan(m: int, n: int, k: int, slots: int, cfg=None) -> int:
     fit in one wave, at least MIN_STAGES 64-row stages each."""
     tm, tn = grid(m, n, cfg or config(m))
     return max(1, min(slots // (tm * tn), -(-k // 64) // MIN_STAGES))
-
-
-def dispatch(m: int, n: int, k: int, min_nk: int, min_nk_full: int) -> bool:
-    """Whether dispatch takes wgmma for M rows (already inside the format's M range) of an N x K
-    weight: M <= MAX_M on weights of at least min_nk, above on weights of at least min_nk_full.
-    No wave-fill condition: `schedule` splits the last wave's tiles to fill it."""
-    nk = n * k
-    return nk >= (min_nk if m <= MAX_M else min_nk_full)
 
 
 def split_k(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None) -> tuple[int, int]:
