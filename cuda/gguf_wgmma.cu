@@ -38,7 +38,9 @@
 //   stage.
 // * Shared rows of 48 or 80 bytes (12 or 20 words) put the 8 rows g of a warp's reads 4 words
 //   apart mod 32 banks; a thread's 2-byte reads of one row span at most 3 words: no conflicts.
-//   (Q5_0's 64-byte rows are 2-way conflicted.)
+//   Q5_0's 64-byte rows would put rows g and g + 2 on the same banks (4-way conflicts); they come
+//   in TMA's 64-byte swizzle instead, which moves each pair of rows to its own 16-byte chunk
+//   position, and the readers XOR their in-row offsets with the same key.
 // * A fragment (mma.sync's m16n8k16 A, per warp of the warpgroup): thread (g, t) holds rows g,
 //   g + 8 and k pairs (2t, 2t+1), (2t+8, 2t+9) of a 16-k step. In a Q4_0 block, k < 16 is the
 //   low nibble of qs byte k and k >= 16 the high nibble of byte k - 16, so the two bytes
@@ -89,6 +91,7 @@ struct Cfg {
   static constexpr int GCD16 = (RB & -RB) < 16 ? (RB & -RB) : 16;   // gcd(RB, 16): RB's lowest set bit, at most 16
   static constexpr int MAX_O = 16 - GCD16;             // the largest stage offset o in a window
   static constexpr int SLOT = (RB + MAX_O + 15) / 16 * 16;   // the TMA box's row: 48, 48, 64, 48, 80 bytes
+  static constexpr int SWIZZLE = SLOT == 64 ? 64 : 0;   // the weight box's TMA swizzle (bytes; Q5_0)
   static constexpr int PH = F::HAS_MIN ? 4 : 2;        // in a block: qh (5-bit formats) after d [, m]
   static constexpr int PQ = PH + (F::BITS == 5 ? 4 : 0);   // and qs after that
   static constexpr int X_BYTES = T * 128;              // T tokens x 64 halves, swizzled
@@ -112,7 +115,8 @@ struct Cfg {
 // schedule of awq_wgmma.cu (wgmma_tiles.schedule). Block ggw::Cfg::THREADS (128 NWG + 128)
 // threads. Tensor maps (host, kernels/gguf.py): x fp16 [M, K] box 64 x x_rows (x_rows =
 // min(T, M): wg::x_box_row), 128-byte swizzle;
-// W bytes [N, nb BYTES] box SLOT x ROWS, no swizzle (rows 16-byte multiples: nb % 8 == 0). With
+// W bytes [N, nb BYTES] box SLOT x ROWS, swizzle ggw::Cfg::SWIZZLE (rows 16-byte multiples:
+// nb % 8 == 0). With
 // splits > 1 the split tiles' fp32 partials go to part [splits][M][N], which wgmma_reduce
 // (below, the next launch) sums.
 template <class F, int NWG, int T, int D>
@@ -159,6 +163,9 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
   wg::set_max_regs<true, 232>();
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t = lane & 3;
+  // 64-byte weight rows come in TMA's 64-byte swizzle (16-byte chunk c of row r at chunk
+  // c ^ (r / 2 % 4)); this thread's rows all have r / 2 % 4 = g / 2 % 4
+  const int key = C::SWIZZLE == 64 ? ((g >> 1) & 3) << 4 : 0;
   // this thread's weight rows in the block: instruction j, r8 = 0 / 1 -> row rr(j) + 8 r8
   auto rr = [&](int j) { return 64 * JN * wg + 64 * j + 16 * wq + g; };
   float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
@@ -184,22 +191,23 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
       for (int j = 0; j < JN; ++j)
 #pragma unroll
         for (int r8 = 0; r8 < 2; ++r8) {
-          const unsigned char* blk = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT + o + b * F::BYTES;
+          // the row's bytes; `at` places in-row byte offset f as TMA's swizzle put it
+          const unsigned char* row = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT;
+          const int ob = o + b * F::BYTES;   // the block's offset in the row
+          auto at = [&](int f) { return row + (f ^ key); };
           if constexpr (F::HAS_MIN) {   // 20 / 24-byte blocks at o in {0, 8}: d, m one aligned word
-            const unsigned dm = *reinterpret_cast<const unsigned*>(blk);
+            const unsigned dm = *reinterpret_cast<const unsigned*>(at(ob));
             dd[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x1010));
             mm[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x3232));
           } else {
-            dd[j][r8] = awq::as_h2(unsigned(*reinterpret_cast<const unsigned short*>(blk)) * 0x10001u);
+            dd[j][r8] = awq::as_h2(unsigned(*reinterpret_cast<const unsigned short*>(at(ob))) * 0x10001u);
           }
-          const unsigned char* qs = blk + C::PQ;
 #pragma unroll
           for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs may sit at an even, not 4-byte, offset
-            qv[j][r8][q] = *reinterpret_cast<const unsigned short*>(qs + 16 * (q >> 1) + 8 * (q & 1) + 2 * t);
-          if constexpr (F::BITS == 5) {
-            const unsigned short* h = reinterpret_cast<const unsigned short*>(blk + C::PH);
-            qh[j][r8] = unsigned(h[0]) | (unsigned(h[1]) << 16);
-          }
+            qv[j][r8][q] = *reinterpret_cast<const unsigned short*>(at(ob + C::PQ + 16 * (q >> 1) + 8 * (q & 1) + 2 * t));
+          if constexpr (F::BITS == 5)
+            qh[j][r8] = unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH)))
+                      | (unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH + 2))) << 16);
         }
       // 4 / 5 bits: (1024 + q) - (1024 + OFFSET), and (1024 + 16 q) / 16 - (64 + OFFSET), both
       // exact: the halves of 1024 + OFFSET and -(64 + OFFSET)

@@ -196,10 +196,11 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 assert (dp == tiles) == (splits == 1) and (args[3] != 0) == (splits > 1)
                 assert calls[0][4] == G.wgmma_smem_bytes(fmt, nwg, t, d) <= 227 * 1024
                 # by TMA: the weight as bytes [N, nb BYTES], boxes of the block's rows x the
-                # 16-byte window of a stage's 2 blocks, no swizzle; the whole [M, K] activation,
+                # 16-byte window of a stage's 2 blocks; the whole [M, K] activation,
                 # boxes of T tokens (M when M < T: never past row M) x 64 k, 128-byte swizzle
                 slot = {"q4_0": 48, "q4_1": 48, "q5_0": 64, "q5_1": 48, "q8_0": 80}[fmt]
-                assert calls[0][3][0] == ("tmap", qt.data.data_ptr(), n, nb * G.BYTES[fmt], rows, slot, 0, "u8")
+                swizzle = 64 if slot == 64 else 0   # Q5_0's 64-byte rows: 64-byte swizzle
+                assert calls[0][3][0] == ("tmap", qt.data.data_ptr(), n, nb * G.BYTES[fmt], rows, slot, swizzle, "u8")
                 assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, min(m, t), 64, 128, "f16")
                 v = 4 if n % 4 == 0 else 1   # columns a thread (y from torch: aligned)
                 assert names[1:] == ([f"wgmma_reduce<{v}>"] if splits > 1 else [])

@@ -436,7 +436,9 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
         part = _workspace("wgmma_part", splits * m * n * 4, y2.device)
     # the weight as bytes [N, nb BYTES], a stage's box ROWS rows x SLOT bytes; x tiles of T
     # tokens (M when M < T) x 64 k in the 128-byte swizzle
-    wmap = tensor_map_2d(w.data_ptr(), n, nb * BYTES[fmt], wgmma_tiles.columns(nwg, t), _wgmma_slot(fmt), 0, "u8")
+    slot = _wgmma_slot(fmt)   # 64-byte rows (Q5_0) in the 64-byte swizzle (ggw::Cfg::SWIZZLE)
+    wmap = tensor_map_2d(w.data_ptr(), n, nb * BYTES[fmt], wgmma_tiles.columns(nwg, t), slot, 64 if slot == 64 else 0,
+                         "u8")
     xr = wgmma_tiles.x_rows(m, t)
     xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, xr, 64)
     launch_tma(kern, (dp + (tiles - dp) * splits,), (threads,),
