@@ -274,7 +274,7 @@ def bench_gguf(fmt, ms, paths, rotate=True):
         for path in paths:
             if (path == "mmvq" and m > 64) or (path == "mma" and m > 512):
                 continue
-            if path == "wgmma" and (m > 1024 or not G.wgmma_ok(qts[0])):   # Hopper, Q4_0 / Q5_0 / Q8_0 only
+            if path == "wgmma" and (m > 1024 or not G.wgmma_ok(qts[0])):   # Hopper, K % 256 == 0 only
                 continue
             reps = max(len(qts), 12 if m <= 64 else 4)
             calls = [lambda qt=qts[i % len(qts)], p=path: G.matmul(x, qt, out=y, path=p) for i in range(reps)]
@@ -304,7 +304,7 @@ def sanitize_run():
     shapes = [(1, 67, 96), (3, 1, 32), (5, 130, 160), (8, 33, 544), (9, 65, 32), (70, 129, 96), (130, 7, 64),
               (2, 37, 9600),  # several mmvq passes with a tail
               (1, 72, 96), (7, 8, 4160), (40, 200, 4160), (130, 72, 96),  # 16-byte aligned: mmvq16 and mma
-              (33, 130, 512), (300, 72, 2816)]  # K % 256 == 0: wgmma (Q4_0 / Q5_0 / Q8_0 on Hopper)
+              (33, 130, 512), (300, 72, 2816)]  # K % 256 == 0: wgmma (on Hopper)
     for fmt in G.BLOCKS:
         for m, n, k in shapes:
             qt = qz.formats.get(fmt).quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).to("cuda")

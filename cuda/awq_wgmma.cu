@@ -24,11 +24,12 @@
 //   LOP3 yields a k pair of one column; then exact q - z and one hmul2 (bit-identical fp16
 //   weights). No repacked weight.
 // * T = 32, 64, 128 or 256 tokens per instruction, the narrowest that holds M up to 128, above
-//   that 128 or 256, whichever leaves fewer idle SMs and padded tokens (host:
-//   wgmma_tiles.config). No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions per k-step (j), each
-//   thread dequantising half a word; at T = 256 the 64 x 256 fp32 accumulators allow only one
-//   (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a word (warp w: columns
-//   4h + 2 j0, +1 with h = w / 2, j0 = w % 2) -- half the dequant per MMA again.
+//   that 128 or 256, whichever leaves fewer idle SMs and padded tokens (host: wgmma_tiles.config).
+//   No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions
+//   per k-step (j), each thread dequantising half a word; at T = 256 the 64 x 256 fp32
+//   accumulators allow only one (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a
+//   word (warp w: columns 4h + 2 j0, +1 with h = w / 2, j0 = w % 2) -- half the dequant per MMA
+//   again.
 // * A stage's 16 weight words, scales and zeros of a thread are read from shared memory at
 //   once and all 4 k-steps dequantised, then issued as one wgmma group (wg::stage_step).
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
@@ -108,18 +109,18 @@ __device__ __forceinline__ int w_offset(int r, int w) {
 
 }  // namespace awqw
 
-// grid (dp_tiles + (tiles - dp_tiles) * splits): tile i = (token tile i % tiles_m, column tile
-// i / tiles_m), token tiles varying fastest, so the blocks that read the same weights run
-// together and share L2. Blocks below dp_tiles each do tile i over all of K; the rest do split
-// j % splits of tile dp_tiles + j / splits (j = block - dp_tiles): rows [split *
-// rows_per_split, (split + 1) * rows_per_split) of K (a multiple of BK; the host makes every
-// split non-empty). Block awqw::Cfg::THREADS (128 * NWG + 128) threads, dynamic shared memory
-// awqw::Cfg<NWG, T, D>::SMEM. Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x
-// x_rows (x_rows = min(T, M): wg::x_box_row), 128-byte swizzle; qweight u32 [K, N/8] box
-// WORDS x 64, swizzle ROW; scales fp16 [K/G, N] box 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2 at G = 32,
-// else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. With splits > 1 the split tiles' fp32
-// partials meet in ws [splits][M][N] and the tile's last block sums them in split order
-// (awq_common.cuh).
+// grid (dp_tiles + (tiles - dp_tiles) * splits): tile i = (token tile i % tiles_m, column tile i /
+// tiles_m), token tiles varying fastest, so the blocks that read the same weights run together and
+// share L2. Blocks below dp_tiles each do tile i over all of K; the rest do split j % splits of
+// tile dp_tiles + j / splits (j = block - dp_tiles): rows [split * rows_per_split, (split + 1) *
+// rows_per_split) of K (a multiple of BK; the host makes every split non-empty). Block
+// awqw::Cfg::THREADS (128 * NWG + 128) threads, dynamic shared memory awqw::Cfg<NWG, T, D>::SMEM.
+// Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x x_rows (x_rows = min(T, M):
+// wg::x_box_row), 128-byte swizzle; qweight u32 [K, N/8] box WORDS x 64, swizzle ROW; scales fp16
+// [K/G, N] box 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2
+// at G = 32, else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. With splits > 1 the split
+// tiles' fp32 partials meet in ws [splits][M][N] and the tile's last block sums them in split
+// order (awq_common.cuh).
 template <int NWG, int T, int D>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,

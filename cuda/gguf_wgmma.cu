@@ -31,9 +31,9 @@
 //   start on a 16-byte boundary (an unaligned innermost coordinate is an illegal instruction,
 //   found here). So a stage's box is ROWS rows x SLOT = 48 / 48 / 64 / 48 / 80 bytes from the
 //   16-byte window holding the stage, and the readers add the stage's offset o = (s RB) % 16,
-//   the same in every row (a multiple of gcd(RB, 16), so at most 16 - gcd(RB, 16)). Bytes of the window
-//   outside the stage are never read; past the row's end TMA reads zeros, and rows past N read as
-//   zeros (d = 0: they contribute 0, and are not stored). Before (sessions 8 to 15) every thread
+//   the same in every row (a multiple of gcd(RB, 16), so at most 16 - gcd(RB, 16)). Bytes of
+//   the window outside the stage are never read; past the row's end TMA reads zeros, and rows
+//   past N read as zeros (d = 0: they contribute 0, and are not stored). Before (sessions 8 to 15) every thread
 //   issued 3-5 16-byte cp.async a stage into such windows and the block met at one barrier a
 //   stage.
 // * Shared rows of 48 or 80 bytes (12 or 20 words) put the 8 rows g of a warp's reads 4 words
@@ -114,9 +114,8 @@ struct Cfg {
 // [split sps, (split + 1) sps) of the nb / 2 (the host makes every split non-empty) -- the
 // schedule of awq_wgmma.cu (wgmma_tiles.schedule). Block ggw::Cfg::THREADS (128 NWG + 128)
 // threads. Tensor maps (host, kernels/gguf.py): x fp16 [M, K] box 64 x x_rows (x_rows =
-// min(T, M): wg::x_box_row), 128-byte swizzle;
-// W bytes [N, nb BYTES] box SLOT x ROWS, swizzle ggw::Cfg::SWIZZLE (rows 16-byte multiples:
-// nb % 8 == 0). With
+// min(T, M): wg::x_box_row), 128-byte swizzle; W bytes [N, nb BYTES] box SLOT x ROWS, swizzle
+// ggw::Cfg::SWIZZLE (rows 16-byte multiples: nb % 8 == 0). With
 // splits > 1 the split tiles' fp32 partials go to part [splits][M][N], which wgmma_reduce
 // (below, the next launch) sums.
 template <class F, int NWG, int T, int D>

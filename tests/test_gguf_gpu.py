@@ -74,7 +74,7 @@ def _run(x_t, qt, path):
 
 def _paths(m, qt=None):
     """mmvq runs M > 8 in chunks of 8; mma needs a 16-byte-aligned weight (qt on CUDA); wgmma a
-    Hopper GPU and a Q4_0 / Q5_0 / Q8_0 weight with K % 256 == 0 (G.wgmma_ok)."""
+    Hopper GPU and a weight with K % 256 == 0 (G.wgmma_ok)."""
     return ((["mmvq"] if m <= 128 else []) + (["mma"] if qt is not None and G._aligned16(qt) else [])
             + ["mmq", "dequant"] + (["wgmma"] if qt is not None and G.wgmma_ok(qt) else []))
 
