@@ -57,8 +57,11 @@
 //   this path takes N % 32 == 0 (host: WGMMA_N_MULTIPLE); dispatch sends other N to mma.sync.
 // * Split K: one block walks its K range at a fixed per-stage latency, so a grid of few tiles
 //   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
-//   fills one wave of resident blocks; the fp32 partials meet in a workspace and the tile's
-//   last block adds them in split order (deterministic, one launch, graph-replayable).
+//   fills one wave of resident blocks; the fp32 partials meet in a workspace and are added in
+//   split order (deterministic) by the tile's last block (2 splits) or by the next launch,
+//   wgmma_reduce in wgmma_sm90.cuh (more splits: the last blocks' serial sums of up to 15
+//   partials cost more than a launch over the GPU; M = 64 0.70-0.85x the time with it, while at
+//   2 splits neither way wins everywhere: bench/NOTES.md, session 17).
 // * More tiles than resident blocks: the first dp_tiles tiles (whole waves) walk all of K, and
 //   only the tiles of the last, partly empty wave are split, so that they fill it with shorter
 //   blocks (4096->12288 M = 512: 192 tiles on 132 SMs; without this the second wave runs 60
@@ -120,7 +123,8 @@ __device__ __forceinline__ int w_offset(int r, int w) {
 // [K/G, N] box 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2
 // at G = 32, else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. With splits > 1 the split
 // tiles' fp32 partials meet in ws [splits][M][N] and the tile's last block sums them in split
-// order (awq_common.cuh).
+// order (awq_common.cuh; counters: one zeroed unsigned per tile, left zeroed) or, with counters
+// null, wgmma_reduce does.
 template <int NWG, int T, int D>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,
@@ -291,7 +295,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         }
     }
   }   // consumers
-  if (n_split == 1) return;
+  if (n_split == 1 || counters == nullptr) return;   // no counters: wgmma_reduce (the next launch) sums
   const int m_tile = wg::first_stored_row(m0, M, x_rows, tiles_m, T);
   __shared__ int last_flag;
   if (!awq::last_block_of_tile(counters + tile, n_split, &last_flag, C::CONSUMERS)) return;

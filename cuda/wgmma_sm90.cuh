@@ -7,6 +7,7 @@
 // that include this compile to empty bodies.
 #pragma once
 #include <cuda_fp16.h>
+#include "pdl.cuh"
 
 namespace wg {
 // The driver's CUtensorMap (128 bytes, 64-byte aligned): a TMA descriptor encoded on the host
@@ -228,3 +229,40 @@ __device__ __forceinline__ void prefetch_map(const TmaDesc* map) {
 
 }  // namespace wg
 #endif
+
+// ---- split K's reduce, a launch of its own after either kernel (plain CUDA: every target) ----
+// y = the sum of the split tiles' partials in split order, one thread V consecutive columns
+// (V = 4 when N % 4 == 0 and y is 8-byte aligned: 16-byte partial loads; else 1): the elements
+// of tiles dp_tiles .. tiles - 1 (count = their number x T rows x `rows` columns), numbered tile
+// by tile, token-major inside a tile. Partials: part [splits][M][N] fp32, each split tile's rows
+// [m_tile, min(m_tile + T, M)) written by its blocks. Why a launch of its own over the whole GPU:
+// summed inside the kernel by each tile's last block, the few blocks doing it made GGUF's split
+// launches 2x slower with scalar loads (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us, session 16) and
+// 5-12 % slower with coalesced fragment-order partials (session 17, bench/NOTES.md). The AWQ
+// kernel uses it past 2 splits and keeps its last-block sum at 2 (awq_wgmma.cu says why).
+template <int V>
+__global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ y, int M, int N, int T, int rows,
+                             int tiles_m, int dp_tiles, int splits, long long count) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
+  const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * V;
+  if (i >= count) return;
+  const int per = T * rows;
+  const int tile = dp_tiles + (int)(i / per), r = (int)(i % per);
+  const int m = (tile % tiles_m) * T + r / rows, n = (tile / tiles_m) * rows + r % rows;
+  if (m >= M || n >= N) return;   // V = 4: N % 4 == 0, so n + 3 < N too
+  const size_t o = (size_t)m * N + n, stride = (size_t)M * N;
+  if constexpr (V == 4) {
+    float4 s = *reinterpret_cast<const float4*>(part + o);
+    for (int z = 1; z < splits; ++z) {
+      const float4 p = *reinterpret_cast<const float4*>(part + z * stride + o);
+      s.x += p.x; s.y += p.y; s.z += p.z; s.w += p.w;
+    }
+    const half2 lo = __floats2half2_rn(s.x, s.y), hi = __floats2half2_rn(s.z, s.w);
+    *reinterpret_cast<uint2*>(y + o) = make_uint2(*reinterpret_cast<const unsigned*>(&lo),
+                                                  *reinterpret_cast<const unsigned*>(&hi));
+  } else {
+    float s = part[o];
+    for (int z = 1; z < splits; ++z) s += part[z * stride + o];
+    y[o] = __float2half_rn(s);
+  }
+}

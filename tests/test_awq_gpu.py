@@ -355,9 +355,10 @@ def test_dequant_cublas_slabs(k, n, g, m, monkeypatch):
                                                 (12288, 256, 128, 300, 5, 0), (12288, 256, 128, 300, 5, 1),
                                                 (608, 1120, 32, 520, 3, 2)], ids=str)
 def test_wgmma_split_k(k, n, g, m, splits, dp, cfg):
-    """Split K across blocks (fp32 partials, the tile's last block sums them): uneven splits,
-    K not a multiple of the 64-row stage (608 = 9.5 stages), one stage per split, M and N tails;
-    and the schedule with the first dp tiles whole and only the rest split."""
+    """Split K across blocks (fp32 partials, summed by the tile's last block at 2 splits, by the
+    wgmma_reduce launch above): uneven splits, K not a multiple of the 64-row stage (608 = 9.5
+    stages), one stage per split, M and N tails; and the schedule with the first dp tiles whole
+    and only the rest split."""
     awq = awq_mod()
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
@@ -366,7 +367,7 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg):
     x16 = rand_x(rng, m, k)
     x = torch.from_numpy(x16).cuda()
     d = qtc.data
-    for _ in range(2):   # the tile counters return to zero: a second call is as good as the first
+    for _ in range(2):   # counters back at zero, workspace reused: a second call is as good as the first
         y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
         awq._wgmma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, g, cfg=cfg, splits=splits, dp_tiles=dp)
         torch.cuda.synchronize()

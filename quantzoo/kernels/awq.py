@@ -67,7 +67,8 @@ SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".forma
 # tokens per block, shared-memory stages. wgmma_config picks T by M; the others are for sweeps.
 WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6), (2, 32, 6),
               (2, 256, 4), (2, 256, 5))
-SOURCES["awq_wgmma.cu"] = tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
+SOURCES["awq_wgmma.cu"] = (tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
+                           + ("wgmma_reduce<4>",))   # split K's sum past 2 splits (cuda/wgmma_sm90.cuh)
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
 # ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; tables in bench/notes-awq.md)
@@ -98,6 +99,11 @@ WGMMA_MAX_M_FULL = 512  # wgmma ...
 WGMMA_MIN_NK = 6144 * 4096
 WGMMA_MAX_M_BIG = 1024          # ... and up to M = WGMMA_MAX_M_BIG where
 WGMMA_MIN_NK_BIG = 12288 * 4096  # N * K >= WGMMA_MIN_NK_BIG
+# Split K's partials: summed by the tile's last block up to this many splits, above by a
+# wgmma_reduce launch (session 17, us, HEAD vs reduce launch, two runs each: M = 64 4096->12288
+# 29.3 -> 26.9, 12288->4096 29.8 -> 25.0, 4096->6144 20.5 -> 17.1; 4096->6144 M = 1536 (5 splits)
+# 141 -> 131; at 2 splits mixed: 4096->12288 M = 512 99.1 -> 93-95, 12288->4096 95 -> 104-108).
+WGMMA_FUSED_SUM_MAX_SPLITS = 2
 WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte rows: N/8 words % 4 == 0
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 GEMV_DEFAULT = (2, 8, 4)
@@ -530,7 +536,9 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     slots = _blocks_per_sm(kern, smem, threads) * _sm_count(dev)
     dp, splits, per = wgmma_tiles.schedule(m, n, k, slots, (nwg, t, d), splits, dp_tiles)
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
-    ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
+    # 2 splits: the tile's last block sums them (tile counters); more: the wgmma_reduce launch
+    reduce = splits > WGMMA_FUSED_SUM_MAX_SPLITS
+    ctr = None if reduce else _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
     words = wgmma_tiles.columns(nwg, t) // 8
     gps = 2 if g == 32 else 1   # groups a 64-row stage spans
     xr = wgmma_tiles.x_rows(m, t)
@@ -539,9 +547,15 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
                 tensor_map_2d(qweight.data_ptr(), k, n // 8, 64, words, 4 * words, "u32"),
                 tensor_map_2d(scales.data_ptr(), k // g, n, gps, 8 * words, 0),
                 tensor_map_2d(qzeros.data_ptr(), k // g, n // 8, gps, words, 0, "u32"),
-                y.data_ptr(), ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n),
-                np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per), np.int32(xr)),
-               smem)
+                y.data_ptr(), ws.data_ptr(), 0 if ctr is None else ctr.data_ptr(), np.int32(m), np.int32(k),
+                np.int32(n), np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per),
+                np.int32(xr)), smem)
+    if reduce:   # the split tiles' partials, summed in split order, 4 columns a thread (N % 32 == 0)
+        rows = wgmma_tiles.columns(nwg, t)
+        count = (tiles - dp) * t * rows
+        _launch(_kernel("awq_wgmma.cu", "wgmma_reduce<4>"), (-(-count // 1024),), (256,),
+                (ws.data_ptr(), y.data_ptr(), np.int32(m), np.int32(n), np.int32(t), np.int32(rows),
+                 np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int64(count)))
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,
