@@ -59,7 +59,7 @@
 //   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
 //   fills one wave of resident blocks; the fp32 partials meet in a workspace and are added in
 //   split order (deterministic) by the tile's last block (2 splits) or by the next launch,
-//   wgmma_reduce in wgmma_sm90.cuh (more splits: the last blocks' serial sums of up to 15
+//   wgmma_reduce in wgmma_sm90.cuh (more splits: the last blocks' serial sums of 3 to 16
 //   partials cost more than a launch over the GPU; M = 64 0.70-0.85x the time with it, while at
 //   2 splits neither way wins everywhere: bench/NOTES.md, session 17).
 // * More tiles than resident blocks: the first dp_tiles tiles (whole waves) walk all of K, and
