@@ -46,6 +46,17 @@ template <int T> struct Wgmma;
 #define QZ_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
                    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 
+template <> struct Wgmma<16> {
+  __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n"
+        "}\n"
+        : QZ_ACC8(0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
 template <> struct Wgmma<32> {
   __device__ __forceinline__ static void run(float* d, const unsigned* a, unsigned long long desc, int accumulate) {
     asm volatile(

@@ -349,7 +349,8 @@ def test_dequant_cublas_slabs(k, n, g, m, monkeypatch):
     check(run(x16, qtc, "dequant+cublas"), x16, qt, w16, "slabs")
 
 
-@pytest.mark.parametrize("cfg", [(2, 128, 5), (2, 64, 6), (2, 32, 6), (1, 128, 6), (2, 256, 4)], ids=str)
+@pytest.mark.parametrize("cfg", [(2, 128, 5), (2, 64, 6), (2, 32, 6), (1, 128, 6), (2, 256, 4), (2, 16, 16),
+                                 (2, 32, 12)], ids=str)
 @pytest.mark.parametrize("k,n,g,m,splits,dp", [(608, 576, 32, 100, 2, 0), (608, 576, 32, 33, 10, 0),
                                                 (4096, 1024, 128, 130, 3, 0), (1024, 224, 64, 7, 16, 0),
                                                 (12288, 256, 128, 300, 5, 0), (12288, 256, 128, 300, 5, 1),

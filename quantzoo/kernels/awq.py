@@ -19,8 +19,9 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          in registers as operand A, every tile by TMA from a
                                          producer warpgroup, split K, any M, N % 32 == 0;
                                          chosen on Hopper for 17 <= M <= 512 and N * K >=
-                                         WGMMA_MIN_NK, to M = 1024 for N * K >= WGMMA_MIN_NK_BIG
-                                         (bench/NOTES.md sessions 8, 13, 15)
+                                         WGMMA_MIN_NK, to M = 1024 for N * K >= WGMMA_MIN_NK_BIG,
+                                         and for 8 <= M <= 32 on smaller weights (from 4096 x
+                                         4096 at M <= 16; bench/NOTES.md sessions 8, 13, 15, 18)
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
@@ -66,7 +67,7 @@ SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".forma
 # Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = warpgroups (128 columns each),
 # tokens per block, shared-memory stages. wgmma_config picks T by M; the others are for sweeps.
 WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6), (2, 32, 6),
-              (2, 256, 4), (2, 256, 5))
+              (2, 256, 4), (2, 256, 5), (2, 16, 16), (2, 32, 12))
 SOURCES["awq_wgmma.cu"] = (tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
                            + ("wgmma_reduce<4>",))   # split K's sum past 2 splits (cuda/wgmma_sm90.cuh)
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
@@ -94,9 +95,19 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 12288 x 4096 and up: M = 768 4096->12288 149.6 vs 155.9, 12288->4096 159.2 vs 159.6, 4096->24576
 # 296.8 vs 342.0; M = 1024 196.9 vs 206.9, 184.2 vs 191.8, 384.1 vs 426.4 -- but not on 4096->6144
 # (M = 768: 89.4 vs 78.8), nor at M = 1536 (4096->12288 321.6 vs 273.0).
-WGMMA_MIN_M = 17        # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M_FULL and N * K >= WGMMA_MIN_NK:
+# Small M (session 18, .scratch/awqs18.py, us, rotated weights, graph-timed): with a 16-token tile
+# and 16 stages, (2, 16, 16), its time is nearly flat over M = 1..16 -- 4096->12288 19.1-19.4,
+# 12288->4096 16.7-17.5, 4096->4096 10.0-10.3, 4096->6144 11.5-11.7, 4096->24576 29.7-30.6 -- and
+# it beats dispatch's small-M / mma kernels from M = 8 on weights of 4096 x 4096 and up
+# (M = 16: 22.2 -> 19.4, 22.8 -> 17.5, 13.6 -> 10.3, 15.6 -> 11.7, 37.2 -> 30.6; M = 8: 18.3 ->
+# 16.9 on 12288->4096, 36.4 -> 30.2 on 4096->24576, a tie on 4096->12288 18.8 vs 19.1), but not
+# at 4096->1024 (M = 16: 7.0 vs 8.1). At M = 17..32 (2, 32, 12) beats (2, 32, 6) by 2-6 % and
+# mma on the smaller weights too: 4096->4096 M = 32 15.9 -> 10.8, 4096->1024 11.3 -> 9.6.
+WGMMA_MIN_M = 8         # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M_FULL and N * K at least
+WGMMA_SMALL_MIN_NK = 4096 * 4096   # this up to M = 16,
+WGMMA_MID_MIN_NK = 4096 * 1024     # this for M = 17..32,
 WGMMA_MAX_M_FULL = 512  # wgmma ...
-WGMMA_MIN_NK = 6144 * 4096
+WGMMA_MIN_NK = 6144 * 4096         # ... and this above
 WGMMA_MAX_M_BIG = 1024          # ... and up to M = WGMMA_MAX_M_BIG where
 WGMMA_MIN_NK_BIG = 12288 * 4096  # N * K >= WGMMA_MIN_NK_BIG
 # Split K's partials: summed by the tile's last block up to this many splits, above by a
@@ -302,9 +313,10 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         qw = qt.data.get("qweight")
         dev = qw.device if isinstance(qw, torch.Tensor) else None
     max_m = WGMMA_MAX_M_BIG if n * k >= WGMMA_MIN_NK_BIG else WGMMA_MAX_M_FULL
+    min_nk = WGMMA_SMALL_MIN_NK if m <= 16 else WGMMA_MID_MIN_NK if m <= 32 else WGMMA_MIN_NK
     if (WGMMA_MIN_M <= m <= max_m and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"
             and wgmma_available(dev)
-            and n * k >= WGMMA_MIN_NK):
+            and n * k >= min_nk):
         return "wgmma"
     if m == 1 and n >= GEMV_MIN_N:
         return "gemv"
@@ -514,7 +526,15 @@ def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     return wgmma_tiles.smem_bytes(t * 128 + 64 * words * 4 + 2 * words * 16 + 2 * words * 4, d)
 
 
-wgmma_config = wgmma_tiles.config
+def wgmma_config(m: int, n: int | None = None, k: int | None = None, slots: int | None = None):
+    """(NWG, T, D) of the AWQ wgmma kernel for M rows: a 16-token tile with 16 stages up to M = 16,
+    32 tokens with 12 stages to M = 32 (the measured small-M configs, WGMMA_MIN_M's comment), above
+    that the rule both wgmma kernels share (wgmma_tiles.config)."""
+    if m <= 16:
+        return (2, 16, 16)
+    if m <= 32:
+        return (2, 32, 12)
+    return wgmma_tiles.config(m, n, k, slots)
 
 
 def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp_tiles=None):
