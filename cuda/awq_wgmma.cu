@@ -25,9 +25,9 @@
 //   weights). No repacked weight.
 // * T = 16, 32, 64, 128 or 256 tokens per instruction, the narrowest that holds M up to 128, above
 //   that 128 or 256, whichever leaves fewer idle SMs and padded tokens (host: awq.wgmma_config).
-//   At M <= 16 the tokens are no work; what sets the time is how much weight is in flight, so
-//   that tile takes 16 stages (128 KB of weight words a block; session 18: 0.88-0.97x the time
-//   of T = 32 with 6 stages at M = 1..16).
+//   At M <= 16 the tensor work is small and a block's time is its walk over K, one stage after
+//   another; T = 16 with 16 stages (128 KB of weight words in flight a block) takes 0.88-0.97x
+//   the time of T = 32 with 6 stages there (bench/NOTES.md, session 18).
 //   No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions
 //   per k-step (j), each thread dequantising half a word; at T = 256 the 64 x 256 fp32
 //   accumulators allow only one (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a

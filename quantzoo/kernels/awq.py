@@ -19,9 +19,9 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          in registers as operand A, every tile by TMA from a
                                          producer warpgroup, split K, any M, N % 32 == 0;
                                          chosen on Hopper for 17 <= M <= 512 and N * K >=
-                                         WGMMA_MIN_NK, to M = 1024 for N * K >= WGMMA_MIN_NK_BIG,
-                                         and for 8 <= M <= 32 on smaller weights (from 4096 x
-                                         4096 at M <= 16; bench/NOTES.md sessions 8, 13, 15, 18)
+                                         WGMMA_MIN_NK, to M = 1024 for N * K >= WGMMA_MIN_NK_BIG;
+                                         for 8 <= M <= 16 from 4096 x 4096, for 17 <= M <= 32
+                                         from 1024 x 4096 (bench/NOTES.md sessions 8, 13, 15, 18)
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
