@@ -571,11 +571,8 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
                 np.int32(n), np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per),
                 np.int32(xr)), smem)
     if reduce:   # the split tiles' partials, summed in split order, 4 columns a thread (N % 32 == 0)
-        rows = wgmma_tiles.columns(nwg, t)
-        count = (tiles - dp) * t * rows
-        _launch(_kernel("awq_wgmma.cu", "wgmma_reduce<4>"), (-(-count // 1024),), (256,),
-                (ws.data_ptr(), y.data_ptr(), np.int32(m), np.int32(n), np.int32(t), np.int32(rows),
-                 np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int64(count)))
+        _launch(_kernel("awq_wgmma.cu", "wgmma_reduce<4>"),
+                *wgmma_tiles.reduce_launch(ws.data_ptr(), y.data_ptr(), m, n, (nwg, t, d), dp, splits, 4))
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,

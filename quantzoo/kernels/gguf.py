@@ -446,12 +446,9 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
                 np.int32(nb), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(sps), np.int32(xr)),
                shared_mem=smem)
     if splits > 1:   # the split tiles' partials, summed in split order
-        rows = wgmma_tiles.columns(nwg, t)
-        count = (tiles - dp) * t * rows
         v = 4 if n % 4 == 0 and y2.data_ptr() % 8 == 0 else 1   # columns a thread
-        launch(_kernel("gguf_wgmma.cu", f"wgmma_reduce<{v}>"), (-(-count // (256 * v)),), (256,),
-               (part.data_ptr(), y2.data_ptr(), np.int32(m), np.int32(n), np.int32(t), np.int32(rows),
-                np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int64(count)))
+        launch(_kernel("gguf_wgmma.cu", f"wgmma_reduce<{v}>"),
+               *wgmma_tiles.reduce_launch(part.data_ptr(), y2.data_ptr(), m, n, cfg, dp, splits, v))
 
 
 def mmvq16_ok(qt) -> bool:

@@ -61,6 +61,21 @@ def grid(m: int, n: int, cfg) -> tuple[int, int]:
     return -(-m // t), -(-n // columns(nwg, t))
 
 
+def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int, splits: int, v: int):
+    """(grid, block, args) of the wgmma_reduce<v> launch (cuda/wgmma_sm90.cuh) after a split launch
+    of either kernel: the partials at part_ptr of the tiles past dp_tiles summed into y, v columns
+    a thread."""
+    import numpy as np
+
+    nwg, t, _ = cfg
+    rows = columns(nwg, t)
+    tiles_m, tiles_n = grid(m, n, cfg)
+    count = (tiles_m * tiles_n - dp_tiles) * t * rows
+    return ((-(-count // (256 * v)),), (256,),
+            (part_ptr, y_ptr, np.int32(m), np.int32(n), np.int32(t), np.int32(rows), np.int32(tiles_m),
+             np.int32(dp_tiles), np.int32(splits), np.int64(count)))
+
+
 def plan(m: int, n: int, k: int, slots: int, cfg=None) -> int:
     """K splits for M x N outputs over K on a GPU that holds `slots` blocks at once: as many as
     fit in one wave, at least MIN_STAGES 64-row stages each."""
