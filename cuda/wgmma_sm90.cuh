@@ -129,13 +129,15 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned saddr) {
 // A whole stage of KS k-steps (JN instructions each, k-step kk at desc + 2 kk: 32 bytes along k
 // per k16) as one wgmma group, waited for before returning. accumulate = 0 overwrites d with the
 // first k-step.
-// Why wait at once: with the group left in flight while the next stage was dequantised (wait<1>
-// before the next fence), the results were garbage on every test shape (bench/NOTES.md, session
-// 15), also with the previous stage's fragments pinned past the wait that retired them: new
-// fragments were written into A registers a running wgmma still read. (A wait before each
-// fence with at most 3 k-steps in flight, sessions 7-14, tested correct.) Waiting costs no tensor
-// time here: a block has two consumer warpgroups, and while one waits for its group the other
-// dequantises its next stage.
+// Why wait at once: a group left in flight buys nothing here. Session 19 issued each stage as two
+// half-stage groups from two register sets that alternate, dequantising one half while the
+// other's group ran (wait<1>; a set rewritten, and the stage's buffer freed, only after the wait
+// that retires the group reading it; ptxas kept the sets apart, SASS checked). It passed the
+// AWQ and GGUF GPU tests; AWQ ran 3-23 % slower, GGUF within 5 % (bench/NOTES.md, session 19).
+// Session 15's garbage with a group in flight was most likely a buffer freed before that wait
+// (its x tile is read by the running group); that was not re-run. What sets the pace is the
+// consumer warps' own dequant and register-A issue, not their waiting (ncu, session 19): while
+// one warpgroup waits, the other dequantises.
 template <int T, int JN, int KS>
 __device__ __forceinline__ void stage_step(float (&acc)[JN][T / 2], unsigned (&a)[KS][JN][4],
                                            unsigned long long desc, int accumulate) {
