@@ -79,12 +79,13 @@
 // warpgroup (40) per SM. (Tried and slower: a producer warpgroup issuing cp.async + mbarriers +
 // setmaxnreg, ~300 TFLOP/s, session 7; T = 64 at 2 blocks per SM, 10-30 % slower.)
 // Where the rest goes (ncu, 4096->12288 M = 2048, session 19): the tensor pipe is busy 72 % of
-// the elapsed cycles (cuBLAS fp16: 91 %); 22 % of the consumer warps' samples wait for their own
-// group, the rest issue the dequant chain and stall dispatching the register-A wgmma. Three
-// reshapings left the time where it was (within +-5 %) or made it slower: a group kept in flight
-// while the next is dequantised; each warpgroup writing its fp16 tile to shared memory and
-// issuing wgmma from two descriptors; a third warpgroup dequantising for both (1.6x slower: 4
-// warps cannot keep up, and 512 threads leave 128 registers, under the 154 a 64 x 256 wgmma needs).
+// the elapsed cycles (cuBLAS fp16: 91 %); 22 % of the warps' stall samples are consumers waiting
+// for their own group, most of the rest consumers issuing the dequant chain and dispatching the
+// register-A wgmma. Three reshapings were correct and none faster: a group kept in flight while
+// the next is dequantised (3-23 % slower); each warpgroup writing its fp16 tile to shared memory
+// and issuing wgmma from two descriptors (within 3 % on 4096->12288, up to 14 % slower
+// elsewhere); a third warpgroup dequantising for both (1.6x slower: 4 warps cannot keep up, and
+// 512 threads leave 128 registers, under the 154 a 64 x 256 wgmma needs).
 //
 // Compiled only for sm_90a (wgmma); for any other target the kernel body is empty and the
 // host (quantzoo/kernels/awq.py) never launches it there.
