@@ -6,6 +6,8 @@ kernel (bench/NOTES.md, session 8) and the GGUF one is built the same way.
 """
 from __future__ import annotations
 
+import numpy as np
+
 MIN_STAGES = 8   # split K no finer than 8 stages of 64 rows per block (pipeline fill and drain)
 
 
@@ -65,8 +67,6 @@ def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int,
     """(grid, block, args) of the wgmma_reduce<v> launch (cuda/wgmma_sm90.cuh) after a split launch
     of either kernel: the partials at part_ptr of the tiles past dp_tiles summed into y, v columns
     a thread."""
-    import numpy as np
-
     nwg, t, _ = cfg
     rows = columns(nwg, t)
     tiles_m, tiles_n = grid(m, n, cfg)
@@ -76,10 +76,10 @@ def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int,
              np.int32(dp_tiles), np.int32(splits), np.int64(count)))
 
 
-def plan(m: int, n: int, k: int, slots: int, cfg=None) -> int:
+def plan(m: int, n: int, k: int, slots: int, cfg) -> int:
     """K splits for M x N outputs over K on a GPU that holds `slots` blocks at once: as many as
     fit in one wave, at least MIN_STAGES 64-row stages each."""
-    tm, tn = grid(m, n, cfg or config(m))
+    tm, tn = grid(m, n, cfg)
     return max(1, min(slots // (tm * tn), -(-k // 64) // MIN_STAGES))
 
 
