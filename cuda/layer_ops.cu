@@ -34,6 +34,10 @@
 // per head. In qk_rope_store lane l holds elements l + 32e, so element i and its RoPE partner
 // i + hd/2 sit in the same lane (e and e + E/2) -- the rotation needs no shuffle; attn_decode's
 // lanes hold E consecutive elements instead (one vector load per cache row).
+//
+// (Tried and removed: extra blocks in these kernels that prefetched the next matmul's weight into
+// L2 while DRAM idles. In isolation a GEMV started ~1 us sooner; the decode step got 0-10 %
+// slower in every format: bench/NOTES.md, session 20.)
 #include <cuda_fp16.h>
 #include "pdl.cuh"
 #include "q8_1.cuh"
