@@ -111,6 +111,13 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
     assert finite(q4["M=1 x cuBLAS"]) > 1 > finite(q4["M=512 x cuBLAS"])
     assert q4["dispatch path (crossovers)"] == "mmvq, mmq from M=16"
     assert int(q4["slower than fp16 from M"]) == speed.slower_than_fp16_from(bench, "q4_0")
+    # M = 1 fit: a row per format, the numbers streaming_fit gives
+    fit_t = table_with(md, "streaming TB/s")
+    assert sorted(r["format"] for r in fit_t) == sorted(REPORT_FORMATS)
+    for r in fit_t:
+        fit = speed.streaming_fit(bench, r["format"])
+        assert finite(r["streaming TB/s"]) == pytest.approx(fit["rate_tbps"], abs=0.006)
+        assert finite(r["fixed us per launch"]) == pytest.approx(fit["fixed_us"], abs=0.006)
     # per-shape detail: one table per shape, a cell for every bench M
     for k, n, _, _ in bench["settings"]["qwen3_8b_layer"]:
         assert f"**{k} -> {n}**" in md
@@ -206,6 +213,25 @@ def test_layer_aggregate_by_hand():
     assert speed.path_changes(res, "q4_0")["4096->4096"] == [(1, "mmvq"), (64, "mmq")]
     assert speed.path_changes(res, "q4_0")["12288->4096"] == [(1, "mmvq")]
     assert "4096->4096: mmvq, mmq from M=64" in speed.crossover_text(res, "q4_0")
+
+
+def test_streaming_fit_recovers_a_line():
+    """streaming_fit on M = 1 times made from a known line (2 TB/s, 3.5 us fixed) plus a row of
+    another M and a failed row, which it must ignore; one weight size or a falling line: None."""
+    rows = [{"format": "q4_0", "k": k, "n": n, "m": 1, "status": "ok", "weight_bytes": b,
+             "median_us": 3.5 + b / 2e6} for k, n, b in ((4096, 4096, 9_437_184), (4096, 1024, 2_359_296),
+                                                         (4096, 12288, 28_311_552), (12288, 4096, 28_311_552))]
+    rows += [dict(rows[0], m=16, median_us=99.0), dict(rows[1], status="error", median_us=1e6)]
+    res = {"results": rows}
+    fit = speed.streaming_fit(res, "q4_0")
+    assert fit["rate_tbps"] == pytest.approx(2.0) and fit["fixed_us"] == pytest.approx(3.5)
+    assert fit["shapes"] == 4 and fit["max_residual_us"] < 1e-9
+    rows[2]["median_us"] += 0.4      # off the line: the residual shows it
+    assert speed.streaming_fit(res, "q4_0")["max_residual_us"] > 0.1
+    assert speed.streaming_fit({"results": rows[2:4]}, "q4_0") is None        # one size
+    falling = [dict(r, median_us=50 - r["weight_bytes"] / 1e6) for r in rows[:4]]
+    assert speed.streaming_fit({"results": falling}, "q4_0") is None
+    assert speed.streaming_fit(res, "q8_0") is None
 
 
 def test_qwen3_8b_sizes_match_outside_figures():

@@ -67,6 +67,27 @@ def aggregate(res: dict, fmt: str, m: int) -> dict | None:
             "x_cublas": (base / t) if base else None}
 
 
+def streaming_fit(res: dict, fmt: str, m: int = 1) -> dict | None:
+    """A straight line t = fixed + weight bytes / rate through the bench's shapes at M = m
+    (least squares; None with fewer than two weight sizes or a slope that is not positive).
+    fixed_us is what a launch costs whatever its weight's size (launch, first loads, tail) and
+    rate_tbps how fast the extra bytes of a larger weight stream: at M = 1 a low % of roofline
+    with a rate near copy bandwidth says the kernel is launch-bound, not stream-bound."""
+    pts = [(r["weight_bytes"], r["median_us"]) for r in ok_rows(res)
+           if r["format"] == fmt and r["m"] == m and r.get("weight_bytes")]
+    if len({b for b, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mb = sum(b for b, _ in pts) / n
+    mt = sum(t for _, t in pts) / n
+    slope = (sum((b - mb) * (t - mt) for b, t in pts) / sum((b - mb) ** 2 for b, _ in pts))  # us / byte
+    if slope <= 0:
+        return None
+    fixed = mt - slope * mb
+    return {"fixed_us": fixed, "rate_tbps": 1e-6 / slope, "shapes": n,
+            "max_residual_us": max(abs(fixed + slope * b - t) for b, t in pts)}
+
+
 def formats_in(res: dict) -> list[str]:
     seen = []
     for r in res["results"]:
