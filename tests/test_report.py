@@ -118,6 +118,7 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
         fit = speed.streaming_fit(bench, r["format"])
         assert finite(r["streaming TB/s"]) == pytest.approx(fit["rate_tbps"], abs=0.006)
         assert finite(r["fixed us per launch"]) == pytest.approx(fit["fixed_us"], abs=0.006)
+        assert r["PDL: fixed us"] == "-"   # the fixture has no PDL timings
     # per-shape detail: one table per shape, a cell for every bench M
     for k, n, _, _ in bench["settings"]["qwen3_8b_layer"]:
         assert f"**{k} -> {n}**" in md
@@ -232,6 +233,10 @@ def test_streaming_fit_recovers_a_line():
     falling = [dict(r, median_us=50 - r["weight_bytes"] / 1e6) for r in rows[:4]]
     assert speed.streaming_fit({"results": falling}, "q4_0") is None
     assert speed.streaming_fit(res, "q8_0") is None
+    for r in rows[:4]:   # the PDL timings: their own line
+        r["median_us_pdl"] = 1.5 + r["weight_bytes"] / 2.5e6
+    pdl = speed.streaming_fit(res, "q4_0", key="median_us_pdl")
+    assert pdl["rate_tbps"] == pytest.approx(2.5) and pdl["fixed_us"] == pytest.approx(1.5)
 
 
 def test_qwen3_8b_sizes_match_outside_figures():

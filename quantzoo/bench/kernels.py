@@ -47,6 +47,7 @@ BASELINE = "fp16"
 SIGMA = 0.02
 
 CSV_FIELDS = ["format", "k", "n", "m", "status", "path", "median_us", "p10_us", "p90_us",
+              "median_us_pdl",
               "tflops", "weight_bytes", "weight_tbps", "pct_copy_bw", "pct_cublas_tflops",
               "pct_roofline", "roofline_us", "x_cublas", "nmse", "timing", "copies", "inner",
               "reps", "error"]
@@ -188,6 +189,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
     import torch
 
     from quantzoo import ops
+    from quantzoo.cuda_launch import programmatic_launches
 
     from . import timing
 
@@ -245,6 +247,12 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
                     del y, y_ref
                     rec.update(timing.benchmark(lambda i: ops.matmul(x, copies[i]), copies=len(copies),
                                                 target_s=target_s, use_graph=use_graph))
+                    if m == 1 and use_graph:   # also as the decode graph launches: under PDL
+                        with programmatic_launches(True):
+                            pdl = timing.benchmark(lambda i: ops.matmul(x, copies[i]), copies=len(copies),
+                                                   target_s=target_s, use_graph=True)
+                        if pdl["timing"] == "graph":
+                            rec["median_us_pdl"] = pdl["median_us"]
                     rec["status"] = "ok"
                     rec.update(metrics(rec, ceil))
                     line.append(f"M={m}:{rec['median_us']:.1f}us")

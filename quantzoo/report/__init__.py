@@ -84,10 +84,11 @@ def speed_rows(bench: dict) -> list[dict]:
             row[f"m{m}_us"] = a["us"] if a else None
             row[f"m{m}_pct_roofline"] = a["pct_roofline"] if a else None
             row[f"m{m}_x_cublas"] = a["x_cublas"] if a else None
-        fit = speed.streaming_fit(bench, name)
-        row["m1_fixed_us"] = fit["fixed_us"] if fit else None
-        row["m1_stream_tbps"] = fit["rate_tbps"] if fit else None
-        row["m1_fit_max_residual_us"] = fit["max_residual_us"] if fit else None
+        for tag, key in (("", "median_us"), ("_pdl", "median_us_pdl")):
+            fit = speed.streaming_fit(bench, name, key=key)
+            row[f"m1_fixed_us{tag}"] = fit["fixed_us"] if fit else None
+            row[f"m1_stream_tbps{tag}"] = fit["rate_tbps"] if fit else None
+            row[f"m1_fit_max_residual_us{tag}"] = fit["max_residual_us"] if fit else None
         row["slower_than_fp16_from_m"] = speed.slower_than_fp16_from(bench, name) if name != speed.BASELINE else None
         row["paths"] = speed.crossover_text(bench, name)
         row["error"] = speed.first_error(bench, name) if row["status"] != "ok" else ""
@@ -289,14 +290,20 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         if fits:
             copy_tbps = bench["ceilings"]["copy_tbps"]
             L.append("### M = 1: fixed cost per launch and streaming rate\n")
-            L.append(_table([[r["format"], _f(r["m1_fixed_us"], ".2f"), _f(r["m1_stream_tbps"], ".2f"),
-                              _f(100 * r["m1_stream_tbps"] / copy_tbps, ".0f"),
-                              _f(r["m1_fit_max_residual_us"], ".2f")] for r in fits],
+            pct = lambda v: None if v is None else 100 * v / copy_tbps  # noqa: E731
+            L.append(_table([[r["format"]] + [c for tag in ("", "_pdl") for c in (
+                              _f(r[f"m1_fixed_us{tag}"], ".2f"), _f(r[f"m1_stream_tbps{tag}"], ".2f"),
+                              _f(pct(r[f"m1_stream_tbps{tag}"]), ".0f"), _f(r[f"m1_fit_max_residual_us{tag}"], ".2f"))]
+                             for r in fits],
                             ["format", "fixed us per launch", "streaming TB/s", "streaming % of copy",
-                             "fit max residual us"]))
+                             "fit max residual us", "PDL: fixed us", "PDL: streaming TB/s",
+                             "PDL: % of copy", "PDL: fit max residual us"]))
             L.append("\nA straight line, time = fixed + weight bytes / streaming rate, fitted by least "
-                     "squares to the M = 1 times of the bench's shapes (plain launches, no programmatic "
-                     "dependent launch). The fixed part is paid by every launch whatever its weight's size "
+                     "squares to the M = 1 times of the bench's shapes: as the tables above launch them "
+                     "(plain launches in a graph), and 'PDL' the same graph under programmatic dependent "
+                     "launch, as the runner's decode step launches them (each kernel starts while the one "
+                     "before drains; '-' where the bench did not time it). The fixed part is paid by every "
+                     "launch whatever its weight's size "
                      "(launch, first loads, the last blocks' tail); the rate is how fast a larger weight's "
                      "extra bytes stream. A rate near copy bandwidth with a low M = 1 % roofline means the "
                      "kernel is bound by its launch, not by how it streams.\n")

@@ -67,14 +67,16 @@ def aggregate(res: dict, fmt: str, m: int) -> dict | None:
             "x_cublas": (base / t) if base else None}
 
 
-def streaming_fit(res: dict, fmt: str, m: int = 1) -> dict | None:
-    """A straight line t = fixed + weight bytes / rate through the bench's shapes at M = m
-    (least squares; None with fewer than two weight sizes or a slope that is not positive).
+def streaming_fit(res: dict, fmt: str, m: int = 1, key: str = "median_us") -> dict | None:
+    """A straight line t = fixed + weight bytes / rate through the bench's shapes at M = m, t the
+    rows' `key` (median_us; median_us_pdl: the same launches under programmatic dependent launch,
+    as the runner's decode graph makes them). Least squares; None with fewer than two weight
+    sizes or a slope that is not positive.
     fixed_us is what a launch costs whatever its weight's size (launch, first loads, tail) and
     rate_tbps how fast the extra bytes of a larger weight stream: at M = 1 a low % of roofline
     with a rate near copy bandwidth says the kernel is launch-bound, not stream-bound."""
-    pts = [(r["weight_bytes"], r["median_us"]) for r in ok_rows(res)
-           if r["format"] == fmt and r["m"] == m and r.get("weight_bytes")]
+    pts = [(r["weight_bytes"], r[key]) for r in ok_rows(res)
+           if r["format"] == fmt and r["m"] == m and r.get("weight_bytes") and r.get(key)]
     if len({b for b, _ in pts}) < 2:
         return None
     n = len(pts)
