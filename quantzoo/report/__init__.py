@@ -305,8 +305,10 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                      "before drains; '-' where the bench did not time it). The fixed part is paid by every "
                      "launch whatever its weight's size "
                      "(launch, first loads, the last blocks' tail); the rate is how fast a larger weight's "
-                     "extra bytes stream. A rate near copy bandwidth with a low M = 1 % roofline means the "
-                     "kernel is bound by its launch, not by how it streams.\n")
+                     "extra bytes stream (copy bandwidth counts a device copy's reads and writes; a "
+                     "read-only stream may exceed it a little). A rate near copy bandwidth with a low M = 1 "
+                     "% roofline means the kernel is bound by its launch, not by how it streams. cuBLAS "
+                     "(fp16) launches take no PDL: its two column groups time the same launches.\n")
         L.append("### Per shape: median time in us (x cuBLAS fp16)\n")
         ms = speed.ms_in(bench)
         ok = {(r["format"], r["k"], r["n"], r["m"]): r for r in speed.ok_rows(bench)}
