@@ -245,12 +245,13 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
                     y_ref = x.float() @ w_ref.T
                     rec["nmse"] = float(((y.float() - y_ref) ** 2).sum() / (y_ref ** 2).sum())
                     del y, y_ref
-                    rec.update(timing.benchmark(lambda i: ops.matmul(x, copies[i]), copies=len(copies),
-                                                target_s=target_s, use_graph=use_graph))
+                    def timed():
+                        return timing.benchmark(lambda i: ops.matmul(x, copies[i]), copies=len(copies),
+                                                target_s=target_s, use_graph=use_graph)
+                    rec.update(timed())
                     if m == 1 and use_graph:   # also as the decode graph launches: under PDL
                         with programmatic_launches(True):
-                            pdl = timing.benchmark(lambda i: ops.matmul(x, copies[i]), copies=len(copies),
-                                                   target_s=target_s, use_graph=True)
+                            pdl = timed()
                         if pdl["timing"] == "graph":
                             rec["median_us_pdl"] = pdl["median_us"]
                     rec["status"] = "ok"
@@ -265,7 +266,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
                     line.append(f"M={m}:error")
                 rows.append(rec)
             log(f"  {name:6s} {shape_key(k, n):>11s} x{len(copies):<3d} " + " ".join(line))
-            del copies, first
+            copies = first = None   # free the rotated weights before the next format
             torch.cuda.empty_cache()
         del w_ref, xs
         torch.cuda.empty_cache()
