@@ -75,13 +75,13 @@
 // (quantzoo/kernels/gguf.py) never launches it there.
 #include "gguf_common.cuh"
 #include "awq_common.cuh"   // smem_addr, as_h2, lop3_and_or
-#include "wgmma_sm90.cuh"
+#include "wgmma_sm90.cuh"   // and swiglu.cuh
 
 namespace ggw {
 
 constexpr int BK = 64;  // k per stage: 2 GGUF blocks
 
-template <class F, int NWG, int T, int D>
+template <class F, int NWG, int T, int D, bool GLU = false>
 struct Cfg {
   static constexpr int CONSUMERS = 128 * NWG;
   static constexpr int THREADS = CONSUMERS + 128;      // + the producer warpgroup
@@ -103,6 +103,8 @@ struct Cfg {
   static_assert(RB % 4 == 0, "a stage sits at a 4-byte offset o of its window (SLOT), its fields 2-byte aligned");
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(ROWS <= 256, "a TMA box is at most 256 rows");
+  static_assert(!GLU || NWG == 2, "GLU: warpgroup 0 takes the gate rows, warpgroup 1 the up rows");
+  static_assert(!GLU || D * STAGE >= 2 * T * (ROWS / 2 + 8) * 2, "GLU: the stages hold the gate and up tiles (fp16)");
 };
 
 }  // namespace ggw
@@ -118,14 +120,14 @@ struct Cfg {
 // ggw::Cfg::SWIZZLE (rows 16-byte multiples: nb % 8 == 0). With
 // splits > 1 the split tiles' fp32 partials go to part [splits][M][N], which wgmma_reduce
 // (below, the next launch) sums.
-template <class F, int NWG, int T, int D>
+template <class F, int NWG, int T, int D, bool GLU = false>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
 gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg::TmaDesc xmap,
            half* __restrict__ y, float* __restrict__ part, int M, int N, int nb, int tiles_m, int dp_tiles,
            int splits, int sps, int x_rows) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = ggw::Cfg<F, NWG, T, D>;
+  using C = ggw::Cfg<F, NWG, T, D, GLU>;
   constexpr int JN = C::JN;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const unsigned base = (awq::smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -136,7 +138,9 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
   const auto [whole, tile, split, n_split] = wg::BlockWork(dp_tiles, splits);
   // this tile's tokens are [m_tile, m_tile + T); its x box starts at token m0
   const int m0 = wg::x_box_row((tile % tiles_m) * T, M, x_rows);
-  const int n0 = (tile / tiles_m) * C::ROWS;
+  // GLU: the tile's FR gate rows start at n0, its up rows at N / 2 + n0
+  constexpr int FR = GLU ? C::ROWS / 2 : C::ROWS;
+  const int n0 = (tile / tiles_m) * FR;
   const int st0 = split * sps;
   const int n_stages = whole ? nb / 2 : min(nb / 2, st0 + sps) - st0;
 
@@ -155,6 +159,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
         wg::mbar_arrive_expect_tx(bar, x_rows * 128 + C::ROWS * C::SLOT);
         wg::tma_2d(S0, &xmap, 64 * s, m0, bar);
         wg::tma_2d(S0 + C::X_BYTES, &wmap, (s * C::RB) & ~15, n0, bar);   // the 16-byte window
+        if constexpr (GLU) wg::tma_2d(S0 + C::X_BYTES + FR * C::SLOT, &wmap, (s * C::RB) & ~15, N / 2 + n0, bar);
       }
     }
     return;   // nothing after setmaxnreg.dec is shared with the consumers (awq_wgmma.cu says why)
@@ -253,14 +258,41 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
   }
   wg::drain<T, JN>(acc);
 
-  // acc[j][4i + 2 r8 + e]: weight row n0 + rr(j) + 8 r8, token m0 + 8i + 2t + e
+  // acc[j][4i + 2 r8 + e]: weight row n0 + rr(j) + 8 r8, token m0 + 8i + 2t + e. GLU: the
+  // block's row lr = rr(j) + 8 r8 is gate row n0 + lr in warpgroup 0 and up row N / 2 + n0 + lr -
+  // FR in warpgroup 1, for output column n0 + lr - FR wg of y [M, N / 2].
   const int m_tile = wg::first_stored_row(m0, M, x_rows, tiles_m, T);
+  const int ny = GLU ? N / 2 : N;   // y's columns
+  if constexpr (GLU) {
+    // silu(gate) * up: the block's gate tile (warpgroup 0) and up tile (warpgroup 1), rounded to
+    // fp16 as y would hold them, go to shared memory -- once both warpgroups' last wgmma has read
+    // the stages -- and every consumer thread then takes a share of the outputs (wg::glu_store).
+    awq::sync_threads(C::CONSUMERS);
+    if (n_split == 1) {
+      half* tiles = reinterpret_cast<half*>(smem);
+      half* tile = tiles + wg * T * (FR + 8);
+#pragma unroll
+      for (int j = 0; j < JN; ++j)
+#pragma unroll
+        for (int r8 = 0; r8 < 2; ++r8)
+#pragma unroll
+          for (int i = 0; i < T / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              tile[(8 * i + 2 * t + e) * (FR + 8) + rr(j) - FR * wg + 8 * r8] = __float2half_rn(acc[j][4 * i + 2 * r8 + e]);
+      awq::sync_threads(C::CONSUMERS);
+      wg::glu_store<T, FR>(tiles, y, m0, m_tile, M, n0, ny, C::CONSUMERS);
+      return;
+    }
+  }
 #pragma unroll
   for (int j = 0; j < JN; ++j)
 #pragma unroll
     for (int r8 = 0; r8 < 2; ++r8) {
-      const int n = n0 + rr(j) + 8 * r8;
-      if (n >= N) continue;
+      const int lr = rr(j) + 8 * r8;
+      const int n = n0 + lr - (GLU ? FR * wg : 0);   // y's column
+      if (n >= ny) continue;
+      const int pn = GLU && wg ? ny + n : n;         // the weight row, the partials' column
 #pragma unroll
       for (int i = 0; i < T / 8; ++i)
 #pragma unroll
@@ -268,7 +300,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
           const int m = m0 + 8 * i + 2 * t + e;
           if (m < m_tile || m >= M) continue;   // another tile's row, or past M
           const float v = acc[j][4 * i + 2 * r8 + e];
-          if (n_split > 1) part[((size_t)split * M + m) * N + n] = v;
+          if (n_split > 1) part[((size_t)split * M + m) * N + pn] = v;
           else y[(size_t)m * N + n] = __float2half_rn(v);
         }
     }

@@ -19,7 +19,8 @@
 //                  x*cos + rotate_half(x)*sin. q goes to q_out (T, H, hd); k, and v unchanged,
 //                  go straight into this layer's KV cache rows pos[t] (KV, S, hd) -- no
 //                  separate index_copy, transpose or slicing kernels.
-//   silu_mul       gu = [gate | up] (T, 2F) -> fp16( fp16(silu(gate)) * up ), silu in fp32;
+//   silu_mul       gu = [gate | up] (T, 2F) -> fp16( fp16(silu(gate)) * up ), silu in fp32
+//                  (swiglu.cuh; the wgmma kernels' fused gate/up epilogue computes the same);
 //                  silu_mul_q8_1 the same values, also in Q8_1 (as add_rms_norm's Q).
 //   attn_decode    one query token (T = 1) against cache rows 0..pos: softmax(q k^T / sqrt(hd)) v
 //                  in fp32, split over the cache ("flash-decoding"): grid (splits, KV heads),
@@ -41,6 +42,7 @@
 #include <cuda_fp16.h>
 #include "pdl.cuh"
 #include "q8_1.cuh"
+#include "swiglu.cuh"
 #include "warp_sum.cuh"
 
 namespace layer_ops {
@@ -182,8 +184,7 @@ __global__ void silu_mul(const __half* __restrict__ gu, __half* __restrict__ out
     const long long t = i / (F / 2), f2 = i % (F / 2);
     const float2 g = __half22float2(reinterpret_cast<const __half2*>(gu + t * 2 * F)[f2]);
     const float2 u = __half22float2(reinterpret_cast<const __half2*>(gu + t * 2 * F + F)[f2]);
-    const float sx = r16(g.x / (1.0f + expf(-g.x))), sy = r16(g.y / (1.0f + expf(-g.y)));
-    reinterpret_cast<__half2*>(out + t * F)[f2] = __floats2half2_rn(sx * u.x, sy * u.y);
+    reinterpret_cast<__half2*>(out + t * F)[f2] = __floats2half2_rn(swiglu(g.x, u.x), swiglu(g.y, u.y));
   }
 }
 
@@ -201,7 +202,7 @@ __global__ void silu_mul_q8_1(const __half* __restrict__ gu, __half* __restrict_
   const long long t = blk / (F / 32);
   const int f = int(blk % (F / 32)) * 32 + lane;
   const float g = __half2float(gu[t * 2 * F + f]), u = __half2float(gu[t * 2 * F + F + f]);
-  const __half o = __float2half_rn(r16(g / (1.0f + expf(-g))) * u);
+  const __half o = __float2half_rn(swiglu(g, u));
   out[t * F + f] = o;
   q8_1_store<SPLIT>(__half2float(o), q8, blk, n_blocks, lane);
 }

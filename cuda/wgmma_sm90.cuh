@@ -8,6 +8,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include "pdl.cuh"
+#include "swiglu.cuh"
 
 namespace wg {
 // The driver's CUtensorMap (128 bytes, 64-byte aligned): a TMA descriptor encoded on the host
@@ -240,6 +241,32 @@ __device__ __forceinline__ void prefetch_map(const TmaDesc* map) {
   asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
+// The GLU epilogue's second half (both kernels, GLU: a block computes FR gate rows and the FR
+// matching up rows of the fused weight): the block's gate and up tiles, fp16 [T][FR + 8] each
+// (token-major, rows padded by 8 halves so that the consumer warps' stores of their fragments
+// into them do not conflict), gate at `tiles` and up right after it, written and met at a
+// barrier by the caller's `threads` consumer threads, become
+//   y[m0 + tm][n0 + f] = swiglu(gate, up)   (swiglu.cuh)
+// for the block's stored tokens [m_tile, M) and columns below ny (even, as are n0 and f; y
+// 4-byte aligned). Consecutive threads take consecutive column pairs (coalesced half2 stores),
+// in a rolled loop: unrolled like the main epilogue, 64-128 outputs a thread made the kernel's
+// code ~200 KB, and the launch 36-50 us slower than the product alone (H100, q4_0
+// 4096->24576 M = 128 / 512, bench/NOTES.md, session 21).
+template <int T, int FR>
+__device__ __forceinline__ void glu_store(const half* tiles, half* y, int m0, int m_tile, int M, int n0, int ny,
+                                          int threads) {
+  constexpr int P = FR + 8;
+#pragma unroll 2
+  for (int q = threadIdx.x; q < T * FR / 2; q += threads) {
+    const int tm = q / (FR / 2), f = 2 * (q % (FR / 2));
+    const int m = m0 + tm, n = n0 + f;
+    if (m < m_tile || m >= M || n >= ny) continue;
+    const float2 g = __half22float2(*reinterpret_cast<const half2*>(tiles + tm * P + f));
+    const float2 u = __half22float2(*reinterpret_cast<const half2*>(tiles + (T + tm) * P + f));
+    *reinterpret_cast<half2*>(y + (size_t)m * ny + n) = __floats2half2_rn(swiglu(g.x, u.x), swiglu(g.y, u.y));
+  }
+}
+
 }  // namespace wg
 #endif
 
@@ -248,12 +275,32 @@ __device__ __forceinline__ void prefetch_map(const TmaDesc* map) {
 // (V = 4 when N % 4 == 0 and y is 8-byte aligned: 16-byte partial loads; else 1): the elements
 // of tiles dp_tiles .. tiles - 1 (count = their number x T rows x `rows` columns), numbered tile
 // by tile, token-major inside a tile. Partials: part [splits][M][N] fp32, each split tile's rows
-// [m_tile, min(m_tile + T, M)) written by its blocks. Why a launch of its own over the whole GPU:
+// [m_tile, min(m_tile + T, M)) written by its blocks. GLU (the kernels' fused gate/up
+// epilogue): y [M, N] = swiglu(gate, up) (swiglu.cuh) of partials [splits][M][2N], gate in
+// column n, up in column N + n, each sum rounded to fp16 first as y would hold it; `rows` counts
+// y's columns per tile. Why a launch of its own over the whole GPU:
 // summed inside the kernel by each tile's last block, the few blocks doing it made GGUF's split
 // launches 2x slower with scalar loads (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us, session 16) and
 // 5-12 % slower with coalesced fragment-order partials (session 17, bench/NOTES.md). The AWQ
 // kernel uses it past 2 splits and keeps its last-block sum at 2 (awq_wgmma.cu says why).
+
 template <int V>
+__device__ __forceinline__ void sum_splits(float (&s)[V], const float* __restrict__ part, size_t o, size_t stride,
+                                           int splits) {
+  if constexpr (V == 4) {
+    float4 a = *reinterpret_cast<const float4*>(part + o);
+    for (int z = 1; z < splits; ++z) {
+      const float4 p = *reinterpret_cast<const float4*>(part + z * stride + o);
+      a.x += p.x; a.y += p.y; a.z += p.z; a.w += p.w;
+    }
+    s[0] = a.x; s[1] = a.y; s[2] = a.z; s[3] = a.w;
+  } else {
+    s[0] = part[o];
+    for (int z = 1; z < splits; ++z) s[0] += part[z * stride + o];
+  }
+}
+
+template <int V, bool GLU = false>
 __global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ y, int M, int N, int T, int rows,
                              int tiles_m, int dp_tiles, int splits, long long count) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
@@ -263,19 +310,23 @@ __global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ 
   const int tile = dp_tiles + (int)(i / per), r = (int)(i % per);
   const int m = (tile % tiles_m) * T + r / rows, n = (tile / tiles_m) * rows + r % rows;
   if (m >= M || n >= N) return;   // V = 4: N % 4 == 0, so n + 3 < N too
-  const size_t o = (size_t)m * N + n, stride = (size_t)M * N;
+  const int pn = GLU ? 2 * N : N;   // the partials' columns
+  const size_t o = (size_t)m * pn + n, stride = (size_t)M * pn;
+  float v[V];
+  sum_splits<V>(v, part, o, stride, splits);
+  if constexpr (GLU) {
+    float u[V];
+    sum_splits<V>(u, part, o + N, stride, splits);
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      v[e] = swiglu(__half2float(__float2half_rn(v[e])), __half2float(__float2half_rn(u[e])));
+  }
+  half* yo = y + (size_t)m * N + n;
   if constexpr (V == 4) {
-    float4 s = *reinterpret_cast<const float4*>(part + o);
-    for (int z = 1; z < splits; ++z) {
-      const float4 p = *reinterpret_cast<const float4*>(part + z * stride + o);
-      s.x += p.x; s.y += p.y; s.z += p.z; s.w += p.w;
-    }
-    const half2 lo = __floats2half2_rn(s.x, s.y), hi = __floats2half2_rn(s.z, s.w);
-    *reinterpret_cast<uint2*>(y + o) = make_uint2(*reinterpret_cast<const unsigned*>(&lo),
-                                                  *reinterpret_cast<const unsigned*>(&hi));
+    const half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+    *reinterpret_cast<uint2*>(yo) = make_uint2(*reinterpret_cast<const unsigned*>(&lo),
+                                               *reinterpret_cast<const unsigned*>(&hi));
   } else {
-    float s = part[o];
-    for (int z = 1; z < splits; ++z) s += part[z * stride + o];
-    y[o] = __float2half_rn(s);
+    yo[0] = __float2half_rn(v[0]);
   }
 }

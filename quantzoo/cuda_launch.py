@@ -399,19 +399,22 @@ class PackedLaunch:
 
 class TorchStep:
     """Torch work between a call's launches (a cuBLAS product), kept by a recording as fn(x, y):
-    a plan's replay calls it with that call's x and y."""
-    __slots__ = ("fn",)
+    a plan's replay calls it with that call's x and y -- or, where the recorded y was not the
+    call's output but a workspace (a product that a later launch reads, as the GLU matmul's
+    fallback does), with that workspace again."""
+    __slots__ = ("fn", "y")
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, y):
+        self.fn, self.y = fn, y
 
 
 def torch_step(fn, x, y) -> None:
     """Run fn(x, y) now, and while recording keep it in the plan. fn must reach the call's input
-    and output only through its x and y arguments (views of them are fine)."""
+    and output only through its x and y arguments (views of them are fine); y is the call's
+    output or a workspace (kept as it is by the plan)."""
     rec = getattr(_RECORDING, "launches", None)
     if rec is not None:
-        rec.append(TorchStep(fn))
+        rec.append(TorchStep(fn, y))
     fn(x, y)
 
 
@@ -441,8 +444,9 @@ class Plan:
     def __init__(self, launches, x_ptr: int, x_bytes: int, y_ptr: int, y_bytes: int):
         self.steps = []
         for pl in launches:
-            if type(pl) is TorchStep:
-                self.steps.append((pl, None, None))
+            if type(pl) is TorchStep:   # its y: the call's output (None: the replay's y) or a workspace
+                inside = y_ptr <= pl.y.data_ptr() < y_ptr + y_bytes
+                self.steps.append((pl.fn, None, None if inside else pl.y))
                 continue
             ptrs, maps = [], []
             for i, a in enumerate(pl.args):
@@ -458,8 +462,8 @@ class Plan:
     def replay(self, x, y) -> None:
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         for pl, ptrs, maps in self.steps:
-            if ptrs is None:
-                pl.fn(x, y)
+            if ptrs is None:   # a TorchStep: pl its fn, maps its workspace output or None
+                pl(x, y if maps is None else maps)
                 continue
             for i, which, off in ptrs:
                 pl.set_pointer(i, (y_ptr if which else x_ptr) + off)

@@ -433,6 +433,76 @@ def test_wgmma_tails_splits_graph(fmt):
     assert torch.equal(y, G.matmul(x, qt, path="wgmma")), "graph replay differs from an eager call"
 
 
+# ---- glu=True: silu(x @ gate.T) * (x @ up.T), fused into the wgmma epilogue -----------------------
+def _glu_blocked(qt_cpu, fr):
+    """qt's rows [gate; up] rearranged into blocks of fr gate rows then the fr matching up rows
+    (each padded with zero rows, which dequantise to 0): an unfused wgmma launch on it, whose
+    tiles hold 2 fr rows, puts every gate row and its up row in the same tile, warpgroup and
+    place as the GLU launch on qt does, with the same tile schedule -- so its products are the
+    GLU launch's own, bit for bit, split K included."""
+    n, k = qt_cpu.shape
+    f, data = n // 2, np.asarray(qt_cpu.data)
+    tiles = -(-f // fr)
+    out = np.zeros((2 * fr * tiles, data.shape[1]), np.uint8)
+    for i in range(tiles):
+        rows = min(fr, f - i * fr)
+        out[2 * i * fr: 2 * i * fr + rows] = data[i * fr: i * fr + rows]
+        out[(2 * i + 1) * fr: (2 * i + 1) * fr + rows] = data[f + i * fr: f + i * fr + rows]
+    return qz.formats.QuantizedTensor(qt_cpu.format, (out.shape[0], k), out, qt_cpu.params)
+
+
+@pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
+def test_wgmma_glu_epilogue(fmt):
+    """matmul(glu=True) on the wgmma path equals layer_ops.silu_mul of the gate and up products,
+    bit for bit, those products taken from an unfused wgmma launch on the same rows in the same
+    tile places (_glu_blocked). Shapes: F = 100 and 36 (gate tiles that run past F, reading up
+    rows that are not stored), K split 5-8 ways (uneven: 44 stages in 5; the split tiles' GLU in
+    wgmma_reduce, 1-wide at F = 100 and 36 ... 4-wide at F = 4352), more tiles than an H100 holds
+    (F = 4352 at M = 130 / 300: whole and split tiles in one launch), every token tile width."""
+    from quantzoo.cuda_launch import sm_count
+    from quantzoo.kernels import layer_ops, wgmma_tiles
+
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    for n, k in ((200, 4096), (8704, 2048), (72, 2816)):
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        if not G.wgmma_ok(qt):
+            pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+        f = n // 2
+        for m in (1, 7, 33, 130, 300):
+            cfg = wgmma_tiles.config(m, n, k, sm_count(torch.device(DEV)))
+            fr = wgmma_tiles.columns(cfg[0], cfg[1]) // 2
+            blocked = _glu_blocked(qt_cpu, fr).to(DEV)
+            assert wgmma_tiles.config(m, blocked.shape[0], k, sm_count(torch.device(DEV))) == cfg
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).to(DEV)
+            y = _poisoned((m, f))
+            G.matmul(x, qt, out=y, path="wgmma", glu=True)
+            yb = G.matmul(x, blocked, path="wgmma").view(m, -1, 2, fr)
+            gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
+            want = layer_ops.silu_mul(gu)
+            torch.cuda.synchronize()
+            assert torch.isfinite(y).all(), f"{fmt} {n}x{k} M={m}: unwritten outputs"
+            assert torch.equal(y, want), (f"{fmt} {n}x{k} M={m}: GLU epilogue differs from silu_mul of the "
+                                          f"products, worst {float((y.float() - want.float()).abs().max()):.3g}")
+    # the other paths (M = 3: mmvq, 40: mma, 130: dequant + cuBLAS, whose torch step writes the
+    # workspace) run the product into a workspace, then silu_mul; the default dispatch replays its
+    # recorded launches (the second call) and is graph-capturable
+    for m in (3, 40, 130):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).to(DEV)
+        want = layer_ops.silu_mul(G.matmul(x, qt))
+        for _ in range(2):
+            assert torch.equal(G.matmul(x, qt, glu=True), want), f"{fmt} M={m} ({G.choose_path(m, qt)})"
+    y = _poisoned((m, f))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        G.matmul(x, qt, out=y, glu=True)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want), "graph replay of the GLU matmul differs from an eager call"
+    with pytest.raises(ValueError, match="glu"):
+        G.matmul(x, qz.formats.get(fmt).quantize(np.zeros((6, k), np.float32)).to(DEV), glu=True)
+
+
 # ---- CUDA graph capture -------------------------------------------------------------------------
 @pytest.mark.parametrize("m", [1, 8, 24, 40, 300])
 def test_graph_capture_replays(m):

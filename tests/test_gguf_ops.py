@@ -206,6 +206,18 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 assert names[1:] == ([f"wgmma_reduce<{v}>"] if splits > 1 else [])
                 if splits > 1:   # every element of the split tiles
                     assert int(calls[1][3][-1]) == (tiles - dp) * t * rows <= calls[1][1][0] * 256 * v
+                if n % 4 == 0:   # glu=True: the GLU instance on the same grid, the weight box half the
+                    first = calls[0]   # rows (a gate box and an up box), y (M, N / 2)
+                    calls.clear()
+                    assert G.matmul(x, qt, path=path, glu=True).shape == (m, n // 2)
+                    assert calls[0][0] == f"gguf_wgmma<{G.BLOCKS[fmt]}, {nwg}, {t}, {d}, true>"
+                    assert calls[0][1:3] == first[1:3] and calls[0][3][4:] == first[3][4:]
+                    assert calls[0][3][0] == first[3][0][:4] + (rows // 2,) + first[3][0][5:]
+                    v = 4 if n // 2 % 4 == 0 else 1
+                    assert [c[0] for c in calls[1:]] == ([f"wgmma_reduce<{v}, true>"] if splits > 1 else [])
+                    if splits > 1:   # every output of the split tiles: half a tile's rows
+                        assert [int(a) for a in calls[1][3][2:6]] == [m, n // 2, t, rows // 2]
+                        assert int(calls[1][3][-1]) == (tiles - dp) * t * rows // 2
             elif path == "mma":
                 assert names[0].startswith("quantize_q8_1_split<")
                 bm, split, kchunk = G.mma_plan(m, n, nb, G._sm_count(None), None)

@@ -49,8 +49,8 @@ class _FakeLaunch:
 
 def test_plan_reaims_pointers_into_x_and_y_only(monkeypatch):
     """Pointers inside x's bytes (and y's) move with the new x (y) at the same offset; a
-    TensorMap over x is rebuilt for the new address; a torch step gets the new x and y;
-    weights, workspaces and sizes stay."""
+    TensorMap over x is rebuilt for the new address; a torch step gets the new x and y, or x
+    and its own workspace output; weights, workspaces and sizes stay."""
     from quantzoo import cuda_launch as cl
 
     monkeypatch.setattr(cl, "tensor_map_2d", lambda ptr, *rest: ("map", ptr) + rest)
@@ -58,11 +58,6 @@ def test_plan_reaims_pointers_into_x_and_y_only(monkeypatch):
     log = []
     xmap = TensorMap(None, (x, 512, 4096, 128, 64, 128, "f16"))
     wmap = TensorMap(None, (w, 512, 1024, 64, 32, 128, "u32"))
-    launches = [_FakeLaunch((x, w, ws, y + 4096, np.int32(7)), log),
-                cl.TorchStep(lambda a, b: log.append(("torch", a, b))),
-                _FakeLaunch((xmap, wmap, y, ws + 64, x + 100, y - 1), log)]
-    plan = cl.Plan(launches, x, 512 * 4096 * 2, y, 512 * 6144 * 2)
-
     class Ptr:
         def __init__(self, p):
             self.p = p
@@ -70,11 +65,17 @@ def test_plan_reaims_pointers_into_x_and_y_only(monkeypatch):
         def data_ptr(self):
             return self.p
 
+    step = lambda a, b: log.append(("torch", a, b))  # noqa: E731
+    launches = [_FakeLaunch((x, w, ws, y + 4096, np.int32(7)), log),
+                cl.TorchStep(step, Ptr(y + 64)), cl.TorchStep(step, Ptr(ws)),
+                _FakeLaunch((xmap, wmap, y, ws + 64, x + 100, y - 1), log)]
+    plan = cl.Plan(launches, x, 512 * 4096 * 2, y, 512 * 6144 * 2)
     x2, y2 = Ptr(0x5000_0000), Ptr(0x6000_0000)
     plan.replay(x2, y2)
     assert log[0] == [x2.p, w, ws, y2.p + 4096, np.int32(7)]
     assert log[1] == ("torch", x2, y2)
-    assert log[2] == [("map", x2.p, 512, 4096, 128, 64, 128, "f16"), wmap, y2.p, ws + 64, x2.p + 100, y - 1]
+    assert log[2] == ("torch", x2, launches[2].y)
+    assert log[3] == [("map", x2.p, 512, 4096, 128, 64, 128, "f16"), wmap, y2.p, ws + 64, x2.p + 100, y - 1]
 
 
 def test_plan_cache_is_bounded_and_dropped_when_workspaces_change():

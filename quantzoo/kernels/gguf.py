@@ -53,6 +53,7 @@ from quantzoo.formats import get, weight_formats
 from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
 
 QK = 32
+GLU_MATMUL = True   # matmul(..., glu=True): the decoder MLP's silu(gate) * up (the runner asks)
 Q8_1_BYTES = get("q8_1").bytes_per_block
 # The registry's weight formats served here, each with its block struct in cuda/gguf_common.cuh.
 BLOCKS = {f.name: f"Block{f.gguf_type}" for f in weight_formats() if f.kernels == "gguf"}
@@ -205,8 +206,9 @@ SOURCES = {
                    + ("mma_reduce",),
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
-    "gguf_wgmma.cu": tuple(f"gguf_wgmma<{BLOCKS[f]}, {n}, {t}, {d}>" for f in WGMMA_FORMATS
-                           for n, t, d in WGMMA_CFGS) + ("wgmma_reduce<1>", "wgmma_reduce<4>"),
+    "gguf_wgmma.cu": tuple(f"gguf_wgmma<{BLOCKS[f]}, {n}, {t}, {d}{glu}>" for f in WGMMA_FORMATS
+                           for n, t, d in WGMMA_CFGS for glu in ("", ", true"))
+                     + tuple(f"wgmma_reduce<{v}{glu}>" for v in (1, 4) for glu in ("", ", true")),
 }
 ARCH_SPECIFIC = {"gguf_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
@@ -420,9 +422,11 @@ def _wgmma_slot(fmt: str) -> int:
     return -(-(rb + 16 - math.gcd(rb, 16)) // 16) * 16
 
 
-def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
+def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False):
+    """y2 = x2 @ W.T, or with glu y2 (M, N/2) = swiglu of its halves [gate | up] (the kernel's
+    GLU epilogue: each block computes a gate tile and the matching up tile)."""
     nwg, t, d = cfg = wgmma_tiles.config(m, n, 32 * nb, _sm_count(y2.device))   # 1 block an SM
-    name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}>"
+    name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}{', true' if glu else ''}>"
     kern = _kernel("gguf_wgmma.cu", name)
     smem = wgmma_smem_bytes(fmt, nwg, t, d)
     set_max_dynamic_smem(kern, (str(y2.device), name), smem)
@@ -437,8 +441,8 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
     # the weight as bytes [N, nb BYTES], a stage's box ROWS rows x SLOT bytes; x tiles of T
     # tokens (M when M < T) x 64 k in the 128-byte swizzle
     slot = _wgmma_slot(fmt)   # 64-byte rows (Q5_0) in the 64-byte swizzle (ggw::Cfg::SWIZZLE)
-    wmap = tensor_map_2d(w.data_ptr(), n, nb * BYTES[fmt], wgmma_tiles.columns(nwg, t), slot, 64 if slot == 64 else 0,
-                         "u8")
+    box_rows = wgmma_tiles.columns(nwg, t) // (2 if glu else 1)   # GLU: a gate box and an up box
+    wmap = tensor_map_2d(w.data_ptr(), n, nb * BYTES[fmt], box_rows, slot, 64 if slot == 64 else 0, "u8")
     xr = wgmma_tiles.x_rows(m, t)
     xmap = tensor_map_2d(x2.data_ptr(), m, 32 * nb, xr, 64)
     launch_tma(kern, (dp + (tiles - dp) * splits,), (threads,),
@@ -446,9 +450,10 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb):
                 np.int32(nb), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(sps), np.int32(xr)),
                shared_mem=smem)
     if splits > 1:   # the split tiles' partials, summed in split order
-        v = 4 if n % 4 == 0 and y2.data_ptr() % 8 == 0 else 1   # columns a thread
-        launch(_kernel("gguf_wgmma.cu", f"wgmma_reduce<{v}>"),
-               *wgmma_tiles.reduce_launch(part.data_ptr(), y2.data_ptr(), m, n, cfg, dp, splits, v))
+        ny = y2.shape[1]
+        v = 4 if ny % 4 == 0 and y2.data_ptr() % 8 == 0 else 1   # columns a thread
+        launch(_kernel("gguf_wgmma.cu", f"wgmma_reduce<{v}{', true' if glu else ''}>"),
+               *wgmma_tiles.reduce_launch(part.data_ptr(), y2.data_ptr(), m, ny, cfg, dp, splits, v, glu))
 
 
 def mmvq16_ok(qt) -> bool:
@@ -489,8 +494,13 @@ MMVQ_KERNELS = ("vec", "scalar")
 
 
 def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None,
-           mmvq_kernel: str | None = None, mma_split: int | None = None):
+           mmvq_kernel: str | None = None, mma_split: int | None = None, glu: bool = False):
     """y = x @ W.T: x fp16 CUDA (..., K) contiguous, qt on the same device -> fp16 (..., N).
+
+    glu=True: W's rows are [gate; up] (N % 4 == 0), and y (..., N/2) = silu(x @ gate.T) * (x @
+    up.T), the decoder MLP's SwiGLU with layer_ops.silu_mul's roundings (cuda/swiglu.cuh) -- in
+    the wgmma path's epilogue (no (..., N) product in memory, no second launch); the other paths
+    compute x @ W.T into a workspace and run layer_ops.silu_mul on it.
 
     `out` (optional, fp16 contiguous (..., N)) receives the result; `path` forces one of PATHS,
     otherwise choose_path decides; `mmvq_rows` (1, 2, 4) overrides the rows per CTA / warp (for
@@ -506,16 +516,20 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if x.device != qt.data.device:
         raise ValueError(f"x is on {x.device} but the {fmt} weight is on {qt.data.device}")
     lead = tuple(x.shape[:-1])
+    if glu and n % 4:
+        raise ValueError(f"glu: the {fmt} weight's {n} rows are not [gate; up] halves of an even size")
+    ny = n // 2 if glu else n
     if out is None:
-        out = torch.empty(lead + (n,), dtype=torch.float16, device=x.device)
+        out = torch.empty(lead + (ny,), dtype=torch.float16, device=x.device)
     else:
-        _check_out(out, lead + (n,), torch.float16, x.device)
+        _check_out(out, lead + (ny,), torch.float16, x.device, align=4 if glu else 2)   # glu: half2 stores
     if m >= 2**31 // 2:
         raise ValueError(f"x: {m} rows is too many")
     if path is None and mmvq_rows is None and mmvq_kernel is None and mma_split is None:
         if m:
-            run_planned(qt, m, x, out, lambda: _queue(fmt, x, qt, out, m, n, k, choose_path(m, qt),
-                                                      _vec_default(fmt, m, qt), None, None))
+            run_planned(qt, ("glu", m) if glu else m, x, out,
+                        lambda: _queue(fmt, x, qt, out, m, n, k, choose_path(m, qt), _vec_default(fmt, m, qt),
+                                       None, None, glu))
         return out
     if path is None:
         path = choose_path(m, qt)
@@ -539,7 +553,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
                          f"{MMVQ16_LW} bytes (address % {MMVQ16_LW} = {qt.data.data_ptr() % MMVQ16_LW}, "
                          f"size {qt.data.numel()})")
     if m:
-        _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split)
+        _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu)
     return out
 
 
@@ -548,10 +562,22 @@ def _vec_default(fmt, m, qt) -> bool:
     return mmvq_choice(fmt, max(1, min(MMVQ_COLS, m)))[0] == "vec" and mmvq16_ok(qt)
 
 
-def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split) -> None:
+def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu=False) -> None:
     """Launch matmul's kernels on checked arguments (M >= 1); cuBLAS calls go through
     cuda_launch.torch_step, so that kernels.run_planned can record them."""
+    import torch
+
+    from quantzoo.kernels import layer_ops
+
     nb = k // QK
+    if glu and path == "wgmma":
+        _launch_wgmma(fmt, x.view(m, k), qt.data, out.view(m, n // 2), m, n, nb, glu=True)
+        return
+    if glu:   # the product into a workspace, then silu_mul
+        gu = _workspace("glu", m * n * 2, x.device).view(torch.float16).view(m, n)
+        _queue(fmt, x, qt, gu, m, n, k, path, vec, mmvq_rows, mma_split)
+        layer_ops.silu_mul(gu, out=out.view(m, n // 2))
+        return
     y2 = out.view(m, n)
     if path == "dequant":
         _dequant_matmul(fmt, x.view(m, k), qt.data, y2, n, k)

@@ -141,16 +141,20 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     return q
 
 
-def silu_mul(gu, q8_1=None, layout: str = "split"):
-    """gu (T, 2F) fp16 = [gate | up] -> silu(gate) * up (T, F) fp16; with q8_1 (uint8, T * F / 32
-    * 36 bytes; F % 32 == 0) also as Q8_1 blocks in `layout` (as add_rms_norm)."""
+def silu_mul(gu, q8_1=None, layout: str = "split", out=None):
+    """gu (T, 2F) fp16 = [gate | up] -> silu(gate) * up (T, F) fp16 (into `out` if given); with
+    q8_1 (uint8, T * F / 32 * 36 bytes; F % 32 == 0) also as Q8_1 blocks in `layout` (as
+    add_rms_norm)."""
     import torch
 
     _check("gu", gu)
     if gu.dim() != 2 or gu.shape[1] % 4:
         raise ValueError(f"gu: shape {tuple(gu.shape)}, expected (T, 2F) with F even")
     T, F2 = gu.shape
-    out = torch.empty((T, F2 // 2), dtype=gu.dtype, device=gu.device)
+    if out is None:
+        out = torch.empty((T, F2 // 2), dtype=gu.dtype, device=gu.device)
+    else:
+        _check("out", out, (T, F2 // 2), gu.dtype, gu.device)
     if q8_1 is not None:
         _check_q8_1(q8_1, layout, T, F2 // 2, gu.device, "gu")
         n_blocks = T * F2 // 64

@@ -63,13 +63,15 @@ def grid(m: int, n: int, cfg) -> tuple[int, int]:
     return -(-m // t), -(-n // columns(nwg, t))
 
 
-def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int, splits: int, v: int):
-    """(grid, block, args) of the wgmma_reduce<v> launch (cuda/wgmma_sm90.cuh) after a split launch
-    of either kernel: the partials at part_ptr of the tiles past dp_tiles summed into y, v columns
-    a thread."""
+def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int, splits: int, v: int,
+                  glu: bool = False):
+    """(grid, block, args) of the wgmma_reduce<v[, true]> launch (cuda/wgmma_sm90.cuh) after a
+    split launch of either kernel: the partials at part_ptr of the tiles past dp_tiles summed into
+    y (n columns), v columns a thread; glu: y = swiglu of partials of 2n columns [gate | up], a
+    tile holding half its columns' worth of y."""
     nwg, t, _ = cfg
-    rows = columns(nwg, t)
-    tiles_m, tiles_n = grid(m, n, cfg)
+    rows = columns(nwg, t) // (2 if glu else 1)   # y's columns per tile
+    tiles_m, tiles_n = -(-m // t), -(-n // rows)
     count = (tiles_m * tiles_n - dp_tiles) * t * rows
     return ((-(-count // (256 * v)),), (256,),
             (part_ptr, y_ptr, np.int32(m), np.int32(n), np.int32(t), np.int32(rows), np.int32(tiles_m),

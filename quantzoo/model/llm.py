@@ -87,6 +87,19 @@ class Linear:
             return fp16_kernels.linear(x, self.w)
         return ops.matmul(x, self.qt, mode=self.mode)
 
+    def glu(self, x):
+        """silu(x @ gate.T) * (x @ up.T) for a fused [gate; up] linear on CUDA: fused into the
+        matmul where the format's kernel module does that (GLU_MATMUL: kernels.gguf.matmul(...,
+        glu=True), whose wgmma path computes it in its epilogue), else layer_ops.silu_mul on
+        self(x). The same values either way (cuda/swiglu.cuh)."""
+        from ..kernels import layer_ops
+
+        if self.qt is not None and self.mode == "emulate":
+            mod = ops.kernels_for(self.qt.fmt)
+            if getattr(mod, "GLU_MATMUL", False):
+                return mod.matmul(x, self.qt, glu=True)
+        return layer_ops.silu_mul(self(x))
+
     def q8_1_layout(self, m: int) -> str | None:
         """The Q8_1 layout in which this linear's GGUF kernel takes M rows already quantized
         (kernels.gguf.q8_1_layout), or None: it takes fp16 x (other formats, other M, CPU)."""
@@ -426,13 +439,16 @@ class Model:
         delta = None
         q8 = self._q8 if self.q8_1_fusion else None
 
-        def norm_into(lin, h, delta, w):   # h += delta, RMSNorm, lin: in Q8_1 where lin takes it
+        def norm_into(lin, h, delta, w, glu=False):
+            # h += delta, RMSNorm, lin (glu: lin.glu): in Q8_1 where lin takes it
             lq = lin.q8_1_layout(h.shape[0]) if q8 is not None else None
             if lq is None:
-                return lin(lo.add_rms_norm(h, delta, w, eps))
+                x = lo.add_rms_norm(h, delta, w, eps)
+                return lin.glu(x) if glu else lin(x)
             xq = q8[: h.numel() // 32 * 36]
             lo.add_rms_norm(h, delta, w, eps, xq, lq)
-            return lin.from_q8_1(xq, h.shape[0], lq)
+            y = lin.from_q8_1(xq, h.shape[0], lq)
+            return lo.silu_mul(y) if glu else y
 
         for li, lay in enumerate(self.layers):
             qkv = norm_into(lay.qkv, h, delta, lay.attn_norm)
@@ -442,11 +458,11 @@ class Model:
                 a = lo.attn_decode(q, kc, vc, pos, self._decode_work)
             else:
                 a = self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd)
-            gu = norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm)
             lq = lay.down.q8_1_layout(T) if q8 is not None else None
-            if lq is None:
-                delta = lay.down(lo.silu_mul(gu))
-            else:
+            if lq is None:   # silu(gate) * up fused into the gate/up matmul where it can be
+                delta = lay.down(norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm, glu=True))
+            else:            # silu(gate) * up written in Q8_1 for down's GEMV
+                gu = norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm)
                 xq = q8[: T * gu.shape[1] // 64 * 36]
                 lo.silu_mul(gu, xq, lq)
                 delta = lay.down.from_q8_1(xq, T, lq)
