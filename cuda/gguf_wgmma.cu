@@ -62,6 +62,14 @@
 //   reaches past token M (wg::x_box_row says why): with M < T the box holds the M rows, and the
 //   stale shared-memory rows after them feed only outputs that are not stored; with M >= T the
 //   last token tile is shifted back to end at M.
+// * GLU (matmul(glu=True), the decoder MLP's gate/up projection with W = [gate; up], N = 2F):
+//   y [M, F] = swiglu(x gate^T, x up^T) (swiglu.cuh, silu_mul's roundings) in the epilogue. A
+//   block's two weight boxes a stage are its FR = ROWS / 2 gate rows and the FR matching up rows,
+//   so warpgroup 0 computes a gate tile and warpgroup 1 the up tile of the same outputs with the
+//   unchanged K loop; the two tiles meet in shared memory (wg::glu_store). Split tiles leave
+//   their partials at the fused row numbers and wgmma_reduce<V, true> applies the GLU. Against
+//   the product + silu_mul launch (CUPTI, q4_0 4096->24576, bench/NOTES.md, session 21): M = 128
+//   55.8 vs 54.2 + 5.3 us, M = 512 153.8 vs 152.4 + 18.0, M = 2048 635 vs 606 + 66.
 //
 // Measured on the H100 (bench/NOTES.md, sessions 8 and 16; rotated weights, us): with the
 // producer warpgroup 0.7-1.0x the time of the session-15 kernel (every thread cp.async'ing, one

@@ -29,6 +29,10 @@ only the fp32 order of the sum over blocks differs); dequant and wgmma are fp16 
 accumulation (cuBLAS; the tensor cores), on weights bit-equal to fmt.dequantize(qt) rounded to half
 (wgmma's Q4_1 / Q5_1 weights: q d + m rounded once, cuda/gguf_wgmma.cu says where that differs).
 
+matmul(x, qt, glu=True) is the decoder MLP's silu(x @ gate.T) * (x @ up.T) for a weight whose rows
+are [gate; up]: on the wgmma path in the kernel's epilogue (cuda/gguf_wgmma.cu, GLU), elsewhere
+the product into a workspace and layer_ops.silu_mul. The runner's prefill takes it.
+
 matmul_q8_1(xq, qt, m, layout) takes activations already in Q8_1 (the runner's norms and SiLU
 write them, q8_1_layout names the layout the mmvq of that M reads) and runs the same launches
 without the quantize one. Repeated calls replay their recorded launches (kernels.run_planned).

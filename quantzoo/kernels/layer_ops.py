@@ -4,7 +4,7 @@
                                           (with q8_1, also writes that output in Q8_1 there)
     qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H, KV, eps) -> q (T, H, hd)
                                           q/k RMSNorm (optional) + RoPE; k, v written to the cache
-    silu_mul(gu[, q8_1, layout])          [gate | up] (T, 2F) -> silu(gate) * up (T, F) (and Q8_1)
+    silu_mul(gu[, q8_1, layout, out])     [gate | up] (T, 2F) -> silu(gate) * up (T, F) (and Q8_1)
     attn_decode(q, k_cache, v_cache, pos, work) -> (1, H*hd)   one token against cache rows <= pos
 
 Each equals the torch code it replaces in quantzoo/model/llm.py with the same fp16 roundings
