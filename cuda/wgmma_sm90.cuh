@@ -270,20 +270,8 @@ __device__ __forceinline__ void glu_store(const half* tiles, half* y, int m0, in
 }  // namespace wg
 #endif
 
-// ---- split K's reduce, a launch of its own after either kernel (plain CUDA: every target) ----
-// y = the sum of the split tiles' partials in split order, one thread V consecutive columns
-// (V = 4 when N % 4 == 0 and y is 8-byte aligned: 16-byte partial loads; else 1): the elements
-// of tiles dp_tiles .. tiles - 1 (count = their number x T rows x `rows` columns), numbered tile
-// by tile, token-major inside a tile. Partials: part [splits][M][N] fp32, each split tile's rows
-// [m_tile, min(m_tile + T, M)) written by its blocks. GLU (the kernels' fused gate/up
-// epilogue): y [M, N] = swiglu(gate, up) (swiglu.cuh) of partials [splits][M][2N], gate in
-// column n, up in column N + n, each sum rounded to fp16 first as y would hold it; `rows` counts
-// y's columns per tile. Why a launch of its own over the whole GPU:
-// summed inside the kernel by each tile's last block, the few blocks doing it made GGUF's split
-// launches 2x slower with scalar loads (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us, session 16) and
-// 5-12 % slower with coalesced fragment-order partials (session 17, bench/NOTES.md). The AWQ
-// kernel uses it past 2 splits and keeps its last-block sum at 2 (awq_wgmma.cu says why).
-
+// ---- split K's reduce (plain CUDA: every target) ----
+// The partials of V consecutive elements, summed in split order.
 template <int V>
 __device__ __forceinline__ void sum_splits(float (&s)[V], const float* __restrict__ part, size_t o, size_t stride,
                                            int splits) {
@@ -300,6 +288,19 @@ __device__ __forceinline__ void sum_splits(float (&s)[V], const float* __restric
   }
 }
 
+// wgmma_reduce, a launch of its own after either kernel: y = the sum of the split tiles'
+// partials in split order, one thread V consecutive columns
+// (V = 4 when N % 4 == 0 and y is 8-byte aligned: 16-byte partial loads; else 1): the elements
+// of tiles dp_tiles .. tiles - 1 (count = their number x T rows x `rows` columns), numbered tile
+// by tile, token-major inside a tile. Partials: part [splits][M][N] fp32, each split tile's rows
+// [m_tile, min(m_tile + T, M)) written by its blocks. GLU (the kernels' fused gate/up
+// epilogue): y [M, N] = swiglu(gate, up) (swiglu.cuh) of partials [splits][M][2N], gate in
+// column n, up in column N + n, each sum rounded to fp16 first as y would hold it; `rows` counts
+// y's columns per tile. Why a launch of its own over the whole GPU:
+// summed inside the kernel by each tile's last block, the few blocks doing it made GGUF's split
+// launches 2x slower with scalar loads (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us, session 16) and
+// 5-12 % slower with coalesced fragment-order partials (session 17, bench/NOTES.md). The AWQ
+// kernel uses it past 2 splits and keeps its last-block sum at 2 (awq_wgmma.cu says why).
 template <int V, bool GLU = false>
 __global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ y, int M, int N, int T, int rows,
                              int tiles_m, int dp_tiles, int splits, long long count) {
