@@ -569,15 +569,15 @@ def _vec_default(fmt, m, qt) -> bool:
 def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu=False) -> None:
     """Launch matmul's kernels on checked arguments (M >= 1); cuBLAS calls go through
     cuda_launch.torch_step, so that kernels.run_planned can record them."""
-    import torch
-
-    from quantzoo.kernels import layer_ops
-
     nb = k // QK
     if glu and path == "wgmma":
         _launch_wgmma(fmt, x.view(m, k), qt.data, out.view(m, n // 2), m, n, nb, glu=True)
         return
     if glu:   # the product into a workspace, then silu_mul
+        import torch
+
+        from quantzoo.kernels import layer_ops
+
         gu = _workspace("glu", m * n * 2, x.device).view(torch.float16).view(m, n)
         _queue(fmt, x, qt, gu, m, n, k, path, vec, mmvq_rows, mma_split)
         layer_ops.silu_mul(gu, out=out.view(m, n // 2))
