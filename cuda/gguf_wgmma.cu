@@ -275,8 +275,9 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
     // silu(gate) * up: the block's gate tile (warpgroup 0) and up tile (warpgroup 1), rounded to
     // fp16 as y would hold them, go to shared memory -- once both warpgroups' last wgmma has read
     // the stages -- and every consumer thread then takes a share of the outputs (wg::glu_store).
-    awq::sync_threads(C::CONSUMERS);
+    // A split tile stores its partials below and needs neither barrier (n_split is the block's).
     if (n_split == 1) {
+      awq::sync_threads(C::CONSUMERS);
       half* tiles = reinterpret_cast<half*>(smem);
       half* tile = tiles + wg * T * (FR + 8);
 #pragma unroll
