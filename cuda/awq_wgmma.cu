@@ -92,6 +92,10 @@
 #include "awq_common.cuh"
 #include "wgmma_sm90.cuh"
 
+#ifndef QZ_SUM_BATCH
+#define QZ_SUM_BATCH 8   // split-K sum: tasks whose loads are in flight together (below)
+#endif
+
 namespace awqw {
 
 constexpr int BK = 64;  // k rows per stage
@@ -310,12 +314,36 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   const int m_tile = wg::first_stored_row(m0, M, x_rows, tiles_m, T);
   __shared__ int last_flag;
   if (!awq::last_block_of_tile(counters + tile, n_split, &last_flag, C::CONSUMERS)) return;
-  for (int task = tid; task < T * C::WORDS; task += C::CONSUMERS) {   // (token, column word)
-    const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
-    if (m < m_tile || m >= M || cw >= n8) continue;
-    float v[8];
-    awq::sum8_partials(v, ws + (size_t)m * N + 8 * cw, (size_t)M * N, splits);
-    awq::store8_half(y + (size_t)m * N + 8 * cw, v);
+  // The tile's 2 partials (the host sends more splits to wgmma_reduce), summed in split order,
+  // 8 columns of one token a task. Every load of a round of B tasks is issued before the first
+  // sum, so a round costs one trip to L2, not B: one task at a time, the last blocks spent ~18
+  // of a 101 us launch here (4096->12288 M = 512; bench/NOTES.md, session 23).
+  constexpr int PER = T * C::WORDS / C::CONSUMERS, B = PER < QZ_SUM_BATCH ? PER : QZ_SUM_BATCH;
+  static_assert(T * C::WORDS % C::CONSUMERS == 0 && PER % B == 0, "whole rounds of tasks");
+  const size_t split_stride = (size_t)M * N;
+  for (int r0 = 0; r0 < PER; r0 += B) {
+    float4 p[B][4];
+    bool ok[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {   // task (token, column word), consecutive threads along the row
+      const int task = tid + (r0 + b) * C::CONSUMERS;
+      const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
+      ok[b] = m >= m_tile && m < M && cw < n8;
+      if (ok[b]) {
+        const float4* q = reinterpret_cast<const float4*>(ws + (size_t)m * N + 8 * cw);
+        const float4* q1 = reinterpret_cast<const float4*>(ws + split_stride + (size_t)m * N + 8 * cw);
+        p[b][0] = __ldcg(q); p[b][1] = __ldcg(q + 1); p[b][2] = __ldcg(q1); p[b][3] = __ldcg(q1 + 1);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (!ok[b]) continue;
+      const int task = tid + (r0 + b) * C::CONSUMERS;
+      const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
+      const float v[8] = {p[b][0].x + p[b][2].x, p[b][0].y + p[b][2].y, p[b][0].z + p[b][2].z, p[b][0].w + p[b][2].w,
+                          p[b][1].x + p[b][3].x, p[b][1].y + p[b][3].y, p[b][1].z + p[b][3].z, p[b][1].w + p[b][3].w};
+      awq::store8_half(y + (size_t)m * N + 8 * cw, v);
+    }
   }
 #endif
 }
