@@ -60,11 +60,12 @@
 //   this path takes N % 32 == 0 (host: WGMMA_N_MULTIPLE); dispatch sends other N to mma.sync.
 // * Split K: one block walks its K range at a fixed per-stage latency, so a grid of few tiles
 //   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
-//   fills one wave of resident blocks; the fp32 partials meet in a workspace and are added in
-//   split order (deterministic) by the tile's last block (2 splits) or by the next launch,
-//   wgmma_reduce in wgmma_sm90.cuh (more splits: the last blocks' serial sums of 3 to 16
-//   partials cost more than a launch over the GPU; M = 64 0.70-0.85x the time with it, while at
-//   2 splits neither way wins everywhere: bench/NOTES.md, session 17).
+//   fills one wave of resident blocks. At 2 splits the first half of a tile to finish hands its
+//   fp32 partial to the second, which adds it to its registers and stores y (awqw::work says
+//   why the halves are ordered as they are); past 2 the partials meet in a workspace and the next
+//   launch, wgmma_reduce in wgmma_sm90.cuh, adds them in split order (the last blocks' serial
+//   sums of 3 to 16 partials cost more than a launch over the GPU; M = 64 0.70-0.85x the time
+//   with it: bench/NOTES.md, session 17).
 // * More tiles than resident blocks: the first dp_tiles tiles (whole waves) walk all of K, and
 //   only the tiles of the last, partly empty wave are split, so that they fill it with shorter
 //   blocks (4096->12288 M = 512: 192 tiles on 132 SMs; without this the second wave runs 60
@@ -92,10 +93,6 @@
 #include "awq_common.cuh"
 #include "wgmma_sm90.cuh"
 
-#ifndef QZ_SUM_BATCH
-#define QZ_SUM_BATCH 8   // split-K sum: tasks whose loads are in flight together (below)
-#endif
-
 namespace awqw {
 
 constexpr int BK = 64;  // k rows per stage
@@ -113,6 +110,7 @@ struct Cfg {
   static constexpr int Z_BYTES = 2 * WORDS * 4;
   static constexpr int STAGE = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
+  static constexpr int COLS = 8 * WORDS;                   // output columns per block
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(ROW == 64 || ROW == 128, "weight rows are one 64- or 128-byte swizzle span");
 };
@@ -125,21 +123,68 @@ __device__ __forceinline__ int w_offset(int r, int w) {
   return r * ROW + ((((w >> 2) ^ ((r * ROW >> 7) & (ROW / 16 - 1)))) << 4) + ((w & 3) << 2);
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)   // wg:: (wgmma_sm90.cuh) exists for sm_90a only
+// A consumer thread's place in the fragments (tid < 128 NWG): t = lane % 4; its column word c
+// within the block and its columns in it: JN = 2 -> the 4 columns 4h .. 4h + 3 (instruction j
+// takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1.
+struct Fragment { int t, c, h, j0; };
+template <int JN>
+__device__ __forceinline__ Fragment fragment_of(int tid) {
+  const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3, g = lane >> 2;
+  return {lane & 3, JN == 2 ? 16 * wg + 8 * (wq & 1) + g : 8 * wg + g, wq >> 1, JN == 2 ? 0 : wq & 1};
+}
+
+// Which block takes which work: as wg::BlockWork, except for a launch whose split tiles have 2
+// halves that meet in the kernel (handoff: counters given, 2 splits):
+// [0, R) the first halves of split tiles dp_tiles.., [R, R + dp_tiles) the whole tiles, then the
+// second halves (R = split tiles). With more tiles than SMs the first wave is then R first halves
+// and whole tiles; the first halves end early and hand their partials over long before the
+// second halves (the second wave, after the whole tiles) end, so a second half adds the partial
+// to its registers and stores y like a whole tile. In the other order both halves ran together
+// and met at the end, the last to arrive storing its own partial, waiting on a fence and reading
+// both back: ~10 us of a 92 us launch (4096->12288 M = 512; bench/NOTES.md, session 23).
+__device__ __forceinline__ bool handoff(const unsigned* counters, int splits) { return counters && splits == 2; }
+__device__ __forceinline__ wg::BlockWork work(int b, int dp_tiles, int splits, const unsigned* counters) {
+  wg::BlockWork w(dp_tiles, splits, b);
+  if (handoff(counters, splits)) {
+    const int r = ((int)gridDim.x - dp_tiles) / 2;
+    w.whole = b >= r && b < r + dp_tiles;
+    w.tile = w.whole ? b - r : dp_tiles + (b < r ? b : b - r - dp_tiles);
+    w.split = w.whole ? 0 : b >= r;
+    w.n_split = w.whole ? 1 : 2;
+  }
+  return w;
+}
+// blockIdx.x and threadIdx.x read anew (volatile): what the epilogue derives from them is
+// recomputed there rather than held in registers through the K loop, where ptxas, at its
+// 168-register cap, otherwise recomputed the fragment offsets every stage instead (222 -> 252
+// instructions a stage at T = 128).
+__device__ __forceinline__ int block_index() {
+  int b;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(b));
+  return b;
+}
+__device__ __forceinline__ int thread_index() {
+  int b;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(b));
+  return b;
+}
+#endif
 }  // namespace awqw
 
 // grid (dp_tiles + (tiles - dp_tiles) * splits): tile i = (token tile i % tiles_m, column tile i /
 // tiles_m), token tiles varying fastest, so the blocks that read the same weights run together and
-// share L2. Blocks below dp_tiles each do tile i over all of K; the rest do split j % splits of
-// tile dp_tiles + j / splits (j = block - dp_tiles): rows [split * rows_per_split, (split + 1) *
-// rows_per_split) of K (a multiple of BK; the host makes every split non-empty). Block
+// share L2. Tiles below dp_tiles walk all of K; split j of a later tile takes rows [j *
+// rows_per_split, (j + 1) * rows_per_split) of K (a multiple of BK; the host makes every split
+// non-empty). Which block takes which: awqw::work. Block
 // awqw::Cfg::THREADS (128 * NWG + 128) threads, dynamic shared memory awqw::Cfg<NWG, T, D>::SMEM.
 // Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x x_rows (x_rows = min(T, M):
 // wg::x_box_row), 128-byte swizzle; qweight u32 [K, N/8] box WORDS x 64, swizzle ROW; scales fp16
 // [K/G, N] box 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2
-// at G = 32, else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. With splits > 1 the split
-// tiles' fp32 partials meet in ws [splits][M][N] and the tile's last block sums them in split
-// order (awq_common.cuh; counters: one zeroed unsigned per tile, left zeroed) or, with counters
-// null, wgmma_reduce does.
+// at G = 32, else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. Split tiles, with counters
+// (one zeroed unsigned per tile, left zeroed) and splits == 2: the first half's partial goes to ws
+// in fragment order, T x 8 WORDS floats per split tile; with counters null (any splits): each
+// split's partial to ws [splits][M][N] for wgmma_reduce.
 template <int NWG, int T, int D>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,
@@ -156,8 +201,8 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
 
   const int n8 = N / 8;
   const int tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5;
-  const auto [whole, tile, split, n_split] = wg::BlockWork(dp_tiles, splits);
+  const int lane = tid & 31;
+  const auto [whole, tile, split, n_split] = awqw::work(blockIdx.x, dp_tiles, splits, counters);
   // this tile's tokens are [m_tile, m_tile + T); its x box starts at token m0
   const int m0 = wg::x_box_row((tile % tiles_m) * T, M, x_rows);
   const int col0 = (tile / tiles_m) * C::WORDS;
@@ -192,14 +237,8 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   }
   {   // the consumer warpgroups
     wg::set_max_regs<true, 232>();
-    const int wg = warp >> 2, wq = warp & 3;
-    const int g = lane >> 2, t = lane & 3;
-    // this thread's column word within the block and its columns in it: JN = 2 -> the 4 columns
-    // 4h .. 4h + 3 (instruction j takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1
     constexpr int JN = C::JN;
-    const int c = JN == 2 ? 16 * wg + 8 * (wq & 1) + g : 8 * wg + g;
-    const int h = wq >> 1;
-    const int j0 = JN == 2 ? 0 : wq & 1;
+    const auto [t, c, h, j0] = awqw::fragment_of<JN>(tid);
     const unsigned j_mask = j0 ? awq::kHighMask : awq::kLowMask;                 // JN = 1 only
     const half2 j_mul = awq::as_h2(j0 ? 0x2c002c00u : 0x3c003c00u);              // 1/16 or 1
     // this thread's fragment words in a stage's weight tile: rows 16 kk + 2t + {0, 1, 8, 9} of
@@ -210,7 +249,15 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
 
     float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
 
+    // the byte permute that pairs rows k and k + 1 (below): bytes h and h + 2 of each
+    unsigned sel = 0x6420u + 0x1111u * h;
     for (int st = 0; st < n_stages; ++st) {
+      // Opaque to ptxas: the offsets are carried from stage to stage in registers, never
+      // recomputed from tid, which ptxas otherwise chose for some versions of this kernel
+      // (+30 instructions a stage, 4096->12288 M = 128 39 -> 43 us; bench/NOTES.md, session 23).
+#pragma unroll
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(w_off[i]));
+      asm volatile("" : "+r"(sel));
       const int b = st % D;
       wg::mbar_wait(full0 + 8 * b, (st / D) & 1);
       const unsigned char* S0 = smem + b * C::STAGE;
@@ -250,7 +297,6 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         // k pairs first: byte h and byte h + 2 of rows k and k + 1 -> [k.bh, k.bh2, k1.bh, k1.bh2],
         // so each mask below picks one column's nibble in rows k (low lane) and k + 1 (high lane):
         // low nibbles of bytes 0 / 2 are columns 4h / 4h + 1, high nibbles 4h + 2 / 4h + 3.
-        const unsigned sel = 0x6420u + 0x1111u * h;
         const unsigned p0 = __byte_perm(wv[kk][0], wv[kk][1], sel);   // rows 2t, 2t + 1
         const unsigned p8 = __byte_perm(wv[kk][2], wv[kk][3], sel);   // rows 2t + 8, 2t + 9
         const unsigned q0 = p0 >> 8, q8 = p8 >> 8;
@@ -281,69 +327,72 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     }
     wg::drain<T, JN>(acc);
 
+    const auto [e_whole, e_tile, e_split, e_n_split] = awqw::work(awqw::block_index(), dp_tiles, splits, counters);
+    const int e_tid = awqw::thread_index();
+    const auto [e_t, e_c, e_h, e_j0] = awqw::fragment_of<JN>(e_tid);
+    const bool handoff = awqw::handoff(counters, splits);
+    if (handoff && e_n_split == 2) {   // the tile's 2 halves meet: the first hands its partial to the second
+      __shared__ int arrived;
+      if (e_tid == 0) arrived = atomicAdd(counters + e_tile, 1);
+      awq::sync_threads(C::CONSUMERS);
+      float4* part = reinterpret_cast<float4*>(ws + (size_t)(e_tile - dp_tiles) * (T * C::COLS)) + e_tid;
+      if (arrived == 0) {   // first: the partial in fragment order (a warp's float4 stores: 512 bytes in a row)
+#pragma unroll
+        for (int j = 0; j < JN; ++j)
+#pragma unroll
+          for (int v = 0; v < T / 8; ++v)
+            __stcg(part + (j * T / 8 + v) * C::CONSUMERS, make_float4(acc[j][4 * v], acc[j][4 * v + 1], acc[j][4 * v + 2], acc[j][4 * v + 3]));
+        __threadfence();
+        awq::sync_threads(C::CONSUMERS);
+        if (e_tid == 0) atomicAdd(counters + e_tile, 1);   // 3 once both have arrived and this partial is out
+        return;
+      }
+      if (e_tid == 0) {   // second: wait for the partial (its block is past its K loop: no deadlock)
+        while (atomicAdd(counters + e_tile, 0) != 3) __nanosleep(64);
+        counters[e_tile] = 0;   // both blocks are done with it: zero again for the next launch
+        __threadfence();
+      }
+      awq::sync_threads(C::CONSUMERS);
+#pragma unroll
+      for (int j = 0; j < JN; ++j)
+#pragma unroll
+        for (int v = 0; v < T / 8; ++v) {   // a + b == b + a: the same sum whichever half came first
+          const float4 q = __ldcg(part + (j * T / 8 + v) * C::CONSUMERS);
+          acc[j][4 * v] += q.x; acc[j][4 * v + 1] += q.y; acc[j][4 * v + 2] += q.z; acc[j][4 * v + 3] += q.w;
+        }
+    }
+    const bool to_y = e_n_split == 1 || handoff;   // else a split's partial for wgmma_reduce
+    const int e_m0 = wg::x_box_row((e_tile % tiles_m) * T, M, x_rows);
+    const int e_col0 = (e_tile / tiles_m) * C::WORDS;
+
     // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r (JN = 1: 8c + 4h + 2j0 + r), token m0 + 8i + 2t + e
-    const int m_tile = wg::first_stored_row(m0, M, x_rows, tiles_m, T);
-    const int cg = col0 + c;
+    const int m_tile = wg::first_stored_row(e_m0, M, x_rows, tiles_m, T);
+    const int cg = e_col0 + e_c;
     if (cg < n8) {
 #pragma unroll
       for (int i = 0; i < T / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int m = m0 + 8 * i + 2 * t + e;
+          const int m = e_m0 + 8 * i + 2 * e_t + e;
           if (m >= m_tile && m < M) {   // not another tile's row, nor past M
             const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
             if constexpr (JN == 1) {   // columns 8c + 4h + 2j0 + r
-              const size_t o = (size_t)m * N + 8 * cg + 4 * h + 2 * j0;
-              if (n_split == 1) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
-              else *reinterpret_cast<float2*>(ws + (size_t)split * M * N + o) = make_float2(v0, v1);
+              const size_t o = (size_t)m * N + 8 * cg + 4 * e_h + 2 * e_j0;
+              if (to_y) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
+              else *reinterpret_cast<float2*>(ws + (size_t)e_split * M * N + o) = make_float2(v0, v1);
               continue;
             }
             const float v2 = acc[JN - 1][4 * i + e], v3 = acc[JN - 1][4 * i + 2 + e];
-            if (n_split == 1) {
+            if (to_y) {
               const half2 p0 = __floats2half2_rn(v0, v1), p1 = __floats2half2_rn(v2, v3);
-              *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
+              *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * e_h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
             } else {
-              *reinterpret_cast<float4*>(ws + ((size_t)split * M + m) * N + 8 * cg + 4 * h) =
+              *reinterpret_cast<float4*>(ws + ((size_t)e_split * M + m) * N + 8 * cg + 4 * e_h) =
                   make_float4(v0, v1, v2, v3);
             }
           }
         }
     }
   }   // consumers
-  if (n_split == 1 || counters == nullptr) return;   // no counters: wgmma_reduce (the next launch) sums
-  const int m_tile = wg::first_stored_row(m0, M, x_rows, tiles_m, T);
-  __shared__ int last_flag;
-  if (!awq::last_block_of_tile(counters + tile, n_split, &last_flag, C::CONSUMERS)) return;
-  // The tile's 2 partials (the host sends more splits to wgmma_reduce), summed in split order,
-  // 8 columns of one token a task. Every load of a round of B tasks is issued before the first
-  // sum, so a round costs one trip to L2, not B: one task at a time, the last blocks spent ~18
-  // of a 101 us launch here (4096->12288 M = 512; bench/NOTES.md, session 23).
-  constexpr int PER = T * C::WORDS / C::CONSUMERS, B = PER < QZ_SUM_BATCH ? PER : QZ_SUM_BATCH;
-  static_assert(T * C::WORDS % C::CONSUMERS == 0 && PER % B == 0, "whole rounds of tasks");
-  const size_t split_stride = (size_t)M * N;
-  for (int r0 = 0; r0 < PER; r0 += B) {
-    float4 p[B][4];
-    bool ok[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b) {   // task (token, column word), consecutive threads along the row
-      const int task = tid + (r0 + b) * C::CONSUMERS;
-      const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
-      ok[b] = m >= m_tile && m < M && cw < n8;
-      if (ok[b]) {
-        const float4* q = reinterpret_cast<const float4*>(ws + (size_t)m * N + 8 * cw);
-        const float4* q1 = reinterpret_cast<const float4*>(ws + split_stride + (size_t)m * N + 8 * cw);
-        p[b][0] = __ldcg(q); p[b][1] = __ldcg(q + 1); p[b][2] = __ldcg(q1); p[b][3] = __ldcg(q1 + 1);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      if (!ok[b]) continue;
-      const int task = tid + (r0 + b) * C::CONSUMERS;
-      const int m = m0 + task / C::WORDS, cw = col0 + task % C::WORDS;
-      const float v[8] = {p[b][0].x + p[b][2].x, p[b][0].y + p[b][2].y, p[b][0].z + p[b][2].z, p[b][0].w + p[b][2].w,
-                          p[b][1].x + p[b][3].x, p[b][1].y + p[b][3].y, p[b][1].z + p[b][3].z, p[b][1].w + p[b][3].w};
-      awq::store8_half(y + (size_t)m * N + 8 * cw, v);
-    }
-  }
 #endif
 }

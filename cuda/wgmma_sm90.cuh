@@ -205,14 +205,14 @@ __device__ __forceinline__ unsigned init_stage_bars(unsigned long long (&bars)[2
 }
 
 // A block's work under wgmma_tiles.schedule (both kernels): blocks below dp_tiles take tile
-// blockIdx.x over all of K; block dp_tiles + j takes split j % splits of tile dp_tiles + j / splits.
+// b = blockIdx.x over all of K; block dp_tiles + j takes split j % splits of tile dp_tiles + j / splits.
 struct BlockWork {
   bool whole;    // this block's tile walks all of K
   int tile, split, n_split;
-  __device__ __forceinline__ BlockWork(int dp_tiles, int splits)
-      : whole((int)blockIdx.x < dp_tiles),
-        tile(whole ? (int)blockIdx.x : dp_tiles + ((int)blockIdx.x - dp_tiles) / splits),
-        split(whole ? 0 : ((int)blockIdx.x - dp_tiles) % splits),
+  __device__ __forceinline__ BlockWork(int dp_tiles, int splits, int b = blockIdx.x)
+      : whole(b < dp_tiles),
+        tile(whole ? b : dp_tiles + (b - dp_tiles) / splits),
+        split(whole ? 0 : (b - dp_tiles) % splits),
         n_split(whole ? 1 : splits) {}
 };
 
