@@ -61,9 +61,9 @@
 // * Split K: one block walks its K range at a fixed per-stage latency, so a grid of few tiles
 //   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
 //   fills one wave of resident blocks. At 2 splits the first half of a tile to finish hands its
-//   fp32 partial to the second, which adds it to its registers and stores y (awqw::work says
-//   why the halves are ordered as they are); past 2 the partials meet in a workspace and the next
-//   launch, wgmma_reduce in wgmma_sm90.cuh, adds them in split order (the last blocks' serial
+//   fp32 partial to the second, which adds it to its registers and stores y (wg::hand_over;
+//   wg::work says why the halves are ordered as they are); past 2 the partials meet in a
+//   workspace and the next launch, wgmma_reduce in wgmma_sm90.cuh, adds them in split order (the last blocks' serial
 //   sums of 3 to 16 partials cost more than a launch over the GPU; M = 64 0.70-0.85x the time
 //   with it: bench/NOTES.md, session 17).
 // * More tiles than resident blocks: the first dp_tiles tiles (whole waves) walk all of K, and
@@ -123,7 +123,6 @@ __device__ __forceinline__ int w_offset(int r, int w) {
   return r * ROW + ((((w >> 2) ^ ((r * ROW >> 7) & (ROW / 16 - 1)))) << 4) + ((w & 3) << 2);
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)   // wg:: (wgmma_sm90.cuh) exists for sm_90a only
 // A consumer thread's place in the fragments (tid < 128 NWG): t = lane % 4; its column word c
 // within the block and its columns in it: JN = 2 -> the 4 columns 4h .. 4h + 3 (instruction j
 // takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1.
@@ -133,50 +132,13 @@ __device__ __forceinline__ Fragment fragment_of(int tid) {
   const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3, g = lane >> 2;
   return {lane & 3, JN == 2 ? 16 * wg + 8 * (wq & 1) + g : 8 * wg + g, wq >> 1, JN == 2 ? 0 : wq & 1};
 }
-
-// Which block takes which work: as wg::BlockWork, except for a launch whose split tiles have 2
-// halves that meet in the kernel (handoff: counters given, 2 splits):
-// [0, R) the first halves of split tiles dp_tiles.., [R, R + dp_tiles) the whole tiles, then the
-// second halves (R = split tiles). With more tiles than SMs the first wave is then R first halves
-// and whole tiles; the first halves end early and hand their partials over long before the
-// second halves (the second wave, after the whole tiles) end, so a second half adds the partial
-// to its registers and stores y like a whole tile. In the other order both halves ran together
-// and met at the end, the last to arrive storing its own partial, waiting on a fence and reading
-// both back: ~10 us of a 92 us launch (4096->12288 M = 512; bench/NOTES.md, session 23).
-__device__ __forceinline__ bool handoff(const unsigned* counters, int splits) { return counters && splits == 2; }
-__device__ __forceinline__ wg::BlockWork work(int b, int dp_tiles, int splits, const unsigned* counters) {
-  wg::BlockWork w(dp_tiles, splits, b);
-  if (handoff(counters, splits)) {
-    const int r = ((int)gridDim.x - dp_tiles) / 2;
-    w.whole = b >= r && b < r + dp_tiles;
-    w.tile = w.whole ? b - r : dp_tiles + (b < r ? b : b - r - dp_tiles);
-    w.split = w.whole ? 0 : b >= r;
-    w.n_split = w.whole ? 1 : 2;
-  }
-  return w;
-}
-// blockIdx.x and threadIdx.x read anew (volatile): what the epilogue derives from them is
-// recomputed there rather than held in registers through the K loop, where ptxas, at its
-// 168-register cap, otherwise recomputed the fragment offsets every stage instead (222 -> 252
-// instructions a stage at T = 128).
-__device__ __forceinline__ int block_index() {
-  int b;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(b));
-  return b;
-}
-__device__ __forceinline__ int thread_index() {
-  int b;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(b));
-  return b;
-}
-#endif
 }  // namespace awqw
 
 // grid (dp_tiles + (tiles - dp_tiles) * splits): tile i = (token tile i % tiles_m, column tile i /
 // tiles_m), token tiles varying fastest, so the blocks that read the same weights run together and
 // share L2. Tiles below dp_tiles walk all of K; split j of a later tile takes rows [j *
 // rows_per_split, (j + 1) * rows_per_split) of K (a multiple of BK; the host makes every split
-// non-empty). Which block takes which: awqw::work. Block
+// non-empty). Which block takes which: wg::work. Block
 // awqw::Cfg::THREADS (128 * NWG + 128) threads, dynamic shared memory awqw::Cfg<NWG, T, D>::SMEM.
 // Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x x_rows (x_rows = min(T, M):
 // wg::x_box_row), 128-byte swizzle; qweight u32 [K, N/8] box WORDS x 64, swizzle ROW; scales fp16
@@ -202,7 +164,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   const int n8 = N / 8;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
-  const auto [whole, tile, split, n_split] = awqw::work(blockIdx.x, dp_tiles, splits, counters);
+  const auto [whole, tile, split, n_split] = wg::work(blockIdx.x, dp_tiles, splits, counters);
   // this tile's tokens are [m_tile, m_tile + T); its x box starts at token m0
   const int m0 = wg::x_box_row((tile % tiles_m) * T, M, x_rows);
   const int col0 = (tile / tiles_m) * C::WORDS;
@@ -327,40 +289,12 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     }
     wg::drain<T, JN>(acc);
 
-    const auto [e_whole, e_tile, e_split, e_n_split] = awqw::work(awqw::block_index(), dp_tiles, splits, counters);
-    const int e_tid = awqw::thread_index();
+    const auto [e_whole, e_tile, e_split, e_n_split] = wg::work(wg::block_index(), dp_tiles, splits, counters);
+    const int e_tid = wg::thread_index();
     const auto [e_t, e_c, e_h, e_j0] = awqw::fragment_of<JN>(e_tid);
-    const bool handoff = awqw::handoff(counters, splits);
-    if (handoff && e_n_split == 2) {   // the tile's 2 halves meet: the first hands its partial to the second
-      __shared__ int arrived;
-      if (e_tid == 0) arrived = atomicAdd(counters + e_tile, 1);
-      awq::sync_threads(C::CONSUMERS);
-      float4* part = reinterpret_cast<float4*>(ws + (size_t)(e_tile - dp_tiles) * (T * C::COLS)) + e_tid;
-      if (arrived == 0) {   // first: the partial in fragment order (a warp's float4 stores: 512 bytes in a row)
-#pragma unroll
-        for (int j = 0; j < JN; ++j)
-#pragma unroll
-          for (int v = 0; v < T / 8; ++v)
-            __stcg(part + (j * T / 8 + v) * C::CONSUMERS, make_float4(acc[j][4 * v], acc[j][4 * v + 1], acc[j][4 * v + 2], acc[j][4 * v + 3]));
-        __threadfence();
-        awq::sync_threads(C::CONSUMERS);
-        if (e_tid == 0) atomicAdd(counters + e_tile, 1);   // 3 once both have arrived and this partial is out
-        return;
-      }
-      if (e_tid == 0) {   // second: wait for the partial (its block is past its K loop: no deadlock)
-        while (atomicAdd(counters + e_tile, 0) != 3) __nanosleep(64);
-        counters[e_tile] = 0;   // both blocks are done with it: zero again for the next launch
-        __threadfence();
-      }
-      awq::sync_threads(C::CONSUMERS);
-#pragma unroll
-      for (int j = 0; j < JN; ++j)
-#pragma unroll
-        for (int v = 0; v < T / 8; ++v) {   // a + b == b + a: the same sum whichever half came first
-          const float4 q = __ldcg(part + (j * T / 8 + v) * C::CONSUMERS);
-          acc[j][4 * v] += q.x; acc[j][4 * v + 1] += q.y; acc[j][4 * v + 2] += q.z; acc[j][4 * v + 3] += q.w;
-        }
-    }
+    const bool handoff = wg::handoff(counters, splits);
+    if (handoff && e_n_split == 2 && !wg::hand_over<T, JN, C::CONSUMERS>(acc, ws, counters, e_tile, dp_tiles, e_tid))
+      return;   // the first half of the tile: its partial went to the second (wg::hand_over)
     const bool to_y = e_n_split == 1 || handoff;   // else a split's partial for wgmma_reduce
     const int e_m0 = wg::x_box_row((e_tile % tiles_m) * T, M, x_rows);
     const int e_col0 = (e_tile / tiles_m) * C::WORDS;

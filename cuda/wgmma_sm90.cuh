@@ -216,6 +216,81 @@ struct BlockWork {
         n_split(whole ? 1 : splits) {}
 };
 
+// Split K at 2 splits (awq_wgmma.cu; the GGUF kernel sends every split launch to wgmma_reduce):
+// the tile's halves meet in the kernel when the host gives tile counters (handoff); past 2
+// splits, or with counters null, the partials go to a workspace for wgmma_reduce. With handoff
+// the blocks run in the order [first halves | whole tiles | second halves]: with more tiles than
+// SMs the first wave is the R first halves and whole tiles, so the first halves end early and
+// hand their partials over long before the second halves (the second wave, after the whole
+// tiles) end; a second half adds the partial to its registers and stores y like a whole tile. In the order of BlockWork both halves ran together and met at the end, the
+// last to arrive storing its own partial, waiting on a fence and reading both back: ~10 us of a
+// 92 us launch (AWQ 4096->12288 M = 512; bench/NOTES.md, session 23).
+__device__ __forceinline__ bool handoff(const unsigned* counters, int splits) { return counters && splits == 2; }
+__device__ __forceinline__ BlockWork work(int b, int dp_tiles, int splits, const unsigned* counters) {
+  BlockWork w(dp_tiles, splits, b);
+  if (handoff(counters, splits)) {
+    const int r = ((int)gridDim.x - dp_tiles) / 2;   // R: the split tiles
+    w.whole = b >= r && b < r + dp_tiles;
+    w.tile = w.whole ? b - r : dp_tiles + (b < r ? b : b - r - dp_tiles);
+    w.split = w.whole ? 0 : b >= r;
+    w.n_split = w.whole ? 1 : 2;
+  }
+  return w;
+}
+// blockIdx.x and threadIdx.x read anew (volatile): what an epilogue derives from them is
+// recomputed there rather than held in registers through the K loop (ptxas, at its 168-register
+// cap, then recomputed the fragment offsets every stage instead; a version that kept them spilled).
+__device__ __forceinline__ int block_index() {
+  int b;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(b));
+  return b;
+}
+__device__ __forceinline__ int thread_index() {
+  int b;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(b));
+  return b;
+}
+// The hand-over of a split tile's halves (handoff, 2 splits), called by the consumer threads
+// (0 .. THREADS - 1, named barrier 1) after the K loop. Each half counts itself on arrival; the
+// first stores its accumulators to its tile's slot of ws (T x 64 JN x NWG floats a split tile) in
+// fragment order -- a warp's float4 stores are 512 contiguous bytes -- fences and counts again,
+// and returns false: its block is done. The second waits for the count of 3 (its partner is past
+// its K loop: no deadlock), zeroes the counter for the next launch, adds the partial to acc and
+// returns true: acc holds the tile's sum (a + b == b + a: the same whichever half came first).
+template <int T, int JN, int THREADS>
+__device__ __forceinline__ bool hand_over(float (&acc)[JN][T / 2], float* ws, unsigned* counters, int tile,
+                                          int dp_tiles, int tid) {
+  __shared__ int arrived;
+  if (tid == 0) arrived = atomicAdd(counters + tile, 1);
+  asm volatile("bar.sync 1, %0;\n" :: "r"(THREADS) : "memory");
+  float4* part = reinterpret_cast<float4*>(ws + (size_t)(tile - dp_tiles) * THREADS * (JN * T / 2)) + tid;
+  if (arrived == 0) {
+#pragma unroll
+    for (int j = 0; j < JN; ++j)
+#pragma unroll
+      for (int v = 0; v < T / 8; ++v)
+        __stcg(part + (j * T / 8 + v) * THREADS, make_float4(acc[j][4 * v], acc[j][4 * v + 1], acc[j][4 * v + 2], acc[j][4 * v + 3]));
+    __threadfence();
+    asm volatile("bar.sync 1, %0;\n" :: "r"(THREADS) : "memory");
+    if (tid == 0) atomicAdd(counters + tile, 1);   // 3 once both have arrived and this partial is out
+    return false;
+  }
+  if (tid == 0) {
+    while (atomicAdd(counters + tile, 0) != 3) __nanosleep(64);
+    counters[tile] = 0;
+    __threadfence();
+  }
+  asm volatile("bar.sync 1, %0;\n" :: "r"(THREADS) : "memory");
+#pragma unroll
+  for (int j = 0; j < JN; ++j)
+#pragma unroll
+    for (int v = 0; v < T / 8; ++v) {
+      const float4 q = __ldcg(part + (j * T / 8 + v) * THREADS);
+      acc[j][4 * v] += q.x; acc[j][4 * v + 1] += q.y; acc[j][4 * v + 2] += q.z; acc[j][4 * v + 3] += q.w;
+    }
+  return true;
+}
+
 // The first token row of a tile's x box (both kernels; x_rows = the box's rows, T, or M when
 // M < T): the tile's own first row m_tile, except that the last tile of M >= T rows starts at
 // M - T instead, so that no box reaches past row M. TMA fills rows past the tensor with zeros
