@@ -63,9 +63,9 @@
 //   fills one wave of resident blocks. At 2 splits the first half of a tile to finish hands its
 //   fp32 partial to the second, which adds it to its registers and stores y (wg::hand_over;
 //   wg::work says why the halves are ordered as they are); past 2 the partials meet in a
-//   workspace and the next launch, wgmma_reduce in wgmma_sm90.cuh, adds them in split order (the last blocks' serial
-//   sums of 3 to 16 partials cost more than a launch over the GPU; M = 64 0.70-0.85x the time
-//   with it: bench/NOTES.md, session 17).
+//   workspace and the next launch, wgmma_reduce in wgmma_sm90.cuh, adds them in split order
+//   (the last blocks' serial sums of 3 to 16 partials cost more than a launch over the GPU;
+//   M = 64 0.70-0.85x the time with it: bench/NOTES.md, session 17).
 // * More tiles than resident blocks: the first dp_tiles tiles (whole waves) walk all of K, and
 //   only the tiles of the last, partly empty wave are split, so that they fill it with shorter
 //   blocks (4096->12288 M = 512: 192 tiles on 132 SMs; without this the second wave runs 60

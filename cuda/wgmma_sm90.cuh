@@ -222,9 +222,10 @@ struct BlockWork {
 // the blocks run in the order [first halves | whole tiles | second halves]: with more tiles than
 // SMs the first wave is the R first halves and whole tiles, so the first halves end early and
 // hand their partials over long before the second halves (the second wave, after the whole
-// tiles) end; a second half adds the partial to its registers and stores y like a whole tile. In the order of BlockWork both halves ran together and met at the end, the
-// last to arrive storing its own partial, waiting on a fence and reading both back: ~10 us of a
-// 92 us launch (AWQ 4096->12288 M = 512; bench/NOTES.md, session 23).
+// tiles) end; a second half adds the partial to its registers and stores y like a whole tile.
+// In the order of BlockWork both halves ran together and met at the end, the last to arrive
+// storing its own partial, waiting on a fence and reading both back: ~10 us of a 92 us launch
+// (AWQ 4096->12288 M = 512; bench/NOTES.md, session 23).
 __device__ __forceinline__ bool handoff(const unsigned* counters, int splits) { return counters && splits == 2; }
 __device__ __forceinline__ BlockWork work(int b, int dp_tiles, int splits, const unsigned* counters) {
   BlockWork w(dp_tiles, splits, b);

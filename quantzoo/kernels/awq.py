@@ -110,11 +110,6 @@ WGMMA_MAX_M_FULL = 512  # wgmma ...
 WGMMA_MIN_NK = 6144 * 4096         # ... and this above
 WGMMA_MAX_M_BIG = 1024          # ... and up to M = WGMMA_MAX_M_BIG where
 WGMMA_MIN_NK_BIG = 12288 * 4096  # N * K >= WGMMA_MIN_NK_BIG
-# Split K's partials: at 2 splits the tile's halves meet in the kernel (the first hands its partial
-# to the second, awq_wgmma.cu), past 2 a wgmma_reduce launch adds them (session 17, us, in-kernel
-# sum vs reduce launch, two runs each: M = 64 4096->12288 29.3 -> 26.9, 12288->4096 29.8 -> 25.0,
-# 4096->6144 20.5 -> 17.1; 4096->6144 M = 1536 (5 splits) 141 -> 131).
-WGMMA_FUSED_SUM_MAX_SPLITS = 2   # the kernel's hand-over takes exactly 2
 WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte rows: N/8 words % 4 == 0
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 GEMV_DEFAULT = (2, 8, 4)
@@ -555,9 +550,12 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup
     slots = _blocks_per_sm(kern, smem, threads) * _sm_count(dev)
     dp, splits, per = wgmma_tiles.schedule(m, n, k, slots, (nwg, t, d), splits, dp_tiles)
-    # 2 splits: the first half of a tile hands its partial to the second (tile counters; a
-    # partial in fragment order, T x columns floats a split tile); more: the wgmma_reduce launch
-    reduce = splits > WGMMA_FUSED_SUM_MAX_SPLITS
+    # Split K's partials: at 2 splits the tile's halves meet in the kernel (tile counters; the
+    # first hands its partial, T x columns floats in fragment order, to the second: wg::hand_over),
+    # past 2 a wgmma_reduce launch adds them (session 17, us, in-kernel sum vs reduce launch, two
+    # runs each: M = 64 4096->12288 29.3 -> 26.9, 12288->4096 29.8 -> 25.0, 4096->6144 20.5 ->
+    # 17.1; 4096->6144 M = 1536 (5 splits) 141 -> 131).
+    reduce = splits > 2
     words = wgmma_tiles.columns(nwg, t) // 8
     ws = _buffer(dev, "ws", 1 if splits == 1 else splits * m * n if reduce else (tiles - dp) * t * 8 * words,
                  torch.float32)
