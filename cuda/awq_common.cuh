@@ -182,20 +182,15 @@ __device__ __forceinline__ void sum8_partials(float* v, const float* ws, size_t 
 }
 
 // After a block has stored its partials: is it the last of the tile's `splits` blocks?
-// Call with all threads (or, with threads > 0, with threads 0 .. threads - 1, which then meet at
-// named barrier 1 instead of the block barrier); returns the same answer in every caller.
-__device__ __forceinline__ void sync_threads(int threads) {
-  if (threads) asm volatile("bar.sync 1, %0;\n" :: "r"(threads) : "memory");
-  else __syncthreads();
-}
-__device__ __forceinline__ bool last_block_of_tile(unsigned* counter, int splits, int* flag_smem, int threads = 0) {
+// Call with all threads; returns the same answer in every caller.
+__device__ __forceinline__ bool last_block_of_tile(unsigned* counter, int splits, int* flag_smem) {
   __threadfence();
-  sync_threads(threads);
+  __syncthreads();
   if (threadIdx.x == 0) {
     unsigned old = atomicInc(counter, (unsigned)(splits - 1));   // wraps to 0 after the last
     *flag_smem = (old == (unsigned)(splits - 1));
   }
-  sync_threads(threads);
+  __syncthreads();
   bool last = *flag_smem != 0;
   if (last) __threadfence();
   return last;

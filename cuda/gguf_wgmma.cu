@@ -277,7 +277,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
     // the stages -- and every consumer thread then takes a share of the outputs (wg::glu_store).
     // A split tile stores its partials below and needs neither barrier (n_split is the block's).
     if (n_split == 1) {
-      awq::sync_threads(C::CONSUMERS);
+      wg::consumers_sync(C::CONSUMERS);
       half* tiles = reinterpret_cast<half*>(smem);
       half* tile = tiles + wg * T * (FR + 8);
 #pragma unroll
@@ -289,7 +289,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
 #pragma unroll
             for (int e = 0; e < 2; ++e)
               tile[(8 * i + 2 * t + e) * (FR + 8) + rr(j) - FR * wg + 8 * r8] = __float2half_rn(acc[j][4 * i + 2 * r8 + e]);
-      awq::sync_threads(C::CONSUMERS);
+      wg::consumers_sync(C::CONSUMERS);
       wg::glu_store<T, FR>(tiles, y, m0, m_tile, M, n0, ny, C::CONSUMERS);
       return;
     }

@@ -216,6 +216,12 @@ struct BlockWork {
         n_split(whole ? 1 : splits) {}
 };
 
+// The consumer warpgroups' own barrier (threads 0 .. threads - 1, named barrier 1): the producer
+// warpgroup, past its copies or gone, takes no part.
+__device__ __forceinline__ void consumers_sync(int threads) {
+  asm volatile("bar.sync 1, %0;\n" :: "r"(threads) : "memory");
+}
+
 // Split K at 2 splits (awq_wgmma.cu; the GGUF kernel sends every split launch to wgmma_reduce):
 // the tile's halves meet in the kernel when the host gives tile counters (handoff); past 2
 // splits, or with counters null, the partials go to a workspace for wgmma_reduce. With handoff
@@ -263,7 +269,7 @@ __device__ __forceinline__ bool hand_over(float (&acc)[JN][T / 2], float* ws, un
                                           int dp_tiles, int tid) {
   __shared__ int arrived;
   if (tid == 0) arrived = atomicAdd(counters + tile, 1);
-  asm volatile("bar.sync 1, %0;\n" :: "r"(THREADS) : "memory");
+  consumers_sync(THREADS);
   float4* part = reinterpret_cast<float4*>(ws + (size_t)(tile - dp_tiles) * THREADS * (JN * T / 2)) + tid;
   if (arrived == 0) {
 #pragma unroll
@@ -272,7 +278,7 @@ __device__ __forceinline__ bool hand_over(float (&acc)[JN][T / 2], float* ws, un
       for (int v = 0; v < T / 8; ++v)
         __stcg(part + (j * T / 8 + v) * THREADS, make_float4(acc[j][4 * v], acc[j][4 * v + 1], acc[j][4 * v + 2], acc[j][4 * v + 3]));
     __threadfence();
-    asm volatile("bar.sync 1, %0;\n" :: "r"(THREADS) : "memory");
+    consumers_sync(THREADS);
     if (tid == 0) atomicAdd(counters + tile, 1);   // 3 once both have arrived and this partial is out
     return false;
   }
@@ -281,7 +287,7 @@ __device__ __forceinline__ bool hand_over(float (&acc)[JN][T / 2], float* ws, un
     counters[tile] = 0;
     __threadfence();
   }
-  asm volatile("bar.sync 1, %0;\n" :: "r"(THREADS) : "memory");
+  consumers_sync(THREADS);
 #pragma unroll
   for (int j = 0; j < JN; ++j)
 #pragma unroll
