@@ -56,8 +56,9 @@
 // * The weight tile is what TMA writes: 64 rows of WORDS words, dense, with the 128-byte swizzle
 //   (64-byte at 16 words a row): 16-byte chunk ch of row r at chunk ch ^ (r % 8) (ch ^ (r / 2 %
 //   4)). A thread's fragment words (rows 2t + {0, 1, 8, 9}, one column word) then fall in distinct
-//   banks across the warp at 32 words (2-way conflicts at 16). TMA needs 16-byte global rows, so
-//   this path takes N % 32 == 0 (host: WGMMA_N_MULTIPLE); dispatch sends other N to mma.sync.
+//   banks across the warp (at 16 words a row once odd t load their rows in the other order: w_off
+//   says why). TMA needs 16-byte global rows, so this path takes N % 32 == 0 (host:
+//   WGMMA_N_MULTIPLE); dispatch sends other N to mma.sync.
 // * Split K: one block walks its K range at a fixed per-stage latency, so a grid of few tiles
 //   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
 //   fills one wave of resident blocks. At 2 splits the first half of a tile to finish hands its
@@ -70,6 +71,15 @@
 //   only the tiles of the last, partly empty wave are split, so that they fill it with shorter
 //   blocks (4096->12288 M = 512: 192 tiles on 132 SMs; without this the second wave runs 60
 //   full-length blocks and the time is two full waves).
+// * GLU (matmul(glu=True): the decoder MLP's fused gate/up weight, columns [gate | up], N = 2F):
+//   y [M, F] = swiglu(x gate, x up) (swiglu.cuh, silu_mul's roundings) in the epilogue. A
+//   block's stage is a tile of its FR = 4 WORDS gate columns' words and a tile of the matching up
+//   columns' words (two TMA boxes of half rows), their scales and zeros one box each
+//   (cuda_launch.tensor_map_halves), so warpgroup 0 computes the gate tile and warpgroup 1 the up
+//   tile with the unchanged K loop; the twins then meet in shared memory (the epilogue says how).
+//   Past 2 splits the partials go to the fused columns and wgmma_reduce<4, true> applies the GLU.
+//   Against the product + silu_mul launch (us, 4096->24576, rotated weights, bench/NOTES.md,
+//   session 24): M = 16 31.8 vs 33.1, M = 128 57.4 vs 59.2, M = 512 180 vs 191, M = 1024 360 vs 388.
 //
 // Measured on the H100 (bench/NOTES.md, sessions 7, 8 and 13): with TMA x tiles 0.73-0.88x of
 // cuBLAS fp16 at M = 2048 (run to run), no faster than dequant + cuBLAS there. With split K it is
@@ -117,16 +127,19 @@ struct Cfg {
 
 // Byte offset of word w of row r in a stage's weight tile, as TMA's swizzle placed it: the
 // 16-byte chunk index XORed with address bits 7.. of the row (r % 8 at 128-byte rows, r / 2 % 4
-// at 64-byte rows).
-template <int ROW>
+// at 64-byte rows). GLU: the tile is two tiles of BK rows of ROW / 2 bytes (the 64- or 32-byte
+// swizzle), the gate words', then the up words'.
+template <int ROW, bool GLU = false>
 __device__ __forceinline__ int w_offset(int r, int w) {
-  return r * ROW + ((((w >> 2) ^ ((r * ROW >> 7) & (ROW / 16 - 1)))) << 4) + ((w & 3) << 2);
+  constexpr int SPAN = GLU ? ROW / 2 : ROW, SW = SPAN / 4;   // a row's bytes, words
+  return (w / SW) * BK * SPAN + r * SPAN + (((((w % SW) >> 2) ^ ((r * SPAN >> 7) & (SPAN / 16 - 1)))) << 4) + ((w & 3) << 2);
 }
 
 // A consumer thread's place in the fragments (tid < 128 NWG): t = lane % 4; its column word c
 // within the block and its columns in it: JN = 2 -> the 4 columns 4h .. 4h + 3 (instruction j
 // takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1.
 struct Fragment { int t, c, h, j0; };
+template <int V> struct IntC { static constexpr int value = V; };   // a compile-time int argument
 template <int JN>
 __device__ __forceinline__ Fragment fragment_of(int tid) {
   const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3, g = lane >> 2;
@@ -147,7 +160,7 @@ __device__ __forceinline__ Fragment fragment_of(int tid) {
 // (one zeroed unsigned per tile, left zeroed) and splits == 2: the first half's partial goes to ws
 // in fragment order, T x 8 WORDS floats per split tile; with counters null (any splits): each
 // split's partial to ws [splits][M][N] for wgmma_reduce.
-template <int NWG, int T, int D>
+template <int NWG, int T, int D, bool GLU = false>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,
                  const __grid_constant__ wg::TmaDesc smap, const __grid_constant__ wg::TmaDesc zmap,
@@ -157,6 +170,9 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = awqw::Cfg<NWG, T, D>;
   constexpr int BK = awqw::BK;
+  constexpr int FW = GLU ? C::WORDS / 2 : C::WORDS;   // a tile's column words (GLU: of gate, and of up)
+  static_assert(!GLU || NWG == 2, "GLU: warpgroup 0 takes the gate columns, warpgroup 1 the up columns");
+  static_assert(!GLU || D * C::STAGE >= 128 * C::JN * T, "GLU: the stages hold a warpgroup's fp16 accumulators");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const unsigned base = (awq::smem_addr(smem_raw) + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - awq::smem_addr(smem_raw));
@@ -167,7 +183,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   const auto [whole, tile, split, n_split] = wg::work(blockIdx.x, dp_tiles, splits, counters);
   // this tile's tokens are [m_tile, m_tile + T); its x box starts at token m0
   const int m0 = wg::x_box_row((tile % tiles_m) * T, M, x_rows);
-  const int col0 = (tile / tiles_m) * C::WORDS;
+  const int col0 = (tile / tiles_m) * FW;
   const int kb = whole ? 0 : split * rows_per_split;   // this block's rows [kb, ke)
   const int ke = whole ? K : min(K, kb + rows_per_split);
   const int n_stages = (ke - kb + BK - 1) / BK;
@@ -188,9 +204,17 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         const unsigned S0 = base + b * C::STAGE, bar = full0 + 8 * b;
         wg::mbar_arrive_expect_tx(bar, tx);
         wg::tma_2d(S0, &xmap, k0, m0, bar);
-        wg::tma_2d(S0 + C::X_BYTES, &wmap, col0, k0, bar);
-        wg::tma_2d(S0 + C::X_BYTES + C::W_BYTES, &smap, 8 * col0, k0 / G, bar);
-        wg::tma_2d(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES, &zmap, col0, k0 / G, bar);
+        if constexpr (GLU) {   // a gate tile and an up tile of words; scales and zeros a row's gate
+          // columns, then its up columns (3-D maps: column in the half, gate / up, row)
+          wg::tma_2d(S0 + C::X_BYTES, &wmap, col0, k0, bar);
+          wg::tma_2d(S0 + C::X_BYTES + C::W_BYTES / 2, &wmap, n8 / 2 + col0, k0, bar);
+          wg::tma_3d(S0 + C::X_BYTES + C::W_BYTES, &smap, 8 * col0, 0, k0 / G, bar);
+          wg::tma_3d(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES, &zmap, col0, 0, k0 / G, bar);
+        } else {
+          wg::tma_2d(S0 + C::X_BYTES, &wmap, col0, k0, bar);
+          wg::tma_2d(S0 + C::X_BYTES + C::W_BYTES, &smap, 8 * col0, k0 / G, bar);
+          wg::tma_2d(S0 + C::X_BYTES + C::W_BYTES + C::S_BYTES, &zmap, col0, k0 / G, bar);
+        }
       }
     }
     // Done: no code after setmaxnreg.dec may be shared with the consumers, whose registers it
@@ -204,15 +228,23 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     const unsigned j_mask = j0 ? awq::kHighMask : awq::kLowMask;                 // JN = 1 only
     const half2 j_mul = awq::as_h2(j0 ? 0x2c002c00u : 0x3c003c00u);              // 1/16 or 1
     // this thread's fragment words in a stage's weight tile: rows 16 kk + 2t + {0, 1, 8, 9} of
-    // word c (the swizzle's XOR is the same for every kk)
+    // word c (the swizzle's XOR is the same for every kk), loaded in the order {1, 0, 9, 8} by
+    // odd t (GLU at T = 256: by t = 2, 3). Why: in rows of 64 bytes (T = 256; GLU's tiles at
+    // T <= 128) a load's rows 2t + i, all of one parity, cover only half the banks: a warp's loads
+    // conflicted 2-way. Rows of both parities cover them all. In GLU's 32-byte rows (T = 256) the
+    // rows must cover 4 residues mod 4, which the swap by t / 2 gives. (At 128-byte rows any order
+    // is conflict-free.)
+    const int odd = GLU && JN == 1 ? t >> 1 : t & 1;
+    constexpr int RP = GLU ? C::ROW / 2 : C::ROW;   // the tile's row pitch (bytes)
     int w_off[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w_off[i] = awqw::w_offset<C::ROW>(2 * t + (i & 1) + 8 * (i >> 1), c);
+    for (int i = 0; i < 4; ++i) w_off[i] = awqw::w_offset<C::ROW, GLU>(2 * t + ((i & 1) ^ odd) + 8 * (i >> 1), c);
 
     float acc[JN][T / 2];   // written first by the k-step 0 wgmma (accumulate = 0)
 
-    // the byte permute that pairs rows k and k + 1 (below): bytes h and h + 2 of each
-    unsigned sel = 0x6420u + 0x1111u * h;
+    // the byte permute that pairs rows k and k + 1 (below): bytes h and h + 2 of each, of the
+    // first and the second operand, or (odd t, rows swapped) of the second and the first
+    unsigned sel = (odd ? 0x2064u : 0x6420u) + 0x1111u * h;
     for (int st = 0; st < n_stages; ++st) {
       // Opaque to ptxas: the offsets are carried from stage to stage in registers, never
       // recomputed from tid, which ptxas otherwise chose for some versions of this kernel
@@ -232,7 +264,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) wv[kk][i] = *reinterpret_cast<const unsigned*>(Wt + 16 * kk * C::ROW + w_off[i]);
+        for (int i = 0; i < 4; ++i) wv[kk][i] = *reinterpret_cast<const unsigned*>(Wt + 16 * kk * RP + w_off[i]);
       const int g2 = G == 32;   // a stage spans 2 groups only when G == 32
       const uint4 sv0 = *reinterpret_cast<const uint4*>(S + 8 * c);
       const uint4 sv1 = *reinterpret_cast<const uint4*>(S + 8 * (g2 * C::WORDS + c));
@@ -259,7 +291,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         // k pairs first: byte h and byte h + 2 of rows k and k + 1 -> [k.bh, k.bh2, k1.bh, k1.bh2],
         // so each mask below picks one column's nibble in rows k (low lane) and k + 1 (high lane):
         // low nibbles of bytes 0 / 2 are columns 4h / 4h + 1, high nibbles 4h + 2 / 4h + 3.
-        const unsigned p0 = __byte_perm(wv[kk][0], wv[kk][1], sel);   // rows 2t, 2t + 1
+        const unsigned p0 = __byte_perm(wv[kk][0], wv[kk][1], sel);   // rows 2t, 2t + 1 (in either order)
         const unsigned p8 = __byte_perm(wv[kk][2], wv[kk][3], sel);   // rows 2t + 8, 2t + 9
         const unsigned q0 = p0 >> 8, q8 = p8 >> 8;
         const half2 one16 = awq::as_h2(0x2c002c00u);
@@ -297,12 +329,78 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
       return;   // the first half of the tile: its partial went to the second (wg::hand_over)
     const bool to_y = e_n_split == 1 || handoff;   // else a split's partial for wgmma_reduce
     const int e_m0 = wg::x_box_row((e_tile % tiles_m) * T, M, x_rows);
-    const int e_col0 = (e_tile / tiles_m) * C::WORDS;
+    const int e_col0 = (e_tile / tiles_m) * FW;
 
     // acc[j][4i + 2r + e]: column 8c + 4h + 2j + r (JN = 1: 8c + 4h + 2j0 + r), token m0 + 8i + 2t + e
+    // of the block's columns. GLU: word c < FW is gate word e_col0 + c, c >= FW up word e_col0 + c - FW
+    // (weight word n8 / 2 + e_col0 + c - FW), for y's columns 8 (e_col0 + c % FW) + .. of y [M, N / 2].
     const int m_tile = wg::first_stored_row(e_m0, M, x_rows, tiles_m, T);
-    const int cg = e_col0 + e_c;
-    if (cg < n8) {
+    if constexpr (GLU) {
+      if (to_y) {
+        // silu(gate) * up. A thread of the up warpgroup holds, register for register, the up
+        // values of the outputs whose gate values its twin in the gate warpgroup (tid - 128)
+        // holds. The twins split those outputs: the gate thread takes accumulators [0, NH), the
+        // up thread [NH, NV), and each hands the other its own values of the other's half,
+        // rounded to fp16 as y would hold them, through shared memory in fragment order (each
+        // warp's 16-byte stores 512 contiguous bytes: no bank conflicts) -- once both
+        // warpgroups' last wgmma has read the stages. Each then stores its outputs from
+        // registers. The SwiGLU's fp32 division and exp (swiglu.cuh, bit-equal to silu_mul) are
+        // ~20 instructions an output that no other block hides (one block an SM): split over
+        // both warpgroups they cost half. (Staged as fp16 tiles [T][FR] and stored by every
+        // thread, as the GGUF kernel does, the launch was 10-20 us slower than the product alone
+        // at M = 512 on 4096->24576; bench/NOTES.md, session 24.)
+        constexpr int NV = JN * T / 2, NH = NV / 2;   // a thread's accumulators, half of them
+        const int up = e_c >= FW;
+        uint4* xch = reinterpret_cast<uint4*>(smem) + (e_tid & 127);   // [2][NH / 8][128] chunks of 8 halves
+        auto at = [&](int f) -> float& { return acc[f / (T / 2)][f % (T / 2)]; };
+        const int yw = e_col0 + e_c - FW * up;   // y's column word
+        // this thread's first token and first column of y (JN = 2: +2 for instruction j = 1)
+        const int row0 = e_m0 + 2 * e_t, col0y = 8 * yw + 4 * e_h + (JN == 1 ? 2 * e_j0 : 0);
+        auto epilogue = [&](auto mine) {   // mine: IntC<0> (gate) or IntC<NH> (up)
+          constexpr int F0 = decltype(mine)::value, G0 = NH - F0;   // my outputs, the half I give
+#pragma unroll
+          for (int v = 0; v < NH / 8; ++v) {
+            unsigned q[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) q[p] = awq::as_u32(__floats2half2_rn(at(G0 + 8 * v + 2 * p), at(G0 + 8 * v + 2 * p + 1)));
+            xch[128 * (v + (F0 ? 0 : NH / 8))] = make_uint4(q[0], q[1], q[2], q[3]);
+          }
+          wg::consumers_sync(C::CONSUMERS);
+          unsigned other[NH / 2];   // the twin's fp16 values of my outputs, in pairs
+#pragma unroll
+          for (int v = 0; v < NH / 8; ++v) {
+            const uint4 q = xch[128 * (v + (F0 ? NH / 8 : 0))];
+            other[4 * v] = q.x; other[4 * v + 1] = q.y; other[4 * v + 2] = q.z; other[4 * v + 3] = q.w;
+          }
+          auto out = [&](int f) {   // y's value at accumulator f of mine
+            const half2 o2 = awq::as_h2(other[(f - F0) / 2]);
+            const float ov = __half2float(f & 1 ? __high2half(o2) : __low2half(o2));
+            const float mv = __half2float(__float2half_rn(at(f)));
+            return F0 ? swiglu(ov, mv) : swiglu(mv, ov);
+          };
+          if (yw >= n8 / 2) return;
+          // JN = 2: mine are instruction j = F0 / NH's (columns 4h + 2j, +1), every token; JN = 1:
+          // tokens 8i + .. with i in [F0 / 4, F0 / 4 + T / 16)
+          constexpr int I0 = JN == 1 ? F0 / 4 : 0, NI = JN == 1 ? T / 16 : T / 8, FJ = JN == 1 ? 0 : F0;
+#pragma unroll
+          for (int i = I0; i < I0 + NI; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int m = row0 + 8 * i + e;
+              if (m < m_tile || m >= M) continue;   // another tile's row, or past M
+              *reinterpret_cast<half2*>(y + (size_t)m * (N / 2) + col0y + (JN == 2 && F0 ? 2 : 0)) =
+                  __floats2half2_rn(out(FJ + 4 * i + e), out(FJ + 4 * i + 2 + e));
+            }
+        };
+        wg::consumers_sync(C::CONSUMERS);   // both warpgroups past their last wgmma: the stages are free
+        if (up) epilogue(awqw::IntC<NH>{});
+        else epilogue(awqw::IntC<0>{});
+        return;
+      }
+    }
+    const int up = GLU && e_c >= FW;
+    const int cg = up ? n8 / 2 + e_col0 + e_c - FW : e_col0 + e_c;   // the weight's (the partials') column word
+    if ((GLU ? e_col0 + e_c - FW * up : cg) < (GLU ? n8 / 2 : n8)) {
 #pragma unroll
       for (int i = 0; i < T / 8; ++i)
 #pragma unroll

@@ -306,23 +306,46 @@ def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, 
     buffers) and remembered."""
     key = (ptr, rows, cols, box_rows, box_cols, swizzle, dtype)
     tm = _TMAPS.get(key)
-    if tm is not None:
-        return tm
+    if tm is None:
+        tm = _TMAPS[key] = TensorMap(_encode(ptr, (cols, rows), (cols,), (box_cols, box_rows), swizzle, dtype), key)
+    return tm
+
+
+def tensor_map_halves(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, swizzle: int = 0,
+                      dtype: str = "f16") -> TensorMap:
+    """The TMA descriptor of a row-major matrix [rows, cols] whose columns are two halves [A | B]
+    (cols even, a half's row a 16-byte multiple), seen as 3-D (column in the half, half, row):
+    its boxes of box_rows x (box_cols / 2 columns of A, then the same columns of B) land in shared
+    memory as box_rows rows of box_cols elements, each row's A part before its B part, and
+    columns past a half's end read as zeros (not as the other half's). The AWQ kernel's GLU
+    epilogue (matmul(glu=True)) reads a fused [gate | up] weight's scales and zeros this way."""
+    key = ("halves", ptr, rows, cols, box_rows, box_cols, swizzle, dtype)
+    tm = _TMAPS.get(key)
+    if tm is None:   # key () on the map: launch plans never re-aim it (it is a weight's, not x's)
+        half = cols // 2
+        tm = _TMAPS[key] = TensorMap(_encode(ptr, (half, 2, rows), (half, cols), (box_cols // 2, 2, box_rows),
+                                             swizzle, dtype))
+    return tm
+
+
+def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, swizzle: int, dtype: str):
+    """cuTensorMapEncodeTiled: dims and box innermost first, strides (in elements) of dims 1..;
+    elements past the tensor read as zeros."""
     code, size = _TMAP_TYPES[dtype]
     ctypes, lib, *_ = _driver()
-    enc = lib.cuTensorMapEncodeTiled
     raw = (ctypes.c_uint64 * 16)()
-    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
-    err = enc(ctypes.byref(raw), ctypes.c_int(code), ctypes.c_uint32(2), ctypes.c_void_p(ptr),
-              u64x2(cols, rows), (ctypes.c_uint64 * 1)(size * cols), u32x2(box_cols, box_rows), u32x2(1, 1),
-              ctypes.c_int(0), ctypes.c_int(_SWIZZLE[swizzle]), ctypes.c_int(_L2_256B), ctypes.c_int(0))
+    r = len(dims)
+    err = lib.cuTensorMapEncodeTiled(
+        ctypes.byref(raw), ctypes.c_int(code), ctypes.c_uint32(r), ctypes.c_void_p(ptr),
+        (ctypes.c_uint64 * r)(*dims), (ctypes.c_uint64 * (r - 1))(*(size * s for s in strides)),
+        (ctypes.c_uint32 * r)(*box), (ctypes.c_uint32 * r)(*([1] * r)),
+        ctypes.c_int(0), ctypes.c_int(_SWIZZLE[swizzle]), ctypes.c_int(_L2_256B), ctypes.c_int(0))
     if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled ({rows} x {cols} {dtype} at {ptr:#x}, box {box_rows} x "
-                           f"{box_cols}) failed: {_driver_error(ctypes, lib, err)}")
+        raise RuntimeError(f"cuTensorMapEncodeTiled ({' x '.join(map(str, dims[::-1]))} {dtype} at {ptr:#x}, box "
+                           f"{' x '.join(map(str, box[::-1]))}) failed: {_driver_error(ctypes, lib, err)}")
     if len(_TMAPS) >= 1024:
         _TMAPS.clear()
-    tm = _TMAPS[key] = TensorMap(raw, key)
-    return tm
+    return raw
 
 
 # ---- launch plans ----------------------------------------------------------------------------

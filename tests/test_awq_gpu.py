@@ -428,3 +428,96 @@ def test_choose_path_names():
     _, _, qtc, _ = weight(4096, 1024, 128)
     for m in MS:
         assert awq.choose_path(m, qtc) in ("gemv", "small", "mma", "dequant+cublas", "wgmma")
+
+
+# ---- glu=True: silu(x @ gate) * (x @ up), fused into the wgmma epilogue -----------------------------
+def _glu_blocked(qtc, fr):
+    """The weight's columns [gate | up] rearranged into blocks of fr gate columns then the fr
+    matching up columns (each padded with zero words and zero scales, which dequantise to 0): an
+    unfused wgmma launch on it, whose tiles hold 2 fr columns, puts every gate column and its up
+    column in the same tile, warpgroup and place as the GLU launch does, with the same tile
+    schedule -- so its products are the GLU launch's own, bit for bit, split K included.
+    Returns (qweight, scales, qzeros) of the blocked weight."""
+    d = qtc.data
+    f = qtc.shape[0] // 2
+    tiles = -(-f // fr)
+    out = []
+    for t, per in ((d["qweight"], 8), (d["scales"], 1), (d["qzeros"], 8)):   # columns per element
+        fe, fre = f // per, fr // per
+        b = torch.zeros((t.shape[0], 2 * fre * tiles), dtype=t.dtype, device=t.device)
+        for i in range(tiles):
+            c = min(fre, fe - i * fre)
+            b[:, 2 * i * fre: 2 * i * fre + c] = t[:, i * fre: i * fre + c]
+            b[:, (2 * i + 1) * fre: (2 * i + 1) * fre + c] = t[:, fe + i * fre: fe + i * fre + c]
+        out.append(b.contiguous())
+    return out
+
+
+@pytest.mark.parametrize("k,n,g", [(4096, 320, 128), (608, 320, 32), (2048, 8704, 64)], ids=str)
+def test_wgmma_glu_epilogue(k, n, g):
+    """matmul(glu=True) on the wgmma path equals layer_ops.silu_mul of the gate and up products,
+    bit for bit, those products taken from an unfused wgmma launch on the same columns in the
+    same tile places (_glu_blocked). Shapes: F = 160 (gate tiles that run past F: their columns
+    read as zeros, not as up's, and are not stored), G = 32 (two groups a stage), F = 4352 at
+    M = 300 (whole and split tiles in one launch); K split 2 ways (the hand-over) and 3-5 ways
+    (wgmma_reduce's GLU), every token tile width."""
+    from quantzoo.cuda_launch import sm_count
+    from quantzoo.kernels import layer_ops, wgmma_tiles
+
+    awq = awq_mod()
+    if not awq.wgmma_available(torch.device("cuda")):
+        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    rng = np.random.default_rng()
+    _, _, qtc, _ = weight(k, n, g, seed=5)
+    d = qtc.data
+    f = n // 2
+    sms = sm_count(torch.device("cuda"))
+    for m in (7, 33, 130, 300):
+        cfg = awq.wgmma_config(m, n, k, sms)
+        fr = wgmma_tiles.columns(cfg[0], cfg[1]) // 2
+        blocked = _glu_blocked(qtc, fr)
+        nb = blocked[1].shape[1]
+        x = torch.from_numpy(rand_x(rng, m, k)).cuda()
+        for splits in (None, 2, 5):
+            y = torch.full((m, f), float("nan"), dtype=torch.float16, device="cuda")
+            awq._wgmma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, g, cfg=cfg, splits=splits, glu=True)
+            yb = torch.empty((m, nb), dtype=torch.float16, device="cuda")
+            awq._wgmma(x, *blocked, yb, m, k, nb, g, cfg=cfg, splits=splits)
+            yb = yb.view(m, -1, 2, fr)
+            gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
+            want = layer_ops.silu_mul(gu)
+            torch.cuda.synchronize()
+            what = f"{k}x{n} g{g} M={m} {cfg} splits={splits}"
+            assert torch.isfinite(y).all(), f"{what}: unwritten outputs"
+            assert torch.equal(y, want), (f"{what}: GLU epilogue differs from silu_mul of the products, "
+                                          f"worst {float((y.float() - want.float()).abs().max()):.3g}")
+            if splits is None:   # the public entry, forced onto wgmma: the same launch
+                assert torch.equal(awq.matmul(x, qtc, path="wgmma", glu=True), y), what
+
+
+def test_glu_other_paths_plans_and_graph():
+    """matmul(glu=True) off the fused epilogue (M = 1: gemv / small, 40: mma, 130: dequant +
+    cuBLAS, whose torch step writes the workspace) runs the product into a workspace, then
+    silu_mul: bit-equal to silu_mul of matmul; the default dispatch replays its recorded launches
+    (the second call) and is graph-capturable; N not in whole [gate | up] words is a ValueError."""
+    from quantzoo.kernels import layer_ops
+
+    awq = awq_mod()
+    rng = np.random.default_rng()
+    k, n = 4096, 1024
+    _, _, qtc, _ = weight(k, n, 128)
+    for m in (1, 40, 130):
+        x = torch.from_numpy(rand_x(rng, m, k)).cuda()
+        want = layer_ops.silu_mul(awq.matmul(x, qtc))
+        for _ in range(2):
+            assert torch.equal(awq.matmul(x, qtc, glu=True), want), f"M={m} ({awq.choose_path(m, qtc)})"
+    y = torch.full((m, n // 2), float("nan"), dtype=torch.float16, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        awq.matmul(x, qtc, out=y, glu=True)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want), "graph replay of the GLU matmul differs from an eager call"
+    _, _, odd, _ = weight(128, 72, 64)
+    with pytest.raises(ValueError, match="glu"):
+        awq.matmul(x[:, :128].contiguous(), odd, glu=True)

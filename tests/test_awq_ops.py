@@ -157,6 +157,9 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     assert [awq.wgmma_config(m)[1] for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 512)] == \
         [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
     assert {awq.wgmma_config(m) for m in (1, 8, 16, 17, 32, 33, 512)} <= set(awq.WGMMA_CFGS)
+    # every config dispatch can pick has its GLU instance (matmul(glu=True))
+    picks = {awq.wgmma_config(m, 24576, 4096, 132) for m in range(1, 1025)}
+    assert picks <= set(awq.WGMMA_GLU_CFGS) <= set(awq.WGMMA_CFGS)
 
 
 def test_wgmma_token_tile_choice():

@@ -288,15 +288,15 @@ def test_model_fused_equals_torch_ops(fmt):
             assert fused._graph is not None
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q5_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "awq"])
 def test_model_glu_fusion_is_bit_identical(fmt, monkeypatch):
-    """A GGUF model's prefill with silu(gate) * up in the gate/up matmul (Linear.glu ->
-    kernels.gguf.matmul(glu=True)) gives the same logits, bit for bit, as the product followed by
-    layer_ops.silu_mul. The wgmma path is forced onto this small model (WGMMA_MIN_NK = 0) so
-    that the fused epilogue runs; at K = 512 / 1536 no launch splits K, so both orders of work
-    sum every output the same way."""
+    """A model's prefill with silu(gate) * up in the gate/up matmul (Linear.glu ->
+    kernels.gguf / kernels.awq matmul(glu=True)) gives the same logits, bit for bit, as the
+    product followed by layer_ops.silu_mul. The wgmma path is forced onto this small model
+    (WGMMA_MIN_NK = 0) so that the fused epilogue runs; the gate/up launch (K = 512) does not
+    split K, so both orders of work sum every output the same way."""
     from quantzoo.bench.model import synthetic_weights
-    from quantzoo.kernels import gguf as G
+    from quantzoo.kernels import awq, gguf
     from quantzoo.model import build_model
     from quantzoo.model.config import ModelConfig
 
@@ -304,11 +304,12 @@ def test_model_glu_fusion_is_bit_identical(fmt, monkeypatch):
                       num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
                       rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
     m = build_model(cfg, synthetic_weights(fmt, cfg, "cuda", seed=3), None, device="cuda")
-    monkeypatch.setattr(G, "WGMMA_MIN_NK", 0)
+    mod = awq if fmt == "awq" else gguf
+    monkeypatch.setattr(mod, "WGMMA_MIN_NK", 0)
     gu = m.layers[0].gate_up.qt
-    if G.choose_path(40, gu) != "wgmma":
+    if mod.choose_path(40, gu) != "wgmma":
         pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
     ids = [(29 * i + 3) % 1000 for i in range(40)]
     fused = m.logits(ids)
-    monkeypatch.setattr(G, "GLU_MATMUL", False)
+    monkeypatch.setattr(mod, "GLU_MATMUL", False)
     assert torch.equal(fused, m.logits(ids))

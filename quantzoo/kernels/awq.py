@@ -22,6 +22,9 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          WGMMA_MIN_NK, to M = 1024 for N * K >= WGMMA_MIN_NK_BIG;
                                          for 8 <= M <= 16 from 4096 x 4096, for 17 <= M <= 32
                                          from 1024 x 4096 (bench/NOTES.md sessions 8, 13, 15, 18)
+matmul(x, qt, glu=True) is the decoder MLP's silu(x @ gate) * (x @ up) for a weight whose columns
+are [gate | up]: on the wgmma path in the kernel's epilogue (cuda/awq_wgmma.cu, GLU), elsewhere
+the product into a workspace, then layer_ops.silu_mul (the same values either way).
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
@@ -40,7 +43,7 @@ import torch
 from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
-from quantzoo.cuda_launch import workspaces_changed, launch_tma, tensor_map_2d, torch_step
+from quantzoo.cuda_launch import workspaces_changed, launch_tma, tensor_map_2d, tensor_map_halves, torch_step
 from quantzoo.cuda_launch import wgmma_available
 from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
@@ -68,8 +71,13 @@ SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".forma
 # tokens per block, shared-memory stages. wgmma_config picks T by M; the others are for sweeps.
 WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6), (2, 32, 6),
               (2, 256, 4), (2, 256, 5), (2, 16, 16), (2, 32, 12))
+# The GLU instances (matmul(glu=True): silu(gate) * up in the epilogue) for the configs
+# wgmma_config picks.
+WGMMA_GLU_CFGS = ((2, 16, 16), (2, 32, 12), (2, 64, 6), (2, 128, 5), (2, 256, 5))
 SOURCES["awq_wgmma.cu"] = (tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
-                           + ("wgmma_reduce<4>",))   # split K's sum past 2 splits (cuda/wgmma_sm90.cuh)
+                           + tuple("awq_wgmma_kernel<{}, {}, {}, true>".format(*c) for c in WGMMA_GLU_CFGS)
+                           # split K's sum past 2 splits (cuda/wgmma_sm90.cuh)
+                           + ("wgmma_reduce<4>", "wgmma_reduce<4, true>"))
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 
 # ---- dispatch thresholds, measured on the H100 (bench/awq_bench.py; tables in bench/notes-awq.md)
@@ -532,7 +540,10 @@ def wgmma_config(m: int, n: int | None = None, k: int | None = None, slots: int 
     return wgmma_tiles.config(m, n, k, slots)
 
 
-def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp_tiles=None):
+def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp_tiles=None, glu=False):
+    """y = x2 @ W; glu: y (M, N/2) = swiglu of W's column halves [gate | up] in the kernel's
+    epilogue (each block computes a gate tile and the matching up tile: the weight maps see the
+    halves side by side, tensor_map_halves), N % 64 == 0."""
     dev = x2.device
     if not wgmma_available(dev):
         raise ValueError(f"path: 'wgmma' needs a compute capability 9.0 GPU (Hopper), "
@@ -540,8 +551,13 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     if n % WGMMA_N_MULTIPLE:
         raise ValueError(f"path: 'wgmma' needs N % {WGMMA_N_MULTIPLE} == 0 (its weight rows come by TMA, "
                          f"16 bytes at a time), got N={n}")
+    if glu and n % (2 * WGMMA_N_MULTIPLE):
+        raise ValueError(f"path: 'wgmma' with glu needs N % {2 * WGMMA_N_MULTIPLE} == 0 (each half's rows "
+                         f"come by TMA, 16 bytes at a time), got N={n}")
     nwg, t, d = cfg or wgmma_config(m, n, k, _sm_count(dev))   # 1 block an SM
-    name = f"awq_wgmma_kernel<{nwg}, {t}, {d}>"
+    if glu and (nwg, t, d) not in WGMMA_GLU_CFGS:
+        raise ValueError(f"cfg: {(nwg, t, d)} has no GLU instance; one of {WGMMA_GLU_CFGS}")
+    name = f"awq_wgmma_kernel<{nwg}, {t}, {d}{', true' if glu else ''}>"
     kern = _kernel("awq_wgmma.cu", name)
     smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, (str(dev), name), smem)
@@ -562,17 +578,22 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     ctr = None if reduce else _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
     gps = 2 if g == 32 else 1   # groups a 64-row stage spans
     xr = wgmma_tiles.x_rows(m, t)
+    # GLU: a stage's weight words come as a gate box and an up box of half the columns; its
+    # scales and zeros as one box of half gate, half up columns (tensor_map_halves)
+    smap = tensor_map_halves if glu else tensor_map_2d
+    wbox = words // 2 if glu else words
     launch_tma(kern, (dp + (tiles - dp) * splits,), (threads,),
                (tensor_map_2d(x2.data_ptr(), m, k, xr, 64),   # T tokens (M when M < T) x 64 k, 128-byte swizzle
-                tensor_map_2d(qweight.data_ptr(), k, n // 8, 64, words, 4 * words, "u32"),
-                tensor_map_2d(scales.data_ptr(), k // g, n, gps, 8 * words, 0),
-                tensor_map_2d(qzeros.data_ptr(), k // g, n // 8, gps, words, 0, "u32"),
+                tensor_map_2d(qweight.data_ptr(), k, n // 8, 64, wbox, 4 * wbox, "u32"),
+                smap(scales.data_ptr(), k // g, n, gps, 8 * words, 0),
+                smap(qzeros.data_ptr(), k // g, n // 8, gps, words, 0, "u32"),
                 y.data_ptr(), ws.data_ptr(), 0 if ctr is None else ctr.data_ptr(), np.int32(m), np.int32(k),
                 np.int32(n), np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per),
                 np.int32(xr)), smem)
     if reduce:   # the split tiles' partials, summed in split order, 4 columns a thread (N % 32 == 0)
-        _launch(_kernel("awq_wgmma.cu", "wgmma_reduce<4>"),
-                *wgmma_tiles.reduce_launch(ws.data_ptr(), y.data_ptr(), m, n, (nwg, t, d), dp, splits, 4))
+        _launch(_kernel("awq_wgmma.cu", f"wgmma_reduce<4{', true' if glu else ''}>"),
+                *wgmma_tiles.reduce_launch(ws.data_ptr(), y.data_ptr(), m, n // 2 if glu else n, (nwg, t, d), dp,
+                                           splits, 4, glu))
 
 
 _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,
@@ -585,16 +606,20 @@ def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
     return _gemm(x, qweight, scales, qzeros, k, n, g, out, path)
 
 
-def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None):
+def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
     """gemm on weights check_weights has accepted (k, n, g are what it returned); with qt (the
-    checked_once weight) and no forced path, through its launch plans (run_planned)."""
+    checked_once weight) and no forced path, through its launch plans (run_planned); glu as
+    matmul's."""
     _check_x(x, k, qweight.device)
     lead = tuple(x.shape[:-1])
     m = math.prod(lead)
+    if glu and n % 16:
+        raise ValueError(f"glu: the weight's {n} columns are not [gate | up] halves of whole int32 words")
+    ny = n // 2 if glu else n
     if out is None:
-        out = torch.empty(lead + (n,), dtype=torch.float16, device=x.device)
+        out = torch.empty(lead + (ny,), dtype=torch.float16, device=x.device)
     else:
-        _check_tensor("out", out, torch.float16, lead + (n,), x.device)
+        _check_tensor("out", out, torch.float16, lead + (ny,), x.device)
     if path is not None and path not in _PATHS:
         raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if m == 0:
@@ -604,16 +629,40 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None):
     if path == "small" and m > SMALL_MAX_M:
         raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
     if path is None and qt is not None:
-        run_planned(qt, m, x, out, lambda: _PATHS[choose_path(m, _Shape(n, k), x.device)](
-            x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g))
+        run_planned(qt, ("glu", m) if glu else m, x, out, lambda: _queue(
+            choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales, qzeros, out.view(m, ny), m, k, n, g,
+            glu))
         return out
-    path = path or choose_path(m, _Shape(n, k), x.device)
-    _PATHS[path](x.view(m, k), qweight, scales, qzeros, out.view(m, n), m, k, n, g)
+    _queue(path or choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales, qzeros, out.view(m, ny),
+           m, k, n, g, glu)
     return out
 
 
-def matmul(x, qt, *, out=None, path=None):
+def _queue(path, x2, qweight, scales, qzeros, y, m, k, n, g, glu) -> None:
+    """The launches of one call on checked arguments (M >= 1). glu: on the wgmma path the kernel's
+    GLU epilogue (N % 64 == 0), elsewhere the product into a workspace, then layer_ops.silu_mul."""
+    if not glu:
+        _PATHS[path](x2, qweight, scales, qzeros, y, m, k, n, g)
+    elif path == "wgmma" and n % (2 * WGMMA_N_MULTIPLE) == 0:
+        _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, glu=True)
+    else:
+        from quantzoo.kernels import layer_ops
+
+        gu = _buffer(x2.device, "glu", m * n, torch.float16)[: m * n].view(m, n)
+        _PATHS[path](x2, qweight, scales, qzeros, gu, m, k, n, g)
+        layer_ops.silu_mul(gu, out=y)
+
+
+GLU_MATMUL = True   # matmul(..., glu=True): the decoder MLP's silu(gate) * up (the runner asks)
+
+
+def matmul(x, qt, *, out=None, path=None, glu=False):
     """x fp16 CUDA [.., K] -> fp16 [.., N] through the path chosen by M (choose_path); without a
-    forced path, repeated calls replay the launches recorded for that M (kernels.run_planned)."""
+    forced path, repeated calls replay the launches recorded for that M (kernels.run_planned).
+
+    glu=True: W's columns are [gate | up] (N % 16 == 0), and y [.., N/2] = silu(x @ gate) *
+    (x @ up), the decoder MLP's SwiGLU with layer_ops.silu_mul's roundings (cuda/swiglu.cuh) --
+    in the wgmma path's epilogue where N % 64 == 0 (no [M, N] product in memory, no second
+    launch), else the product into a workspace, then layer_ops.silu_mul."""
     qweight, scales, qzeros, k, n, g = checked_once(qt, _unpack_qt)
-    return _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt)
+    return _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt, glu)

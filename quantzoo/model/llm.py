@@ -89,9 +89,9 @@ class Linear:
 
     def glu(self, x):
         """silu(x @ gate.T) * (x @ up.T) for a fused [gate; up] linear on CUDA: fused into the
-        matmul where the format's kernel module does that (GLU_MATMUL: kernels.gguf.matmul(...,
-        glu=True), whose wgmma path computes it in its epilogue), else layer_ops.silu_mul on
-        self(x). The same values either way (cuda/swiglu.cuh)."""
+        matmul where the format's kernel module does that (GLU_MATMUL: kernels.gguf / kernels.awq
+        matmul(..., glu=True), whose wgmma paths compute it in their epilogue), else
+        layer_ops.silu_mul on self(x). The same values either way (cuda/swiglu.cuh)."""
         from ..kernels import layer_ops
 
         if self.qt is not None and self.mode == "emulate":
