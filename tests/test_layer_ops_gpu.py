@@ -170,6 +170,25 @@ def test_silu_mul(rng, T, F):
     _ulp_close(out, want, ulps=1)
 
 
+def test_swiglu_every_fp16_gate():
+    """swiglu.cuh's branch-free division, rounded to fp16 as silu(g) always is, equals
+    fp16(g / (1 + e^-g)) in fp32 with torch's IEEE division and exp -- for all 65536 fp16 gates
+    (signed zeros, subnormals, the largest magnitudes, infinities; every NaN gives a NaN). With
+    up = 1 the product adds no rounding, so silu_mul's output is fp16(silu(g)) itself."""
+    from quantzoo.kernels import layer_ops as lo
+
+    g = torch.arange(-2**15, 2**15, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.float16)
+    gu = torch.cat([g, torch.ones_like(g)])[None].contiguous()
+    out = lo.silu_mul(gu)[0]
+    g32 = g.float()
+    want = (g32 / (1 + torch.exp(-g32))).half()
+    nan = torch.isnan(want)
+    assert torch.isnan(out[nan]).all(), "a NaN gate gave a number"
+    bad = (out.view(torch.int16) != want.view(torch.int16)) & ~nan
+    assert not bad.any(), (f"{int(bad.sum())} gates differ, e.g. g = {g[bad][:4].tolist()}: "
+                           f"{out[bad][:4].tolist()} vs {want[bad][:4].tolist()}")
+
+
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("H,KV", [(32, 8), (9, 3), (4, 4), (16, 2)])
 @pytest.mark.parametrize("S", [256, 4608])
