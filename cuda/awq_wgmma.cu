@@ -78,8 +78,10 @@
 //   (cuda_launch.tensor_map_halves), so warpgroup 0 computes the gate tile and warpgroup 1 the up
 //   tile with the unchanged K loop; the twins then meet in shared memory (the epilogue says how).
 //   Past 2 splits the partials go to the fused columns and wgmma_reduce<4, true> applies the GLU.
-//   Against the product + silu_mul launch (us, 4096->24576, rotated weights, bench/NOTES.md,
-//   session 24): M = 16 31.8 vs 33.1, M = 128 57.4 vs 59.2, M = 512 180 vs 191, M = 1024 360 vs 388.
+//   Against the product + silu_mul launches (us, 4096->24576, rotated weights, back to back,
+//   bench/NOTES.md, session 24): M = 16 31.0-31.5 vs 32.6, M = 128 57-58.5 vs 58-59.5, M = 512
+//   175-185 vs 190-194, M = 1024 353-355 vs 382-397. In the runner's 512-token prefill (kernel
+//   time) it is 175 us against 158 + 18: no gain there yet.
 //
 // Measured on the H100 (bench/NOTES.md, sessions 7, 8 and 13): with TMA x tiles 0.73-0.88x of
 // cuBLAS fp16 at M = 2048 (run to run), no faster than dequant + cuBLAS there. With split K it is

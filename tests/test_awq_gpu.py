@@ -457,8 +457,9 @@ def _glu_blocked(qtc, fr):
 def test_wgmma_glu_epilogue(k, n, g):
     """matmul(glu=True) on the wgmma path equals layer_ops.silu_mul of the gate and up products,
     bit for bit, those products taken from an unfused wgmma launch on the same columns in the
-    same tile places (_glu_blocked). Shapes: F = 160 (gate tiles that run past F: their columns
-    read as zeros, not as up's, and are not stored), G = 32 (two groups a stage), F = 4352 at
+    same tile places (_glu_blocked). Shapes: F = 160 (gate tiles that run past F: their word box
+    reads up's words there, their scales and zeros read zeros, and none is stored), G = 32 (two
+    groups a stage), F = 4352 at
     M = 300 (whole and split tiles in one launch); K split 2 ways (the hand-over) and 3-5 ways
     (wgmma_reduce's GLU), every token tile width."""
     from quantzoo.cuda_launch import sm_count

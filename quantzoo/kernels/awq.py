@@ -542,8 +542,7 @@ def wgmma_config(m: int, n: int | None = None, k: int | None = None, slots: int 
 
 def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp_tiles=None, glu=False):
     """y = x2 @ W; glu: y (M, N/2) = swiglu of W's column halves [gate | up] in the kernel's
-    epilogue (each block computes a gate tile and the matching up tile: the weight maps see the
-    halves side by side, tensor_map_halves), N % 64 == 0."""
+    epilogue (each block computes a gate tile and the matching up tile), N % 64 == 0."""
     dev = x2.device
     if not wgmma_available(dev):
         raise ValueError(f"path: 'wgmma' needs a compute capability 9.0 GPU (Hopper), "
