@@ -337,6 +337,9 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     // of the block's columns. GLU: word c < FW is gate word e_col0 + c, c >= FW up word e_col0 + c - FW
     // (weight word n8 / 2 + e_col0 + c - FW), for y's columns 8 (e_col0 + c % FW) + .. of y [M, N / 2].
     const int m_tile = wg::first_stored_row(e_m0, M, x_rows, tiles_m, T);
+    const int up = GLU && e_c >= FW;              // GLU: this thread holds up values
+    const int yw = e_col0 + e_c - FW * up;        // y's column word
+    const int ny8 = GLU ? n8 / 2 : n8;            // y's column words
     if constexpr (GLU) {
       if (to_y) {
         // silu(gate) * up. A thread of the up warpgroup holds, register for register, the up
@@ -352,10 +355,8 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         // thread, as the GGUF kernel does, the launch was 10-20 us slower than the product alone
         // at M = 512 on 4096->24576; bench/NOTES.md, session 24.)
         constexpr int NV = JN * T / 2, NH = NV / 2;   // a thread's accumulators, half of them
-        const int up = e_c >= FW;
         uint4* xch = reinterpret_cast<uint4*>(smem) + (e_tid & 127);   // [2][NH / 8][128] chunks of 8 halves
         auto at = [&](int f) -> float& { return acc[f / (T / 2)][f % (T / 2)]; };
-        const int yw = e_col0 + e_c - FW * up;   // y's column word
         // this thread's first token and first column of y (JN = 2: +2 for instruction j = 1)
         const int row0 = e_m0 + 2 * e_t, col0y = 8 * yw + 4 * e_h + (JN == 1 ? 2 * e_j0 : 0);
         auto epilogue = [&](auto mine) {   // mine: IntC<0> (gate) or IntC<NH> (up)
@@ -380,7 +381,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
             const float mv = __half2float(__float2half_rn(at(f)));
             return F0 ? swiglu(ov, mv) : swiglu(mv, ov);
           };
-          if (yw >= n8 / 2) return;
+          if (yw >= ny8) return;
           // JN = 2: mine are instruction j = F0 / NH's (columns 4h + 2j, +1), every token; JN = 1:
           // tokens 8i + .. with i in [F0 / 4, F0 / 4 + T / 16)
           constexpr int I0 = JN == 1 ? F0 / 4 : 0, NI = JN == 1 ? T / 16 : T / 8, FJ = JN == 1 ? 0 : F0;
@@ -400,9 +401,8 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         return;
       }
     }
-    const int up = GLU && e_c >= FW;
-    const int cg = up ? n8 / 2 + e_col0 + e_c - FW : e_col0 + e_c;   // the weight's (the partials') column word
-    if ((GLU ? e_col0 + e_c - FW * up : cg) < (GLU ? n8 / 2 : n8)) {
+    const int cg = yw + up * ny8;   // the weight's (the partials') column word
+    if (yw < ny8) {
 #pragma unroll
       for (int i = 0; i < T / 8; ++i)
 #pragma unroll
