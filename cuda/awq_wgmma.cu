@@ -19,7 +19,7 @@
 //   (g = lane/4, t = lane%4) holds rows g and g + 8, k pairs (2t, 2t+1) and (2t+8, 2t+9). A row
 //   index is free to mean any output column, so the 4 rows a thread holds across the 2
 //   instructions of a k-step (j = 0, 1; rows g and g + 8) stand for 4 columns of ONE packed word:
-//   warps w and w + 2 take the low and high half of the same 8 words. A byte permute of the
+//   lanes g and g + 1 (even g) take the low and high half of the same word. A byte permute of the
 //   words of rows k and k + 1 first puts both rows' nibbles of a column 16 bits apart, so each
 //   LOP3 yields a k pair of one column; then exact q - z and one hmul2 (bit-identical fp16
 //   weights). No repacked weight.
@@ -31,8 +31,13 @@
 //   No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions
 //   per k-step (j), each thread dequantising half a word; at T = 256 the 64 x 256 fp32
 //   accumulators allow only one (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a
-//   word (warp w: columns 4h + 2 j0, +1 with h = w / 2, j0 = w % 2) -- half the dequant per MMA
+//   word (lane g: columns 4h + 2 j0, +1 with h = g / 2 % 2, j0 = g % 2) -- half the dequant per MMA
 //   again.
+// * Which word a lane dequantises is chosen for y's stores: the lanes that share a token hold
+//   whole words side by side (JN = 2: 4 words, 64 contiguous bytes of y's row; JN = 1: 2 words,
+//   32 bytes), so a warp's store of 4 tokens writes 8 (JN = 2) or 4 (JN = 1) whole 32-byte
+//   sectors. With 8 words a warp and each word's columns split over 2 or 4 warps, every store
+//   wrote 16 sectors a quarter or half full (fragment_of; bench/NOTES.md, session 25).
 // * A stage's 16 weight words, scales and zeros of a thread are read from shared memory at
 //   once and all 4 k-steps dequantised, then issued as one wgmma group (wg::stage_step).
 // * x tiles use the 128-byte swizzle (16-byte chunk ch of row r stored at chunk ch ^ (r % 8)),
@@ -139,13 +144,17 @@ __device__ __forceinline__ int w_offset(int r, int w) {
 
 // A consumer thread's place in the fragments (tid < 128 NWG): t = lane % 4; its column word c
 // within the block and its columns in it: JN = 2 -> the 4 columns 4h .. 4h + 3 (instruction j
-// takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1.
+// takes 4h + 2j, 4h + 2j + 1); JN = 1 -> 2 columns 4h + 2j0, +1. A warpgroup holds 16 (JN = 2)
+// or 8 words, warp wq 4 or 2 of them, side by side; lane g's word is g / 2 (JN = 2) or g / 4 of
+// its warp's, and the lanes of a word hold its columns in order, so that the lanes storing one
+// token's outputs write whole sectors (the header says why).
 struct Fragment { int t, c, h, j0; };
 template <int V> struct IntC { static constexpr int value = V; };   // a compile-time int argument
 template <int JN>
 __device__ __forceinline__ Fragment fragment_of(int tid) {
   const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3, g = lane >> 2;
-  return {lane & 3, JN == 2 ? 16 * wg + 8 * (wq & 1) + g : 8 * wg + g, wq >> 1, JN == 2 ? 0 : wq & 1};
+  if constexpr (JN == 2) return {lane & 3, 16 * wg + 4 * wq + (g >> 1), g & 1, 0};
+  return {lane & 3, 8 * wg + 2 * wq + (g >> 2), (g >> 1) & 1, g & 1};
 }
 }  // namespace awqw
 
