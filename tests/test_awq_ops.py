@@ -130,25 +130,22 @@ def test_small_dispatch_thresholds():
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
-    """wgmma takes 17 <= M <= 512 on weights of at least 6144 x 4096 (to 1024 from 12288 x 4096),
-    8 <= M <= 32 from 4096 x 4096 and 17 <= M <= 32 from 1024 x 4096, with N % 32 == 0, and only
-    where the device is a Hopper GPU; elsewhere (or with no device) the rules above stand."""
+    """wgmma takes 8 <= M <= 1024 on weights of at least 4096 x 4096 and 17 <= M <= 64 from
+    1024 x 4096, with N % 32 == 0, and only where the device is a Hopper GPU; elsewhere (or with
+    no device) the rules above stand."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
     monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
     assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (7, 8, 16, 17, 256, 257, 512, 1024, 1025)] == \
         ["small"] + ["wgmma"] * 7 + ["dequant+cublas"]
-    assert [awq.choose_path(m, shape(4096, 4096), cuda) for m in (7, 8, 16, 32, 33)] == \
-        ["small"] + ["wgmma"] * 3 + ["mma"]
-    assert [awq.choose_path(m, shape(1024, 4096), cuda) for m in (8, 16, 17, 32, 33)] == \
-        ["small"] * 2 + ["wgmma"] * 2 + ["mma"]
-    assert [awq.choose_path(512, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288), (6144, 4096))] \
+    assert [awq.choose_path(m, shape(4096, 4096), cuda) for m in (7, 8, 16, 32, 33, 512, 1024, 1025)] == \
+        ["small"] + ["wgmma"] * 6 + ["dequant+cublas"]
+    assert [awq.choose_path(m, shape(1024, 4096), cuda) for m in (8, 16, 17, 64, 65, 128)] == \
+        ["small"] * 2 + ["wgmma"] * 2 + ["mma", "dequant+cublas"]
+    assert [awq.choose_path(1024, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288), (6144, 4096))] \
         == ["wgmma"] * 3
-    assert awq.choose_path(512, shape(4096, 4096), cuda) == "dequant+cublas"   # too small a weight
-    assert awq.choose_path(513, shape(6144, 4096), cuda) == "dequant+cublas"   # past 512 only from 12288 x 4096
-    assert awq.choose_path(1024, shape(4096, 12288), cuda) == "wgmma"
-    assert awq.choose_path(128, shape(4096, 4096), cuda) == "dequant+cublas"   # too small a weight
+    assert awq.choose_path(128, shape(2048, 4096), cuda) == "dequant+cublas"   # too small a weight
     assert awq.choose_path(128, shape(12296, 4096), cuda) == "mma"             # N % 32 != 0: no TMA rows
     assert awq.choose_path(128, shape(12288, 4096)) == "mma"                   # no device given
     assert awq.choose_path(128, shape(12288, 4096), torch.device("cpu")) == "mma"

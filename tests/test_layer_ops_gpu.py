@@ -312,7 +312,7 @@ def test_model_glu_fusion_is_bit_identical(fmt, monkeypatch):
     """A model's prefill with silu(gate) * up in the gate/up matmul (Linear.glu ->
     kernels.gguf / kernels.awq matmul(glu=True)) gives the same logits, bit for bit, as the
     product followed by layer_ops.silu_mul. The wgmma path is forced onto this small model
-    (WGMMA_MIN_NK = 0) so that the fused epilogue runs; the gate/up launch (K = 512) does not
+    (its weight-size floors set to 0) so that the fused epilogue runs; the gate/up launch (K = 512) does not
     split K, so both orders of work sum every output the same way."""
     from quantzoo.bench.model import synthetic_weights
     from quantzoo.kernels import awq, gguf
@@ -324,10 +324,13 @@ def test_model_glu_fusion_is_bit_identical(fmt, monkeypatch):
                       rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
     m = build_model(cfg, synthetic_weights(fmt, cfg, "cuda", seed=3), None, device="cuda")
     mod = awq if fmt == "awq" else gguf
-    monkeypatch.setattr(mod, "WGMMA_MIN_NK", 0)
+    for name in ("WGMMA_MIN_NK", "WGMMA_MID_MIN_NK"):   # every weight size
+        if hasattr(mod, name):
+            monkeypatch.setattr(mod, name, 0)
     gu = m.layers[0].gate_up.qt
-    if mod.choose_path(40, gu) != "wgmma":
+    if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+    assert mod.choose_path(40, gu) == "wgmma"
     ids = [(29 * i + 3) % 1000 for i in range(40)]
     fused = m.logits(ids)
     monkeypatch.setattr(mod, "GLU_MATMUL", False)

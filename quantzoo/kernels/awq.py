@@ -18,10 +18,10 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
     "wgmma"           cuda/awq_wgmma.cu  Hopper (sm_90a) only: wgmma with the weight dequantised
                                          in registers as operand A, every tile by TMA from a
                                          producer warpgroup, split K, any M, N % 32 == 0;
-                                         chosen on Hopper for 17 <= M <= 512 and N * K >=
-                                         WGMMA_MIN_NK, to M = 1024 for N * K >= WGMMA_MIN_NK_BIG;
-                                         for 8 <= M <= 16 from 4096 x 4096, for 17 <= M <= 32
-                                         from 1024 x 4096 (bench/NOTES.md sessions 8, 13, 15, 18)
+                                         chosen on Hopper for 8 <= M <= WGMMA_MAX_M on weights
+                                         of WGMMA_MIN_NK (4096 x 4096) elements and up, and
+                                         for 17 <= M <= 64 from 1024 x 4096 (bench/NOTES.md
+                                         sessions 8, 13, 15, 18, 25)
 matmul(x, qt, glu=True) is the decoder MLP's silu(x @ gate) * (x @ up) for a weight whose columns
 are [gate | up]: on the wgmma path in the kernel's epilogue (cuda/awq_wgmma.cu, GLU), elsewhere
 the product into a workspace, then layer_ops.silu_mul (the same values either way).
@@ -111,13 +111,19 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 16.9 on 12288->4096, 36.4 -> 30.2 on 4096->24576, a tie on 4096->12288 18.8 vs 19.1), but not
 # at 4096->1024 (M = 16: 7.0 vs 8.1). At M = 17..32 (2, 32, 12) beats (2, 32, 6) by 2-6 % and
 # mma on the smaller weights too: 4096->4096 M = 32 15.9 -> 10.8, 4096->1024 11.3 -> 9.6.
-WGMMA_MIN_M = 8         # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M_FULL and N * K at least
-WGMMA_SMALL_MIN_NK = 4096 * 4096   # this up to M = 16,
-WGMMA_MID_MIN_NK = 4096 * 1024     # this for M = 17..32,
-WGMMA_MAX_M_FULL = 512  # wgmma ...
-WGMMA_MIN_NK = 6144 * 4096         # ... and this above
-WGMMA_MAX_M_BIG = 1024          # ... and up to M = WGMMA_MAX_M_BIG where
-WGMMA_MIN_NK_BIG = 12288 * 4096  # N * K >= WGMMA_MIN_NK_BIG
+# Session 25 (bench/awq_bench.py --paths all, rotated weights, us; after the split-K hand-over of
+# session 23 and the whole-sector stores of session 25): wgmma now beats every other path on
+# 4096->4096 from M = 32 to 1024 -- M = 64 13.9 vs 20.4 (mma), M = 128 19.2 vs 30.7 (dequant +
+# cuBLAS), M = 512 35.4 vs 41.1, M = 1024 54.1 vs 62.3 -- and loses from 1536 (94.3 vs 85.4);
+# 4096->6144 to 1024 (M = 768 72.7 vs 77.1, M = 1024 90.3 vs 93.2), loses at 1536 (140.2 vs 126.4);
+# 4096->1024 to M = 64 (48: 11.5 vs 12.2 mma, 64: 11.7 vs 12.6), not from 96 (14.0 vs 13.3 mma,
+# M = 128 14.7 vs 13.7 dequant + cuBLAS). At M = 2048 it ties dequant + cuBLAS on 12288 x 4096
+# (360.5 vs 377.7, 353.0 vs 354.4) and loses on the rest, so M = 1024 stays its top.
+WGMMA_MIN_M = 8         # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M on weights of
+WGMMA_MAX_M = 1024
+WGMMA_MIN_NK = 4096 * 4096         # at least this many elements,
+WGMMA_MID_MAX_M = 64               # and for 17 <= M <= WGMMA_MID_MAX_M on weights of
+WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte rows: N/8 words % 4 == 0
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 GEMV_DEFAULT = (2, 8, 4)
@@ -315,9 +321,8 @@ def choose_path(m: int, qt=None, dev=None) -> str:
     if dev is None and qt is not None and isinstance(getattr(qt, "data", None), dict):
         qw = qt.data.get("qweight")
         dev = qw.device if isinstance(qw, torch.Tensor) else None
-    max_m = WGMMA_MAX_M_BIG if n * k >= WGMMA_MIN_NK_BIG else WGMMA_MAX_M_FULL
-    min_nk = WGMMA_SMALL_MIN_NK if m <= 16 else WGMMA_MID_MIN_NK if m <= 32 else WGMMA_MIN_NK
-    if (WGMMA_MIN_M <= m <= max_m and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"
+    min_nk = WGMMA_MID_MIN_NK if 16 < m <= WGMMA_MID_MAX_M else WGMMA_MIN_NK
+    if (WGMMA_MIN_M <= m <= WGMMA_MAX_M and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"
             and wgmma_available(dev)
             and n * k >= min_nk):
         return "wgmma"
