@@ -88,12 +88,11 @@
 //   175-185 vs 190-194, M = 1024 353-355 vs 382-397. In the runner's 512-token prefill (kernel
 //   time) it is 175 us against 158 + 18: no gain there yet.
 //
-// Measured on the H100 (bench/NOTES.md, sessions 7, 8 and 13): with TMA x tiles 0.73-0.88x of
-// cuBLAS fp16 at M = 2048 (run to run), no faster than dequant + cuBLAS there. With split K it is
-// the fastest AWQ path from M = 32 to 512 on weights of 6144 x 4096 and up, and to 1024 from
-// 12288 x 4096 (4096->12288 M = 128: 45 us against 91 for mma.sync and 40 for cuBLAS fp16;
-// M = 512: 101-104 against 122 for dequant + cuBLAS and 74 for cuBLAS fp16), which is where
-// dispatch uses it. One block of 2 consumer warpgroups (232 registers a thread) + the producer
+// Measured on the H100 (bench/NOTES.md, sessions 7, 8, 13 and 25): no faster than dequant +
+// cuBLAS at M >= 1536. With split K it is the fastest AWQ path from M = 8 to 1024 on weights of
+// 4096 x 4096 and up (4096->12288 M = 128: 35 us against 93 for mma.sync and 40 for cuBLAS
+// fp16; M = 512: 84-92 against 123 for dequant + cuBLAS and 73-75 for cuBLAS fp16; 4096->4096
+// M = 512: 35 against 41 and 26), which is where dispatch uses it. One block of 2 consumer warpgroups (232 registers a thread) + the producer
 // warpgroup (40) per SM. (Tried and slower: a producer warpgroup issuing cp.async + mbarriers +
 // setmaxnreg, ~300 TFLOP/s, session 7; T = 64 at 2 blocks per SM, 10-30 % slower.)
 // Where the rest goes (ncu, 4096->12288 M = 2048, session 19): the tensor pipe is busy 72 % of
