@@ -312,8 +312,8 @@ def test_model_glu_fusion_is_bit_identical(fmt, monkeypatch):
     """A model's prefill with silu(gate) * up in the gate/up matmul (Linear.glu ->
     kernels.gguf / kernels.awq matmul(glu=True)) gives the same logits, bit for bit, as the
     product followed by layer_ops.silu_mul. The wgmma path is forced onto this small model
-    (its weight-size floors set to 0) so that the fused epilogue runs; the gate/up launch (K = 512) does not
-    split K, so both orders of work sum every output the same way."""
+    (its weight-size floors set to 0) so that the fused epilogue runs; the gate/up launch
+    (K = 512) does not split K, so both orders of work sum every output the same way."""
     from quantzoo.bench.model import synthetic_weights
     from quantzoo.kernels import awq, gguf
     from quantzoo.model import build_model
