@@ -93,8 +93,9 @@
 // 4096 x 4096 and up (4096->12288 M = 128: 35 us against 93 for mma.sync and 40 for cuBLAS
 // fp16; M = 512: 84-92 against 123 for dequant + cuBLAS and 73-75 for cuBLAS fp16; 4096->4096
 // M = 512: 35 against 41 and 26), which is where dispatch uses it. One block of 2 consumer
-// warpgroups (232 registers a thread) + the producer warpgroup (40) per SM. (Tried and slower: a producer warpgroup issuing cp.async + mbarriers +
-// setmaxnreg, ~300 TFLOP/s, session 7; T = 64 at 2 blocks per SM, 10-30 % slower.)
+// warpgroups (232 registers a thread) + the producer warpgroup (40) per SM. (Tried and slower:
+// a producer warpgroup issuing cp.async + mbarriers + setmaxnreg, ~300 TFLOP/s, session 7;
+// T = 64 at 2 blocks per SM, 10-30 % slower.)
 // Where the rest goes (ncu, 4096->12288 M = 2048, session 19): the tensor pipe is busy 72 % of
 // the elapsed cycles (cuBLAS fp16: 91 %); 22 % of the warps' stall samples are consumers waiting
 // for their own group, most of the rest consumers issuing the dequant chain and dispatching the
