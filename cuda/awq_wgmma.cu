@@ -88,8 +88,9 @@
 //   175-185 vs 190-194, M = 1024 353-355 vs 382-397. In the runner's 512-token prefill (kernel
 //   time) it is 175 us against 158 + 18: no gain there yet.
 //
-// Measured on the H100 (bench/NOTES.md, sessions 7, 8, 13 and 25): no faster than dequant +
-// cuBLAS at M >= 1536. With split K it is the fastest AWQ path from M = 8 to 1024 on weights of
+// Measured on the H100 (bench/NOTES.md, sessions 7, 8, 13 and 25): from M = 1536 dequant +
+// cuBLAS is faster (at M = 2048 on the 12288 x 4096 weights the two tie within 5 %). With split
+// K it is the fastest AWQ path from M = 8 to 1024 on weights of
 // 4096 x 4096 and up (4096->12288 M = 128: 35 us against 93 for mma.sync and 40 for cuBLAS
 // fp16; M = 512: 84-92 against 123 for dequant + cuBLAS and 73-75 for cuBLAS fp16; 4096->4096
 // M = 512: 35 against 41 and 26), which is where dispatch uses it. One block of 2 consumer
