@@ -252,7 +252,7 @@ def test_qwen_shapes(k, n, m):
     rng = np.random.default_rng()
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
-    # above M = 16: the forced tensor-core paths and dispatch (None: mma or dequant + cuBLAS)
+    # above M = 16: the forced tensor-core paths and dispatch (None: whichever path it picks)
     for path in paths_for(m, n) if m <= 16 else [p for p in paths_for(m, n) if p != "dequant+cublas"] + [None]:
         check(run(x16, qtc, path), x16, qt, w16, str(path))
 
@@ -497,8 +497,8 @@ def test_wgmma_glu_epilogue(k, n, g):
 
 
 def test_glu_other_paths_plans_and_graph():
-    """matmul(glu=True) off the fused epilogue (M = 1: gemv / small, 40: mma, 130: dequant +
-    cuBLAS, whose torch step writes the workspace) runs the product into a workspace, then
+    """matmul(glu=True) off the fused epilogue (M = 1: small, 80: mma, 130: dequant + cuBLAS,
+    whose torch step writes the workspace; asserted) runs the product into a workspace, then
     silu_mul: bit-equal to silu_mul of matmul; the default dispatch replays its recorded launches
     (the second call) and is graph-capturable; N not in whole [gate | up] words is a ValueError."""
     from quantzoo.kernels import layer_ops
@@ -507,7 +507,8 @@ def test_glu_other_paths_plans_and_graph():
     rng = np.random.default_rng()
     k, n = 4096, 1024
     _, _, qtc, _ = weight(k, n, 128)
-    for m in (1, 40, 130):
+    for m, path in ((1, "small"), (80, "mma"), (130, "dequant+cublas")):
+        assert awq.choose_path(m, qtc) == path, f"M={m}: dispatch moved, pick an M that takes {path}"
         x = torch.from_numpy(rand_x(rng, m, k)).cuda()
         want = layer_ops.silu_mul(awq.matmul(x, qtc))
         for _ in range(2):

@@ -19,9 +19,10 @@ from quantzoo.cuda_launch import Plan, programmatic_launches  # noqa: E402
 
 FORMATS = [f.name for f in qz.formats.weight_formats() if f.kernels in ("awq", "gguf")]
 # M = 1 (GEMVs), 3 / 12 (small-M and chunked mmvq), 40 (mma, wgmma on Hopper), 200 (wgmma, or
-# dequant + cuBLAS: a plan with torch steps), 600 (wgmma with whole and split tiles, or dequant)
-MS = [1, 3, 12, 40, 200, 600]
-N, KD = 6144, 4096   # big enough for every path the dispatch has (wgmma needs N * K >= 6144 * 4096)
+# dequant + cuBLAS: a plan with torch steps), 600 (wgmma with whole and split tiles, or dequant),
+# 1100 (dequant + cuBLAS for AWQ and Q5 / Q8_0 on Hopper too, wgmma for Q4)
+MS = [1, 3, 12, 40, 200, 600, 1100]
+N, KD = 6144, 4096   # big enough for every path the dispatch has (wgmma needs N * K >= 4096 * 4096)
 
 
 def _unplanned(x, qt):
