@@ -16,8 +16,13 @@ into the half2 pairs (0,1), (2,3), (4,5), (6,7) with no further shuffling.
 Quantizer: round to nearest, no activation-aware scale search. Per group and column:
 s = max(max - min, 1e-5) / 15 (rounded to fp16: the stored value is the one q is fitted to),
 z = clip(round(-min / s), 0, 15), q = clip(round(w / s) + z, 0, 15).
+This is AutoAWQ's round-to-nearest, limits included: a group whose values do not straddle 0
+(all positive, or all negative) gets z clipped to 0 or q to 15, so it is represented badly (a
+constant group of 1.0 dequantizes to 1e-5). Real linear weights, centred on 0, do not meet this.
 """
 from __future__ import annotations
+
+import numbers
 
 import numpy as np
 
@@ -48,8 +53,8 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
 
 
 def check_shape(n: int, k: int, group_size: int, what: str = "awq") -> None:
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"{what}: group_size={group_size} is not supported; choose one of {GROUP_SIZES}")
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size not in GROUP_SIZES:
+        raise ValueError(f"{what}: group_size={group_size!r} is not supported; choose one of {GROUP_SIZES}")
     if n % 8:
         raise ValueError(f"{what}: out_features N={n} must be a multiple of 8 (8 nibbles per int32)")
     if k % group_size:
@@ -77,6 +82,7 @@ class AWQ(Format, name="awq"):
         w = as_float_matrix(w)
         n, k = w.shape
         check_shape(n, k, group_size, "awq.quantize")
+        group_size = int(group_size)
         g = w.T.reshape(k // group_size, group_size, n)           # [groups, G, N]
         lo, hi = g.min(axis=1), g.max(axis=1)                     # [groups, N]
         s = np.maximum(hi - lo, np.float32(1e-5)) / np.float32(15)
@@ -87,26 +93,34 @@ class AWQ(Format, name="awq"):
                              f"(max range {float((hi - lo).max()):.4g} > 15 * 65504)")
         s = s16.astype(np.float32)
         z = np.clip(np.round(-lo / s), 0, 15)
-        q = np.clip(np.round(g / s[:, None, :]) + z[:, None, :], 0, 15).reshape(k, n)
+        q = np.clip(np.round(g / s[:, None, :]) + z[:, None, :], 0, 15)
+        big = float(np.abs((q - z[:, None, :]) * s[:, None, :]).max())
+        if big > 65504:   # the dequant (and the kernels' fp16 weight) would be inf
+            raise ValueError(f"awq.quantize: a dequantized weight reaches {big:.6g}, beyond fp16's +-65504")
+        q = q.reshape(k, n)
         data = {"qweight": pack_int4(q), "qzeros": pack_int4(z), "scales": s16}
         return QuantizedTensor("awq", (n, k), data, {"group_size": group_size})
+
+    def storage(self, shape, params: dict) -> dict:
+        n, k = shape
+        g = params.get("group_size")
+        check_shape(n, k, g)
+        return {"qweight": ((k, n // 8), np.int32), "qzeros": ((k // g, n // 8), np.int32),
+                "scales": ((k // g, n), np.float16)}
 
     def from_arrays(self, qweight, qzeros, scales, group_size: int | None = None) -> QuantizedTensor:
         """Wrap HF-layout arrays (e.g. from a safetensors checkpoint), checking their shapes."""
         qweight, qzeros, scales = (np.asarray(a) for a in (qweight, qzeros, scales))
+        if qweight.ndim != 2 or scales.ndim != 2 or 0 in qweight.shape + scales.shape:
+            raise ValueError(f"awq: qweight {list(qweight.shape)} and scales {list(scales.shape)} must be "
+                             "2-D and non-empty")
         k, n8 = qweight.shape
-        n = n8 * 8
         if group_size is None:
-            group_size = k // max(scales.shape[0], 1)
-        check_shape(n, k, group_size)
-        want = {"qweight": ((k, n8), np.int32), "qzeros": ((k // group_size, n8), np.int32),
-                "scales": ((k // group_size, n), np.float16)}
-        got = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
-        for key, (shape, dtype) in want.items():
-            if got[key].shape != shape or got[key].dtype != dtype:
-                raise ValueError(f"awq: {key} is {got[key].dtype}{list(got[key].shape)}, "
-                                 f"expected {np.dtype(dtype)}{list(shape)} for K={k}, N={n}, G={group_size}")
-        return QuantizedTensor("awq", (n, k), got, {"group_size": group_size})
+            group_size = k // scales.shape[0]
+        qt = QuantizedTensor("awq", (n8 * 8, k), {"qweight": qweight, "qzeros": qzeros, "scales": scales},
+                             {"group_size": group_size})
+        self.check(qt)
+        return qt
 
     def fields(self, qt: QuantizedTensor) -> dict:
         """Integer fields: q uint8 [K, N], z uint8 [K/G, N], s fp16 [K/G, N]."""

@@ -43,6 +43,29 @@ class Format:
     def dequantize(self, qt) -> np.ndarray:
         raise NotImplementedError
 
+    def storage(self, shape, params: dict) -> dict:
+        """{array name: (shape, numpy dtype)} of a weight of this shape in this format's storage
+        (the array name "data" for a single array)."""
+        raise NotImplementedError
+
+    def check(self, qt) -> None:
+        """A clear error when qt's storage does not match its shape and params (a hand-built
+        QuantizedTensor, say): every array's shape and dtype as `storage` says."""
+        shape = getattr(qt, "shape", None)
+        if not (isinstance(shape, tuple) and len(shape) == 2
+                and all(isinstance(d, (int, np.integer)) and d > 0 for d in shape)):
+            raise ValueError(f"{self.name} weight: shape {shape!r} is not (out_features, in_features) > 0")
+        want = self.storage(shape, qt.params)
+        have = qt.arrays()
+        if sorted(have) != sorted(want):
+            raise ValueError(f"{self.name} weight: storage arrays {sorted(have)}, expected {sorted(want)}")
+        for key, (wshape, wdtype) in want.items():
+            a = have[key]
+            got = (tuple(a.shape), str(a.dtype).replace("torch.", ""))
+            if got != (tuple(wshape), np.dtype(wdtype).name):
+                raise ValueError(f"{self.name} weight {shape}: {key} is {got[1]}{list(got[0])}, "
+                                 f"expected {np.dtype(wdtype).name}{list(wshape)}")
+
     # --- reference: what the kernel computes, bit for bit where it can be ----------------
     def emulate(self, x: np.ndarray, qt, return_bound: bool = False):
         """y = x @ W.T as the CUDA kernels compute it (see reference/)."""
@@ -70,10 +93,18 @@ def weight_formats() -> list[Format]:
 def as_float_matrix(w, what: str = "w") -> np.ndarray:
     """Accept a numpy array or torch tensor (N, K) and return finite float32 numpy."""
     if hasattr(w, "detach"):
+        if w.is_complex():
+            raise ValueError(f"{what}: complex values cannot be quantized")
         w = w.detach().float().cpu().numpy()
     w = np.asarray(w)
+    if w.dtype.kind not in "biuf":
+        raise ValueError(f"{what}: dtype {w.dtype} is not a real number type")
     if w.ndim != 2:
         raise ValueError(f"{what}: expected a 2-D (out_features, in_features) array, got shape {w.shape}")
+    if 0 in w.shape:
+        raise ValueError(f"{what}: empty shape {w.shape}")
+    if w.dtype.kind == "f" and w.dtype.itemsize > 4 and (np.abs(w) > np.finfo(np.float32).max).any():
+        raise ValueError(f"{what}: values beyond the float32 range ({float(np.abs(w).max()):.4g})")
     w = w.astype(np.float32, copy=False)
     if not np.isfinite(w).all():
         bad = np.argwhere(~np.isfinite(w))[0]

@@ -22,6 +22,9 @@ class FP16(Format, name="fp16"):
             raise ValueError("fp16.quantize: values beyond +-65504 overflow fp16")
         return QuantizedTensor("fp16", tuple(w.shape), w.astype(np.float16))
 
+    def storage(self, shape, params: dict) -> dict:
+        return {"data": (tuple(shape), np.float16)}
+
     def dequantize(self, qt) -> np.ndarray:
         return qt.numpy().data.astype(np.float32)
 

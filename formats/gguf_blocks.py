@@ -138,13 +138,21 @@ class GGUFBlockFormat(Format):
                                  f"{float(f[key][r, b]):.6g} overflows fp16 (|value| > 65504)")
         return QuantizedTensor(self.name, tuple(w.shape), self.pack(f["d"], f["q"], f["m"]))
 
-    def from_bytes(self, data: np.ndarray, shape) -> QuantizedTensor:
-        """Wrap raw GGUF block bytes (e.g. a tensor read by gguf.GGUFReader) without copying."""
-        n, k = (int(s) for s in shape)
+    def storage(self, shape, params: dict) -> dict:
+        n, k = shape
         if k % QK:
             raise ValueError(f"{self.name}: in_features K={k} is not a multiple of {QK}")
-        want = (n, k // QK * self.bytes_per_block)
-        data = np.asarray(data, dtype=np.uint8)
+        return {"data": ((n, k // QK * self.bytes_per_block), np.uint8)}
+
+    def from_bytes(self, data: np.ndarray, shape) -> QuantizedTensor:
+        """Wrap raw GGUF block bytes (e.g. a tensor read by gguf.GGUFReader) without copying."""
+        if len(shape) != 2 or min(int(s) for s in shape) <= 0:
+            raise ValueError(f"{self.name}: shape {tuple(shape)} is not (out_features, in_features) > 0")
+        n, k = (int(s) for s in shape)
+        (want, _), = self.storage((n, k), {}).values()
+        data = np.asarray(data)
+        if data.dtype != np.uint8:
+            raise ValueError(f"{self.name}: block bytes must be a uint8 array, got {data.dtype}")
         if data.size != want[0] * want[1]:
             raise ValueError(f"{self.name}: {data.size} bytes given, a ({n}, {k}) tensor needs {want[0] * want[1]}")
         return QuantizedTensor(self.name, (n, k), data.reshape(want))

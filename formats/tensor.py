@@ -62,16 +62,20 @@ class QuantizedTensor:
 
     def to(self, device) -> "QuantizedTensor":
         device = str(device)
-        if isinstance(self.data, dict):
-            data = {k: _move(v, device) for k, v in self.data.items()}
-        else:
-            data = _move(self.data, device)
+        try:
+            if isinstance(self.data, dict):
+                data = {k: _move(v, device) for k, v in self.data.items()}
+            else:
+                data = _move(self.data, device)
+        except (AssertionError, RuntimeError) as e:   # torch: no CUDA build / device, a bad name
+            raise ValueError(f"QuantizedTensor.to({device!r}): {e}") from None
         return replace(self, data=data)
 
     def numpy(self) -> "QuantizedTensor":
         return self.to("cpu")
 
     def dequantize(self) -> np.ndarray:
+        self.fmt.check(self)
         return self.fmt.dequantize(self)
 
     def __repr__(self) -> str:

@@ -10,9 +10,16 @@ from .formats import QuantizedTensor, get
 class QuantLinear(torch.nn.Module):
     def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None = None, mode: str = "emulate"):
         super().__init__()
+        if not isinstance(qt, QuantizedTensor):
+            raise ValueError(f"qt: expected a QuantizedTensor, got {type(qt).__name__}")
+        if mode not in ops.MODES:
+            raise ValueError(f"mode={mode!r}: choose one of {ops.MODES}")
         self.qt = qt
         self.mode = mode
         self.out_features, self.in_features = qt.shape
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.out_features,)):
+            raise ValueError(f"bias: expected a torch tensor of shape ({self.out_features},), got "
+                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod

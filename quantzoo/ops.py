@@ -36,17 +36,27 @@ def matmul(x, qt, *, mode: str = "emulate"):
     """y = x @ W.T; x (..., K) torch or numpy; same kind of array out (torch keeps x's dtype)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: choose one of {MODES}")
+    from .formats import QuantizedTensor
+
+    if not isinstance(qt, QuantizedTensor):
+        raise ValueError(f"qt: expected a QuantizedTensor (formats.get(name).quantize(w)), "
+                         f"got {type(qt).__name__}")
     if getattr(x, "is_cuda", False):
         # The runner's hot path (~150 calls per forward, a 512-token prefill is partly bound
         # by their Python time): the kernel module checks x and the weight itself (shapes,
         # dtypes, devices), so nothing is checked twice here.
         return kernels_for(qt.fmt).matmul(x, qt)
+    is_torch = hasattr(x, "detach")
+    if not is_torch:
+        x = np.asarray(x)
+    if not (x.is_floating_point() if is_torch else x.dtype.kind in "biuf"):
+        raise ValueError(f"x: dtype {x.dtype}; expected a floating-point array")
+    qt.fmt.check(qt)
     n, k = qt.shape
     shape = tuple(x.shape)
     if len(shape) < 1 or shape[-1] != k:
         raise ValueError(f"x: last dimension is {shape[-1] if shape else None}, the {qt.format} "
                          f"weight {qt.shape} expects K={k}")
-    is_torch = hasattr(x, "detach")
     xdev = str(x.device) if is_torch else "cpu"
     if not _same_device(xdev, qt.device):
         raise ValueError(f"x is on {xdev} but the {qt.format} weight is on {qt.device}; "

@@ -30,3 +30,18 @@ def test_formats_table(tmp_path):
 def test_unknown_command_is_a_usage_error(tmp_path):
     out = quantzoo_cli("nope", cwd=tmp_path)
     assert out.returncode == 2 and re.search(r"invalid choice", out.stderr)
+
+
+def test_options_that_do_not_apply_are_refused(tmp_path, capsys):
+    """--group-size with a GGUF format used to be ignored, an unknown --tablefmt to fall back to
+    plain text: both are refused now (exit 2), before any model is read."""
+    import pytest
+
+    from quantzoo.cli import main
+
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "o.gguf"), "--format", "q4_0",
+                 "--group-size", "64"]) == 2
+    assert "--group-size applies to --format awq only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["formats", "--tablefmt", "bogus"])
+    assert e.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err

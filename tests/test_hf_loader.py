@@ -164,6 +164,10 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     ({"attention_bias": True}, "attention_bias=true"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type='yarn'"),
     ({"hidden_size": 0}, "hidden_size=0"),
+    ({"num_key_value_heads": "2"}, "num_key_value_heads='2' must be a positive integer"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be a positive number"),
+    ({"rope_theta": "x"}, "rope_theta='x' must be a positive number"),
+    ({"head_dim": 63}, "head_dim=63: RoPE needs an even head_dim"),
 ])
 def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     d = tmp_path / "cfg"
@@ -182,6 +186,52 @@ def test_not_a_model_dir(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_hf(tmp_path, progress=False)
+
+
+def _copy_and(src, dst, edit):
+    shutil.copytree(src, dst)
+    edit(dst)
+    return dst
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json must hold a JSON object, not a list"),
+    (lambda d: (d / "generation_config.json").write_text("null"), "must hold a JSON object, not a NoneType"),
+    (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": "<|im_end|>"}'),
+     "eos_token_ids: '<|im_end|>' is not a token id"),
+    (lambda d: (d / "tokenizer.json").write_text('{"model": '), "tokenizer.json: not a tokenizer the"),
+    (lambda d: (d / "tokenizer_config.json").write_text('{"chat_template": []}'),
+     "chat_template is a list without {name, template} entries"),
+    (lambda d: (d / "tokenizer_config.json").write_text('{"eos_token": 5}'), "eos_token=5 must be a token string"),
+    (lambda d: H.build_tokenizer(400).save(str(d / "tokenizer.json")),
+     "the tokenizer has 400 tokens, the embedding only 320 rows"),
+])
+def test_bad_side_files_are_clear_errors(dirs, tmp_path, edit, needle):
+    """config / generation config / tokenizer files of the wrong shape, and a tokenizer larger
+    than the embedding (which would crash the first lookup): one line naming the file."""
+    d = _copy_and(dirs["fp32"], tmp_path / "m", edit)
+    with pytest.raises(ValueError) as e:
+        load_hf(d, progress=False)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_bias_tensors_are_refused(dirs, tmp_path):
+    """The runner's linears have no bias: a checkpoint with one must not load (silently wrong)."""
+    name = "model.layers.0.self_attn.q_proj.bias"
+    d = _edited_copy(dirs["fp32"], tmp_path / "b", "model.safetensors",
+                     lambda t: t.update({name: np.zeros(256, np.float32)}))
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor '{name}': the runner's linears have no biases"):
+        load_hf(d, progress=False)
+
+
+def test_broken_chat_template_is_a_clear_error(dirs, tmp_path):
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    d = _copy_and(dirs["fp32"], tmp_path / "t", lambda d: (d / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "chat_template": "{% for m in messages %}{{ m }"})))
+    tok = load_tokenizer(d)
+    with pytest.raises(ValueError, match=r"the model's chat template \(line 1\): TemplateSyntaxError"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_quantization_config_format_key_and_transformers_parses_ours(dirs):

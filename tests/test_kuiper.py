@@ -138,3 +138,20 @@ def test_llama_source_is_refused(tmp_path, capsys):
     path, _, _ = H.make_model_dir("llama-gqa", tmp_path)
     assert cli(["quantize", str(path), str(tmp_path / "l.bin"), "--format", "awq", "--quiet"]) == 2
     assert "Qwen3 format" in capsys.readouterr().err
+
+
+def test_header_dims_must_fit_awq_and_the_tokenizer(files, tmp_path):
+    """Header dims whose linears do not split into AWQ groups, and a tokenizer.json beside the
+    file with more tokens than the embedding rows: clear errors, checked before any tensor."""
+    hdr = struct.pack("<Ii7iBii", MAGIC, 5, 96, 256, 1, 3, 1, 64, 128, 0, 32, 128)
+    p = tmp_path / "dims.bin"
+    p.write_bytes(hdr + bytes(HEADER_BYTES - len(hdr)))
+    with pytest.raises(ValueError, match=r"dims\.bin: header: model\.layers\.0\.self_attn\.q_proj\.weight "
+                                         r"\(out=96, in=96\) does not fit AWQ group_size=128"):
+        load_kuiper(p)
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "m.bin").write_bytes(files["qwen3-gqa-hd64-tied"][2].read_bytes())
+    H.build_tokenizer(400).save(str(d / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"m\.bin: the tokenizer has 400 tokens, the embedding only 320 rows"):
+        load_kuiper(d / "m.bin")

@@ -65,9 +65,26 @@ def gguf_name(hf: str) -> str:
     return f"blk.{p[2]}.{HF2GGUF['.'.join(p[3:-1])]}.weight"
 
 
+def set_kv(w, key: str, v) -> None:
+    """Set (or, with None, remove) metadata key `key` of GGUFWriter w, typed by the Python value."""
+    for kv in w.kv_data:
+        kv.pop(key, None)
+    if v is None:
+        return
+    if isinstance(v, list):
+        w.add_array(key, v)
+    elif isinstance(v, str):
+        w.add_string(key, v)
+    elif isinstance(v, float):
+        w.add_float32(key, v)
+    else:
+        (w.add_uint32 if v >= 0 else w.add_int32)(key, v)
+
+
 def write_gguf(path, m, arch: str, fmt: str | None = None, drop=(), extra_tensors=None,
-               permute: bool = True, embed_fmt: str | None = None):
-    """Write m as llama.cpp would: linears in `fmt` (None: F32), norms F32; llama Q/K permuted.
+               permute: bool = True, embed_fmt: str | None = None, kv=None):
+    """Write m as llama.cpp would: linears in `fmt` (None: F32), norms F32; llama Q/K permuted;
+    kv: metadata keys set, or (None) removed, last.
 
     Returns the state dict as the file holds it, dequantized and in HF row order (the oracle)."""
     c = m.config
@@ -109,6 +126,8 @@ def write_gguf(path, m, arch: str, fmt: str | None = None, drop=(), extra_tensor
             w.add_tensor(name, np.ascontiguousarray(stored), raw_dtype=raw)
     for name, (arr, raw) in (extra_tensors or {}).items():
         w.add_tensor(name, arr, raw_dtype=raw)
+    for key, v in (kv or {}).items():
+        set_kv(w, key, v)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -239,6 +258,71 @@ def test_wrong_arch_and_shape(tmp_path):
     write_gguf(path, m, "qwen3")
     with pytest.raises(ValueError, match=r"noqk\.gguf: tensor 'blk\.0\.attn_q_norm\.weight' is missing"):
         qz.load_model(path, progress=False)
+
+
+# a byte-level BPE over the 160 ids of the tiny models: one token a name, a few merges
+TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+          "tokenizer.ggml.tokens": [f"t{i}" for i in range(158)] + ["t", "tt"],
+          "tokenizer.ggml.merges": ["t t"], "tokenizer.ggml.bos_token_id": 1,
+          "tokenizer.ggml.eos_token_id": 2}
+
+
+@pytest.mark.parametrize("kv,needle", [
+    ({"llama.attention.head_count": 0}, "'llama.attention.head_count'=0 must be a positive integer"),
+    ({"llama.block_count": "two"}, "'llama.block_count'='two' must be a positive integer"),
+    ({"llama.attention.layer_norm_rms_epsilon": -1.0},
+     "'llama.attention.layer_norm_rms_epsilon'=-1.0 must be a positive number"),
+    ({"llama.rope.freq_base": 0.0}, "'llama.rope.freq_base'=0.0 must be a positive number"),
+    ({"llama.attention.head_count_kv": [2, 4]}, "'llama.attention.head_count_kv' varies per layer"),
+    ({"llama.attention.head_count_kv": 3}, "num_heads=4 is not a multiple of num_kv_heads=3"),
+    ({"llama.context_length": None}, "'llama.context_length' is missing"),
+    ({**TOK_KV, "tokenizer.ggml.tokens": list(range(160))}, "tokenizer.ggml.tokens must be an array of str"),
+    ({**TOK_KV, "tokenizer.ggml.merges": ["t zzz"]}, "tokenizer.ggml.tokens / merges do not make a BPE"),
+    ({**TOK_KV, "tokenizer.ggml.bos_token_id": 100000},
+     "tokenizer.ggml.bos_token_id=100000 is not one of the 160 token ids"),
+    ({**TOK_KV, "tokenizer.chat_template": 5}, "tokenizer.chat_template must be a string"),
+])
+def test_bad_metadata_names_the_key(tmp_path, kv, needle):
+    """Metadata of the wrong type or value: one error naming the file and the key, never a raw
+    int()/ZeroDivisionError/tokenizers message."""
+    path = tmp_path / "meta.gguf"
+    write_gguf(path, hf_model("llama"), "llama", kv=kv)
+    with pytest.raises(ValueError) as e:
+        qz.load_model(path, progress=False)
+    assert str(e.value).startswith(str(path)) and needle in str(e.value), str(e.value)
+
+
+def test_good_tokenizer_metadata_loads(tmp_path):
+    """The control for the cases above: the same tokenizer keys, valid, load and encode."""
+    path = tmp_path / "tok.gguf"
+    write_gguf(path, hf_model("llama"), "llama", kv=TOK_KV)
+    m = qz.load_model(path, progress=False)
+    assert m.tokenizer.encode("t") == [158] and m.config.bos_token_id == 1 and m.config.eos_token_ids == [2]
+
+
+def test_bad_tensor_layout(tmp_path, good_file):
+    """A 1-D token_embd, and a tensor whose data offset breaks the file's alignment or overlaps
+    another tensor's data: clear errors (llama.cpp refuses such files too)."""
+    path = tmp_path / "flat.gguf"
+    embd = np.zeros(DIMS["vocab"] * DIMS["hidden"], np.float32)
+    write_gguf(path, hf_model("llama"), "llama", drop=("token_embd.weight",),
+               extra_tensors={"token_embd.weight": (embd, gguf.GGMLQuantizationType.F32)})
+    with pytest.raises(ValueError, match=r"flat\.gguf: tensor 'token_embd\.weight' has dims \[20480\]"):
+        qz.load_model(path, progress=False)
+    r = gguf.GGUFReader(str(good_file))
+    offs = {t.name: t.field.parts[-1] for t in r.tensors}         # each tensor's u64 data offset
+    at = {n: p.ctypes.data - r.data.ctypes.data for n, p in offs.items()}
+    first, second = sorted(offs, key=lambda n: int(offs[n][0]))[:2]
+    del r, offs
+    for what, name, value, needle in (("shift", first, None, "is not a multiple of the file's alignment"),
+                                      ("overlap", second, 0, "overlaps tensor")):
+        data = bytearray(good_file.read_bytes())
+        old = int(np.frombuffer(bytes(data[at[name]:at[name] + 8]), np.uint64)[0])
+        data[at[name]:at[name] + 8] = np.uint64(old + 3 if value is None else value).tobytes()
+        bad = tmp_path / f"{what}.gguf"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ValueError, match=rf"{what}\.gguf: tensor .*{needle}"):
+            qz.load_model(bad, progress=False)
 
 
 def test_not_a_model_path(tmp_path):

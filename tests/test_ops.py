@@ -34,6 +34,25 @@ def test_matmul_errors(rng):
     meta_qt = qt.to("meta")                      # a weight that is not on the CPU
     with pytest.raises(ValueError, match="is on cpu but the q4_0 weight is on meta"):
         qz.ops.matmul(np.zeros((2, 64), np.float32), meta_qt)
+    for x in (torch.ones(2, 64, dtype=torch.int32), torch.ones(2, 64, dtype=torch.bool),
+              np.array([["a"] * 64])):           # an integer y would truncate the result
+        with pytest.raises(ValueError, match="x: dtype .*expected a floating-point array"):
+            qz.ops.matmul(x, qt)
+    with pytest.raises(ValueError, match="qt: expected a QuantizedTensor .* got ndarray"):
+        qz.ops.matmul(np.zeros((2, 64), np.float32), np.zeros((8, 64)))
+    assert qz.ops.matmul([[0.0] * 64], qt).shape == (1, 8)   # a list is an array too
+
+
+def test_quant_linear_checks_its_arguments():
+    qt = get("q8_0").quantize(np.zeros((16, 64), np.float32))
+    with pytest.raises(ValueError, match=r"bias: expected a torch tensor of shape \(16,\), got \(7,\)"):
+        qz.QuantLinear(qt, torch.zeros(7))
+    with pytest.raises(ValueError, match="bias: .* got ndarray"):
+        qz.QuantLinear(qt, np.zeros(16))
+    with pytest.raises(ValueError, match="mode='bogus'"):
+        qz.QuantLinear(qt, mode="bogus")
+    with pytest.raises(ValueError, match="qt: expected a QuantizedTensor"):
+        qz.QuantLinear(np.zeros((16, 64)))
 
 
 @pytest.mark.parametrize("name", ["q8_0", "awq"])

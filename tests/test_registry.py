@@ -1,4 +1,6 @@
 """The registry: names, lookup errors, kinds, sizes — checked against the stored bytes."""
+import re
+
 import numpy as np
 import pytest
 
@@ -57,6 +59,50 @@ def test_quantize_rejects_non_finite(name):
 def test_quantize_rejects_bad_rank(name):
     with pytest.raises(ValueError, match="2-D"):
         get(name).quantize(np.zeros(128, np.float32))
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_quantize_rejects_empty_and_non_real(name):
+    for w, needle in ((np.zeros((0, 128), np.float32), r"empty shape \(0, 128\)"),
+                      (np.zeros((8, 0), np.float32), r"empty shape \(8, 0\)"),
+                      (np.zeros((8, 128), np.complex64), "complex64 is not a real number type"),
+                      (np.full((8, 128), 1e300), "beyond the float32 range")):
+        with pytest.raises(ValueError, match=needle):
+            get(name).quantize(w)
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_storage_that_disagrees_with_the_shape_is_refused(name, rng):
+    """A hand-built QuantizedTensor whose arrays do not match its shape: one clear error from
+    matmul and dequantize (before, a GGUF weight silently used its first rows)."""
+    from quantzoo.formats import QuantizedTensor
+
+    qt = get(name).quantize((rng.standard_normal((16, 256)) * 0.02).astype(np.float32))
+    for shape in ((8, 256), (16, 512)):
+        bad = QuantizedTensor(qt.format, shape, qt.data, qt.params)
+        needle = re.escape(f"{name} weight {shape}: ") + ".* expected"
+        with pytest.raises(ValueError, match=needle):
+            qz.ops.matmul(np.ones((1, shape[1]), np.float32), bad)
+        with pytest.raises(ValueError, match=needle):
+            bad.dequantize()
+    arrays = qt.arrays()
+    key = next(iter(arrays))
+    wrong = {**arrays, key: arrays[key].astype(np.float64)}
+    bad = QuantizedTensor(qt.format, qt.shape, wrong if isinstance(qt.data, dict) else wrong[key], qt.params)
+    with pytest.raises(ValueError, match=f"{key} is float64"):
+        bad.dequantize()
+
+
+def test_awq_rejects_what_fp16_cannot_hold():
+    """A dequantized AWQ weight past fp16's range would be inf in the kernels' fp16 arithmetic;
+    and a group size must be one of the integers the kernels take."""
+    w = np.zeros((8, 128), np.float32)
+    w[:, 0], w[:, 1] = 1e5, -1.0
+    with pytest.raises(ValueError, match="beyond fp16's"):
+        get("awq").quantize(w)
+    with pytest.raises(ValueError, match="group_size=128.0 is not supported"):
+        get("awq").quantize(np.zeros((8, 128), np.float32), group_size=128.0)
+    assert get("awq").quantize(np.zeros((8, 128), np.float32), group_size=np.int64(64)).params == {"group_size": 64}
 
 
 @pytest.mark.parametrize("name", STORED)

@@ -188,6 +188,41 @@ def test_bench_file_is_checked(tmp_path):
     assert out.returncode == 2 and "not a `quantzoo bench kernels` JSON" in out.stderr
 
 
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "not a `quantzoo bench kernels` JSON file (Expecting property name"),
+    (None, "cannot read the `quantzoo bench kernels` file"),
+    ({"ceilings": [1]}, "'ceilings' is missing or not a JSON object"),
+    ({"results": [{"format": "q4_0", "k": 64, "n": 64, "m": 1, "status": "ok"}]}, "results[0] lacks median_us"),
+])
+def test_bad_bench_files_are_one_line_errors(tmp_path, capsys, content, needle):
+    """What `quantzoo report` says of an unreadable, malformed or incomplete --bench file: exit 2
+    and one line naming the file, never a traceback."""
+    from quantzoo.cli import main
+
+    p = tmp_path / "b.json"
+    if content is None:
+        p.mkdir()
+    elif isinstance(content, str):
+        p.write_text(content)
+    else:
+        good = {"kind": "quantzoo-bench-kernels", "machine": {}, "settings": {"m": [1]}, "results": [],
+                "ceilings": {"copy_tbps": 3.0, "cublas_fp16_tflops": 700.0}}
+        p.write_text(json.dumps({**good, **content}))
+    assert main(["report", "--bench", str(p), "--no-accuracy", "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(p) in err and needle in err, err
+
+
+def test_bad_model_bench_file_is_an_error(tmp_path, capsys):
+    from quantzoo.cli import main
+
+    p = tmp_path / "m.json"
+    p.write_text("[1, 2]")
+    assert main(["report", "--model-bench", str(p), "--no-bench", "--no-accuracy", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert str(p) in err and "expected a 'results' list of per-format records" in err
+
+
 def test_layer_aggregate_by_hand():
     """% roofline and x cuBLAS for a Qwen3-8B layer: sums over 7 linears, checked by hand."""
     shapes = [(4096, 4096, "qo", 2), (4096, 1024, "kv", 2), (4096, 12288, "gu", 2), (12288, 4096, "d", 1)]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 def register(sub) -> None:
     p = sub.add_parser("formats", help="table of every registered format, NMSE measured now")
-    p.add_argument("--tablefmt", default="github", help="tabulate table format (default: github)")
+    from tabulate import tabulate_formats
+
+    p.add_argument("--tablefmt", default="github", choices=tabulate_formats, metavar="FMT",
+                   help="tabulate table format (default: github; e.g. plain, grid, latex)")
     p.set_defaults(func=run)
 
 

@@ -17,8 +17,8 @@ def register(sub) -> None:
     p.add_argument("src", metavar="SRC", help="HF model directory, .gguf file or KuiperLLama .bin")
     p.add_argument("dst", metavar="DST", help="output: directory (awq, fp16), .gguf (q4_0..q8_0, fp16), .bin (awq)")
     p.add_argument("--format", required=True, choices=FORMATS, help="weight format of the linears")
-    p.add_argument("--group-size", type=int, default=128,
-                   help="AWQ group size along in_features: 32, 64 or 128 (default 128)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="AWQ group size along in_features: 32, 64 or 128 (default 128; awq only)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -28,8 +28,11 @@ def run(args) -> int:
 
     from quantzoo.model.export import export
 
-    out = export(args.src, args.dst, args.format, group_size=args.group_size, progress=not args.quiet)
+    if args.group_size is not None and args.format != "awq":
+        raise ValueError(f"--group-size applies to --format awq only (here --format {args.format})")
+    group = 128 if args.group_size is None else args.group_size
+    out = export(args.src, args.dst, args.format, group_size=group, progress=not args.quiet)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else os.path.getsize(out)
-    print(f"wrote {out} ({args.format}{f', group {args.group_size}' if args.format == 'awq' else ''}, "
+    print(f"wrote {out} ({args.format}{f', group {group}' if args.format == 'awq' else ''}, "
           f"{size / 2**20:.1f} MiB)")
     return 0

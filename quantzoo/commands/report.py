@@ -6,7 +6,6 @@ only (and says so).
 """
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 
@@ -53,8 +52,11 @@ def run(args) -> int:
                                       ms=kernels.QUICK_M, names=names, target_s=0.01, log=log)
     model_bench = None
     if args.model_bench:
-        with open(args.model_bench) as f:
-            model_bench = json.load(f)
+        model_bench = speed.load_json(args.model_bench, "`quantzoo bench model`")
+        try:   # unusable: fail here, not as a line inside the report
+            report.model_bench_rows(model_bench)
+        except ValueError as e:
+            raise ValueError(f"{args.model_bench}: {e}") from None
     if args.accuracy_tokens < 2:
         raise ValueError(f"--accuracy-tokens {args.accuracy_tokens}: need at least 2")
     acc_formats = None

@@ -1,6 +1,8 @@
 """ModelConfig: the few numbers that define a Qwen3 / llama decoder (DESIGN.md §5)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 ARCHS = ("qwen3", "llama")
@@ -37,7 +39,33 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads} (GQA needs whole groups)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: RoPE needs an even head_dim")
-        self.eos_token_ids = [int(i) for i in (self.eos_token_ids or [])]
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name}={v!r}: must be a positive finite number")
+        self.check_token_ids()
+
+    def check_token_ids(self) -> None:
+        """bos / eos ids are rows of the embedding (an id past it would crash the first lookup)."""
+        def token_id(name, i):
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < self.vocab_size:
+                raise ValueError(f"{name}: {i!r} is not a token id of a {self.vocab_size}-token vocabulary")
+            return int(i)
+
+        if self.bos_token_id is not None:
+            self.bos_token_id = token_id("bos_token_id", self.bos_token_id)
+        self.eos_token_ids = [token_id("eos_token_ids", i) for i in (self.eos_token_ids or [])]
+
+    def check_tokenizer(self, tok, where: str) -> None:
+        """A loader's last check: the tokenizer's ids fit the embedding, and so do the special ids
+        it set (where: the file or directory, for the message)."""
+        if tok is not None and tok.vocab_size > self.vocab_size:
+            raise ValueError(f"{where}: the tokenizer has {tok.vocab_size} tokens, the embedding only "
+                             f"{self.vocab_size} rows")
+        try:
+            self.check_token_ids()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     @property
     def q_size(self) -> int:

@@ -18,6 +18,7 @@ Facts this rests on (DESIGN.md §5):
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -91,6 +92,7 @@ def _reader(path: str):
     class Reader(GGUFReader):
         def _build_tensors(self, start_offs, fields):
             size = len(self.data)
+            spans = []
             for field in fields:
                 _nl, name_data, _nd, dims, raw_dtype, off = field.parts
                 name = bytes(name_data).decode("utf-8", "replace")
@@ -99,14 +101,25 @@ def _reader(path: str):
                 except ValueError:
                     raise ValueError(f"tensor {name!r}: unknown ggml type number {int(raw_dtype[0])}") from None
                 bs, ts = GGML_QUANT_SIZES[t]
-                n = int(np.prod(dims))
+                n = 1
+                for d in dims:   # Python ints: np.prod would wrap around on huge dims
+                    n *= int(d)
                 if n % bs:
                     raise ValueError(f"tensor {name!r}: {n} elements are not whole {t.name} blocks of {bs}")
+                if int(off[0]) % self.alignment:
+                    raise ValueError(f"tensor {name!r}: data offset {int(off[0])} is not a multiple of "
+                                     f"the file's alignment ({self.alignment})")
                 a = int(start_offs + off[0])
                 b = a + n * ts // bs
                 if b > size:
                     raise ValueError(f"tensor {name!r}: its data (bytes {a}..{b}) runs past the end "
                                      f"of the file ({size} bytes): truncated file?")
+                spans.append((a, b, name))
+            spans.sort()
+            for (_a0, b0, n0), (a1, _b1, n1) in zip(spans, spans[1:]):
+                if a1 < b0:
+                    raise ValueError(f"tensor {n1!r}: its data (from byte {a1}) overlaps tensor {n0!r}'s "
+                                     f"(to byte {b0})")
             return super()._build_tensors(start_offs, fields)
 
     return Reader(path)
@@ -146,37 +159,53 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
         raise ValueError(f"{path}: general.architecture={arch!r} is not supported "
                          "(the runner reads 'qwen3' and 'llama')")
 
-    def key(name, default=KeyError):
+    def key(name, default=KeyError, kind=int):
+        """{arch}.name as a positive int (kind int) or a positive finite number (kind float)."""
         k = f"{arch}.{name}"
-        if k in meta:
-            v = meta[k]
-            return v[0] if isinstance(v, list) else v
-        if default is KeyError:
-            raise ValueError(f"{path}: metadata key {k!r} is missing")
-        return default
+        if k not in meta:
+            if default is KeyError:
+                raise ValueError(f"{path}: metadata key {k!r} is missing")
+            return default
+        v = meta[k]
+        if isinstance(v, list):   # a per-layer array: the runner takes one value for all layers
+            if not v or any(x != v[0] for x in v):
+                raise ValueError(f"{path}: metadata key {k!r} varies per layer ({v[:8]!r}...); "
+                                 "the runner takes one value for every layer")
+            v = v[0]
+        ok = not isinstance(v, bool) and isinstance(v, int if kind is int else (int, float))
+        if not ok or not v > 0 or not math.isfinite(v):
+            raise ValueError(f"{path}: metadata key {k!r}={v!r} must be a positive "
+                             f"{'integer' if kind is int else 'number'}")
+        return kind(v)
 
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("attention.value_length", head_dim)) != head_dim:
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    if key("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{path}: {arch}.attention.value_length != key_length is not supported")
-    rope_dims = int(key("rope.dimension_count", head_dim))
+    rope_dims = key("rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ValueError(f"{path}: {arch}.rope.dimension_count={rope_dims} (partial RoPE) is not "
                          f"supported; head_dim is {head_dim}")
     if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] not in ("none",):
         raise ValueError(f"{path}: {arch}.rope.scaling.type={meta[f'{arch}.rope.scaling.type']!r} "
                          "is not supported yet")
+    for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        v = meta.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab_size):
+            raise ValueError(f"{path}: {k}={v!r} is not one of the {vocab_size} token ids")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        arch=arch, vocab_size=vocab_size, hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")), num_layers=int(key("block_count")),
-        num_heads=heads, num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=head_dim, rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position=int(key("context_length")), tie_word_embeddings=tied,
-        qk_norm=(arch == "qwen3"), bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=[] if eos is None else [int(eos)])
+    try:
+        return ModelConfig(
+            arch=arch, vocab_size=vocab_size, hidden_size=hidden,
+            intermediate_size=key("feed_forward_length"), num_layers=key("block_count"),
+            num_heads=heads, num_kv_heads=key("attention.head_count_kv", heads),
+            head_dim=head_dim, rms_norm_eps=key("attention.layer_norm_rms_epsilon", kind=float),
+            rope_theta=key("rope.freq_base", 10000.0, kind=float),
+            max_position=key("context_length"), tie_word_embeddings=tied,
+            qk_norm=(arch == "qwen3"), bos_token_id=bos, eos_token_ids=[] if eos is None else [eos])
+    except ValueError as e:   # e.g. a head count that does not divide, an eos id past the vocab
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _to_weight(t, path: str):
@@ -207,15 +236,16 @@ def load_gguf(path, progress: bool = True):
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
+    if len(tensors["token_embd.weight"].shape) != 2:
+        raise ValueError(f"{path}: tensor 'token_embd.weight' has dims {tensors['token_embd.weight'].shape.tolist()};"
+                         " expected 2 (embedding_length, vocabulary)")
     vocab = int(tensors["token_embd.weight"].shape[1])
     cfg = config_from_metadata(meta, path, vocab, tied="output.weight" not in tensors)
     tok = None   # a file without tokenizer.ggml.* (synthetic, bench) loads without one
     if "tokenizer.ggml.model" in meta:
         tok = Tokenizer.from_gguf_fields({k: v for k, v in meta.items() if k.startswith("tokenizer.")}, path)
-        if tok.vocab_size > vocab:
-            raise ValueError(f"{path}: the tokenizer has {tok.vocab_size} tokens, token_embd.weight "
-                             f"only {vocab} rows")
         cfg.bos_token_id, cfg.eos_token_ids = tok.bos_token_id, list(tok.eos_token_ids)
+        cfg.check_tokenizer(tok, path)
 
     # validate names, shapes and types against the config before using any tensor
     want = cfg.expected_shapes()

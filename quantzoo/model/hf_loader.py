@@ -21,6 +21,7 @@ torch tensors in the dtype the file stores (fp16/bf16/fp32), the model casts the
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +34,16 @@ AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
 
 
 def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ValueError(f"{path}: {what} is not a file")
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            v = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"{path}: {what} must hold a JSON object, not a {type(v).__name__}")
+    return v
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,7 +105,11 @@ def _rope_theta(cfg: dict, where: str) -> float:
                 raise ValueError(f"{where}: {key}.rope_type={rtype!r} is not supported "
                                  "(only plain RoPE, rope_type 'default')")
     theta = cfg.get("rope_theta", rp.get("rope_theta") if isinstance(rp, dict) else None)
-    return float(theta if theta is not None else 10000.0)
+    if theta is None:
+        return 10000.0
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"{where}: rope_theta={theta!r} must be a positive number")
+    return float(theta)
 
 
 def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json"):
@@ -117,32 +127,38 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act={cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
 
-    def need(key):
-        if key not in cfg:
-            raise ValueError(f"{where}: missing key {key!r}")
-        v = cfg[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{where}: {key}={v!r} must be a positive integer")
-        return v
+    def need(key, default=KeyError, kind=int):
+        """cfg[key] (or the default when it is absent or null) as a positive int or number."""
+        v = cfg.get(key)
+        if v is None:
+            if default is KeyError:
+                raise ValueError(f"{where}: missing key {key!r}")
+            return default
+        ok = not isinstance(v, bool) and isinstance(v, int if kind is int else (int, float))
+        if not ok or not v > 0 or not math.isfinite(v):
+            raise ValueError(f"{where}: {key}={v!r} must be a positive {'integer' if kind is int else 'number'}")
+        return kind(v)
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv = cfg.get("num_key_value_heads") or heads
+    kv = need("num_key_value_heads", heads)
     if heads % kv:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv}")
-    head_dim = cfg.get("head_dim") or hidden // heads
     gen = generation_config or {}
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else [int(e) for e in eos])
-    bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
-    config = ModelConfig(
-        arch=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
-        intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
-        num_heads=heads, num_kv_heads=int(kv), head_dim=int(head_dim),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg, where),
-        max_position=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=(arch == "qwen3"), bos_token_id=bos, eos_token_ids=eos_ids)
+    eos_ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    try:
+        config = ModelConfig(
+            arch=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
+            intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
+            num_heads=heads, num_kv_heads=kv, head_dim=need("head_dim", hidden // heads),
+            rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=_rope_theta(cfg, where),
+            max_position=need("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=(arch == "qwen3"), bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
+            eos_token_ids=eos_ids)
+    except ValueError as e:   # e.g. an odd head_dim, an eos id past the vocabulary
+        raise ValueError(f"{where}: {e}") from None
     quant = parse_quantization_config(cfg.get("quantization_config"), where)
     return config, quant
 
@@ -176,8 +192,8 @@ class _Shards:
         self.handles = {}
         if index.exists():
             wm = _read_json(index, "the shard index").get("weight_map")
-            if not isinstance(wm, dict):
-                raise ValueError(f"{index}: no 'weight_map' object")
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file name")
             files = sorted({path / f for f in wm.values()})
             for f in files:
                 if not f.exists():
@@ -248,13 +264,16 @@ def load_hf(path, progress: bool = True):
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory (an HF model directory has config.json)")
     cfg_file = path / "config.json"
-    if not cfg_file.exists():
+    if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json")
     cfg = _read_json(cfg_file, "config.json")
     gen_file = path / "generation_config.json"
     gen = _read_json(gen_file, "generation_config.json") if gen_file.exists() else {}
     config, quant = parse_config(cfg, gen, where=str(cfg_file))
     shards = _Shards(path)
+    bias = next((k for k in shards.where if k.endswith(".bias")), None)
+    if bias is not None:   # dropping it would give wrong answers without a word
+        raise ValueError(f"{shards.file_of(bias)}: tensor {bias!r}: the runner's linears have no biases")
 
     # Plan every tensor (name, kind, expected shapes) and check shapes/dtypes before reading.
     plan = []  # (name, "awq" | "float", meta)
@@ -306,6 +325,7 @@ def load_hf(path, progress: bool = True):
         config.eos_token_ids = list(tok.eos_token_ids)
         if config.bos_token_id is None:
             config.bos_token_id = tok.bos_token_id
+    config.check_tokenizer(tok, str(path))
     return config, weights, tok, gen
 
 

@@ -96,6 +96,7 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
     from quantzoo.formats.awq import GROUP_SIZES
 
     from .config import ModelConfig
+    from .export import linear_modules
     from .hf_loader import load_tokenizer
 
     path = Path(path)
@@ -110,6 +111,11 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
             rope_theta=rope_theta, max_position=hd["max_seq_len"],
             tie_word_embeddings=hd["shared_classifier"], qk_norm=True, bos_token_id=None,
             eos_token_ids=list(eos_token_ids or []))
+        shapes, g = config.expected_shapes(), hd["group_size"]
+        for name, (n, k) in ((m + ".weight", shapes[m + ".weight"]) for m in linear_modules(config)):
+            if n % 8 or k % g:
+                raise ValueError(f"{name} (out={n}, in={k}) does not fit AWQ group_size={g} "
+                                 "(in % group_size and out % 8 must be 0)")
     except ValueError as e:
         raise ValueError(f"{path}: header: {e}") from None
     items = _layout(config, hd["group_size"])
@@ -140,6 +146,7 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
     tok = load_tokenizer(path.parent)
     if tok is not None and not config.eos_token_ids:
         config.eos_token_ids = list(tok.eos_token_ids)
+    config.check_tokenizer(tok, str(path))
     return config, weights, tok
 
 

@@ -99,27 +99,46 @@ class Tokenizer:
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token)
+        except jinja2.TemplateError as e:   # a broken template, or one that refuses the messages
+            where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise ValueError(f"the model's chat template{where}: {type(e).__name__}: {e}") from None
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def from_tokenizer_json(cls, path_or_str, tokenizer_config: dict | None = None) -> "Tokenizer":
         """From an HF tokenizer.json (a path, or its JSON text) and tokenizer_config.json."""
         s = str(path_or_str)
-        tok = HFTokenizer.from_file(s) if os.path.exists(s) else HFTokenizer.from_str(s)
+        is_file = os.path.exists(s)
+        try:
+            tok = HFTokenizer.from_file(s) if is_file else HFTokenizer.from_str(s)
+        except Exception as e:   # the tokenizers package raises a bare Exception
+            raise ValueError(f"{s if is_file else 'tokenizer.json text'}: not a tokenizer the "
+                             f"`tokenizers` package reads ({e})") from None
         cfg = tokenizer_config or {}
 
-        def tok_str(v):
-            return v.get("content") if isinstance(v, dict) else v
+        def tok_str(key):
+            v = cfg.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"tokenizer_config.json: {key}={v!r} must be a token string")
+            return v
 
-        bos, eos = tok_str(cfg.get("bos_token")), tok_str(cfg.get("eos_token"))
+        bos, eos = tok_str("bos_token"), tok_str("eos_token")
         bos_id = tok.token_to_id(bos) if bos else None
         eos_ids = [tok.token_to_id(eos)] if eos and tok.token_to_id(eos) is not None else []
         tmpl = cfg.get("chat_template")
         if isinstance(tmpl, list):  # [{name, template}, ...]
-            tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), tmpl[0]["template"])
+            named = [t for t in tmpl if isinstance(t, dict) and isinstance(t.get("template"), str)]
+            if not named:
+                raise ValueError("tokenizer_config.json: chat_template is a list without "
+                                 "{name, template} entries")
+            tmpl = next((t["template"] for t in named if t.get("name") == "default"), named[0]["template"])
+        if tmpl is not None and not isinstance(tmpl, str):
+            raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(tmpl).__name__}")
         return cls(tok, bos_token_id=bos_id, eos_token_ids=eos_ids,
                    add_bos=bool(cfg.get("add_bos_token", False)) and bos_id is not None,
                    chat_template=tmpl, bos_token=bos or "", eos_token=eos or "")
@@ -141,13 +160,20 @@ class Tokenizer:
             raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
                              f"{sorted(PRE_TOKENIZERS)}")
         make_pre, ignore_merges = PRE_TOKENIZERS[pre]
-        tokens = list(need("tokenizer.ggml.tokens"))
-        types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+
+        def array_of(key, kind, default=None):
+            v = need(key) if default is None else meta.get(key) or default
+            if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
+                raise ValueError(f"{path}: {key} must be an array of {kind.__name__}")
+            return v
+
+        tokens = array_of("tokenizer.ggml.tokens", str)
+        types = array_of("tokenizer.ggml.token_type", int, [NORMAL] * len(tokens))
         if len(types) != len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries, "
                              f"tokenizer.ggml.tokens {len(tokens)}")
         merges = []
-        for m in need("tokenizer.ggml.merges"):
+        for m in array_of("tokenizer.ggml.merges", str):
             a, sep, b = m.partition(" ")
             if not sep:
                 raise ValueError(f"{path}: tokenizer.ggml.merges entry {m!r} is not 'a b'")
@@ -155,8 +181,11 @@ class Tokenizer:
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)   # first id wins, as in llama.cpp's token_to_id
-        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges,
-                         fuse_unk=False, byte_fallback=False)
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges,
+                             fuse_unk=False, byte_fallback=False)
+        except Exception as e:   # e.g. a merge of tokens the vocabulary lacks (a bare Exception)
+            raise ValueError(f"{path}: tokenizer.ggml.tokens / merges do not make a BPE ({e})") from None
         tok = HFTokenizer(bpe)
         tok.pre_tokenizer = make_pre()
         tok.decoder = decoders.ByteLevel()
@@ -168,20 +197,28 @@ class Tokenizer:
             # ids come from the vocab (the tokens are already in it): order does not matter
             tok.add_tokens([a for a in added if not a.special])
             tok.add_special_tokens([a for a in added if a.special])
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        eos_ids = [] if eos is None else [int(eos)]
+        def token_id(key):
+            v = meta.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens)):
+                raise ValueError(f"{path}: {key}={v!r} is not one of the {len(tokens)} token ids")
+            return v
+
+        bos = token_id("tokenizer.ggml.bos_token_id")
+        eos = token_id("tokenizer.ggml.eos_token_id")
+        eos_ids = [] if eos is None else [eos]
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            if meta.get(key) is not None and int(meta[key]) not in eos_ids:
-                eos_ids.append(int(meta[key]))
+            i = token_id(key)
+            if i is not None and i not in eos_ids:
+                eos_ids.append(i)
         for name in _EOG_NAMES:
             i = vocab.get(name)
             if i is not None and types[i] == CONTROL and i not in eos_ids:
                 eos_ids.append(i)
         # llama.cpp: add_bos from the file; when absent, true for the llama3 family only
         add_bos = meta.get("tokenizer.ggml.add_bos_token", ignore_merges)
-        return cls(tok, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
-                   add_bos=bool(add_bos) and bos is not None,
-                   chat_template=meta.get("tokenizer.chat_template"),
-                   bos_token=tokens[int(bos)] if bos is not None and int(bos) < len(tokens) else "",
-                   eos_token=tokens[int(eos)] if eos is not None and int(eos) < len(tokens) else "")
+        tmpl = meta.get("tokenizer.chat_template")
+        if tmpl is not None and not isinstance(tmpl, str):
+            raise ValueError(f"{path}: tokenizer.chat_template must be a string, got {type(tmpl).__name__}")
+        return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=bool(add_bos) and bos is not None,
+                   chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
+                   eos_token="" if eos is None else tokens[eos])

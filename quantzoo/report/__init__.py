@@ -100,8 +100,8 @@ def model_bench_rows(mb: dict) -> tuple[list[str], list[list]]:
     """Headers and rows from a `quantzoo bench model` JSON: its per-format records, with the
     numeric fields whose names speak of tokens/s or memory."""
     recs = mb.get("results") if isinstance(mb, dict) else mb
-    if not isinstance(recs, list):
-        raise ValueError("model bench JSON: expected a 'results' list of per-format records")
+    if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+        raise ValueError("model bench JSON: expected a 'results' list of per-format records (objects)")
     keys = []
     for r in recs:
         for k, v in r.items():
@@ -220,7 +220,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                  f"(driver {m.get('driver', '?')}, torch {m.get('torch')}, CuPy {m.get('cupy') or 'not recorded'}, "
                  f"commit `{m.get('git_commit') or 'not recorded'}`, {m.get('time_utc')}). Ceilings measured in that "
                  f"run: device copy **{c['copy_tbps']:.2f} TB/s** (read + write) and cuBLAS fp16 "
-                 f"{c['cublas_size']}^3 **{c['cublas_fp16_tflops']:.0f} TFLOP/s**"
+                 f"{c.get('cublas_size', '?')}^3 **{c['cublas_fp16_tflops']:.0f} TFLOP/s**"
                  + (f" (at the end of the run: {bench['ceilings_end']['copy_tbps']:.2f} TB/s, "
                     f"{bench['ceilings_end']['cublas_fp16_tflops']:.0f} TFLOP/s)" if bench.get("ceilings_end") else "")
                  + ". Error, size and accuracy columns are computed on the machine that built the report.\n")

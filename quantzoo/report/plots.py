@@ -57,7 +57,8 @@ def roofline(res: dict, path: str) -> str:
     for ax, (k, n) in zip(axes.flat, shapes):
         for name in names:
             pts = sorted((r["m"], r["tflops"], r["weight_bytes"]) for r in speed.ok_rows(res)
-                         if r["format"] == name and (r["k"], r["n"]) == (k, n))
+                         if r["format"] == name and (r["k"], r["n"]) == (k, n)
+                         and r.get("tflops") is not None and r.get("weight_bytes") is not None)
             if not pts:
                 continue
             ms = [p[0] for p in pts]

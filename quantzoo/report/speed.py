@@ -18,23 +18,45 @@ import math
 BASELINE = "fp16"
 
 
+def load_json(path, what: str):
+    """A JSON file, or one clear error naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a {what} JSON file ({e})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the {what} file ({e.strerror or e})") from None
+
+
 def load_bench(path) -> dict:
-    with open(path) as f:
-        res = json.load(f)
+    res = load_json(path, "`quantzoo bench kernels`")
     check_bench(res, str(path))
     return res
+
+
+# what the report reads of each result row of a `quantzoo bench kernels` JSON
+ROW_KEYS = ("format", "k", "n", "m", "status")
+OK_ROW_KEYS = ("median_us", "roofline_us")
 
 
 def check_bench(res: dict, what: str = "bench") -> None:
     if not isinstance(res, dict) or res.get("kind") != "quantzoo-bench-kernels":
         raise ValueError(f"{what}: not a `quantzoo bench kernels` JSON (kind != 'quantzoo-bench-kernels')")
-    for key in ("machine", "ceilings", "settings", "results"):
-        if key not in res:
-            raise ValueError(f"{what}: missing {key!r}")
+    for key, kind in (("machine", dict), ("ceilings", dict), ("settings", dict), ("results", list)):
+        if not isinstance(res.get(key), kind):
+            raise ValueError(f"{what}: {key!r} is missing or not a JSON {'object' if kind is dict else 'array'}")
     for key in ("copy_tbps", "cublas_fp16_tflops"):
         v = res["ceilings"].get(key)
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"{what}: ceilings.{key} = {v!r} is not a positive number")
+    if not isinstance(res["settings"].get("m"), list):
+        raise ValueError(f"{what}: settings.m (the bench's M values) is missing")
+    for i, r in enumerate(res["results"]):
+        need = ROW_KEYS + (OK_ROW_KEYS if isinstance(r, dict) and r.get("status") == "ok" else ())
+        missing = [k for k in need if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise ValueError(f"{what}: results[{i}] lacks {', '.join(missing)}")
 
 
 def ok_rows(res: dict) -> list[dict]:
