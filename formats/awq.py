@@ -98,7 +98,7 @@ class AWQ(Format, name="awq"):
         if big > 65504:   # the dequant (and the kernels' fp16 weight) would be inf
             raise ValueError(f"awq.quantize: a dequantized weight reaches {big:.6g}, beyond fp16's +-65504")
         q = q.reshape(k, n)
-        data = {"qweight": pack_int4(q), "qzeros": pack_int4(z), "scales": s16}
+        data = {"qweight": pack_int4(q), "qzeros": pack_int4(z), "scales": np.ascontiguousarray(s16)}
         return QuantizedTensor("awq", (n, k), data, {"group_size": group_size})
 
     def storage(self, shape, params: dict) -> dict:

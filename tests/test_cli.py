@@ -45,3 +45,17 @@ def test_options_that_do_not_apply_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["formats", "--tablefmt", "bogus"])
     assert e.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
+    """A bad --device or sampling setting is reported before any model is read (the model path
+    here does not exist, so a load would fail differently), naming only the bad setting."""
+    from quantzoo.cli import main
+
+    nope = str(tmp_path / "nope.gguf")
+    for args, needle in ((["--device", "gpu"], "device='gpu': not a torch device"),
+                         (["--temperature", "0.7", "--top-p", "0"], "sampling: top_p=0.0 must be in (0, 1]"),
+                         (["--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 0")):
+        assert main(["run", "model", "--model", nope, *args]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "temperature" not in err.replace("--temperature", ""), err

@@ -145,12 +145,12 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
 
 
 def test_report_cpu_live_cli(tmp_path):
-    """A live CPU run through the CLI: error and size columns only, and it says so."""
+    """A live CPU run through the CLI: no speed section, and it says so."""
     out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "report", "--no-bench", "--no-accuracy",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "report.md").read_text()
-    assert "CPU only: this report has the error and size columns only" in md
+    assert "CPU only: no speed." in md
     assert "## Kernel speed" not in md
     check_format_table(md, with_speed=False)
     with open(tmp_path / "formats.csv") as f:

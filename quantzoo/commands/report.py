@@ -1,8 +1,8 @@
 """`quantzoo report`: the comparison of every registry format (error, size, speed, accuracy).
 
 Speed comes from a `quantzoo bench kernels` JSON (--bench); without one, on a CUDA machine the
-quick bench is run first, and on a CPU-only machine the report has the error and size columns
-only (and says so).
+quick bench is run first, and on a CPU-only machine the report has no speed section (and says
+so): error, size and the accuracy section are CPU work.
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def run(args) -> int:
                        log=log)
     if args.out:
         files = report.write(rep, args.out, plots=not args.no_plots)
-        log(f"wrote {files['md']} and {len(files['plots'])} plots")
+        log(f"wrote {files['md']} and {len(files['plots'])} plots"
+            + (f" ({rep['plots_skipped']})" if rep.get("plots_skipped") else ""))
     else:
         print(report.render(rep, []))
     return 0

@@ -46,9 +46,16 @@ def run(args) -> int:
 
     from ..model import load_model
 
+    from ..model.generate import check_sampling
+    from ..model.llm import check_device
+
     if args.what != "model":
         raise ValueError(f"quantzoo run {args.what}: unknown target")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # the arguments first: a mistake should not cost a model load
+    device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     opts = {"cuda_graph": not args.no_cuda_graph}
     if device == "cpu":
         opts["matmul_mode"] = args.matmul_mode

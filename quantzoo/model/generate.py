@@ -38,12 +38,20 @@ class Generation:
         return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
 
 
+def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> None:
+    """A clear error naming each sampling setting out of its range."""
+    bad = [f"{name}={v!r} {rule}" for name, v, ok, rule in (
+        ("temperature", temperature, temperature >= 0, "must be >= 0 (0 = greedy)"),
+        ("top_k", top_k, top_k >= 0, "must be >= 0 (0 = off)"),
+        ("top_p", top_p, 0 < top_p <= 1, "must be in (0, 1] (1 = off)")) if not ok]
+    if bad:
+        raise ValueError("sampling: " + "; ".join(bad))
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> int:
     """One token id from a (V,) logits vector."""
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"sampling: temperature={temperature} must be >= 0, top_k={top_k} >= 0, "
-                         f"top_p={top_p} in (0, 1]")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return int(torch.argmax(logits))
     lg = logits.float().cpu() / temperature

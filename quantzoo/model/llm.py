@@ -263,6 +263,17 @@ class Layer:
         return self.down(F.silu(g) * u)
 
 
+
+def check_device(device) -> str:
+    """The device name torch gives `device`, or a clear error (unknown name, no CUDA GPU)."""
+    try:
+        device = str(torch.device(device))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: not a torch device (cpu, cuda, cuda:N)") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: torch sees no CUDA GPU here")
+    return device
+
 class Model:
     """What load_model returns: config, tokenizer, logits(), generate()."""
 
@@ -272,9 +283,7 @@ class Model:
                  fused_ops: bool | None = None, pdl: bool = True):
         if matmul_mode not in MATMUL_MODES:
             raise ValueError(f"matmul_mode={matmul_mode!r}: choose one of {MATMUL_MODES}")
-        device = str(torch.device(device))
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: torch sees no CUDA GPU here")
+        device = check_device(device)
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
         self.config, self.tokenizer, self.device = config, tokenizer, device
