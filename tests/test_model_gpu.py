@@ -106,6 +106,7 @@ def test_real_default_model_gpu_equals_cpu(monkeypatch):
        paragraph is within 3 % of the CPU emulation's and 6 % of the float32 path's."""
     _need_cuda()
     from quantzoo import ops
+    from quantzoo.kernels import gguf as gguf_kernels
     from quantzoo.model import llm, load_model
     from quantzoo.model.default_model import default_model_path
 
@@ -130,13 +131,19 @@ def test_real_default_model_gpu_equals_cpu(monkeypatch):
         return y
 
     monkeypatch.setattr(llm.ops, "matmul", spy)
+    # every linear through ops.matmul with its fp16 input. Otherwise two fusions bypass it (and
+    # this spy): at M <= 8 GGUF linears take Q8_1 from the op before, and gate/up computes
+    # silu(gate) * up in its kernel; both are bit-identical to the unfused calls
+    # (test_layer_ops_gpu.py: test_model_q8_1_fusion / test_model_glu_fusion_is_bit_identical)
+    gpu.q8_1_fusion = False
+    monkeypatch.setattr(gguf_kernels, "GLU_MATMUL", False)
     gpu.logits(ids[:20])
     gpu.setup_cache(256)
     gpu.use_graph = False
     gpu.prefill(ids[:1])
     gpu.decode_step(ids[1], 1)
     monkeypatch.undo()
-    gpu.use_graph = True
+    gpu.q8_1_fusion, gpu.use_graph, gpu._graph = True, True, None
     # (prefill of 20, prefill of 1, decode step) x (30 layers x (qkv, o, gate_up, down) + lm_head)
     assert len(calls) == 3 * (30 * 4 + 1)
     for x, qt, y in calls:
