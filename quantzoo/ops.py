@@ -11,6 +11,8 @@ import importlib
 
 import numpy as np
 
+from .formats import QuantizedTensor
+
 MODES = ("emulate", "dequant")
 
 
@@ -36,8 +38,6 @@ def matmul(x, qt, *, mode: str = "emulate"):
     """y = x @ W.T; x (..., K) torch or numpy; same kind of array out (torch keeps x's dtype)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: choose one of {MODES}")
-    from .formats import QuantizedTensor
-
     if not isinstance(qt, QuantizedTensor):
         raise ValueError(f"qt: expected a QuantizedTensor (formats.get(name).quantize(w)), "
                          f"got {type(qt).__name__}")
@@ -49,8 +49,9 @@ def matmul(x, qt, *, mode: str = "emulate"):
     is_torch = hasattr(x, "detach")
     if not is_torch:
         x = np.asarray(x)
-    if not (x.is_floating_point() if is_torch else x.dtype.kind in "biuf"):
-        raise ValueError(f"x: dtype {x.dtype}; expected a floating-point array")
+    if not (x.is_floating_point() if is_torch else x.dtype.kind in "biuf"):   # torch: y takes x's dtype
+        raise ValueError(f"x: dtype {x.dtype}; expected a floating-point "
+                         f"{'tensor (the result takes its dtype)' if is_torch else 'array'}")
     qt.fmt.check(qt)
     n, k = qt.shape
     shape = tuple(x.shape)

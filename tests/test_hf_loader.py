@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import helpers_models as H
+import quantzoo as qz
 from quantzoo.cli import main as cli
 from quantzoo.formats import QuantizedTensor
 from quantzoo.model.hf_loader import load_hf, parse_quantization_config
@@ -168,6 +169,8 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be a positive number"),
     ({"rope_theta": "x"}, "rope_theta='x' must be a positive number"),
     ({"head_dim": 63}, "head_dim=63: RoPE needs an even head_dim"),
+    ({"vocab_size": None}, "missing key 'vocab_size'"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
 ])
 def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     d = tmp_path / "cfg"
@@ -177,7 +180,7 @@ def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError) as e:
         load_hf(d, progress=False)
-    assert needle in str(e.value)
+    assert needle in str(e.value) and str(e.value).count("config.json") == 1, str(e.value)
 
 
 def test_not_a_model_dir(tmp_path):
@@ -198,13 +201,11 @@ def _copy_and(src, dst, edit):
     (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json must hold a JSON object, not a list"),
     (lambda d: (d / "generation_config.json").write_text("null"), "must hold a JSON object, not a NoneType"),
     (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": "<|im_end|>"}'),
-     "eos_token_ids: '<|im_end|>' is not a token id"),
+     "generation_config.json: eos_token_id='<|im_end|>' is not a token id"),
     (lambda d: (d / "tokenizer.json").write_text('{"model": '), "tokenizer.json: not a tokenizer the"),
     (lambda d: (d / "tokenizer_config.json").write_text('{"chat_template": []}'),
      "chat_template is a list without {name, template} entries"),
     (lambda d: (d / "tokenizer_config.json").write_text('{"eos_token": 5}'), "eos_token=5 must be a token string"),
-    (lambda d: H.build_tokenizer(400).save(str(d / "tokenizer.json")),
-     "the tokenizer has 400 tokens, the embedding only 320 rows"),
 ])
 def test_bad_side_files_are_clear_errors(dirs, tmp_path, edit, needle):
     """config / generation config / tokenizer files of the wrong shape, and a tokenizer larger
@@ -213,6 +214,25 @@ def test_bad_side_files_are_clear_errors(dirs, tmp_path, edit, needle):
     with pytest.raises(ValueError) as e:
         load_hf(d, progress=False)
     assert needle in str(e.value), str(e.value)
+
+
+def test_tokenizer_larger_than_the_embedding_warns(dirs, tmp_path):
+    """Such HF checkpoints exist (an added <pad> past the embedding) and load, with a warning;
+    an id past the embedding fed to the model is then a clear error, not an index crash; and an
+    eos id past the vocabulary is ignored with a warning (as llama.cpp does)."""
+    def edit(d):
+        H.build_tokenizer(400).save(str(d / "tokenizer.json"))
+        (d / "generation_config.json").write_text('{"eos_token_id": [5000, 7]}')
+
+    d = _copy_and(dirs["fp32"], tmp_path / "m", edit)
+    with pytest.warns(UserWarning) as w:
+        m = qz.load_model(d, progress=False)
+    said = " | ".join(str(x.message) for x in w)
+    assert "the tokenizer has 400 tokens, the embedding only 320 rows" in said, said
+    assert "eos_token_id=5000 is not one of the 320 token ids: ignored" in said, said
+    assert 7 in m.config.eos_token_ids and 5000 not in m.config.eos_token_ids
+    with pytest.raises(ValueError, match=r"token id 399 is not a row of the 320-row embedding"):
+        m.logits([1, 399])
 
 
 def test_bias_tensors_are_refused(dirs, tmp_path):

@@ -278,8 +278,9 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
     ({"llama.context_length": None}, "'llama.context_length' is missing"),
     ({**TOK_KV, "tokenizer.ggml.tokens": list(range(160))}, "tokenizer.ggml.tokens must be an array of str"),
     ({**TOK_KV, "tokenizer.ggml.merges": ["t zzz"]}, "tokenizer.ggml.tokens / merges do not make a BPE"),
-    ({**TOK_KV, "tokenizer.ggml.bos_token_id": 100000},
-     "tokenizer.ggml.bos_token_id=100000 is not one of the 160 token ids"),
+    ({**TOK_KV, "tokenizer.ggml.bos_token_id": 100000, "tokenizer.ggml.add_bos_token": True},
+     "tokenizer.ggml.add_bos_token asks for a BOS token, but tokenizer.ggml.bos_token_id=100000 is none"),
+    ({"tokenizer.ggml.eos_token_id": "x"}, "tokenizer.ggml.eos_token_id='x' is not a token id"),
     ({**TOK_KV, "tokenizer.chat_template": 5}, "tokenizer.chat_template must be a string"),
 ])
 def test_bad_metadata_names_the_key(tmp_path, kv, needle):
@@ -289,14 +290,17 @@ def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     write_gguf(path, hf_model("llama"), "llama", kv=kv)
     with pytest.raises(ValueError) as e:
         qz.load_model(path, progress=False)
-    assert str(e.value).startswith(str(path)) and needle in str(e.value), str(e.value)
+    msg = str(e.value)
+    assert msg.startswith(str(path)) and msg.count(str(path)) == 1 and needle in msg, msg
 
 
 def test_good_tokenizer_metadata_loads(tmp_path):
-    """The control for the cases above: the same tokenizer keys, valid, load and encode."""
+    """The control for the cases above: the same tokenizer keys, valid, load and encode. A
+    special id past the vocabulary is ignored with a warning, as llama.cpp does."""
     path = tmp_path / "tok.gguf"
-    write_gguf(path, hf_model("llama"), "llama", kv=TOK_KV)
-    m = qz.load_model(path, progress=False)
+    write_gguf(path, hf_model("llama"), "llama", kv={**TOK_KV, "tokenizer.ggml.eot_token_id": 5000})
+    with pytest.warns(UserWarning, match="tokenizer.ggml.eot_token_id=5000 is not one of the 160 token ids: ignored"):
+        m = qz.load_model(path, progress=False)
     assert m.tokenizer.encode("t") == [158] and m.config.bos_token_id == 1 and m.config.eos_token_ids == [2]
 
 

@@ -150,7 +150,7 @@ def test_report_cpu_live_cli(tmp_path):
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "report.md").read_text()
-    assert "CPU only: no speed." in md
+    assert "CPU only: no kernel speed." in md
     assert "## Kernel speed" not in md
     check_format_table(md, with_speed=False)
     with open(tmp_path / "formats.csv") as f:

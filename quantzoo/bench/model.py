@@ -372,15 +372,36 @@ def run(args) -> int:
 
     from .. import formats as registry
 
+    from ..model.llm import check_device
+
     fmts = [f for f in args.formats.split(",") if f]
+    if not fmts:
+        raise ValueError("--formats: no format named")
     for f in fmts:
         registry.get(f)   # KeyError listing the known names
-    device = args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA GPU here (use --tiny --device cpu for a smoke test)")
+    # the arguments first: a mistake should fail here, not once per format after minutes of setup
+    try:
+        lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    except ValueError:
+        raise ValueError(f"--prompt-lens {args.prompt_lens!r}: comma-separated token counts") from None
+    cfg = make_config(args.layers, args.tiny)
+    if any(not 1 <= n <= cfg.max_position for n in lens):
+        raise ValueError(f"--prompt-lens {args.prompt_lens}: each in 1..{cfg.max_position} (the model's positions)")
+    for name in ("decode_tokens", "eager_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    from ..formats.awq import check_shape
+
+    check_shape(8, 128, args.awq_group_size, "--awq-group-size")
+    try:
+        device = check_device(args.device)
+    except ValueError as e:
+        raise ValueError(f"--device: {e} (use --tiny --device cpu for a smoke test)") from None
+    if not device.startswith("cuda") and not args.tiny:
+        raise ValueError(f"--device {args.device}: the Qwen3-8B-shaped model is for a CUDA GPU "
+                         "(its fp16 weights alone are 16 GB); add --tiny for a smoke test on the CPU")
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    cfg = make_config(args.layers, args.tiny)
     info, bw = {}, None
     if device.startswith("cuda"):
         from .timing import copy_bandwidth, machine_info
@@ -403,7 +424,6 @@ def run(args) -> int:
             torch.cuda.empty_cache()
     out = {"config": cfg.__dict__, "device": device, "machine": info, "copy_bandwidth_bytes_s": bw,
            "llama_cpp_h100": LLAMA_CPP, "results": results}
-    lens = [int(x) for x in args.prompt_lens.split(",") if x]
     ok = [r["format"] for r in results if "error" not in r]
     if lens and len(ok) > 1:
         print("== prefill, every format side by side ...", file=sys.stderr, flush=True)
@@ -415,6 +435,9 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1, default=str)
+    if not ok:
+        print("bench model: every format failed (tracebacks above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,8 +1,8 @@
 """`quantzoo report`: the comparison of every registry format (error, size, speed, accuracy).
 
 Speed comes from a `quantzoo bench kernels` JSON (--bench); without one, on a CUDA machine the
-quick bench is run first, and on a CPU-only machine the report has no speed section (and says
-so): error, size and the accuracy section are CPU work.
+quick bench is run first, and on a CPU-only machine the report has no kernel speed section (and
+says so): error, size, accuracy and a given --model-bench need no GPU.
 """
 from __future__ import annotations
 

@@ -45,7 +45,6 @@ def run(args) -> int:
     import torch
 
     from ..model import load_model
-
     from ..model.generate import check_sampling
     from ..model.llm import check_device
 
@@ -53,9 +52,13 @@ def run(args) -> int:
         raise ValueError(f"quantzoo run {args.what}: unknown target")
     # the arguments first: a mistake should not cost a model load
     device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    check_sampling(args.temperature, args.top_k, args.top_p)
+    check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system: a system message goes into the chat template; add --chat")
+    if any(not s for s in args.stop or []):
+        raise ValueError("--stop: an empty stop string would stop at once")
     opts = {"cuda_graph": not args.no_cuda_graph}
     if device == "cpu":
         opts["matmul_mode"] = args.matmul_mode

@@ -3,9 +3,24 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
 
 ARCHS = ("qwen3", "llama")
+
+
+def special_token_id(v, n: int, what: str) -> int | None:
+    """A file's special-token id (bos, eos, ...) if it indexes the n-token vocabulary; an id past
+    it is ignored with a warning, as llama.cpp does (a stop id that can never be sampled is
+    harmless); a value that is no integer at all is an error. what: file and key, for messages."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"{what}={v!r} is not a token id")
+    if not 0 <= v < n:
+        warnings.warn(f"{what}={v!r} is not one of the {n} token ids: ignored", stacklevel=2)
+        return None
+    return int(v)
 
 
 @dataclass
@@ -41,8 +56,9 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim}: RoPE needs an even head_dim")
         for name in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name}={v!r}: must be a positive finite number")
+            setattr(self, name, float(v))
         self.check_token_ids()
 
     def check_token_ids(self) -> None:
@@ -56,16 +72,22 @@ class ModelConfig:
             self.bos_token_id = token_id("bos_token_id", self.bos_token_id)
         self.eos_token_ids = [token_id("eos_token_ids", i) for i in (self.eos_token_ids or [])]
 
-    def check_tokenizer(self, tok, where: str) -> None:
-        """A loader's last check: the tokenizer's ids fit the embedding, and so do the special ids
-        it set (where: the file or directory, for the message)."""
+    def check_tokenizer(self, tok, where: str, strict: bool) -> None:
+        """A loader's last check, after it took special ids from the tokenizer: ids past the
+        embedding are dropped with a warning (special_token_id; where: the file or directory,
+        for the message). A tokenizer larger than the embedding
+        is an error with strict (GGUF: llama.cpp sizes the embedding by the token list), else a
+        warning: HF checkpoints with an added token past the embedding exist (an added <pad>) and
+        work as long as that token is not fed (Model.forward refuses it then)."""
         if tok is not None and tok.vocab_size > self.vocab_size:
-            raise ValueError(f"{where}: the tokenizer has {tok.vocab_size} tokens, the embedding only "
-                             f"{self.vocab_size} rows")
-        try:
-            self.check_token_ids()
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            msg = (f"{where}: the tokenizer has {tok.vocab_size} tokens, the embedding only "
+                   f"{self.vocab_size} rows")
+            if strict:
+                raise ValueError(msg)
+            warnings.warn(msg + "; prompts holding the extra tokens will be refused", stacklevel=2)
+        self.eos_token_ids = [i for i in self.eos_token_ids
+                              if special_token_id(i, self.vocab_size, f"{where}: eos token id") is not None]
+        self.bos_token_id = special_token_id(self.bos_token_id, self.vocab_size, f"{where}: bos token id")
 
     @property
     def q_size(self) -> int:

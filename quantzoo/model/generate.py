@@ -12,6 +12,8 @@ string, are held back until they resolve.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -38,14 +40,47 @@ class Generation:
         return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
 
 
-def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> None:
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=None) -> None:
     """A clear error naming each sampling setting out of its range."""
     bad = [f"{name}={v!r} {rule}" for name, v, ok, rule in (
-        ("temperature", temperature, temperature >= 0, "must be >= 0 (0 = greedy)"),
-        ("top_k", top_k, top_k >= 0, "must be >= 0 (0 = off)"),
-        ("top_p", top_p, 0 < top_p <= 1, "must be in (0, 1] (1 = off)")) if not ok]
+        ("temperature", temperature, _real(temperature) and temperature >= 0,
+         "must be a finite number >= 0 (0 = greedy)"),
+        ("top_k", top_k, _int(top_k) and top_k >= 0, "must be an integer >= 0 (0 = off)"),
+        ("top_p", top_p, _real(top_p) and 0 < top_p <= 1, "must be in (0, 1] (1 = off)"),
+        ("seed", seed, seed is None or _int(seed) and 0 <= seed < 2**63, "must be an integer in [0, 2^63)"))
+        if not ok]
     if bad:
         raise ValueError("sampling: " + "; ".join(bad))
+
+
+def token_ids(ids, vocab_size: int, what: str = "ids") -> list[int]:
+    """ids (a sequence of ints, a 1-D integer tensor or array) as a non-empty list of ints, each a
+    row of the vocab_size-row embedding; else one clear error."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise ValueError(f"{what}: expected a sequence of token ids, got {type(ids).__name__} "
+                         "(encode text with model.tokenizer.encode first)")
+    if hasattr(ids, "tolist"):   # a tensor or array: its elements, as Python numbers
+        if getattr(ids, "ndim", 1) != 1:
+            raise ValueError(f"{what}: expected a 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    out = []
+    for i in ids:
+        if not _int(i):
+            raise ValueError(f"{what}: {i!r} is not a token id (an integer)")
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"{what}: token id {i} is not a row of the {vocab_size}-row embedding")
+        out.append(int(i))
+    if not out:
+        raise ValueError(f"{what}: empty (at least one token is needed)")
+    return out
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -54,7 +89,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return int(torch.argmax(logits))
-    lg = logits.float().cpu() / temperature
+    lg = logits.float().cpu()
+    lg = (lg - lg.max()) / temperature   # <= 0 and the top at 0: no overflow at any temperature
     if top_k and top_k < lg.numel():
         kth = torch.topk(lg, top_k).values[-1]
         lg = lg.masked_fill(lg < kth, float("-inf"))
@@ -75,16 +111,22 @@ def _sync(model):
 def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop=None, stream=None,
              eos_token_ids=None) -> Generation:
-    ids = [int(i) for i in ids]
-    if not ids:
-        raise ValueError("ids: the prompt is empty (generation needs at least one token)")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    ids = token_ids(ids, model.config.vocab_size)
+    if not _int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    check_sampling(temperature, top_k, top_p, seed)
     tok = model.tokenizer
     if eos_token_ids is None:
         eos_token_ids = list(tok.eos_token_ids) if tok is not None else list(model.config.eos_token_ids)
-    eos = set(int(i) for i in eos_token_ids)
+    elif _int(eos_token_ids):
+        eos_token_ids = [eos_token_ids]
+    # any integer may be a stop id (one past the vocabulary never comes)
+    eos = set(token_ids(eos_token_ids, 2**63, "eos_token_ids")) if len(eos_token_ids) else set()
     stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop: {stop!r}; stop strings must be non-empty str")
+    if stream is not None and not callable(stream):
+        raise ValueError(f"stream: {type(stream).__name__} is not callable (it is given each new piece of text)")
     if (stops or stream) and tok is None:
         raise ValueError("stop strings and streaming need a tokenizer; this model has none")
     gen = torch.Generator().manual_seed(seed) if seed is not None else None

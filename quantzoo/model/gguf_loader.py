@@ -19,6 +19,7 @@ Facts this rests on (DESIGN.md §5):
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 
 from .. import formats
 from ..formats import QuantizedTensor
-from .config import ModelConfig
+from .config import ModelConfig, special_token_id
 from .tokenizer import Tokenizer
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -168,11 +169,13 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
             return default
         v = meta[k]
         if isinstance(v, list):   # a per-layer array: the runner takes one value for all layers
-            if not v or any(x != v[0] for x in v):
+            if not v:
+                raise ValueError(f"{path}: metadata key {k!r} is an empty array")
+            if any(x != v[0] for x in v):
                 raise ValueError(f"{path}: metadata key {k!r} varies per layer ({v[:8]!r}...); "
                                  "the runner takes one value for every layer")
             v = v[0]
-        ok = not isinstance(v, bool) and isinstance(v, int if kind is int else (int, float))
+        ok = not isinstance(v, bool) and isinstance(v, numbers.Integral if kind is int else numbers.Real)
         if not ok or not v > 0 or not math.isfinite(v):
             raise ValueError(f"{path}: metadata key {k!r}={v!r} must be a positive "
                              f"{'integer' if kind is int else 'number'}")
@@ -189,22 +192,20 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
     if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] not in ("none",):
         raise ValueError(f"{path}: {arch}.rope.scaling.type={meta[f'{arch}.rope.scaling.type']!r} "
                          "is not supported yet")
-    for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-        v = meta.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab_size):
-            raise ValueError(f"{path}: {k}={v!r} is not one of the {vocab_size} token ids")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    dims = dict(intermediate_size=key("feed_forward_length"), num_layers=key("block_count"),
+                num_kv_heads=key("attention.head_count_kv", heads),
+                rms_norm_eps=key("attention.layer_norm_rms_epsilon", kind=float),
+                rope_theta=key("rope.freq_base", 10000.0, kind=float), max_position=key("context_length"))
+    # with tokenizer metadata the Tokenizer reads (and reports on) the special ids
+    bos = eos = None
+    if "tokenizer.ggml.model" not in meta:
+        bos, eos = (special_token_id(meta.get(f"tokenizer.ggml.{k}_token_id"), vocab_size,
+                                     f"{path}: tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
     try:
-        return ModelConfig(
-            arch=arch, vocab_size=vocab_size, hidden_size=hidden,
-            intermediate_size=key("feed_forward_length"), num_layers=key("block_count"),
-            num_heads=heads, num_kv_heads=key("attention.head_count_kv", heads),
-            head_dim=head_dim, rms_norm_eps=key("attention.layer_norm_rms_epsilon", kind=float),
-            rope_theta=key("rope.freq_base", 10000.0, kind=float),
-            max_position=key("context_length"), tie_word_embeddings=tied,
-            qk_norm=(arch == "qwen3"), bos_token_id=bos, eos_token_ids=[] if eos is None else [eos])
-    except ValueError as e:   # e.g. a head count that does not divide, an eos id past the vocab
+        return ModelConfig(arch=arch, vocab_size=vocab_size, hidden_size=hidden, num_heads=heads,
+                           head_dim=head_dim, tie_word_embeddings=tied, qk_norm=(arch == "qwen3"),
+                           bos_token_id=bos, eos_token_ids=[] if eos is None else [eos], **dims)
+    except ValueError as e:   # e.g. a head count that does not divide
         raise ValueError(f"{path}: {e}") from None
 
 
@@ -245,7 +246,7 @@ def load_gguf(path, progress: bool = True):
     if "tokenizer.ggml.model" in meta:
         tok = Tokenizer.from_gguf_fields({k: v for k, v in meta.items() if k.startswith("tokenizer.")}, path)
         cfg.bos_token_id, cfg.eos_token_ids = tok.bos_token_id, list(tok.eos_token_ids)
-        cfg.check_tokenizer(tok, path)
+        cfg.check_tokenizer(tok, path, strict=True)
 
     # validate names, shapes and types against the config before using any tensor
     want = cfg.expected_shapes()

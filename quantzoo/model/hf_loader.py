@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +115,7 @@ def _rope_theta(cfg: dict, where: str) -> float:
 
 def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json"):
     """config.json dict -> (ModelConfig, quantization dict | None)."""
-    from .config import ModelConfig
+    from .config import ModelConfig, special_token_id
 
     archs = cfg.get("architectures") or []
     arch = next((ARCHS[a] for a in archs if a in ARCHS), None)
@@ -134,7 +135,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
             if default is KeyError:
                 raise ValueError(f"{where}: missing key {key!r}")
             return default
-        ok = not isinstance(v, bool) and isinstance(v, int if kind is int else (int, float))
+        ok = not isinstance(v, bool) and isinstance(v, numbers.Integral if kind is int else numbers.Real)
         if not ok or not v > 0 or not math.isfinite(v):
             raise ValueError(f"{where}: {key}={v!r} must be a positive {'integer' if kind is int else 'number'}")
         return kind(v)
@@ -144,20 +145,22 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if heads % kv:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv}")
+    dims = dict(vocab_size=need("vocab_size"), intermediate_size=need("intermediate_size"),
+                num_layers=need("num_hidden_layers"), head_dim=need("head_dim", hidden // heads),
+                rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=_rope_theta(cfg, where),
+                max_position=need("max_position_embeddings", 4096))
     gen = generation_config or {}
+    eos_src = "generation_config.json" if "eos_token_id" in gen else where
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    eos_ids = [i for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])
+               if special_token_id(i, dims["vocab_size"], f"{eos_src}: eos_token_id") is not None]
+    bos = special_token_id(cfg.get("bos_token_id", gen.get("bos_token_id")), dims["vocab_size"],
+                           f"{where}: bos_token_id")
     try:
-        config = ModelConfig(
-            arch=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
-            intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
-            num_heads=heads, num_kv_heads=kv, head_dim=need("head_dim", hidden // heads),
-            rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=_rope_theta(cfg, where),
-            max_position=need("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=(arch == "qwen3"), bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
-            eos_token_ids=eos_ids)
-    except ValueError as e:   # e.g. an odd head_dim, an eos id past the vocabulary
+        config = ModelConfig(arch=arch, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
+                             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                             qk_norm=(arch == "qwen3"), bos_token_id=bos, eos_token_ids=eos_ids, **dims)
+    except ValueError as e:   # e.g. an odd head_dim
         raise ValueError(f"{where}: {e}") from None
     quant = parse_quantization_config(cfg.get("quantization_config"), where)
     return config, quant
@@ -325,7 +328,7 @@ def load_hf(path, progress: bool = True):
         config.eos_token_ids = list(tok.eos_token_ids)
         if config.bos_token_id is None:
             config.bos_token_id = tok.bos_token_id
-    config.check_tokenizer(tok, str(path))
+    config.check_tokenizer(tok, str(path), strict=False)
     return config, weights, tok, gen
 
 

@@ -38,6 +38,7 @@ from ..cuda_launch import programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
 from .config import ModelConfig
+from .generate import token_ids
 
 MATMUL_MODES = ("cached", "dequant", "emulate")
 
@@ -263,7 +264,6 @@ class Layer:
         return self.down(F.silu(g) * u)
 
 
-
 def check_device(device) -> str:
     """The device name torch gives `device`, or a clear error (unknown name, no CUDA GPU)."""
     try:
@@ -273,6 +273,7 @@ def check_device(device) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: torch sees no CUDA GPU here")
     return device
+
 
 class Model:
     """What load_model returns: config, tokenizer, logits(), generate()."""
@@ -288,7 +289,13 @@ class Model:
             device = f"cuda:{torch.cuda.current_device()}"
         self.config, self.tokenizer, self.device = config, tokenizer, device
         self.is_cuda = device.startswith("cuda")
-        self.dtype = dtype or (torch.float16 if self.is_cuda else torch.float32)
+        native = torch.float16 if self.is_cuda else torch.float32
+        if dtype is not None and dtype != native:
+            raise ValueError(f"dtype={dtype!r}: the runner computes in {native} on {device} "
+                             "(float32 on CPU, float16 on CUDA: the kernels' precision)")
+        if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq <= 0):
+            raise ValueError(f"max_seq={max_seq!r}: a positive number of positions, or None for the config's")
+        self.dtype = native
         self.matmul_mode = matmul_mode
         self.use_graph = cuda_graph and self.is_cuda
         # Our kernels in the decode graph start while their predecessor finishes (programmatic
@@ -525,20 +532,30 @@ class Model:
     @torch.inference_mode()
     def prefill(self, ids, start: int = 0) -> torch.Tensor:
         """Run tokens at positions start.. through the model (one batched pass); last logits."""
-        ids = torch.as_tensor(list(ids), dtype=torch.int64, device=self.device)
-        if self.k_cache is None:
-            self.setup_cache(min(self.max_seq, -(-(start + len(ids)) // 256) * 256))
-        if start + len(ids) > self.k_cache.shape[3]:
-            raise ValueError(f"{start + len(ids)} positions do not fit the KV cache "
-                             f"({self.k_cache.shape[3]}); pass a larger max_seq")
+        ids = token_ids(ids, self.config.vocab_size)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start={start!r}: a position >= 0")
+        end = start + len(ids)
+        if end > self.max_seq:
+            raise ValueError(f"{end} positions exceed the model's max_seq {self.max_seq}")
+        if self.k_cache is None or (start == 0 and end > self.k_cache.shape[3]):   # (re)size it
+            self.setup_cache(min(self.max_seq, -(-end // 256) * 256))
+        if end > self.k_cache.shape[3]:
+            raise ValueError(f"{end} positions do not fit the KV cache ({self.k_cache.shape[3]}) that "
+                             "holds this sequence; prefill from start=0 with a longer prompt")
+        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)
         return self._forward(ids, pos, all_logits=False, from_start=start == 0)[-1]
 
     @torch.inference_mode()
     def decode_step(self, token: int | torch.Tensor, pos: int) -> torch.Tensor:
         """One token at position pos -> its next-token logits (V,). Replays a CUDA graph on GPU."""
-        if pos >= self.k_cache.shape[3]:
-            raise ValueError(f"position {pos} is past the KV cache ({self.k_cache.shape[3]})")
+        if self.k_cache is None:
+            raise ValueError("decode_step: no KV cache yet; run prefill first")
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.k_cache.shape[3]:
+            raise ValueError(f"position {pos!r} is not in the KV cache (0..{self.k_cache.shape[3] - 1})")
+        if not torch.is_tensor(token):   # (a device tensor, e.g. an argmax, is taken as it is)
+            token = token_ids([token], self.config.vocab_size, "token")[0]
         if not self.use_graph:
             ids = (token.reshape(1).to(self.device) if torch.is_tensor(token) else
                    torch.as_tensor([int(token)], dtype=torch.int64, device=self.device))
@@ -586,9 +603,9 @@ class Model:
     @torch.inference_mode()
     def logits(self, ids) -> torch.Tensor:
         """Teacher-forced next-token logits for every position: (len(ids), vocab) float32 CPU."""
-        ids = list(ids)
-        if not ids:
-            raise ValueError("ids: empty")
+        ids = token_ids(ids, self.config.vocab_size)
+        if len(ids) > self.max_seq:
+            raise ValueError(f"{len(ids)} ids exceed the model's max_seq {self.max_seq}")
         if self.k_cache is None or self.k_cache.shape[3] < len(ids):
             self.setup_cache(max(len(ids), self.k_cache.shape[3] if self.k_cache is not None else 0))
         t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)

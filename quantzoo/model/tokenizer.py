@@ -16,6 +16,8 @@ import os
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from .config import special_token_id
+
 # The split regexes llama.cpp uses per `tokenizer.ggml.pre` value (same patterns as the
 # models' own tokenizer.json files; written with inline case-folding for the contractions).
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
@@ -74,21 +76,37 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a str, got {type(text).__name__}")
+        try:
+            ids = self.tok.encode(text, add_special_tokens=False).ids
+        except TypeError as e:   # e.g. a lone surrogate, which no UTF-8 text holds
+            raise ValueError(f"text: cannot be encoded ({e})") from None
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
 
+    # Ids are integers in tokenizers' u32 range; one past the vocabulary (a model's embedding may
+    # have padding rows past the tokenizer's) decodes to nothing, as in `tokenizers` itself.
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        from .generate import token_ids
+
+        ids = token_ids(ids, 2**32) if len(ids) else []
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
-        return self.tok.id_to_token(int(i))
+        from .generate import token_ids
+
+        return self.tok.id_to_token(token_ids([i], 2**32, "id")[0])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template (tokenizer.chat_template / "
                              "tokenizer_config.json chat_template): prompt it without --chat")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError("messages: expected a list of {'role': str, 'content': str} dicts")
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -197,12 +215,16 @@ class Tokenizer:
             # ids come from the vocab (the tokens are already in it): order does not matter
             tok.add_tokens([a for a in added if not a.special])
             tok.add_special_tokens([a for a in added if a.special])
-        def token_id(key):
-            v = meta.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens)):
-                raise ValueError(f"{path}: {key}={v!r} is not one of the {len(tokens)} token ids")
-            return v
 
+        def token_id(key):   # out of range: ignored with a warning, as llama.cpp does
+            return special_token_id(meta.get(key), len(tokens), f"{path}: {key}")
+
+        # llama.cpp: add_bos from the file; when absent, true for the llama3 family only
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", ignore_merges)
+        raw_bos = meta.get("tokenizer.ggml.bos_token_id")
+        if add_bos and isinstance(raw_bos, int) and not 0 <= raw_bos < len(tokens):
+            raise ValueError(f"{path}: tokenizer.ggml.add_bos_token asks for a BOS token, but "
+                             f"tokenizer.ggml.bos_token_id={raw_bos!r} is none of the {len(tokens)} token ids")
         bos = token_id("tokenizer.ggml.bos_token_id")
         eos = token_id("tokenizer.ggml.eos_token_id")
         eos_ids = [] if eos is None else [eos]
@@ -214,8 +236,6 @@ class Tokenizer:
             i = vocab.get(name)
             if i is not None and types[i] == CONTROL and i not in eos_ids:
                 eos_ids.append(i)
-        # llama.cpp: add_bos from the file; when absent, true for the llama3 family only
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", ignore_merges)
         tmpl = meta.get("tokenizer.chat_template")
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"{path}: tokenizer.chat_template must be a string, got {type(tmpl).__name__}")

@@ -207,9 +207,9 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
              f"(commit `{rep['git_commit'] or 'unknown'}`)" +
              (f" with `{rep['command']}`" if rep.get("command") else "") + ".\n")
     if bench is None:
-        L.append("**CPU only: no speed.** No kernel bench was given and no CUDA GPU is present, so "
-                 "speed, roofline and model throughput are left out; error, size and accuracy (CPU "
-                 "work) are here. Run `quantzoo bench kernels` on a CUDA GPU and pass "
+        L.append("**CPU only: no kernel speed.** No kernel bench was given and no CUDA GPU is "
+                 "present, so the kernel speed and roofline tables are left out (error, size and "
+                 "accuracy are CPU work). Run `quantzoo bench kernels` on a CUDA GPU and pass "
                  "`--bench bench-kernels.json` to fill them in.\n")
     else:
         m = bench["machine"]
@@ -415,7 +415,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
     L.append("On a CUDA machine: `quantzoo bench kernels --out DIR` (writes DIR/bench-kernels.json and "
              ".csv); then, anywhere: `quantzoo report --bench DIR/bench-kernels.json --out REPORT` "
              "(REPORT a folder, or a .md path whose PNGs and CSVs go to the folder of the same "
-             "name). Without `--bench` on a CPU-only machine the report has no speed section; "
+             "name). Without `--bench` on a CPU-only machine the report has no kernel speed section; "
              "on a GPU it runs the quick bench first.\n")
     return "\n".join(L).rstrip() + "\n"
 

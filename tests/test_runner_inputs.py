@@ -1,0 +1,110 @@
+"""The runner's API on bad input (CPU): token ids, positions, sampling and generation settings,
+model options, tokenizer arguments -- one clear ValueError naming what is wrong, never an index
+crash deep in torch, a wrapped-around id or a NaN sample."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import helpers_models as H
+from quantzoo.bench.model import make_config, synthetic_model
+from quantzoo.model.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return synthetic_model("q4_0", make_config(1, tiny=True), "cpu")   # vocab 1024, no tokenizer
+
+
+@pytest.mark.parametrize("ids,needle", [
+    ([1024], "token id 1024 is not a row of the 1024-row embedding"),
+    ([3, -1], "token id -1 is not a row"),           # would wrap around to the last row
+    ([1.9], "1.9 is not a token id"),                 # would be truncated to 1
+    ([True], "True is not a token id"),
+    ("123", r"got str \(encode text with model.tokenizer.encode first\)"),
+    ([[5]], r"\[5\] is not a token id"),
+    (np.ones((1, 3), np.int64), r"expected a 1-D sequence of token ids, got shape \(1, 3\)"),
+    ([], "empty"),
+])
+def test_bad_token_ids(model, ids, needle):
+    for call in (model.logits, model.prefill, model.generate):
+        with pytest.raises(ValueError, match=needle):
+            call(ids)
+
+
+def test_good_token_ids_of_every_kind_agree(model):
+    want = model.logits([1, 2, 3])
+    for ids in ((1, 2, 3), np.array([1, 2, 3]), torch.tensor([1, 2, 3]), [np.int64(1), 2, 3]):
+        assert torch.equal(model.logits(ids), want)
+
+
+def test_positions_and_cache(model):
+    fresh = synthetic_model("q4_0", make_config(1, tiny=True), "cpu")
+    with pytest.raises(ValueError, match="no KV cache yet; run prefill first"):
+        fresh.decode_step(5, 0)
+    model.prefill([1] * 10)
+    big = model.prefill([1] * 300)          # a longer prompt from 0 grows the cache (was an error)
+    assert big.shape == (1024,) and model.k_cache.shape[3] >= 300
+    for pos in (-1, 10**6, 1.5):
+        with pytest.raises(ValueError, match="is not in the KV cache"):
+            model.decode_step(5, pos)
+    with pytest.raises(ValueError, match="token id 5000 is not a row"):
+        model.decode_step(5000, 3)
+    with pytest.raises(ValueError, match="start=-3"):
+        model.prefill([1], start=-3)
+    with pytest.raises(ValueError, match="exceed the model's max_seq 4096"):
+        model.logits([1] * 4097)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(temperature="1"), "temperature='1' must be a finite number"),
+    (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
+    (dict(top_k=2.5), "top_k=2.5 must be an integer"),
+    (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(seed=2**70, temperature=1.0), "seed=1180591620717411303424 must be an integer"),
+    (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
+    (dict(eos_token_ids=["x"]), "eos_token_ids: 'x' is not a token id"),
+])
+def test_bad_generation_settings(model, kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        model.generate([1, 2], **kw)
+
+
+def test_tiny_temperature_samples_the_top_token(model):
+    """1e-45 used to overflow logits / T to inf and give NaN probabilities: the top token now."""
+    greedy = model.generate([1, 2], max_new_tokens=4)
+    assert model.generate([1, 2], max_new_tokens=4, temperature=1e-45, seed=0) == greedy
+
+
+def test_model_options():
+    cfg = make_config(1, tiny=True)
+    with pytest.raises(ValueError, match="dtype=torch.float16: the runner computes in torch.float32 on cpu"):
+        synthetic_model("q4_0", cfg, "cpu", dtype=torch.float16)
+    for bad in (-5, 2.5, "16"):
+        with pytest.raises(ValueError, match="max_seq="):
+            synthetic_model("q4_0", cfg, "cpu", max_seq=bad)
+    from quantzoo.model import build_model
+
+    with pytest.raises(ValueError, match="device='gpu': not a torch device"):
+        build_model(cfg, {}, None, device="gpu")   # the device is checked before the weights
+
+
+def test_tokenizer_arguments():
+    tok = Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(), {"chat_template": H.CHATML})
+    for text in (None, 5, b"hi"):
+        with pytest.raises(ValueError, match="text: expected a str"):
+            tok.encode(text)
+    with pytest.raises(ValueError, match="text: cannot be encoded"):
+        tok.encode("\ud800")
+    for ids, needle in (([-1], "token id -1 is not a row"), ([2**40], "token id 1099511627776"),
+                        ([1.5], "1.5 is not a token id")):
+        with pytest.raises(ValueError, match=needle):
+            tok.decode(ids)
+    assert tok.decode([]) == "" and tok.decode(tok.encode("the moon")) == "the moon"
+    assert tok.decode([300]) == ""   # an embedding's padding row past the tokenizer: nothing
+    for messages in (None, [{"role": "user", "content": None}], [{"content": "hi"}]):
+        with pytest.raises(ValueError, match="messages: expected a list of"):
+            tok.apply_chat_template(messages)
