@@ -371,7 +371,6 @@ def run(args) -> int:
     import torch
 
     from .. import formats as registry
-
     from ..model.llm import check_device
 
     fmts = [f for f in args.formats.split(",") if f]
