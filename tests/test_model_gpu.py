@@ -194,3 +194,17 @@ def test_bench_model_tiny_gpu(tmp_path):
     for r in res:
         assert "error" not in r, r
         assert r["decode_tok_s_graph"] > 0 and r["prefill_tok_s_256"] > 0
+
+
+def test_seeded_sampling_repeats_on_gpu():
+    """A seed gives the same tokens every time on the GPU, top-p included. A nearly flat
+    distribution over a 151,936-token vocabulary (a random-weight model) made a GPU cumsum's
+    varying order of additions move draws before the sums moved to the CPU (generate.sample)."""
+    _need_cuda()
+    from quantzoo.bench.model import make_config, synthetic_model
+
+    m = synthetic_model("q4_0", make_config(1, tiny=False), "cuda")
+    ids = list(range(1, 17))
+    for kw in (dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(temperature=0.9, top_k=50)):
+        runs = [m.generate(ids, max_new_tokens=24, eos_token_ids=[], seed=3, **kw) for _ in range(6)]
+        assert all(r == runs[0] for r in runs), kw
