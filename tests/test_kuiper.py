@@ -147,8 +147,8 @@ def test_header_dims_must_fit_awq_and_the_tokenizer(files, tmp_path):
     hdr = struct.pack("<Ii7iBii", MAGIC, 5, 96, 256, 1, 3, 1, 64, 128, 0, 32, 128)
     p = tmp_path / "dims.bin"
     p.write_bytes(hdr + bytes(HEADER_BYTES - len(hdr)))
-    with pytest.raises(ValueError, match=r"dims\.bin: header: model\.layers\.0\.self_attn\.q_proj\.weight "
-                                         r"\(out=96, in=96\) does not fit AWQ group_size=128"):
+    with pytest.raises(ValueError, match=r"dims\.bin: header: model\.layers\.0\.self_attn\.q_proj\.weight: "
+                                         r"in_features K=96 is not a multiple of group_size=128"):
         load_kuiper(p)
     d = tmp_path / "tok"
     d.mkdir()

@@ -18,8 +18,6 @@ Facts this rests on (DESIGN.md §5):
 """
 from __future__ import annotations
 
-import math
-import numbers
 import os
 
 import numpy as np
@@ -27,7 +25,7 @@ import torch
 
 from .. import formats
 from ..formats import QuantizedTensor
-from .config import ModelConfig, special_token_id
+from .config import ModelConfig, positive, special_token_id
 from .tokenizer import Tokenizer
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -175,11 +173,7 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
                 raise ValueError(f"{path}: metadata key {k!r} varies per layer ({v[:8]!r}...); "
                                  "the runner takes one value for every layer")
             v = v[0]
-        ok = not isinstance(v, bool) and isinstance(v, numbers.Integral if kind is int else numbers.Real)
-        if not ok or not v > 0 or not math.isfinite(v):
-            raise ValueError(f"{path}: metadata key {k!r}={v!r} must be a positive "
-                             f"{'integer' if kind is int else 'number'}")
-        return kind(v)
+        return positive(v, kind, f"{path}: metadata key {k!r}")
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
     head_dim = key("attention.key_length", hidden // heads)

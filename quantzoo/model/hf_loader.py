@@ -21,8 +21,6 @@ torch tensors in the dtype the file stores (fp16/bf16/fp32), the model casts the
 from __future__ import annotations
 
 import json
-import math
-import numbers
 from pathlib import Path
 
 import numpy as np
@@ -105,17 +103,15 @@ def _rope_theta(cfg: dict, where: str) -> float:
             if rtype not in (None, "default"):
                 raise ValueError(f"{where}: {key}.rope_type={rtype!r} is not supported "
                                  "(only plain RoPE, rope_type 'default')")
+    from .config import positive
+
     theta = cfg.get("rope_theta", rp.get("rope_theta") if isinstance(rp, dict) else None)
-    if theta is None:
-        return 10000.0
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ValueError(f"{where}: rope_theta={theta!r} must be a positive number")
-    return float(theta)
+    return 10000.0 if theta is None else positive(theta, float, f"{where}: rope_theta")
 
 
 def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json"):
     """config.json dict -> (ModelConfig, quantization dict | None)."""
-    from .config import ModelConfig, special_token_id
+    from .config import ModelConfig, positive, special_token_id
 
     archs = cfg.get("architectures") or []
     arch = next((ARCHS[a] for a in archs if a in ARCHS), None)
@@ -135,10 +131,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
             if default is KeyError:
                 raise ValueError(f"{where}: missing key {key!r}")
             return default
-        ok = not isinstance(v, bool) and isinstance(v, numbers.Integral if kind is int else numbers.Real)
-        if not ok or not v > 0 or not math.isfinite(v):
-            raise ValueError(f"{where}: {key}={v!r} must be a positive {'integer' if kind is int else 'number'}")
-        return kind(v)
+        return positive(v, kind, f"{where}: {key}")
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     kv = need("num_key_value_heads", heads)

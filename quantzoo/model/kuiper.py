@@ -93,7 +93,7 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
                 eos_token_ids=None):
     """.bin -> (ModelConfig, weights, Tokenizer | None); arrays are copy-on-write memory maps."""
     from quantzoo.formats import get
-    from quantzoo.formats.awq import GROUP_SIZES
+    from quantzoo.formats.awq import GROUP_SIZES, check_shape
 
     from .config import ModelConfig
     from .export import linear_modules
@@ -111,11 +111,9 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
             rope_theta=rope_theta, max_position=hd["max_seq_len"],
             tie_word_embeddings=hd["shared_classifier"], qk_norm=True, bos_token_id=None,
             eos_token_ids=list(eos_token_ids or []))
-        shapes, g = config.expected_shapes(), hd["group_size"]
-        for name, (n, k) in ((m + ".weight", shapes[m + ".weight"]) for m in linear_modules(config)):
-            if n % 8 or k % g:
-                raise ValueError(f"{name} (out={n}, in={k}) does not fit AWQ group_size={g} "
-                                 "(in % group_size and out % 8 must be 0)")
+        shapes = config.expected_shapes()
+        for m in linear_modules(config):   # the AWQ format's own shape rule, per linear
+            check_shape(*shapes[m + ".weight"], hd["group_size"], f"{m}.weight")
     except ValueError as e:
         raise ValueError(f"{path}: header: {e}") from None
     items = _layout(config, hd["group_size"])

@@ -37,8 +37,7 @@ from .. import ops
 from ..cuda_launch import programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
-from .config import ModelConfig
-from .generate import token_ids
+from .config import ModelConfig, token_ids
 
 MATMUL_MODES = ("cached", "dequant", "emulate")
 

@@ -16,7 +16,7 @@ import os
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .config import special_token_id
+from .config import special_token_id, token_ids
 
 # The split regexes llama.cpp uses per `tokenizer.ggml.pre` value (same patterns as the
 # models' own tokenizer.json files; written with inline case-folding for the contractions).
@@ -89,14 +89,10 @@ class Tokenizer:
     # Ids are integers in tokenizers' u32 range; one past the vocabulary (a model's embedding may
     # have padding rows past the tokenizer's) decodes to nothing, as in `tokenizers` itself.
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        from .generate import token_ids
-
         ids = token_ids(ids, 2**32) if len(ids) else []
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
-        from .generate import token_ids
-
         return self.tok.id_to_token(token_ids([i], 2**32, "id")[0])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
