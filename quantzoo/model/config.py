@@ -110,10 +110,10 @@ class ModelConfig:
     def check_tokenizer(self, tok, where: str, strict: bool) -> None:
         """A loader's last check, after it took special ids from the tokenizer: ids past the
         embedding are dropped with a warning (special_token_id; where: the file or directory,
-        for the message). A tokenizer larger than the embedding
-        is an error with strict (GGUF: llama.cpp sizes the embedding by the token list), else a
-        warning: HF checkpoints with an added token past the embedding exist (an added <pad>) and
-        work as long as that token is not fed (Model.forward refuses it then)."""
+        for the message). A tokenizer larger than the embedding is an error with strict (GGUF:
+        llama.cpp sizes the embedding by the token list), else a warning: HF checkpoints with an
+        added token past the embedding exist (an added <pad>) and work as long as that token is
+        not fed (the runner's token_ids check refuses it then)."""
         if tok is not None and tok.vocab_size > self.vocab_size:
             msg = (f"{where}: the tokenizer has {tok.vocab_size} tokens, the embedding only "
                    f"{self.vocab_size} rows")

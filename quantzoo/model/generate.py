@@ -69,12 +69,11 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     if top_k and top_k < lg.numel():
         kth = torch.topk(lg, top_k).values[-1]
         lg = lg.masked_fill(lg < kth, float("-inf"))
-    p = torch.softmax(lg, dim=-1)
+    p, order = torch.softmax(lg, dim=-1), None
     if top_p < 1.0:   # the smallest set, most likely first, whose mass reaches top_p
         p, order = torch.sort(p, descending=True, stable=True)
-        p, order = p.cpu().double(), order.cpu()
-    else:
-        p, order = p.cpu().double(), None
+        order = order.cpu()
+    p = p.cpu().double()
     cdf = p.cumsum(0)
     # token order: every token (one of probability 0 adds nothing to cdf, so it is never drawn);
     # most likely first: the ones whose preceding mass is below top_p
