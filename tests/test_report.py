@@ -274,6 +274,39 @@ def test_streaming_fit_recovers_a_line():
     assert pdl["rate_tbps"] == pytest.approx(2.5) and pdl["fixed_us"] == pytest.approx(1.5)
 
 
+def test_read_floor_by_hand(errors, bench):
+    """The layer at M = 1 against the one-launch read: sums over the 7 linears, by hand, and
+    the report's table carries them; a bench without reads (older files) has no such table."""
+    shapes = [(4096, 4096, "qo", 2), (4096, 1024, "kv", 2), (4096, 12288, "gu", 2), (12288, 4096, "d", 1)]
+    rows = [{"format": "q4_0", "k": k, "n": n, "m": 1, "status": "ok", "weight_bytes": 1000 * (i + 1),
+             "median_us": 4.0 * (i + 1), "read_us": 2.5 * (i + 1), "median_us_pdl": 3.0 * (i + 1),
+             "read_us_pdl": 2.0 * (i + 1)} for i, (k, n, _, _) in enumerate(shapes)]
+    res = {"results": rows, "settings": {"qwen3_8b_layer": [list(s) for s in shapes]}}
+    f = speed.read_floor(res, "q4_0")   # layer weights 2, 2, 2, 1: sum_i c_i (i + 1) = 16
+    assert f == pytest.approx({"us": 64.0, "read_us": 40.0, "us_pdl": 48.0, "read_us_pdl": 32.0,
+                               "bytes": 16000})
+    del rows[1]["read_us_pdl"], rows[1]["median_us_pdl"]
+    f = speed.read_floor(res, "q4_0")
+    assert f["read_us"] == pytest.approx(40.0) and f["us_pdl"] is None and f["read_us_pdl"] is None
+    del rows[2]["read_us"]
+    assert speed.read_floor(res, "q4_0") is None
+    md = report.render(report.build(bench, accuracy=False, errors=errors))
+    t = table_with(md, "kernel / read")
+    assert sorted(r["format"] for r in t) == sorted(REPORT_FORMATS)
+    copy_bps = bench["ceilings"]["copy_tbps"] * 1e12
+    for r in t:
+        fl = speed.read_floor(bench, r["format"])
+        assert finite(r["layer us"]) == pytest.approx(fl["us"], abs=0.06)
+        assert finite(r["read us"]) == pytest.approx(fl["read_us"], abs=0.06)
+        assert finite(r["read % of copy"]) == pytest.approx(100 * fl["bytes"] / copy_bps / (fl["read_us"] * 1e-6), abs=0.6)
+        assert finite(r["kernel / read"]) > 1.0   # the fixture's reads are faster than its kernels
+        assert r["PDL: read us"] == "-"
+    old = copy.deepcopy(bench)
+    for r in old["results"]:
+        r.pop("read_us", None)
+    assert "kernel / read" not in report.render(report.build(old, accuracy=False, errors=errors))
+
+
 def test_qwen3_8b_sizes_match_outside_figures():
     """Qwen3-8B has 8.19 G parameters (its model card: 8.2B); DESIGN.md's decode rooflines at
     2.99 TB/s (computed independently from the GGUF tensor sizes): Q4_0 702, Q8_0 371,
@@ -320,6 +353,13 @@ def test_model_bench_section(errors):
     assert finite(t[0]["roofline_tok_s"]) == pytest.approx(702.2, abs=0.5) and t[1]["decode_tok_s_graph"] == "-"
     assert finite(t[0]["decode_tok_s_eager"]) == 60.2
     assert "`awq`: RuntimeError: out of memory" in md
+    assert "Two decode bounds" not in md   # explained only where the bench measured them
+    mb["results"][0].update(decode_tok_s_reads_only=610.0, decode_tok_s_ideal_linears=470.0,
+                            roofline_fraction_reads_only=0.869, decode_read_config_reads_only=[2, 4])
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    t = table_with(md, "decode_tok_s_reads_only")
+    assert finite(t[0]["decode_tok_s_ideal_linears"]) == 470.0 and finite(t[0]["roofline_fraction_reads_only"]) == 0.869
+    assert "decode_read_config_reads_only" not in t[0] and "Two decode bounds" in md
 
 
 def test_model_bench_against_fp16(errors):

@@ -47,7 +47,7 @@ BASELINE = "fp16"
 SIGMA = 0.02
 
 CSV_FIELDS = ["format", "k", "n", "m", "status", "path", "median_us", "p10_us", "p90_us",
-              "median_us_pdl",
+              "median_us_pdl", "read_us", "read_us_pdl",
               "tflops", "weight_bytes", "weight_tbps", "pct_copy_bw", "pct_cublas_tflops",
               "pct_roofline", "roofline_us", "x_cublas", "nmse", "timing", "copies", "inner",
               "reps", "error"]
@@ -208,6 +208,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
     l2 = timing.l2_cache_bytes()
     mods = {name: kernel_module(name) for name in names}
     rows = []
+    reads: dict = {}   # weight bytes -> one_launch_read's fields (every format of a size shares them)
     gen = torch.Generator(device="cuda")
     for (k, n) in shapes:
         w_ref = torch.from_numpy(gaussian_weight(k, n, seed)).cuda()
@@ -254,6 +255,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
                             pdl = timed()
                         if pdl["timing"] == "graph":
                             rec["median_us_pdl"] = pdl["median_us"]
+                        rec.update(one_launch_read(first.nbytes, reads, target_s))
                     rec["status"] = "ok"
                     rec.update(metrics(rec, ceil))
                     line.append(f"M={m}:{rec['median_us']:.1f}us")
@@ -283,6 +285,19 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
                      "wall_s": round(time.time() - t_start, 1)},
         "results": rows,
     }
+
+
+def one_launch_read(nbytes: int, cache: dict, target_s: float) -> dict:
+    """read_us / read_us_pdl: the fastest one-launch read of nbytes (kernels.stream, plain and
+    under PDL), the floor of any M = 1 kernel on a weight of that size; timed once per size."""
+    if nbytes not in cache:
+        from quantzoo.kernels import stream
+
+        plain = stream.best_read_us(nbytes, target_s=target_s)
+        pdl = stream.best_read_us(nbytes, pdl=True, target_s=target_s)
+        cache[nbytes] = {"read_us": plain["us"], "read_us_pdl": pdl["us"],
+                         "read_config": plain["config"], "read_config_pdl": pdl["config"]}
+    return cache[nbytes]
 
 
 def write_outputs(res: dict, out_dir: str, stem: str = "bench-kernels") -> tuple[str, str]:

@@ -15,7 +15,15 @@ made), one run measures:
   the same graph decode with plain launches (pdl off), for programmatic dependent launch's gain;
   the same graph decode with the per-layer ops as torch ops (fused_ops off), for the fusion's gain;
   a per-op breakdown of one eager decode step and of one prefill (torch.profiler, GPU time per
-      kernel name, and the prefill's wall time: where GPU time < wall time, Python is the limit).
+      kernel name, and the prefill's wall time: where GPU time < wall time, Python is the limit);
+  two bounds for the decode graph, on the CUDA runner (kernels.stream: the fastest one-launch
+      read of a buffer, the floor of any M = 1 matmul of that many bytes):
+      decode_tok_s_ideal_linears -- the same graph with every linear's product replaced by that
+          read of as many bytes as its weight (a GGUF linear's own Q8_1 quantize of fp16 x
+          kept), the per-layer ops unchanged: about what this runner could do with GEMVs as fast
+          as a plain read of their weight;
+      decode_tok_s_reads_only -- a graph of those reads alone, one per linear of a step: about
+          what any runner launching one kernel per linear could reach, per-layer ops for free.
 
 Weights are built on the GPU directly: random block bytes with a fixed, finite scale per block
 (GGUF), random nibbles with small scales (AWQ), Gaussian fp16: setup takes seconds, not the
@@ -193,6 +201,110 @@ def time_prefill(m, n: int, reps: int = 7, warmup_s: float = 0.5) -> float:
     return n / ts[len(ts) // 2]
 
 
+class ReadLinear:
+    """Stands in for a CUDA runner Linear (model/llm.py) in a decode bound: the same shape and
+    input layouts, but its product is kernels.stream.read (launched in `config`) of a buffer as
+    large as the weight (its own, so no two linears share L2 lines), writing an output of the
+    right shape.
+    A GGUF linear given fp16 x still quantizes it to Q8_1 first, as the real one does."""
+
+    def __init__(self, lin, config):
+        import torch
+
+        self.lin, self.shape, self.config = lin, lin.shape, config
+        self.buf = torch.empty(-(-lin.nbytes // 16) * 16, dtype=torch.uint8, device="cuda")
+
+    def _read(self, rows: int, n: int):
+        import torch
+
+        from ..kernels import stream
+
+        y = torch.empty(rows, n, dtype=torch.float16, device=self.buf.device)
+        stream.read(self.buf, y if y.numel() % 8 == 0 else None, config=self.config)   # (zeros in y where it can)
+        return y
+
+    def __call__(self, x):
+        rows = x.numel() // x.shape[-1]
+        qt = self.lin.qt
+        if qt is not None and qt.fmt.kernels == "gguf" and self.lin.mode == "emulate" and rows <= 8:
+            from ..kernels import gguf
+
+            gguf.quantize_q8_1_split(x.reshape(rows, -1))
+        return self._read(rows, self.shape[0])
+
+    def glu(self, x):
+        return self._read(x.numel() // x.shape[-1], self.shape[0] // 2)
+
+    def q8_1_layout(self, m: int):
+        return self.lin.q8_1_layout(m)
+
+    def from_q8_1(self, xq, m: int, layout: str):
+        return self._read(m, self.shape[0])
+
+
+def decode_bounds(m, steps: int, bw) -> dict:
+    """decode_tok_s_reads_only and decode_tok_s_ideal_linears (module docstring) for a CUDA model
+    with fused layer ops, their fractions of the bandwidth roofline bw / weight bytes, and the
+    read configs they were fastest with (decode_read_config*). Each is timed with every config of
+    kernels.stream.CONFIGS, one config for the whole step, and the fastest kept: the fastest per
+    size in isolation (stream.best_read_us) was not the fastest in the chain (H100: awq reads-only
+    485 tok/s with per-size picks, 537-557 with one config; bench/NOTES.md, session 27). So these
+    are what plain reads reached here, not a proof that nothing is faster."""
+    import torch
+
+    from ..cuda_launch import programmatic_launches
+    from ..kernels import stream
+    from . import timing
+
+    slots = [(lay, name) for lay in m.layers for name, v in vars(lay).items() if _is_linear(v)]
+    slots.append((m, "lm_head"))
+    saved = [getattr(obj, name) for obj, name in slots]
+    reads, ideal = {}, {}
+    try:
+        proxies = [ReadLinear(lin, stream.DEFAULT) for lin in saved]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for cfg in stream.CONFIGS:   # warm-up (compiles) off the capture
+                stream.read(proxies[0].buf, config=cfg)
+        torch.cuda.current_stream().wait_stream(s)
+        for cfg in stream.CONFIGS:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g), programmatic_launches(m.pdl):
+                for p in proxies:
+                    stream.read(p.buf, config=cfg)
+            per_step = sorted(timing.time_graph(g, inner=1, reps=max(5, steps // 8)))
+            del g
+            reads[cfg] = 1.0 / per_step[len(per_step) // 2]
+        for (obj, name), p in zip(slots, proxies):
+            setattr(obj, name, p)
+        for cfg in stream.CONFIGS:
+            for p in proxies:
+                p.config = cfg
+            m._graph = None
+            ideal[cfg] = time_decode(m, steps, graph=True)
+    finally:
+        for (obj, name), lin in zip(slots, saved):
+            setattr(obj, name, lin)
+        m._graph = None
+        proxies = None
+        torch.cuda.empty_cache()
+    out = {}
+    for key, got in (("reads_only", reads), ("ideal_linears", ideal)):
+        cfg = max(got, key=got.get)
+        out[f"decode_tok_s_{key}"] = got[cfg]
+        out[f"decode_read_config_{key}"] = list(cfg)
+        if bw:
+            out[f"roofline_fraction_{key}"] = got[cfg] * m.weight_bytes(include_embedding=False) / bw
+    return out
+
+
+def _is_linear(v) -> bool:
+    from ..model.llm import Linear
+
+    return isinstance(v, Linear)
+
+
 def decode_breakdown(m, pos: int = 16, top: int = 12) -> list[dict]:
     """GPU time per kernel name over one eager decode step (torch.profiler / CUPTI)."""
     graph = m.use_graph
@@ -335,6 +447,8 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     if device.startswith("cuda"):
         r["peak_decode_bytes"] = torch.cuda.max_memory_allocated(device)
         r["peak_decode_over_weights_kv"] = r["peak_decode_bytes"] / (wbytes + emb + m.kv_cache_bytes())
+    if m.is_cuda and m.fused_ops:   # after the peak: the bounds hold a second copy of the weight bytes
+        r.update(decode_bounds(m, args.decode_tokens, bw))
     m._graph = m._g_out = None
     m.k_cache = m.v_cache = None
     if device.startswith("cuda"):

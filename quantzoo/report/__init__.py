@@ -89,6 +89,9 @@ def speed_rows(bench: dict) -> list[dict]:
             row[f"m1_fixed_us{tag}"] = fit["fixed_us"] if fit else None
             row[f"m1_stream_tbps{tag}"] = fit["rate_tbps"] if fit else None
             row[f"m1_fit_max_residual_us{tag}"] = fit["max_residual_us"] if fit else None
+        fl = speed.read_floor(bench, name)
+        for key in ("us", "read_us", "us_pdl", "read_us_pdl", "bytes"):
+            row[f"m1_layer_{key}"] = fl[key] if fl else None
         row["slower_than_fp16_from_m"] = speed.slower_than_fp16_from(bench, name) if name != speed.BASELINE else None
         row["paths"] = speed.crossover_text(bench, name)
         row["error"] = speed.first_error(bench, name) if row["status"] != "ok" else ""
@@ -309,6 +312,28 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                      "read-only stream may exceed it a little). A rate near copy bandwidth with a low M = 1 "
                      "% roofline means the kernel is bound by its launch, not by how it streams. cuBLAS "
                      "(fp16) launches take no PDL: its two column groups time the same launches.\n")
+        floors = [r for r in rep["speed"] if r["m1_layer_read_us"]]
+        if floors:
+            copy_bps = bench["ceilings"]["copy_tbps"] * 1e12
+            L.append("### M = 1 against the fastest one-launch read of the same bytes\n")
+            cols = []
+            for r in floors:
+                row = [r["format"]]
+                for tag in ("", "_pdl"):
+                    us, rd = r[f"m1_layer_us{tag}"], r[f"m1_layer_read_us{tag}"]
+                    row += [_f(us, ".1f"), _f(rd, ".1f"),
+                            _f(None if not rd else 100 * r["m1_layer_bytes"] / copy_bps / (rd * 1e-6), ".0f"),
+                            _f(None if not (us and rd) else us / rd, ".2f")]
+                cols.append(row)
+            L.append(_table(cols, ["format", "layer us", "read us", "read % of copy", "kernel / read",
+                                   "PDL: layer us", "PDL: read us", "PDL: read % of copy", "PDL: kernel / read"]))
+            L.append("\nOne Qwen3-8B layer at M = 1 (its 7 linears summed, as above) against `read`: "
+                     "cuda/stream_read.cu reading each linear's weight bytes in one launch and doing "
+                     "nothing else, the fastest of a sweep of its launch shapes, timed the same way "
+                     "(rotated copies, graph replays; 'PDL' as the decode graph launches). No M = 1 "
+                     "kernel launched once per linear can beat it, so 'read % of copy' is the most "
+                     "any of them can reach of the copy bandwidth, and 'kernel / read' how far the "
+                     "format's kernels are from that floor. Per shape: `read_us` in bench-kernels.csv.\n")
         L.append("### Per shape: median time in us (x cuBLAS fp16)\n")
         ms = speed.ms_in(bench)
         ok = {(r["format"], r["k"], r["n"], r["m"]): r for r in speed.ok_rows(bench)}
@@ -359,6 +384,17 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                          "decode step.\n")
             L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
                               for v in r] for r in rows], hdr))
+            if any("decode_tok_s_reads_only" in h for h in hdr):
+                L.append("\nTwo decode bounds from the same run (the fastest one-launch read of a buffer, "
+                         "cuda/stream_read.cu, standing in for every linear): `*_ideal_linears`, the "
+                         "runner's decode graph with each linear's product replaced by a read of as many "
+                         "bytes as its weight, the per-layer ops (norms, RoPE, attention, SwiGLU, Q8_1 "
+                         "quantize) unchanged -- about what this runner could reach with GEMVs as fast as "
+                         "a read; `*_reads_only`, a graph of those reads alone, one per linear of a step -- "
+                         "about what launching one kernel per linear allows even with per-layer ops for "
+                         "free. What lies between the decode and those bounds is the GEMVs' own cost; what "
+                         "lies between them and the roofline, the per-layer ops and each launch's fixed "
+                         "cost.\n")
             recs = rep["model_bench"].get("results", []) if isinstance(rep["model_bench"], dict) else []
             for r in recs:
                 if isinstance(r, dict) and r.get("error"):

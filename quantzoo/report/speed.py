@@ -89,6 +89,25 @@ def aggregate(res: dict, fmt: str, m: int) -> dict | None:
             "x_cublas": (base / t) if base else None}
 
 
+def read_floor(res: dict, fmt: str) -> dict | None:
+    """The layer at M = 1 (layer_weights) against the fastest one-launch read of each of its
+    weights (rows' read_us, cuda/stream_read.cu): kernel and read times summed over the layer,
+    plain (us, read_us) and under PDL (us_pdl, read_us_pdl; None where the bench lacks them).
+    None when a shape's M = 1 row or its read is missing (benches from before reads were timed)."""
+    weights, _ = layer_weights(res)
+    rows = {(r["k"], r["n"]): r for r in ok_rows(res) if r["format"] == fmt and r["m"] == 1}
+    out = {"us": 0.0, "read_us": 0.0, "us_pdl": 0.0, "read_us_pdl": 0.0, "bytes": 0}
+    for (k, n), c in weights.items():
+        r = rows.get((k, n))
+        if r is None or not r.get("read_us"):
+            return None
+        out["bytes"] += c * r["weight_bytes"]
+        for key in ("us", "read_us", "us_pdl", "read_us_pdl"):
+            v = r.get("median_" + key if key.startswith("us") else key)
+            out[key] = None if (v is None or out[key] is None) else out[key] + c * v
+    return out
+
+
 def streaming_fit(res: dict, fmt: str, m: int = 1, key: str = "median_us") -> dict | None:
     """A straight line t = fixed + weight bytes / rate through the bench's shapes at M = m, t the
     rows' `key` (median_us; median_us_pdl: the same launches under programmatic dependent launch,
