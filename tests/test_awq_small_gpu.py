@@ -107,7 +107,7 @@ def test_qwen_shapes_vs_float64(k, n, m):
 
 def test_gemv_dispatched_on_wide_weight():
     """M = 1 on a wide weight (the runner's fused gate/up, 4096 -> 24576, g128) goes to the GEMV
-    with its tuned config (one K split): emulation bound and NMSE (assert_nmse)."""
+    with its tuned config and K splits: emulation bound and NMSE (assert_nmse)."""
     awq = awq_mod()
     rng = np.random.default_rng()
     k, n = 4096, 24576

@@ -128,7 +128,11 @@ WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte 
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 GEMV_DEFAULT = (2, 8, 4)
 GEMV_MIN_STEPS = 8      # gemv_plan: fewest k-steps (8 rows) per warp
-GEMV_TUNED = {(4096, 24576): ((2, 8, 4), 1)}   # (K, N) -> ((NW, WARPS, D), K splits)
+# (K, N) -> ((NW, WARPS, D), K splits). The runner's fused gate/up: (4, 4, 4) with 4 splits, picked
+# in the decode graph itself (session 27, .scratch/bound27/awq_ab.py: 36-layer Qwen3-8B shape,
+# four alternations, with o_proj's 8 splits below: 352.1 tok/s against 349.4 with session 12's
+# (2, 8, 4) and one split, which had won timed alone).
+GEMV_TUNED = {(4096, 24576): ((4, 4, 4), 4)}
 MMA_MAX_M = 96          # M <= this and not small: mma; above: dequant + cuBLAS ...
 MMA_MAX_M_BIG = 128     # ... except for N >= 8192 or K >= 8192 (more weight bytes per FLOP)
 MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
@@ -154,7 +158,9 @@ SMALL_TUNED = {
     # shapes (session 4: 4096->12288 17.1 us vs 20.6 for session 2's plain-launch pick, (1, 2, 4, 1,
     # 0, 8) with 4 splits).
     (4096, 6144, 1): ((1, 2, 8, 1, 0, 4), 2),
-    (4096, 4096, 1): ((1, 2, 8, 1, 0, 4), 4),
+    # o_proj: 8 splits in the decode graph (session 27: 349.4 tok/s against 344.8 with 4 splits,
+    # four alternations; timed alone, back to back, 4 splits had been the fastest)
+    (4096, 4096, 1): ((1, 2, 8, 1, 0, 4), 8),
     (4096, 24576, 1): ((1, 2, 8, 1, 0, 4), 1),   # (dispatch now takes gemv there: GEMV_MIN_N)
     (4096, 1024, 1): ((2, 1, 4, 1, 0, 8), 8),
     (4096, 12288, 1): ((1, 2, 8, 1, 0, 4), 1),
