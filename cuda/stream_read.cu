@@ -3,12 +3,13 @@
 //   fold_out[16 b + w] = xor of the 32-bit words warp w of block b read;   out[:] = 0
 //   (so the xor of fold_out[0 .. 16 gridDim.x) is the xor of every word of src)
 //
-// What it is for: the floor of any M = 1 matmul launched as one kernel. A GEMV must read its
-// weight once, so no kernel reading B bytes in one launch can beat this one's time for B bytes,
-// timed the same way (`quantzoo bench kernels` times it beside every weight: read_us;
-// `quantzoo bench model` decodes with every linear replaced by it). At small B that time is
-// far from B / copy bandwidth -- launch, first-load latency and the last blocks' tail -- which
-// is how far a "% of copy bandwidth" figure of a small weight can go at all.
+// What it is for: a measured floor for an M = 1 matmul launched as one kernel. A GEMV of a weight
+// of B bytes does all this kernel does (launch, read B bytes once, store its output) and its math
+// besides, so this kernel's time for B bytes, timed the same way, is as fast as such a GEMV can
+// be shown to go (`quantzoo bench kernels` times it beside every weight: read_us; `quantzoo bench
+// model` decodes with every linear replaced by it). At small B that time is far from B / copy
+// bandwidth -- launch, first-load latency and the last blocks' tail -- which is how far a "% of
+// copy bandwidth" figure of a small weight can go at all.
 //
 // Why it is shaped so: a grid-stride walk in 16-byte loads (ld.global.nc.L1::no_allocate, the
 // bytes are touched once), each thread issuing U independent loads before it uses the first,
@@ -17,10 +18,11 @@
 // unused may be dropped by the compiler) and lets a test check that every word was read once.
 // `out` (n_out16 16-byte words) gets zeros, spread over the blocks (word j from block
 // j % gridDim.x): a GEMV's blocks each store their outputs at their end, and a block with a
-// store outstanding retires later, so the floor must pay that too. Measured (H200, 9.4 MB,
-// PDL): stores from block 0 only 3.50 us, a store from every warp 3.85, every warp's fold into
-// one word by atomicXor (~4,000 on one address) slower still, a block barrier before one store
-// per block 4.03 -- hence one store per warp and no barrier.
+// store outstanding retires later, so the floor must pay that too. Prototypes (H200, 9.4 MB,
+// PDL): stores from block 0 only 3.50 us, a store from every warp 3.85, a block barrier before one
+// store per block 4.03 -- hence one store per warp and no barrier. (A first version xor-ed every
+// warp's fold into one word by atomicXor, ~4,000 atomics on one address a launch: the H100's
+// reads-only decode bound was 7 % lower with it.)
 // It starts with pdl::grid_sync() like every kernel here, so it chains as a matmul would.
 #include "pdl.cuh"
 

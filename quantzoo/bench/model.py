@@ -16,8 +16,8 @@ made), one run measures:
   the same graph decode with the per-layer ops as torch ops (fused_ops off), for the fusion's gain;
   a per-op breakdown of one eager decode step and of one prefill (torch.profiler, GPU time per
       kernel name, and the prefill's wall time: where GPU time < wall time, Python is the limit);
-  two bounds for the decode graph, on the CUDA runner (kernels.stream: the fastest one-launch
-      read of a buffer, the floor of any M = 1 matmul of that many bytes):
+  two bounds for the decode graph, on the CUDA runner (kernels.stream: a plain one-launch read
+      of a buffer, a measured floor for an M = 1 matmul of that many bytes):
       decode_tok_s_ideal_linears -- the same graph with every linear's product replaced by that
           read of as many bytes as its weight (a GGUF linear's own Q8_1 quantize of fp16 x
           kept), the per-layer ops unchanged: about what this runner could do with GEMVs as fast
@@ -208,11 +208,11 @@ class ReadLinear:
     right shape.
     A GGUF linear given fp16 x still quantizes it to Q8_1 first, as the real one does."""
 
-    def __init__(self, lin, config):
+    def __init__(self, lin, config, device):
         import torch
 
         self.lin, self.shape, self.config = lin, lin.shape, config
-        self.buf = torch.empty(-(-lin.nbytes // 16) * 16, dtype=torch.uint8, device="cuda")
+        self.buf = torch.empty(-(-lin.nbytes // 16) * 16, dtype=torch.uint8, device=device)
 
     def _read(self, rows: int, n: int):
         import torch
@@ -261,7 +261,7 @@ def decode_bounds(m, steps: int, bw) -> dict:
     saved = [getattr(obj, name) for obj, name in slots]
     reads, ideal = {}, {}
     try:
-        proxies = [ReadLinear(lin, stream.DEFAULT) for lin in saved]
+        proxies = [ReadLinear(lin, stream.DEFAULT, m.device) for lin in saved]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

@@ -1,8 +1,9 @@
 """The fastest one-launch read of a buffer (cuda/stream_read.cu): the floor of an M = 1 matmul.
 
-Any kernel that multiplies by a weight of B bytes must read them; `read` does only that, so
-its time for B bytes, launched and timed like a matmul, is what one launch of the best possible
-M = 1 kernel would take. `best_read_us` sweeps the launch shapes and keeps the fastest;
+Any kernel that multiplies by a weight of B bytes must read them and store its output; `read`
+does only that, so its time for B bytes, launched and timed like a matmul, is as fast as one
+launch of an M = 1 kernel can be shown to go. `best_read_us` sweeps the launch shapes and keeps
+the fastest;
 `quantzoo bench kernels` reports it beside every weight, and `quantzoo bench model` decodes with
 every linear replaced by it (quantzoo/bench/model.py: ReadLinear).
 """

@@ -330,10 +330,11 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             L.append("\nOne Qwen3-8B layer at M = 1 (its 7 linears summed, as above) against `read`: "
                      "cuda/stream_read.cu reading each linear's weight bytes in one launch and doing "
                      "nothing else, the fastest of a sweep of its launch shapes, timed the same way "
-                     "(rotated copies, graph replays; 'PDL' as the decode graph launches). No M = 1 "
-                     "kernel launched once per linear can beat it, so 'read % of copy' is the most "
-                     "any of them can reach of the copy bandwidth, and 'kernel / read' how far the "
-                     "format's kernels are from that floor. Per shape: `read_us` in bench-kernels.csv.\n")
+                     "(rotated copies, graph replays; 'PDL' as the decode graph launches). An M = 1 kernel "
+                     "launched once per linear does all of that and its math besides, so 'read % of "
+                     "copy' is about as much of the copy bandwidth as such kernels can be shown to "
+                     "reach, and 'kernel / read' how far the format's kernels are from that floor. Per "
+                     "shape: `read_us` in bench-kernels.csv.\n")
         L.append("### Per shape: median time in us (x cuBLAS fp16)\n")
         ms = speed.ms_in(bench)
         ok = {(r["format"], r["k"], r["n"], r["m"]): r for r in speed.ok_rows(bench)}
