@@ -15,15 +15,10 @@
 // The sum over k runs per lane in chunk order, then a xor-butterfly across the warp.
 #include <cuda_fp16.h>
 #include "pdl.cuh"
+#include "stream_load.cuh"
 #include "warp_sum.cuh"
 
 namespace fp16_gemv_detail {
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 __device__ __forceinline__ void to_float8(const uint4& v, float* f) {
   const __half2* h = reinterpret_cast<const __half2*>(&v);
 #pragma unroll

@@ -16,23 +16,19 @@
 // BPS blocks of 512 threads per SM (quantzoo/kernels/stream.py sweeps both and keeps the best per
 // size). The xor fold, one plain store per warp, makes every load count (a read whose value is
 // unused may be dropped by the compiler) and lets a test check that every word was read once.
-// `out` (n_out16 16-byte words) gets zeros, spread over the blocks (word j from block
-// j % gridDim.x): a GEMV's blocks each store their outputs at their end, and a block with a
-// store outstanding retires later, so the floor must pay that too. Prototypes (H200, 9.4 MB,
+// A GEMV's blocks each store their outputs at their end, and a block with a store outstanding
+// retires later, so the floor pays that too: every warp ends with its fold store, and `out`
+// (n_out16 16-byte words; the benches' timings pass none, the decode bound's linears their
+// output) gets zeros spread over the blocks (word j from block j % gridDim.x). Prototypes (H200, 9.4 MB,
 // PDL): stores from block 0 only 3.50 us, a store from every warp 3.85, a block barrier before one
 // store per block 4.03 -- hence one store per warp and no barrier. (A first version xor-ed every
 // warp's fold into one word by atomicXor, ~4,000 atomics on one address a launch: the H100's
 // reads-only decode bound was 7 % lower with it.)
 // It starts with pdl::grid_sync() like every kernel here, so it chains as a matmul would.
 #include "pdl.cuh"
+#include "stream_load.cuh"
 
 namespace stream_detail {
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 __device__ __forceinline__ unsigned fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
 }  // namespace stream_detail
 

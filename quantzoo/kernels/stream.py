@@ -38,17 +38,18 @@ def read(src: torch.Tensor, out: torch.Tensor | None = None, fold: torch.Tensor 
     nbytes = src.numel() * src.element_size()
     if nbytes % 16 or src.data_ptr() % 16:
         raise ValueError(f"read: src must be 16-byte aligned with nbytes % 16 == 0, got {nbytes} bytes")
-    if out is not None and not (out.is_cuda and out.is_contiguous() and out.device == src.device
+    if out is not None and not (isinstance(out, torch.Tensor) and out.is_cuda and out.is_contiguous() and out.device == src.device
                                 and (out.numel() * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0):
         raise ValueError("read: out must be a contiguous 16-byte aligned CUDA tensor on src's device, nbytes % 16 == 0")
     if fold is None:
         fold = _scratch(src.device)
-    elif not (fold.is_cuda and fold.dtype == torch.int32 and fold.numel() >= FOLD_WORDS
+    elif not (isinstance(fold, torch.Tensor) and fold.is_cuda and fold.dtype == torch.int32 and fold.numel() >= FOLD_WORDS
               and fold.is_contiguous() and fold.device == src.device):
         raise ValueError(f"read: fold must be a contiguous int32 CUDA tensor of >= {FOLD_WORDS} on src's device")
-    bps, u = config
-    if (bps, u) not in CONFIGS:
+    config = tuple(config) if isinstance(config, (list, tuple)) else config
+    if config not in CONFIGS:
         raise ValueError(f"read: config {config!r} is not one of {CONFIGS}")
+    bps, u = config
     n16 = nbytes // 16
     blocks = max(1, min(sm_count(src.device) * bps, -(-n16 // (THREADS * u)), MAX_BLOCKS))
     n_out16 = 0 if out is None else out.numel() * out.element_size() // 16

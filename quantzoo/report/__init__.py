@@ -327,8 +327,9 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                 cols.append(row)
             L.append(_table(cols, ["format", "layer us", "read us", "read % of copy", "kernel / read",
                                    "PDL: layer us", "PDL: read us", "PDL: read % of copy", "PDL: kernel / read"]))
-            L.append("\nOne Qwen3-8B layer at M = 1 (its 7 linears summed, as above) against `read`: "
-                     "cuda/stream_read.cu reading each linear's weight bytes in one launch and doing "
+            L.append("\n" + ("One Qwen3-8B layer at M = 1 (its 7 linears summed, as above)" if real else
+                            "The bench's shapes at M = 1, summed once each (as above),")
+                     + " against `read`: cuda/stream_read.cu reading each linear's weight bytes in one launch and doing "
                      "nothing else, the fastest of a sweep of its launch shapes, timed the same way "
                      "(rotated copies, graph replays; 'PDL' as the decode graph launches). An M = 1 kernel "
                      "launched once per linear does all of that and its math besides, so 'read % of "
