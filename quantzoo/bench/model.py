@@ -265,17 +265,9 @@ def decode_bounds(m, steps: int, bw) -> dict:
     reads, ideal = {}, {}
     try:
         proxies = [ReadLinear(lin, stream.DEFAULT, m.device) for lin in saved]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for cfg in stream.CONFIGS:   # warm-up (compiles) off the capture
-                stream.read(proxies[0].buf, config=cfg)
-        torch.cuda.current_stream().wait_stream(s)
         for cfg in stream.CONFIGS:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g), programmatic_launches(m.pdl):
-                for p in proxies:
-                    stream.read(p.buf, config=cfg)
+            with programmatic_launches(m.pdl):
+                g = timing.capture_graph(lambda i: [stream.read(p.buf, config=cfg) for p in proxies], 1)
             per_step = sorted(timing.time_graph(g, inner=1, reps=max(5, steps // 8)))
             del g
             reads[cfg] = 1.0 / per_step[len(per_step) // 2]
