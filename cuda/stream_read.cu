@@ -1,4 +1,4 @@
-// stream_read.cu -- the fastest one-launch read of a buffer: no matmul, only the weight stream.
+// stream_read.cu -- a one-launch read of a buffer: no matmul, only the weight stream.
 //
 //   fold_out[16 b + w] = xor of the 32-bit words warp w of block b read;   out[:] = 0
 //   (so the xor of fold_out[0 .. 16 gridDim.x) is the xor of every word of src)
@@ -19,11 +19,11 @@
 // A GEMV's blocks each store their outputs at their end, and a block with a store outstanding
 // retires later, so the floor pays that too: every warp ends with its fold store, and `out`
 // (n_out16 16-byte words; the benches' timings pass none, the decode bound's linears their
-// output) gets zeros spread over the blocks (word j from block j % gridDim.x). Prototypes (H200, 9.4 MB,
-// PDL): stores from block 0 only 3.50 us, a store from every warp 3.85, a block barrier before one
-// store per block 4.03 -- hence one store per warp and no barrier. (A first version xor-ed every
-// warp's fold into one word by atomicXor, ~4,000 atomics on one address a launch: the H100's
-// reads-only decode bound was 7 % lower with it.)
+// output) gets zeros spread over the blocks (word j from block j % gridDim.x). Prototypes (H200,
+// 9.4 MB, PDL): stores from block 0 only 3.50 us, a store from every warp 3.85, a block barrier
+// before one store per block 4.03 -- hence one store per warp and no barrier. (A first version
+// xor-ed every warp's fold into one word by atomicXor, ~4,000 atomics on one address a launch:
+// the H100's reads-only decode bound was 7 % lower with it.)
 // It starts with pdl::grid_sync() like every kernel here, so it chains as a matmul would.
 #include "pdl.cuh"
 #include "stream_load.cuh"

@@ -1,5 +1,5 @@
 """GPU tier: the one-launch read (cuda/stream_read.cu, quantzoo.kernels.stream) that the benches
-use as the floor of an M = 1 matmul, and the model bench's decode bounds built on it."""
+use as a measured floor for an M = 1 matmul, and the model bench's decode bounds built on it."""
 from __future__ import annotations
 
 import numpy as np

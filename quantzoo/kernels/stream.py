@@ -1,11 +1,10 @@
-"""The fastest one-launch read of a buffer (cuda/stream_read.cu): the floor of an M = 1 matmul.
+"""A one-launch read of a buffer (cuda/stream_read.cu): a measured floor for an M = 1 matmul.
 
 Any kernel that multiplies by a weight of B bytes must read them and store its output; `read`
 does only that, so its time for B bytes, launched and timed like a matmul, is as fast as one
 launch of an M = 1 kernel can be shown to go. `best_read_us` sweeps the launch shapes and keeps
-the fastest;
-`quantzoo bench kernels` reports it beside every weight, and `quantzoo bench model` decodes with
-every linear replaced by it (quantzoo/bench/model.py: ReadLinear).
+the fastest; `quantzoo bench kernels` reports it beside every weight, and `quantzoo bench model`
+decodes with every linear replaced by it (quantzoo/bench/model.py: ReadLinear).
 """
 from __future__ import annotations
 
@@ -38,13 +37,15 @@ def read(src: torch.Tensor, out: torch.Tensor | None = None, fold: torch.Tensor 
     nbytes = src.numel() * src.element_size()
     if nbytes % 16 or src.data_ptr() % 16:
         raise ValueError(f"read: src must be 16-byte aligned with nbytes % 16 == 0, got {nbytes} bytes")
-    if out is not None and not (isinstance(out, torch.Tensor) and out.is_cuda and out.is_contiguous() and out.device == src.device
-                                and (out.numel() * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0):
-        raise ValueError("read: out must be a contiguous 16-byte aligned CUDA tensor on src's device, nbytes % 16 == 0")
+    if out is not None and not (isinstance(out, torch.Tensor) and out.is_cuda and out.is_contiguous()
+                                and out.device == src.device and out.data_ptr() % 16 == 0
+                                and (out.numel() * out.element_size()) % 16 == 0):
+        raise ValueError("read: out must be a contiguous 16-byte aligned CUDA tensor on src's device, "
+                         "nbytes % 16 == 0")
     if fold is None:
         fold = _scratch(src.device)
-    elif not (isinstance(fold, torch.Tensor) and fold.is_cuda and fold.dtype == torch.int32 and fold.numel() >= FOLD_WORDS
-              and fold.is_contiguous() and fold.device == src.device):
+    elif not (isinstance(fold, torch.Tensor) and fold.is_cuda and fold.dtype == torch.int32
+              and fold.numel() >= FOLD_WORDS and fold.is_contiguous() and fold.device == src.device):
         raise ValueError(f"read: fold must be a contiguous int32 CUDA tensor of >= {FOLD_WORDS} on src's device")
     config = tuple(config) if isinstance(config, (list, tuple)) else config
     if config not in CONFIGS:
