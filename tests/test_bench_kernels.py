@@ -146,3 +146,12 @@ def test_bench_kernels_quick_end_to_end(tmp_path):
         assert r["nmse"] < max(4 * formats.get(r["format"]).nmse_ceiling, 1e-5), r
     for r in res["results"]:
         assert r["status"] in ("ok", "missing"), r  # kernels that exist must not fail
+    # the power probe: the largest shape at M in POWER_M, sampled by nvidia-smi (on the machine)
+    k, n = res["settings"]["power"]["shape"]
+    probed = [r for r in ok if (r["k"], r["n"]) == (k, n) and r["m"] in kernels.POWER_M]
+    assert probed
+    for r in probed:
+        assert "power_error" not in r, r
+        assert 100 < r["sm_clock_mhz"] < 3000 and 20 < r["power_w"] < 2000 and 0 <= r["power_capped"] <= 1, r
+        assert 0.5 * r["median_us"] < r["sustained_us"] < 3 * r["median_us"], r
+        assert r["mj_per_call"] == pytest.approx(r["power_w"] * r["sustained_us"] * 1e-3)

@@ -307,6 +307,33 @@ def test_read_floor_by_hand(errors, bench):
     assert "kernel / read" not in report.render(report.build(old, accuracy=False, errors=errors))
 
 
+def test_sustained_power_by_hand(errors, bench):
+    """The power probe's rows: energy x cuBLAS = cuBLAS fp16's mJ / the format's at the same
+    shape and M, by hand and in the report's table; a bench without the probe has no table."""
+    rows = [{"format": f, "k": 4096, "n": 12288, "m": m, "status": "ok", "mj_per_call": mj}
+            for f, m, mj in (("q4_0", 512, 0.070), ("fp16", 512, 0.061), ("fp16", 1, 0.004),
+                             ("q4_0", 1, 0.002), ("awq", 1, None))]
+    got = speed.sustained({"results": rows})
+    # by M, then in the bench's format order (first seen), the row without a sample left out
+    assert [(r["format"], r["m"]) for r in got] == [("q4_0", 1), ("fp16", 1), ("q4_0", 512), ("fp16", 512)]
+    assert [r["energy_x_cublas"] for r in got] == pytest.approx([2.0, 1.0, 0.061 / 0.070, 1.0])
+    md = report.render(report.build(bench, accuracy=False, errors=errors))
+    t = table_with(md, "energy x cuBLAS")
+    assert sorted({r["format"] for r in t}) == sorted(REPORT_FORMATS)
+    rows = {(r["format"], r["k"], r["n"], r["m"]): r for r in speed.ok_rows(bench)}
+    for r in t:
+        src = rows[(r["format"], 4096, 12288, int(r["M"]))]
+        base = rows[("fp16", 4096, 12288, int(r["M"]))]
+        assert finite(r["mJ per product"]) == pytest.approx(src["mj_per_call"], abs=5e-3)
+        assert finite(r["energy x cuBLAS"]) == pytest.approx(base["mj_per_call"] / src["mj_per_call"], abs=5e-3)
+        assert finite(r["power W"]) == src["power_w"] and finite(r["SM clock MHz"]) == src["sm_clock_mhz"]
+    assert "(700.00 W)" in md
+    old = copy.deepcopy(bench)
+    for r in old["results"]:
+        r.pop("mj_per_call", None)
+    assert "energy x cuBLAS" not in report.render(report.build(old, accuracy=False, errors=errors))
+
+
 def test_qwen3_8b_sizes_match_outside_figures():
     """Qwen3-8B has 8.19 G parameters (its model card: 8.2B); DESIGN.md's decode rooflines at
     2.99 TB/s (computed independently from the GGUF tensor sizes): Q4_0 702, Q8_0 371,

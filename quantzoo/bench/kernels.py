@@ -20,6 +20,10 @@ copies, median of the replays, warm-up excluded). Per row:
     nmse                ||y - x @ W.T||^2 / ||x @ W.T||^2 against the unquantized fp32 W: a
                         sanity check that the kernel timed is computing the right thing
 
+and on the largest shape at M in POWER_M, the same launches replayed for --power-s seconds while
+nvidia-smi samples (quantzoo.bench.power): sustained_us, sm_clock_mhz, power_w, power_capped
+(share of samples at the driver's power cap), mj_per_call (energy of one launch).
+
 Weights are seeded Gaussian (sigma 0.02, never zeros, which can run faster than real data).
 A format whose kernel module is missing or fails is recorded with status "missing"/"error"
 and the bench goes on. Output: JSON (machine info, ceilings, settings, rows) and CSV (rows).
@@ -45,9 +49,12 @@ M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 QUICK_M = [1, 16, 512]
 BASELINE = "fp16"
 SIGMA = 0.02
+POWER_M = (1, 512)   # decode, and the issues' large-M target
+POWER_S = 1.5
 
 CSV_FIELDS = ["format", "k", "n", "m", "status", "path", "median_us", "p10_us", "p90_us",
-              "median_us_pdl", "read_us", "read_us_pdl",
+              "median_us_pdl", "read_us", "read_us_pdl", "sustained_us", "sm_clock_mhz", "power_w",
+              "power_capped", "mj_per_call",
               "tflops", "weight_bytes", "weight_tbps", "pct_copy_bw", "pct_cublas_tflops",
               "pct_roofline", "roofline_us", "x_cublas", "nmse", "timing", "copies", "inner",
               "reps", "error"]
@@ -185,13 +192,13 @@ def add_x_cublas(rows: list[dict]) -> None:
 
 
 def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_graph: bool = True,
-              workers: int | None = None, log=print) -> dict:
+              workers: int | None = None, power_s: float = POWER_S, log=print) -> dict:
     import torch
 
     from quantzoo import ops
     from quantzoo.cuda_launch import programmatic_launches
 
-    from . import timing
+    from . import power, timing
 
     if not torch.cuda.is_available():
         raise ValueError("quantzoo bench kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -207,6 +214,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
         f"{ceil['cublas_fp16_tflops']:.1f} TFLOP/s")
     l2 = timing.l2_cache_bytes()
     mods = {name: kernel_module(name) for name in names}
+    power_shape = max(shapes, key=lambda s: s[0] * s[1])   # the first of the largest
     rows = []
     reads: dict = {}   # weight bytes -> one_launch_read's fields (every format of a size shares them)
     gen = torch.Generator(device="cuda")
@@ -260,6 +268,13 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
                         except Exception as e:  # noqa: BLE001
                             torch.cuda.synchronize()
                             rec["read_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    if power_s > 0 and use_graph and (k, n) == power_shape and m in POWER_M:
+                        try:   # as the read: a failure costs only these fields
+                            rec.update(power.of_launches(lambda i: ops.matmul(x, copies[i % len(copies)]),
+                                                         rec["inner"], power_s))
+                        except Exception as e:  # noqa: BLE001
+                            torch.cuda.synchronize()
+                            rec["power_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     rec["status"] = "ok"
                     rec.update(metrics(rec, ceil))
                     line.append(f"M={m}:{rec['median_us']:.1f}us")
@@ -285,6 +300,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
         "settings": {"shapes": [list(s) for s in shapes], "m": list(ms), "formats": list(names),
                      "seed": seed, "sigma": SIGMA, "target_s": target_s, "graph": use_graph,
                      "l2_bytes": l2, "rotation": "copies x weight bytes >= 4 x L2",
+                     "power": {"shape": list(power_shape), "m": list(POWER_M), "seconds": power_s},
                      "qwen3_8b_layer": [[k, n, what, c] for k, n, what, c in QWEN3_8B_SHAPES],
                      "wall_s": round(time.time() - t_start, 1)},
         "results": rows,
@@ -365,6 +381,9 @@ def add_arguments(p) -> None:
     p.add_argument("--target-ms", type=float, default=None,
                    help="GPU time spent timing each row, ms (default 30, 10 with --quick)")
     p.add_argument("--no-graph", action="store_true", help="time eager launches, not graph replays")
+    p.add_argument("--power-s", type=float, default=POWER_S, metavar="S",
+                   help=f"seconds each format runs on the largest shape at M in {POWER_M} while nvidia-smi "
+                        f"samples clock and power (default {POWER_S}; 0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="processes for quantizing (default: cores)")
 
@@ -380,12 +399,14 @@ def run(args) -> int:
     ms = args.m or (QUICK_M if args.quick else M_VALUES)
     names = bench_formats([s.strip() for s in args.formats.split(",")] if args.formats else None)
     target = (args.target_ms or (10.0 if args.quick else 30.0)) * 1e-3
+    if not args.power_s >= 0:
+        raise ValueError(f"--power-s: seconds must be >= 0, got {args.power_s}")
 
     def log(s):
         print(s, flush=True)
 
     res = run_bench(shapes=shapes, ms=ms, names=names, seed=args.seed, target_s=target,
-                    use_graph=not args.no_graph, workers=args.workers, log=log)
+                    use_graph=not args.no_graph, workers=args.workers, power_s=args.power_s, log=log)
     res["settings"]["quick"] = bool(args.quick)
     jpath, cpath = write_outputs(res, args.out)
     print(summary_table(res))

@@ -108,6 +108,20 @@ def read_floor(res: dict, fmt: str) -> dict | None:
     return out
 
 
+def sustained(res: dict) -> list[dict]:
+    """The rows the bench's power probe sampled (quantzoo.bench.power), by M, then in the bench's
+    format order, each with energy_x_cublas: cuBLAS fp16's mJ per product / the format's at the
+    same shape and M (None without a baseline sample)."""
+    fmts = formats_in(res)
+    rows = [r for r in ok_rows(res) if r.get("mj_per_call")]
+    base = {(r["k"], r["n"], r["m"]): r["mj_per_call"] for r in rows if r["format"] == BASELINE}
+    out = []
+    for r in sorted(rows, key=lambda r: (r["m"], fmts.index(r["format"]))):
+        b = base.get((r["k"], r["n"], r["m"]))
+        out.append(dict(r, energy_x_cublas=b / r["mj_per_call"] if b else None))
+    return out
+
+
 def streaming_fit(res: dict, fmt: str, m: int = 1, key: str = "median_us") -> dict | None:
     """A straight line t = fixed + weight bytes / rate through the bench's shapes at M = m, t the
     rows' `key` (median_us; median_us_pdl: the same launches under programmatic dependent launch,

@@ -37,6 +37,12 @@ def main():
                        "timing": "graph", "inner": 16, "reps": 20, "copies": 8}
                 if m == 1:   # the one-launch read of the weight: made up too, faster than any kernel
                     rec["read_us"] = (wb / (0.95 * CEIL["copy_tbps"] * 1e12) + 2.0e-6) * 1e6
+                if (k, n) == (4096, 12288) and m in kernels.POWER_M:   # the power probe: made up
+                    capped = m > 1
+                    rec.update(sustained_us=t * 1.02e6, sm_clock_mhz=1400.0 if capped else 1980.0,
+                               power_w=700.0 if capped else 350.0, power_capped=1.0 if capped else 0.0,
+                               clock_reasons=["sw power cap"] if capped else [])
+                    rec["mj_per_call"] = rec["power_w"] * rec["sustained_us"] * 1e-3
                 rec.update(kernels.metrics(rec, CEIL))
                 rows.append(rec)
     kernels.add_x_cublas(rows)
@@ -48,12 +54,14 @@ def main():
                        "git_commit": "fixture", "cuda_available": True, "cupy": "14.2.0",
                        "gpu": "NVIDIA H100 80GB HBM3 (fixture)", "compute_capability": "9.0", "sms": 132,
                        "gpu_memory_gib": 79.2, "l2_bytes": 52428800, "torch_cuda": "13.0",
-                       "driver": "580.00", "sm_clock": "1980 MHz", "mem_clock": "2619 MHz"},
+                       "driver": "580.00", "sm_clock": "1980 MHz", "mem_clock": "2619 MHz",
+                       "power_limit": "700.00 W"},
            "ceilings": CEIL, "ceilings_end": dict(CEIL, copy_tbps=2.98, cublas_fp16_tflops=725.0),
            "settings": {"shapes": [[k, n] for k, n, _, _ in kernels.QWEN3_8B_SHAPES], "m": kernels.M_VALUES,
                         "formats": kernels.bench_formats(), "seed": 0, "sigma": 0.02, "target_s": 0.03,
                         "graph": True, "l2_bytes": 52428800, "rotation": "copies x weight bytes >= 4 x L2",
-                        "qwen3_8b_layer": [list(s) for s in kernels.QWEN3_8B_SHAPES], "wall_s": 0.0},
+                        "qwen3_8b_layer": [list(s) for s in kernels.QWEN3_8B_SHAPES], "wall_s": 0.0,
+                        "power": {"shape": [4096, 12288], "m": list(kernels.POWER_M), "seconds": 1.5}},
            "results": rows}
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_kernels_fixture.json")
     with open(path, "w") as f:

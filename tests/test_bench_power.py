@@ -1,0 +1,74 @@
+"""quantzoo.bench.power: nvidia-smi's samples parsed and summarised, and sustained() driven by a
+stand-in nvidia-smi (a Python script) and a stand-in replay, so it runs without a GPU."""
+import sys
+import textwrap
+import time
+
+import pytest
+
+from quantzoo.bench import power
+
+
+def test_parse_skips_what_is_not_a_sample():
+    text = "1980, 119.45, 0x0000000000000000\n[N/A], 12.0, 0x0\nNo devices were found\n" \
+           "1335, 700.12, 0x0000000000000004\n1, 2\n"
+    assert power.parse(text) == [(1980.0, 119.45, 0), (1335.0, 700.12, 4)]
+
+
+def test_summarize_takes_the_second_half():
+    ramp = [(1980.0, 120.0, 0)] * 5   # the driver settling: dropped
+    held = [(1300.0, 698.0, 0x4), (1350.0, 702.0, 0x4), (1320.0, 700.0, 0x4), (1500.0, 650.0, 0x0),
+            (1310.0, 699.0, 0x24)]
+    s = power.summarize(ramp + held)
+    assert s["sm_clock_mhz"] == 1320.0 and s["power_w"] == 699.0
+    assert s["power_capped"] == pytest.approx(4 / 5)
+    assert s["clock_reasons"] == ["sw power cap", "sw thermal"]
+    with pytest.raises(ValueError, match="3 usable samples"):
+        power.summarize(held[:3])
+
+
+def fake_smi(tmp_path, known_field="clocks_event_reasons.active", line="1400, 690.5, 0x0000000000000004"):
+    """An executable nvidia-smi stand-in: one sample, or one every 10 ms under -lms, for
+    --query-gpu lists that end in known_field; an error like the real one for others."""
+    script = tmp_path / "smi.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        q = [a for a in sys.argv if a.startswith("--query-gpu=")][0]
+        if not q.endswith("{known_field}"):
+            print('Field "' + q.split(",")[-1] + '" is not a valid field to query.'); sys.exit(2)
+        if "-lms" not in sys.argv:
+            print("{line}"); sys.exit(0)
+        while True:
+            print("{line}", flush=True); time.sleep(0.01)
+    """))
+    return (sys.executable, str(script))
+
+
+def test_sustained_with_a_stand_in(tmp_path):
+    calls = []
+
+    def replay():
+        calls.append(time.perf_counter())
+        time.sleep(0.002)
+
+    s = power.sustained(replay, lambda: None, calls_per_replay=4, seconds=0.3, cmd=fake_smi(tmp_path))
+    assert s["sm_clock_mhz"] == 1400.0 and s["power_w"] == 690.5 and s["power_capped"] == 1.0
+    assert s["clock_reasons"] == ["sw power cap"]
+    n = len(calls) - 1   # the first replay is the warm-up, before the stretch
+    assert n % 16 == 0 and s["sustained_s"] >= 0.3
+    assert s["sustained_us"] == pytest.approx(s["sustained_s"] / (4 * n) * 1e6)
+    assert s["mj_per_call"] == pytest.approx(690.5 * s["sustained_us"] * 1e-3)
+
+
+def test_older_drivers_field_and_clear_errors(tmp_path):
+    old = fake_smi(tmp_path, known_field="clocks_throttle_reasons.active")
+    assert power.reason_field(old) == "clocks_throttle_reasons.active"
+    s = power.sustained(lambda: None, lambda: None, 1, seconds=0.1, cmd=old)
+    assert s["power_w"] == 690.5
+    with pytest.raises(ValueError, match="no clock/power sample"):
+        power.reason_field(fake_smi(tmp_path, known_field="nothing.known"))
+    with pytest.raises(ValueError, match="cannot run it"):
+        power.reason_field((str(tmp_path / "no-such-smi"),))
+    with pytest.raises(ValueError, match="no clock/power sample"):   # a driver that gives no numbers
+        power.sustained(lambda: None, lambda: None, 1, seconds=0.1,
+                        cmd=fake_smi(tmp_path, line="[N/A], [N/A], [N/A]"))
