@@ -153,5 +153,6 @@ def test_bench_kernels_quick_end_to_end(tmp_path):
     for r in probed:
         assert "power_error" not in r, r
         assert 100 < r["sm_clock_mhz"] < 3000 and 20 < r["power_w"] < 2000 and 0 <= r["power_capped"] <= 1, r
+        assert r["power_limit_w"] is None or r["power_w"] < 1.2 * r["power_limit_w"], r
         assert 0.5 * r["median_us"] < r["sustained_us"] < 3 * r["median_us"], r
         assert r["mj_per_call"] == pytest.approx(r["power_w"] * r["sustained_us"] * 1e-3)

@@ -308,15 +308,17 @@ def test_read_floor_by_hand(errors, bench):
 
 
 def test_sustained_power_by_hand(errors, bench):
-    """The power probe's rows: energy x cuBLAS = cuBLAS fp16's mJ / the format's at the same
-    shape and M, by hand and in the report's table; a bench without the probe has no table."""
-    rows = [{"format": f, "k": 4096, "n": 12288, "m": m, "status": "ok", "mj_per_call": mj}
-            for f, m, mj in (("q4_0", 512, 0.070), ("fp16", 512, 0.061), ("fp16", 1, 0.004),
-                             ("q4_0", 1, 0.002), ("awq", 1, None))]
+    """The power probe's rows: sustained and energy x cuBLAS = cuBLAS fp16's sustained time and mJ
+    per product / the format's at the same shape and M, by hand and in the report's table; a
+    bench without the probe (an older file) has no table, one whose probe failed says so."""
+    rows = [{"format": f, "k": 4096, "n": 12288, "m": m, "status": "ok", "sustained_us": us, "mj_per_call": mj}
+            for f, m, us, mj in (("q4_0", 512, 100.0, 0.070), ("fp16", 512, 87.0, 0.061), ("fp16", 1, 36.0, 0.004),
+                                 ("q4_0", 1, 14.0, 0.002), ("awq", 1, 15.0, None))]
     got = speed.sustained({"results": rows})
     # by M, then in the bench's format order (first seen), the row without a sample left out
     assert [(r["format"], r["m"]) for r in got] == [("q4_0", 1), ("fp16", 1), ("q4_0", 512), ("fp16", 512)]
     assert [r["energy_x_cublas"] for r in got] == pytest.approx([2.0, 1.0, 0.061 / 0.070, 1.0])
+    assert [r["sustained_x_cublas"] for r in got] == pytest.approx([36 / 14, 1.0, 0.87, 1.0])
     md = report.render(report.build(bench, accuracy=False, errors=errors))
     t = table_with(md, "energy x cuBLAS")
     assert sorted({r["format"] for r in t}) == sorted(REPORT_FORMATS)
@@ -326,12 +328,21 @@ def test_sustained_power_by_hand(errors, bench):
         base = rows[("fp16", 4096, 12288, int(r["M"]))]
         assert finite(r["mJ per product"]) == pytest.approx(src["mj_per_call"], abs=5e-3)
         assert finite(r["energy x cuBLAS"]) == pytest.approx(base["mj_per_call"] / src["mj_per_call"], abs=5e-3)
+        assert finite(r["sustained x cuBLAS"]) == pytest.approx(base["sustained_us"] / src["sustained_us"], abs=5e-3)
         assert finite(r["power W"]) == src["power_w"] and finite(r["SM clock MHz"]) == src["sm_clock_mhz"]
-    assert "(700.00 W)" in md
-    old = copy.deepcopy(bench)
+    assert "(700 W)" in md and "every 50 ms" in md and "for 1.5 s" in md
+    old = copy.deepcopy(bench)   # as written before the probe existed
+    del old["settings"]["power"], old["machine"]["power_limit"]
+    new_keys = ("sustained_us", "sm_clock_mhz", "power_w", "power_capped", "clock_reasons", "clock_reason_bits",
+                "power_limit_w", "mj_per_call")
     for r in old["results"]:
-        r.pop("mj_per_call", None)
-    assert "energy x cuBLAS" not in report.render(report.build(old, accuracy=False, errors=errors))
+        for key in new_keys:
+            r.pop(key, None)
+    md = report.render(report.build(old, accuracy=False, errors=errors))
+    assert "energy x cuBLAS" not in md and "power probe" not in md
+    old["results"][0]["power_error"] = "ValueError: nvidia-smi: cannot run it"
+    assert "The sustained power probe failed: ValueError: nvidia-smi: cannot run it" in \
+        report.render(report.build(old, accuracy=False, errors=errors))
 
 
 def test_qwen3_8b_sizes_match_outside_figures():

@@ -22,7 +22,8 @@ copies, median of the replays, warm-up excluded). Per row:
 
 and on the largest shape at M in POWER_M, the same launches replayed for --power-s seconds while
 nvidia-smi samples (quantzoo.bench.power): sustained_us, sm_clock_mhz, power_w, power_capped
-(share of samples at the driver's power cap), mj_per_call (energy of one launch).
+(share of samples at the driver's power cap), power_limit_w, mj_per_call (median power x
+sustained_us: the energy of one launch); power_error where the probe failed.
 
 Weights are seeded Gaussian (sigma 0.02, never zeros, which can run faster than real data).
 A format whose kernel module is missing or fails is recorded with status "missing"/"error"
@@ -54,7 +55,7 @@ POWER_S = 1.5
 
 CSV_FIELDS = ["format", "k", "n", "m", "status", "path", "median_us", "p10_us", "p90_us",
               "median_us_pdl", "read_us", "read_us_pdl", "sustained_us", "sm_clock_mhz", "power_w",
-              "power_capped", "mj_per_call",
+              "power_capped", "power_limit_w", "mj_per_call", "power_error",
               "tflops", "weight_bytes", "weight_tbps", "pct_copy_bw", "pct_cublas_tflops",
               "pct_roofline", "roofline_us", "x_cublas", "nmse", "timing", "copies", "inner",
               "reps", "error"]
@@ -215,6 +216,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
     l2 = timing.l2_cache_bytes()
     mods = {name: kernel_module(name) for name in names}
     power_shape = max(shapes, key=lambda s: s[0] * s[1])   # the first of the largest
+    probe = power_s > 0 and use_graph and any(m in POWER_M for m in ms)
     rows = []
     reads: dict = {}   # weight bytes -> one_launch_read's fields (every format of a size shares them)
     gen = torch.Generator(device="cuda")
@@ -268,13 +270,14 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
                         except Exception as e:  # noqa: BLE001
                             torch.cuda.synchronize()
                             rec["read_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    if power_s > 0 and use_graph and (k, n) == power_shape and m in POWER_M:
+                    if probe and (k, n) == power_shape and m in POWER_M:
                         try:   # as the read: a failure costs only these fields
                             rec.update(power.of_launches(lambda i: ops.matmul(x, copies[i % len(copies)]),
                                                          rec["inner"], power_s))
                         except Exception as e:  # noqa: BLE001
                             torch.cuda.synchronize()
                             rec["power_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                            log(f"  {name} {shape_key(k, n)} M={m}: power probe failed ({rec['power_error']})")
                     rec["status"] = "ok"
                     rec.update(metrics(rec, ceil))
                     line.append(f"M={m}:{rec['median_us']:.1f}us")
@@ -300,7 +303,8 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
         "settings": {"shapes": [list(s) for s in shapes], "m": list(ms), "formats": list(names),
                      "seed": seed, "sigma": SIGMA, "target_s": target_s, "graph": use_graph,
                      "l2_bytes": l2, "rotation": "copies x weight bytes >= 4 x L2",
-                     "power": {"shape": list(power_shape), "m": list(POWER_M), "seconds": power_s},
+                     "power": {"shape": list(power_shape), "m": [m for m in POWER_M if m in ms], "seconds": power_s,
+                               "interval_ms": power.INTERVAL_MS} if probe else None,
                      "qwen3_8b_layer": [[k, n, what, c] for k, n, what, c in QWEN3_8B_SHAPES],
                      "wall_s": round(time.time() - t_start, 1)},
         "results": rows,

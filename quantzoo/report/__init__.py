@@ -343,21 +343,29 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             L.append(_table([[r["format"], str(r["m"]), _f(r["sustained_us"], ".1f"), _f(r["median_us"], ".1f"),
                               _f(r["sm_clock_mhz"], ".0f"), _f(r["power_w"], ".0f"),
                               _f(100 * r["power_capped"], ".0f"), _f(r["mj_per_call"], ".2f"),
-                              _f(r["energy_x_cublas"], ".2f"), _f(r.get("x_cublas"), ".2f")] for r in sus],
+                              _f(r["sustained_x_cublas"], ".2f"), _f(r["energy_x_cublas"], ".2f")] for r in sus],
                             ["format", "M", "sustained us", "bench us", "SM clock MHz", "power W",
-                             "% samples at power cap", "mJ per product", "energy x cuBLAS", "time x cuBLAS"]))
-            limit = bench["machine"].get("power_limit")
-            secs = bench["settings"].get("power", {}).get("seconds")
+                             "% samples at power cap", "mJ per product", "sustained x cuBLAS", "energy x cuBLAS"]))
+            pw = bench["settings"].get("power") or {}
+            limits = sorted({r["power_limit_w"] for r in sus if r.get("power_limit_w")})
+            target = bench["settings"].get("target_s")
             L.append("\nEach format's launches on this shape replayed back to back"
-                     + (f" for {secs:g} s" if secs else "") + " while nvidia-smi sampled the SM clock, "
-                     "the board power and the driver's clock-event reasons every 50 ms (medians of the "
-                     "second half; 'sustained us' is the wall time per launch over the whole stretch, "
-                     "'bench us' the table's ~30 ms timing). '% samples at power cap': how often the "
-                     "driver held the clock down to stay under the card's power limit"
-                     + (f" ({limit})" if limit else "") + ". Where a product runs at the cap, its time "
-                     "is its energy over the limit: 'energy x cuBLAS' (cuBLAS fp16's mJ per product / "
-                     "the format's) then sets its time against cuBLAS, and a kernel that leaves the "
-                     "tensor cores idle part of the time gets a higher clock, not its time back.\n")
+                     + (f" for {pw['seconds']:g} s" if pw.get("seconds") else "") + " while nvidia-smi "
+                     "sampled the SM clock, the board power and the driver's clock-event reasons"
+                     + (f" every {pw['interval_ms']} ms" if pw.get("interval_ms") else "") + " (medians of "
+                     "the second half). 'sustained us' is the wall time per launch over the whole "
+                     "stretch, 'bench us' the tables' timing"
+                     + (f" (~{1e3 * target:g} ms a row)" if target else "") + "; 'mJ per product' is the "
+                     "median power x the sustained time. '% samples at power cap': how often the driver "
+                     "held the clock down to stay under the card's power limit"
+                     + (f" ({', '.join(f'{v:g} W' for v in limits)})" if limits else "") + ". Where every "
+                     "product runs at the cap, at the same power, its time and its energy are one ratio "
+                     "to cuBLAS: what sets it is the energy a kernel spends per product, not its cycles "
+                     "alone, and a kernel that leaves the tensor cores idle part of the time gets a "
+                     "higher clock, not its time back.\n")
+        errs = speed.power_errors(bench)
+        if errs and not sus:
+            L.append("The sustained power probe failed: " + "; ".join(errs) + "\n")
         L.append("### Per shape: median time in us (x cuBLAS fp16)\n")
         ms = speed.ms_in(bench)
         ok = {(r["format"], r["k"], r["n"], r["m"]): r for r in speed.ok_rows(bench)}

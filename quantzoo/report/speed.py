@@ -110,16 +110,22 @@ def read_floor(res: dict, fmt: str) -> dict | None:
 
 def sustained(res: dict) -> list[dict]:
     """The rows the bench's power probe sampled (quantzoo.bench.power), by M, then in the bench's
-    format order, each with energy_x_cublas: cuBLAS fp16's mJ per product / the format's at the
-    same shape and M (None without a baseline sample)."""
+    format order, each with sustained_x_cublas and energy_x_cublas: cuBLAS fp16's sustained time
+    and mJ per product over the format's at the same shape and M (None without a baseline)."""
     fmts = formats_in(res)
     rows = [r for r in ok_rows(res) if r.get("mj_per_call")]
-    base = {(r["k"], r["n"], r["m"]): r["mj_per_call"] for r in rows if r["format"] == BASELINE}
+    base = {(r["k"], r["n"], r["m"]): r for r in rows if r["format"] == BASELINE}
     out = []
     for r in sorted(rows, key=lambda r: (r["m"], fmts.index(r["format"]))):
         b = base.get((r["k"], r["n"], r["m"]))
-        out.append(dict(r, energy_x_cublas=b / r["mj_per_call"] if b else None))
+        out.append(dict(r, sustained_x_cublas=b["sustained_us"] / r["sustained_us"] if b else None,
+                        energy_x_cublas=b["mj_per_call"] / r["mj_per_call"] if b else None))
     return out
+
+
+def power_errors(res: dict) -> list[str]:
+    """The power probe's errors (rows' power_error), each once."""
+    return list(dict.fromkeys(r["power_error"] for r in res["results"] if r.get("power_error")))
 
 
 def streaming_fit(res: dict, fmt: str, m: int = 1, key: str = "median_us") -> dict | None:

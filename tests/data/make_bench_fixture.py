@@ -41,7 +41,8 @@ def main():
                     capped = m > 1
                     rec.update(sustained_us=t * 1.02e6, sm_clock_mhz=1400.0 if capped else 1980.0,
                                power_w=700.0 if capped else 350.0, power_capped=1.0 if capped else 0.0,
-                               clock_reasons=["sw power cap"] if capped else [])
+                               clock_reasons=["sw power cap"] if capped else [], clock_reason_bits=4 * capped,
+                               power_limit_w=700.0)
                     rec["mj_per_call"] = rec["power_w"] * rec["sustained_us"] * 1e-3
                 rec.update(kernels.metrics(rec, CEIL))
                 rows.append(rec)
@@ -61,7 +62,8 @@ def main():
                         "formats": kernels.bench_formats(), "seed": 0, "sigma": 0.02, "target_s": 0.03,
                         "graph": True, "l2_bytes": 52428800, "rotation": "copies x weight bytes >= 4 x L2",
                         "qwen3_8b_layer": [list(s) for s in kernels.QWEN3_8B_SHAPES], "wall_s": 0.0,
-                        "power": {"shape": [4096, 12288], "m": list(kernels.POWER_M), "seconds": 1.5}},
+                        "power": {"shape": [4096, 12288], "m": list(kernels.POWER_M), "seconds": 1.5,
+                                  "interval_ms": 50}},
            "results": rows}
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_kernels_fixture.json")
     with open(path, "w") as f:
