@@ -22,7 +22,7 @@ copies, median of the replays, warm-up excluded). Per row:
 
 and on the largest shape at M in POWER_M, the same launches replayed for --power-s seconds while
 nvidia-smi samples (quantzoo.bench.power): sustained_us, sm_clock_mhz, power_w, power_capped
-(share of samples at the driver's power cap), power_limit_w, mj_per_call (median power x
+(share of samples at the driver's power cap), power_limit_w, mj_per_call (mean power x
 sustained_us: the energy of one launch); power_error where the probe failed.
 
 Weights are seeded Gaussian (sigma 0.02, never zeros, which can run faster than real data).

@@ -8,8 +8,10 @@ loses, and its ratio to cuBLAS is a ratio of energies per product as much as of 
 (bench/NOTES.md, session 28). The bench's short timings see mostly that state. This module
 replays a launch's graph for a second or two while nvidia-smi samples the SM clock, the board
 power (the instantaneous reading where the driver has one: `power.draw` is a 1 s average on
-recent cards) and the clock-event reasons every INTERVAL_MS, and keeps the medians of the second
-half (the first is the driver settling). nvidia-smi, not NVML bindings: it ships with the
+recent cards) and the clock-event reasons every INTERVAL_MS, and keeps the second half (the
+first is the driver settling): the median clock, and the mean power, since the energy of the
+stretch is power integrated over time and the cap holds the power's average, not each sample
+(instantaneous readings at the cap scatter by +-50 W). nvidia-smi, not NVML bindings: it ships with the
 driver, so there is nothing more to install.
 """
 from __future__ import annotations
@@ -48,8 +50,8 @@ def parse(text: str) -> list[tuple[float, float, int]]:
 
 
 def summarize_samples(samples: list[tuple[float, float, int]]) -> dict:
-    """Medians of the second half of the samples, the share of them at the power cap and the
-    reasons seen there (names, and the bits)."""
+    """Over the second half of the samples: the median SM clock, the mean power, the share of
+    samples at the power cap and the reasons seen (names, and the bits)."""
     if len(samples) < MIN_SAMPLES:
         raise ValueError(f"nvidia-smi gave {len(samples)} usable samples, fewer than {MIN_SAMPLES}")
     keep = samples[len(samples) // 2:]
@@ -57,7 +59,7 @@ def summarize_samples(samples: list[tuple[float, float, int]]) -> dict:
     for s in keep:
         bits |= s[2]
     return {"sm_clock_mhz": statistics.median(s[0] for s in keep),
-            "power_w": statistics.median(s[1] for s in keep),
+            "power_w": statistics.fmean(s[1] for s in keep),
             "power_capped": sum(bool(s[2] & SW_POWER_CAP) for s in keep) / len(keep),
             "clock_reasons": [name for bit, name in REASONS.items() if bits & bit],
             "clock_reason_bits": bits}
@@ -99,8 +101,8 @@ def sustained(replay, sync, calls_per_replay: int, seconds: float = 1.5, device_
               cmd=("nvidia-smi",)) -> dict:
     """Replay (a graph of calls_per_replay launches) back to back for `seconds` while nvidia-smi
     samples; returns summarize_samples()'s fields, power_limit_w, sustained_us (wall time per
-    launch over the whole stretch) and mj_per_call: median power x sustained_us, the energy of
-    one launch as far as the board power tells it."""
+    launch over the whole stretch) and mj_per_call: mean power x sustained_us, the energy of one
+    launch as far as the board power tells it."""
     fields, limit = fields_for(cmd, device_id)
     replay()
     sync()
