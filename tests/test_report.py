@@ -343,6 +343,10 @@ def test_sustained_power_by_hand(errors, bench):
     old["results"][0]["power_error"] = "ValueError: nvidia-smi: cannot run it"
     assert "The sustained power probe failed: ValueError: nvidia-smi: cannot run it" in \
         report.render(report.build(old, accuracy=False, errors=errors))
+    part = copy.deepcopy(bench)
+    part["results"][0]["power_error"] = "ValueError: nvidia-smi -i GPU-x: no clock/power sample"
+    md = report.render(report.build(part, accuracy=False, errors=errors))
+    assert "energy x cuBLAS" in md and "The sustained power probe failed for some rows: ValueError" in md
 
 
 def test_qwen3_8b_sizes_match_outside_figures():

@@ -11,8 +11,8 @@ power (the instantaneous reading where the driver has one: `power.draw` is a 1 s
 recent cards) and the clock-event reasons every INTERVAL_MS, and keeps the second half (the
 first is the driver settling): the median clock, and the mean power, since the energy of the
 stretch is power integrated over time and the cap holds the power's average, not each sample
-(instantaneous readings at the cap scatter by +-50 W). nvidia-smi, not NVML bindings: it ships with the
-driver, so there is nothing more to install.
+(instantaneous readings at the cap scatter by +-50 W). nvidia-smi, not NVML bindings: it ships
+with the driver, so there is nothing more to install.
 """
 from __future__ import annotations
 

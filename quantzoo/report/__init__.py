@@ -353,8 +353,8 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                      + (f" for {pw['seconds']:g} s" if pw.get("seconds") else "") + " while nvidia-smi "
                      "sampled the SM clock, the board power and the driver's clock-event reasons"
                      + (f" every {pw['interval_ms']} ms" if pw.get("interval_ms") else "") + " (over the "
-                     "second half: the median clock, the mean power). 'sustained us' is the wall time per launch over the whole "
-                     "stretch, 'bench us' the tables' timing"
+                     "second half: the median clock, the mean power). 'sustained us' is the wall time "
+                     "per launch over the whole stretch, 'bench us' the tables' timing"
                      + (f" (~{1e3 * target:g} ms a row)" if target else "") + "; 'mJ per product' is the "
                      "mean power x the sustained time. '% samples at power cap': how often the driver "
                      "held the clock down to stay under the card's power limit"
@@ -364,8 +364,9 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                      "alone, and a kernel that leaves the tensor cores idle part of the time gets a "
                      "higher clock, not its time back.\n")
         errs = speed.power_errors(bench)
-        if errs and not sus:
-            L.append("The sustained power probe failed: " + "; ".join(errs) + "\n")
+        if errs:
+            L.append("The sustained power probe failed" + (" for some rows" if sus else "") + ": "
+                     + "; ".join(errs) + "\n")
         L.append("### Per shape: median time in us (x cuBLAS fp16)\n")
         ms = speed.ms_in(bench)
         ok = {(r["format"], r["k"], r["n"], r["m"]): r for r in speed.ok_rows(bench)}
