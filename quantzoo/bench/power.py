@@ -154,8 +154,4 @@ def of_launches(fn, inner: int, seconds: float) -> dict:
 
     from . import timing
 
-    g = timing.capture_graph(fn, inner)
-    try:
-        return sustained(g.replay, torch.cuda.synchronize, inner, seconds, smi_id())
-    finally:
-        del g
+    return sustained(timing.capture_graph(fn, inner).replay, torch.cuda.synchronize, inner, seconds, smi_id())
