@@ -17,10 +17,18 @@ namespace vec16 {
 
 constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 
-// One LW-byte load (LW = 16 or 8) of read-only data into words w[0 .. LW/4 - 1].
-template <int LW, bool NOALLOC>
+// One LW-byte load (LW = 16 or 8) of read-only data into words w[0 .. LW/4 - 1]; SHARED: p
+// points into shared memory (the persistent decode kernel's weight ring, decode_persistent.cu).
+template <int LW, bool NOALLOC, bool SHARED = false>
 __device__ __forceinline__ void load_chunk(const uint8_t* p, uint32_t* w) {
-    if constexpr (LW == 16) {
+    if constexpr (SHARED) {
+        const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+        if constexpr (LW == 16)
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a) : "memory");
+        else
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(a) : "memory");
+    } else if constexpr (LW == 16) {
         if constexpr (NOALLOC)
             asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
@@ -36,7 +44,7 @@ __device__ __forceinline__ void load_chunk(const uint8_t* p, uint32_t* w) {
 }
 
 // A weight block held as an LW-aligned byte window in registers, shifted to its start.
-template <class F, int LW, bool NOALLOC>
+template <class F, int LW, bool NOALLOC, bool SHARED = false>
 struct Window {
     static constexpr int G = gcd(F::BYTES, LW);
     static constexpr int OMAX = LW - G;                        // largest offset of a block in its window
@@ -62,7 +70,7 @@ struct Window {
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             if (c * LW < F::BYTES || c * LW < o + F::BYTES) {  // the first test is compile-time
-                load_chunk<LW, NOALLOC>(base + c * LW, &w[c * LW / 4]);
+                load_chunk<LW, NOALLOC, SHARED>(base + c * LW, &w[c * LW / 4]);
             } else {
 #pragma unroll
                 for (int i = 0; i < LW / 4; ++i) w[c * LW / 4 + i] = 0u;

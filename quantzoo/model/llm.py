@@ -280,7 +280,7 @@ class Model:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu",
                  max_seq: int | None = None, matmul_mode: str = "cached", cuda_graph: bool = True,
                  dtype=None, progress: bool = False, fuse: bool | None = None,
-                 fused_ops: bool | None = None, pdl: bool = True):
+                 fused_ops: bool | None = None, pdl: bool = True, persistent: bool | None = None):
         if matmul_mode not in MATMUL_MODES:
             raise ValueError(f"matmul_mode={matmul_mode!r}: choose one of {MATMUL_MODES}")
         device = check_device(device)
@@ -328,6 +328,17 @@ class Model:
         self._cache_len = 0
         self.k_cache = self.v_cache = None
         self._graph = None
+        # one-token steps through the persistent decode kernel (kernels.persistent: all decoder
+        # layers in one launch, GGUF models) where it serves the model; None: wherever it does
+        self._persistent = None
+        self.persistent_why = None
+        if persistent is not False:
+            from ..kernels.persistent import PersistentDecode
+
+            self.persistent_why = PersistentDecode.why_not(self)
+            if self.persistent_why and persistent:
+                raise ValueError(f"persistent=True: {self.persistent_why}")
+        self.persistent = persistent is not False and self.persistent_why is None
         # fused ops: a norm or SiLU feeding a GGUF linear at M <= 8 writes its output in Q8_1 too,
         # and the linear skips its quantize launch (bit-identical; False: the linear quantizes its
         # fp16 input). Not the decode attention: fused there it cost what it saved (session 14).
@@ -393,6 +404,10 @@ class Model:
                 # Q8_1 of a norm's or SiLU's output, for GGUF linears at M <= MMVQ_COLS (_forward_fused)
                 widest = max(cfg.hidden_size, cfg.intermediate_size)
                 self._q8 = torch.empty(MMVQ_COLS * widest // 32 * 36, dtype=torch.uint8, device=self.device)
+                if self.persistent:
+                    from ..kernels.persistent import PersistentDecode
+
+                    self._persistent = PersistentDecode(self)
             self._graph = None
         self._cache_len = n
         return n
@@ -465,7 +480,11 @@ class Model:
             y = lin.from_q8_1(xq, h.shape[0], lq)
             return lo.silu_mul(y) if glu else y
 
-        for li, lay in enumerate(self.layers):
+        layers = self.layers
+        if T == 1 and self.persistent and self._persistent is not None:
+            self._persistent.run(h, pos)   # every decoder layer in one launch; h += both deltas
+            layers = ()
+        for li, lay in enumerate(layers):
             qkv = norm_into(lay.qkv, h, delta, lay.attn_norm)
             kc, vc = self.k_cache[li, 0], self.v_cache[li, 0]            # (KV, S, hd)
             q = lo.qk_rope_store(qkv, lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
@@ -482,7 +501,7 @@ class Model:
                 lo.silu_mul(gu, xq, lq)
                 delta = lay.down.from_q8_1(xq, T, lq)
         if not all_logits:
-            h, delta = h[-1:], delta[-1:]
+            h, delta = h[-1:], (None if delta is None else delta[-1:])
         return norm_into(self.lm_head, h, delta, self.norm)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, all_logits: bool,

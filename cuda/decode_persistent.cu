@@ -1,0 +1,339 @@
+// decode_persistent.cu -- a whole decode step's decoder layers (one token, GGUF weights) in one
+// launch: every CTA stays resident, streams its share of every layer's weights through a ring in
+// shared memory, and runs the layer's small ops between grid-wide barriers.
+//
+// What it computes is exactly the runner's decode step with fused layer ops (quantzoo/model/
+// llm.py, _forward_fused at T = 1), the same values bit for bit: per layer,
+//   x    = Q8_1(rms_norm(h) * attn_norm)                 layer_ops::rms_norm_row
+//   qkv  = W_qkv x                                       the GEMV below (mmvq16's arithmetic)
+//   q, k = rope(q/k-norm(q, k)); k, v -> cache row pos   layer_ops::rope_item
+//   a    = attention(q, cache rows 0..pos)               layer_ops::attn_cta
+//   h   += W_o Q8_1(a)
+//   x    = Q8_1(rms_norm(h) * mlp_norm)
+//   t    = Q8_1(silu(W_gate x) * (W_up x))               swiglu.cuh, q8_1_store
+//   h   += W_down t
+// The GEMV is gguf_mmvq16.cu's: lane l of the warp that owns a row takes the row's blocks
+// l, l + 32, ... in that order, sumi by DP4A, the format's per-block term (gguf_common.cuh),
+// then warp_sum; so each output equals the one-launch kernel's.
+//
+// Why. A decode step of one kernel per op spends ~40 % of its time outside the weight stream
+// (bench/NOTES.md, sessions 20-28): 8-10 launches a layer, each a chain of dependent latencies
+// (wait for the previous grid, load, reduce, store), while DRAM idles. Sessions that fused single
+// ops into their neighbours found each fusion cost what it saved. Here the weights never stop
+// streaming: one producer thread per CTA walks the CTA's static list of weight pieces for the
+// whole step -- every layer, every phase -- with cp.async.bulk copies into a ring of NS stages,
+// waiting only for a free stage; it never waits for a grid barrier, because weights do not depend
+// on activations. While the consumer warps sit at a barrier, in the attention or in a norm, the
+// ring fills with the next phase's rows.
+//
+// Layout of the work:
+//   * CTA c of P (one per SM, all resident) owns rows [c N / P, (c + 1) N / P) of each weight of
+//     N rows; gate and up go by whole 32-row units, so that the CTA holds the gate and up rows of
+//     the same Q8_1 blocks of t and quantizes them itself.
+//   * A ring stage is one piece of one row: up to PIECE (128) blocks, 16-byte aligned because a
+//     row of K % 256 == 0 values is a multiple of 16 bytes in every format. Consumer warp w takes
+//     the CTA's local rows w, w + CW, ...; stage s (counted over the whole step, the same count in
+//     the producer and every consumer) lives in slot s % NS with phase parity (s / NS) & 1.
+//   * Small ops: the norm's and the o-input's quantization run redundantly in every CTA (4096
+//     values from L2, into the CTA's own shared x); q/k-norm + RoPE by one warp per head; the
+//     attention on (split, KV head) items by warps 0-3 of the first CTAs.
+//   * Grid barrier: the consumer warps meet (named barrier 1), thread 0 publishes with a fence and
+//     an atomic add on a counter the host zeroes before the launch, and spins on an acquire load.
+//     The launch must have all its CTAs resident: grid = the SM count, one CTA per SM (its shared
+//     memory sees to that), launched after the previous kernel completes (no early release).
+// Data written in one phase and read in another goes through L2 (ld.global.cg / __ldcg).
+//
+// sm_90 (cp.async.bulk, mbarrier try_wait); elsewhere the kernel body is empty.
+#include "gguf_window.cuh"
+#include "layer_ops.cuh"
+
+namespace persist {
+
+constexpr int CW = 16;                       // consumer warps
+constexpr int THREADS = (CW + 1) * 32;       // + one producer warp
+constexpr int PIECE = 128;                   // blocks per ring stage
+constexpr int LAYER_PTRS = 9;                // qkv, o, gate_up, down, attn_norm, mlp_norm, qk_norm, k, v
+
+// Rows of one weight a CTA streams in one phase: rows [r0, r1) of the tensor at w (rows of nb
+// blocks of the format).
+struct Rows {
+  const uint8_t* w;
+  int r0, r1, nb;
+  __device__ __forceinline__ int pieces() const { return (nb + PIECE - 1) / PIECE; }
+};
+
+__device__ __forceinline__ int share(int n, int c, int p) { return int((long long)n * c / p); }
+
+// The five weight phases of layer l for CTA c of p, in streaming order.
+struct LayerRows {
+  Rows ph[5];
+  __device__ __forceinline__ LayerRows(const unsigned long long* lw, int c, int p, int D, int F, int NQKV, int HHD) {
+    const uint8_t* qkv = reinterpret_cast<const uint8_t*>(lw[0]);
+    const uint8_t* o = reinterpret_cast<const uint8_t*>(lw[1]);
+    const uint8_t* gu = reinterpret_cast<const uint8_t*>(lw[2]);
+    const uint8_t* dn = reinterpret_cast<const uint8_t*>(lw[3]);
+    const int u0 = 32 * share(F / 32, c, p), u1 = 32 * share(F / 32, c + 1, p);
+    ph[0] = {qkv, share(NQKV, c, p), share(NQKV, c + 1, p), D / 32};
+    ph[1] = {o, share(D, c, p), share(D, c + 1, p), HHD / 32};
+    ph[2] = {gu, u0, u1, D / 32};
+    ph[3] = {gu, F + u0, F + u1, D / 32};
+    ph[4] = {dn, share(D, c, p), share(D, c + 1, p), F / 32};
+  }
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile("{\n.reg .pred done;\nWAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+// bytes (a multiple of 16) from global src (16-byte aligned) to shared dst, completing on bar.
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" :: "n"(CW * 32) : "memory"); }
+struct ConsumerSync {
+  __device__ __forceinline__ void operator()() const { consumers_sync(); }
+};
+struct AttnSync {   // warps 0-3
+  __device__ __forceinline__ void operator()() const { asm volatile("bar.sync 2, 128;\n" ::: "memory"); }
+};
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// All consumer warps of all CTAs meet; what any of them wrote before is visible after. With a
+// trace, thread 0 records when its CTA arrived (at[0]) and left (at[gridDim.x]).
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned& n, int tid, unsigned long long* at) {
+  consumers_sync();
+  if (at && tid == 0) at[0] = global_ns();
+  n += gridDim.x;
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+    unsigned v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+    } while (v < n);
+    if (at) at[gridDim.x] = global_ns();
+  }
+  consumers_sync();
+}
+#endif
+
+}  // namespace persist
+
+// One decode step through L layers. lw: L x LAYER_PTRS device pointers (quantzoo/kernels/
+// persistent.py). h (D) fp16: the residual stream, updated in place (on return h + every layer's
+// two deltas; the caller's final norm adds nothing more). qkv ((H + 2 KV) HD), q (H HD), attn
+// (H HD), act_q8 (F / 32 Q8_1 blocks, split layout): scratch; part_o / part_ml / count: the
+// attention's (layer_ops.DecodeWork, n_split runs). bar: one zeroed counter. NS ring stages of
+// PIECE blocks; norm_v / norm_threads: add_rms_norm's V and thread count for D (layer_ops.py),
+// which the norm must reproduce to give its bits.
+template <class F, int E, int G, bool NORM, int V>
+__global__ void __launch_bounds__(persist::THREADS, 1)
+decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, __half* qkv, __half* q, __half* attn,
+                  uint8_t* act_q8, float* part_o, float* part_ml, int* count, const long long* __restrict__ pos,
+                  const __half* __restrict__ cos_t, const __half* __restrict__ sin_t, unsigned* bar,
+                  int D, int F_, int H, int KV, int S, int n_split, int norm_threads, int NS,
+                  float eps, float scale_log2, unsigned long long* trace) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace persist;
+  pdl::grid_wait();   // no early release: the next kernel may start only when every CTA is gone
+  constexpr int HD = 32 * E;
+  constexpr int SLOT = PIECE * F::BYTES;
+  const int NQKV = (H + 2 * KV) * HD, HHD = H * HD, FF = F_;
+  const int XB = max(max(D, HHD), FF) / 32;          // Q8_1 blocks the shared x holds at most
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;                              // NS x SLOT (+ 16: a window may read past)
+  uint8_t* xs = ring + NS * SLOT + 16;               // Q8_1 x, split: qs 32 B / block, then half2 (d, s)
+  __half* gs = reinterpret_cast<__half*>(xs + XB * 36);   // this CTA's gate outputs (<= 32 ceil(F/32/P))
+  const int UMAX = 32 * ((FF / 32 + gridDim.x - 1) / gridDim.x);
+  __half* ts = gs + UMAX;                            // and its silu(gate) * up
+  // NS full then NS empty mbarriers, 8-byte aligned
+  const unsigned full0 = (saddr(ts + UMAX) + 7u) & ~7u, empty0 = full0 + 8 * NS;
+  __shared__ float red[32];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int c = blockIdx.x, P = gridDim.x;
+  if (tid == 0) {
+    for (int s = 0; s < NS; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == CW) {   // the producer: every piece of every phase of every layer, in order
+    if (lane == 0) {
+      int st = 0;
+      for (int l = 0; l < L; ++l) {
+        const LayerRows lr(lw + (long long)l * LAYER_PTRS, c, P, D, FF, NQKV, HHD);
+#pragma unroll 1
+        for (int ph = 0; ph < 5; ++ph) {
+          const Rows& r = lr.ph[ph];
+          const long long row_bytes = (long long)r.nb * F::BYTES;
+          for (int row = r.r0; row < r.r1; ++row)
+            for (int pc = 0; pc * PIECE < r.nb; ++pc, ++st) {
+              const int slot = st % NS;
+              if (st >= NS) mbar_wait(empty0 + 8 * slot, ((st / NS) - 1) & 1);
+              const unsigned bytes = unsigned(min(PIECE, r.nb - pc * PIECE) * F::BYTES);
+              bulk_copy(saddr(ring + slot * SLOT), r.w + row * row_bytes + (long long)pc * PIECE * F::BYTES, bytes,
+                        full0 + 8 * slot);
+            }
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: tid 0 .. CW * 32 - 1 ----
+  const ConsumerSync csync;
+  unsigned nbar = 0;
+  int st = 0;
+
+  // y[row] for the phase's rows, each by one warp; epi(row, y) stores it (lane 0).
+  auto gemv = [&](const Rows& r, int nbx, auto&& epi) {
+    const int pp = r.pieces(), rows = r.r1 - r.r0;
+    const __half2* xds = reinterpret_cast<const __half2*>(xs + 32 * nbx);
+    for (int i = warp; i < rows; i += CW) {
+      float acc = 0.0f;
+      for (int pc = 0; pc < pp; ++pc) {
+        const int s = st + i * pp + pc, slot = s % NS;
+        mbar_wait(full0 + 8 * slot, (s / NS) & 1);
+        const uint8_t* piece = ring + slot * SLOT;
+        const int nbp = min(PIECE, r.nb - pc * PIECE);
+#pragma unroll
+        for (int j = 0; j < PIECE / 32; ++j) {
+          const int b = lane + 32 * j;
+          if (b < nbp) {
+            vec16::Window<F, 16, false, true> win;
+            win.load(piece, (long long)b * F::BYTES);
+            float dw, mw;
+            int qw[8];
+            F::unpack_from([&](int k) { return win.get(k); }, dw, mw, qw);
+            const int kb = pc * PIECE + b;
+            uint4 a0, a1;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a0.x), "=r"(a0.y), "=r"(a0.z), "=r"(a0.w)
+                         : "r"(saddr(xs + 32 * kb)) : "memory");
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a1.x), "=r"(a1.y), "=r"(a1.z), "=r"(a1.w)
+                         : "r"(saddr(xs + 32 * kb + 16)) : "memory");
+            const float2 ds = __half22float2(xds[kb]);
+            const int a[8] = {int(a0.x), int(a0.y), int(a0.z), int(a0.w), int(a1.x), int(a1.y), int(a1.z), int(a1.w)};
+            int sumi = 0;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) sumi = __dp4a(qw[t], a[t], sumi);
+            acc += F::term(sumi, dw, mw, ds.x, ds.y);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * slot);
+      }
+      const float y = warp_sum(acc);
+      if (lane == 0) epi(r.r0 + i, y);
+    }
+    st += rows * pp;
+  };
+
+  // Q8_1 of n fp16 values at src (written by another phase) into xs: q8_1_store8's groups of 4
+  // threads per block, the bytes quantize_q8_1_split makes.
+  auto quantize_into_xs = [&](const __half* src, int n) {
+    const int chunks = n / 8;
+    for (int c0 = 0; c0 < chunks; c0 += CW * 32) {   // whole warps per round (chunks % 4 == 0)
+      const int ch = c0 + tid;
+      const bool ok = ch < chunks;
+      const uint4 v = ok ? __ldcg(reinterpret_cast<const uint4*>(src) + ch) : make_uint4(0u, 0u, 0u, 0u);
+      q8_1_store8<true>(v, ok, xs, ch / 4, n / 32, ch & 3);
+    }
+  };
+
+  const int tid_c = tid;   // consumer thread index (the producer warp is the last)
+  // trace: per layer l and barrier k (0: before qkv, 1-5: after qkv, rope, attention, o,
+  // gate/up), arrival and departure of CTA c at trace[((l * 6 + k) * 2 + {0, 1}) * P + c]; the
+  // end of the last down_proj at trace[L * 12 * P + c]
+  auto at = [&](int l, int k) { return trace ? trace + (long long)(l * 6 + k) * 2 * P + c : nullptr; };
+  for (int l = 0; l < L; ++l) {
+    const unsigned long long* p = lw + (long long)l * LAYER_PTRS;
+    const LayerRows lr(p, c, P, D, FF, NQKV, HHD);
+    const __half* attn_norm = reinterpret_cast<const __half*>(p[4]);
+    const __half* mlp_norm = reinterpret_cast<const __half*>(p[5]);
+    const __half* qk_norm = reinterpret_cast<const __half*>(p[6]);
+    __half* kc = reinterpret_cast<__half*>(p[7]);
+    __half* vc = reinterpret_cast<__half*>(p[8]);
+
+    // qkv = W_qkv Q8_1(norm(h))
+    if (l > 0) {
+      grid_barrier(bar, nbar, tid_c, at(l, 0));
+    } else if (trace && tid_c == 0) {
+      trace[c] = trace[P + c] = global_ns();
+    }
+    layer_ops::rms_norm_row<false, V, 2>(h, nullptr, attn_norm, nullptr, xs, 0, D / 32, D, eps, tid_c,
+                                         norm_threads, red, csync);
+    csync();
+    gemv(lr.ph[0], D / 32, [&](int row, float y) { qkv[row] = __float2half_rn(y); });
+    grid_barrier(bar, nbar, tid_c, at(l, 1));
+
+    // q/k norm + RoPE; k, v into the cache
+    for (int item = c * CW + warp; item < H + 2 * KV; item += P * CW)
+      layer_ops::rope_item<E, NORM>(item, lane, qkv, qk_norm, cos_t, sin_t, pos, q, kc, vc, H, KV, S, eps);
+    grid_barrier(bar, nbar, tid_c, at(l, 2));
+
+    // attention: (split, KV head) items on warps 0-3
+    if (warp < 4)
+      for (int it = c; it < n_split * KV; it += P)
+        layer_ops::attn_cta<E, G, true>(it % n_split, it / n_split, tid_c, q, kc, vc, pos, part_o, part_ml, count, attn,
+                                  S, n_split, scale_log2, AttnSync());
+    grid_barrier(bar, nbar, tid_c, at(l, 3));
+
+    // h += W_o Q8_1(a)
+    quantize_into_xs(attn, HHD);
+    csync();
+    gemv(lr.ph[1], HHD / 32, [&](int row, float y) {
+      h[row] = __float2half_rn(__half2float(__ldcg(h + row)) + __half2float(__float2half_rn(y)));
+    });
+    grid_barrier(bar, nbar, tid_c, at(l, 4));
+
+    // t = Q8_1(silu(W_gate x) * (W_up x)), x = Q8_1(norm(h)), this CTA's 32-row units
+    layer_ops::rms_norm_row<false, V, 2>(h, nullptr, mlp_norm, nullptr, xs, 0, D / 32, D, eps, tid_c,
+                                         norm_threads, red, csync);
+    csync();
+    const int u0 = lr.ph[2].r0;
+    gemv(lr.ph[2], D / 32, [&](int row, float y) { gs[row - u0] = __float2half_rn(y); });
+    gemv(lr.ph[3], D / 32, [&](int row, float y) {   // the same warp wrote gate row row - F
+      const int j = row - FF - u0;
+      ts[j] = __float2half_rn(swiglu(__half2float(gs[j]), __half2float(__float2half_rn(y))));
+    });
+    csync();
+    for (int u = lr.ph[2].r0 / 32 + warp; u < lr.ph[2].r1 / 32; u += CW)
+      q8_1_store<true>(__half2float(ts[u * 32 - u0 + lane]), act_q8, u, FF / 32, lane);
+    grid_barrier(bar, nbar, tid_c, at(l, 5));
+
+    // h += W_down t
+    {
+      const int n16 = FF / 32 * 36 / 16;   // act_q8 is 16-byte aligned and FF % 128 == 0
+      for (int i = tid_c; i < n16; i += CW * 32)
+        reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(act_q8) + i);
+    }
+    csync();
+    gemv(lr.ph[4], FF / 32, [&](int row, float y) {
+      h[row] = __float2half_rn(__half2float(__ldcg(h + row)) + __half2float(__float2half_rn(y)));
+    });
+  }
+  if (trace) {
+    consumers_sync();
+    if (tid_c == 0) trace[(long long)L * 12 * P + c] = global_ns();
+  }
+#endif
+}

@@ -1,0 +1,316 @@
+// layer_ops.cuh -- the bodies of the decoder's small per-layer ops (the math is in layer_ops.cu's
+// header), as device functions over an explicit thread index and barrier, so that two kinds of
+// kernel run the very same arithmetic:
+//   * layer_ops.cu: one launch per op, a CTA (or warp) per item, the barrier __syncthreads;
+//   * decode_persistent.cu: one launch per decode step, each op a phase run by some of the
+//     resident CTAs' consumer warps, the barrier a named barrier over those warps only.
+// Data that a persistent kernel writes in one phase and reads in a later one (h, the qkv row,
+// q) is read with ld.global.cg (L2): the non-coherent read-only path may keep a line from an
+// earlier phase. It costs the one-op kernels nothing (their inputs come from L2 anyway).
+#pragma once
+#include <cuda_fp16.h>
+#include "pdl.cuh"
+#include "q8_1.cuh"
+#include "swiglu.cuh"
+#include "warp_sum.cuh"
+
+namespace layer_ops {
+
+// The sum of v over threads 0 .. nthr - 1 (nthr % 32 == 0; threads past nthr pass 0 and take
+// part in the barrier), in every one of them. red: 32 floats of shared memory.
+template <class Sync>
+__device__ __forceinline__ float block_sum(float v, float* red, int tid, int nthr, const Sync& sync) {
+  const int lane = tid % 32, warp = tid / 32, nw = nthr / 32;
+  v = warp_sum(v);
+  if (lane == 0 && warp < nw) red[warp] = v;
+  sync();
+  v = lane < nw ? red[lane] : 0.0f;
+  v = warp_sum(v);
+  return v;
+}
+
+__device__ __forceinline__ float r16(float v) { return __half2float(__float2half_rn(v)); }
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }  // NVRTC: no INFINITY
+
+// One row of add_rms_norm: threads tid < nthr (nthr = ceil(D / (8 V)) rounded up to a warp; the
+// rest only meet the barrier). Thread i holds the 16-byte chunks i, i + nthr, ... (V of them) of
+// the row in registers: every load of the row is issued before the first use, and the second
+// pass re-reads nothing (a loop that loaded, added and stored one chunk at a time paid one
+// memory latency per chunk: 4.6 us per call). out may be null (Q8_1 only). Q > 0 (D % 32 == 0):
+// each output chunk is also quantized from registers by q8_1_store8, whose lane groups are the
+// 4 threads holding one 32-value block (a first version that re-read the written row with one
+// warp per block took 4.1 us a call at T = 1 instead of 1.9, a single CTA quantizing 128 blocks
+// in 8 rounds); the row's blocks are blk0 .. of n_blocks at q8.
+template <bool ADD, int V, int Q, class Sync>
+__device__ __forceinline__ void rms_norm_row(__half* h, const __half* delta, const __half* __restrict__ w,
+                                             __half* out, unsigned char* q8, long long blk0, long long n_blocks,
+                                             int D, float eps, int tid, int nthr, float* red, const Sync& sync) {
+  const int chunks = D / 8;
+  uint4* h8 = reinterpret_cast<uint4*>(h);
+  const uint4* d8 = reinterpret_cast<const uint4*>(delta);
+  const bool mine = tid < nthr;
+  uint4 hv[V], dv[V], wv[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int c = tid + j * nthr;
+    if (mine && c < chunks) {
+      hv[j] = __ldcg(h8 + c);
+      if (ADD) dv[j] = __ldcg(d8 + c);
+      wv[j] = __ldg(reinterpret_cast<const uint4*>(w) + c);
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int c = tid + j * nthr;
+    if (!mine || c >= chunks) continue;
+    __half2* x = reinterpret_cast<__half2*>(&hv[j]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 v = __half22float2(x[i]);
+      if (ADD) {
+        const float2 d = __half22float2(reinterpret_cast<const __half2*>(&dv[j])[i]);
+        x[i] = __floats2half2_rn(v.x + d.x, v.y + d.y);
+        v = __half22float2(x[i]);
+      }
+      ss += v.x * v.x + v.y * v.y;
+    }
+    if (ADD) h8[c] = hv[j];
+  }
+  const float r = rsqrtf(block_sum(ss, red, tid, nthr, sync) / float(D) + eps);
+  if (!mine) return;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int c = tid + j * nthr;
+    const bool ok = c < chunks;
+    if (!Q && !ok) continue;
+    uint4 o = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 v = __half22float2(reinterpret_cast<const __half2*>(&hv[j])[i]);
+        const float2 s = __half22float2(reinterpret_cast<const __half2*>(&wv[j])[i]);
+        reinterpret_cast<__half2*>(&o)[i] = __floats2half2_rn(s.x * r16(v.x * r), s.y * r16(v.y * r));
+      }
+      if (out) reinterpret_cast<uint4*>(out)[c] = o;
+    }
+    if (Q)   // chunks 4b..4b+3 (Q8_1 block b of the row) sit in lanes 4q..4q+3 of one warp
+      q8_1_store8<Q == 2>(o, ok, q8, blk0 + c / 4, n_blocks, c & 3);
+  }
+}
+
+// One (token, head) item of qk_rope_store, run by one warp (lane = its lane): item = t * (H +
+// 2 KV) + head of the fused qkv rows [q heads | k heads | v heads].
+template <int E, bool NORM>
+__device__ __forceinline__ void rope_item(int item, int lane, const __half* qkv, const __half* __restrict__ norm_w,
+                                          const __half* __restrict__ cos_t, const __half* __restrict__ sin_t,
+                                          const long long* __restrict__ pos, __half* q_out, __half* k_cache,
+                                          __half* v_cache, int H, int KV, int S, float eps) {
+  constexpr int HD = 32 * E;
+  const int heads = H + 2 * KV;
+  const int t = item / heads, head = item % heads;
+  const __half* src = qkv + (long long)item * HD;  // row t, head `head` of (T, heads*HD)
+  const long long p = pos[t];
+  __half xh[E];
+  float x[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    xh[e] = __ldcg(src + lane + 32 * e);
+    x[e] = __half2float(xh[e]);
+  }
+  if (head >= H + KV) {  // v: copied into the cache as it is
+    __half* dst = v_cache + ((long long)(head - H - KV) * S + p) * HD;
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[lane + 32 * e] = xh[e];
+    return;
+  }
+  if (NORM) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) ss += x[e] * x[e];
+    const float r = rsqrtf(warp_sum(ss) / float(HD) + eps);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = r16(__half2float(norm_w[head * HD + lane + 32 * e]) * r16(x[e] * r));
+  }
+  __half* dst = head < H ? q_out + ((long long)t * H + head) * HD
+                         : k_cache + ((long long)(head - H) * S + p) * HD;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int i = lane + 32 * e;
+    const float c = __half2float(cos_t[p * HD + i]), s = __half2float(sin_t[p * HD + i]);
+    dst[i] = __float2half_rn(r16(x[e] * c) + r16(x[(e + E / 2) % E] * s));
+  }
+}
+
+// Decode attention, one CTA of it: 128 threads (tid 0..127, 4 warps) take run `split` of the
+// cache rows 0..pos[0] for the G query heads of KV head kv. The rows are cut into n runs of
+// `chunk` positions (chunk a multiple of 16, at least MIN_CHUNK, so that short contexts take
+// one CTA per KV head and need no merge; n <= n_split), decided here from pos so that one
+// captured graph serves every position; CTAs past n return at once. Warp w takes groups of 4
+// consecutive positions of its run; the next group's 8 row loads are issued before the current
+// group is computed, and the 4 x G dot products are reduced independently so their shuffles
+// pipeline. Lane l holds dims E*l .. E*l+E-1 (one 4- or 8-byte load per row). Scores are in
+// base 2 (q pre-scaled by log2(e)/sqrt(hd)). With n > 1 each CTA leaves (max, sum,
+// unnormalised output) per query head in part_ml / part_o (KV*G, n_split, ...), and the last
+// CTA of a KV head to finish (a ticket from count[kv], which it resets) merges them.
+constexpr int MIN_CHUNK = 64;
+
+template <int E, bool CG = false>
+__device__ __forceinline__ void load_row(float* dst, const __half* src) {
+  if constexpr (E == 4) {
+    const uint2 u = CG ? __ldcg(reinterpret_cast<const uint2*>(src)) : *reinterpret_cast<const uint2*>(src);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    dst[0] = a.x; dst[1] = a.y; dst[2] = b.x; dst[3] = b.y;
+  } else {
+    const unsigned u = CG ? __ldcg(reinterpret_cast<const unsigned*>(src)) : *reinterpret_cast<const unsigned*>(src);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u));
+    dst[0] = a.x; dst[1] = a.y;
+  }
+}
+
+// CG: read the cache through L2 (a persistent kernel writes row pos in an earlier phase).
+template <int E, int G, bool CG, class Sync>
+__device__ __forceinline__ void attn_cta(int split, int kv, int tid, const __half* q, const __half* k_cache,
+                                         const __half* v_cache, const long long* __restrict__ pos,
+                                         float* part_o, float* part_ml, int* count, __half* out,
+                                         int S, int n_split, float scale_log2, const Sync& sync) {
+  constexpr int HD = 32 * E, W = 4;
+  const int lane = tid % 32, warp = tid / 32;
+  const int npos = (int)pos[0] + 1;
+  int n = min(n_split, (npos + MIN_CHUNK - 1) / MIN_CHUNK);
+  const int chunk = ((npos + n - 1) / n + 15) / 16 * 16;
+  n = (npos + chunk - 1) / chunk;
+  if (split >= n) return;
+  const int p0 = split * chunk, p1 = min(p0 + chunk, npos);
+  float qv[G][E], acc[G][E], m[G], l[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = neg_inf();
+    l[g] = 0.0f;
+    load_row<E, true>(qv[g], q + (kv * G + g) * HD + E * lane);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      qv[g][e] *= scale_log2;
+      acc[g][e] = 0.0f;
+    }
+  }
+  const __half* kb = k_cache + (long long)kv * S * HD + E * lane;
+  const __half* vb = v_cache + (long long)kv * S * HD + E * lane;
+  float kk[4][E], vv[4][E];
+  auto fetch = [&](int pb) {   // rows past p1 are loaded (valid memory) and masked below
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const long long p = min(pb + j, p1 - 1);
+      load_row<E, CG>(kk[j], kb + p * HD);
+      load_row<E, CG>(vv[j], vb + p * HD);
+    }
+  };
+  int pb = p0 + warp * 4;
+  if (pb < p1) fetch(pb);
+  for (; pb < p1; pb += W * 4) {   // pb itself is always a valid row
+    float sc[4][G], nv[4][E];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) d += qv[g][e] * kk[j][e];
+        sc[j][g] = d;
+      }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < E; ++e) nv[j][e] = vv[j][e];
+    if (pb + W * 4 < p1) fetch(pb + W * 4);   // next group in flight while this one finishes
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int g = 0; g < G; ++g) sc[j][g] += __shfl_xor_sync(0xffffffffu, sc[j][g], off);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (pb + j >= p1) sc[j][g] = neg_inf();
+        mx = fmaxf(mx, sc[j][g]);
+      }
+      const float corr = exp2f(m[g] - mx);   // m = -inf on the first group: corr = 0
+      float pw[4];
+      l[g] *= corr;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) { pw[j] = exp2f(sc[j][g] - mx); l[g] += pw[j]; }
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        float a = acc[g][e] * corr;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a += pw[j] * nv[j][e];
+        acc[g][e] = a;
+      }
+      m[g] = mx;
+    }
+  }
+  // merge the 4 warps through shared memory
+  __shared__ float sm_m[W][G], sm_l[W][G], sm_o[W][G][HD];
+  __shared__ int ticket;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+#pragma unroll
+    for (int e = 0; e < E; ++e) sm_o[warp][g][E * lane + e] = acc[g][e];
+  }
+  sync();
+  for (int idx = tid; idx < G * HD; idx += W * 32) {
+    const int g = idx / HD, d = idx % HD;
+    float mx = neg_inf();
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float o = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {   // a warp that saw no position has m = -inf: weight 0
+      const float f = exp2f(sm_m[w][g] - mx);
+      o += sm_o[w][g][d] * f;
+      sum += sm_l[w][g] * f;
+    }
+    if (n == 1) {   // the whole context was this CTA's: done
+      out[(kv * G + g) * HD + d] = __float2half_rn(o / sum);
+      continue;
+    }
+    const long long slot = (long long)(kv * G + g) * n_split + split;
+    part_o[slot * HD + d] = o;
+    if (d == 0) { part_ml[slot * 2] = mx; part_ml[slot * 2 + 1] = sum; }
+  }
+  if (n == 1) {
+    sync();   // sm_* may be reused by this CTA's next item
+    return;
+  }
+  // the last of this KV head's n CTAs merges the runs
+  __threadfence();
+  sync();
+  if (tid == 0) ticket = atomicAdd(&count[kv], 1);
+  sync();
+  const bool last = ticket == n - 1;
+  sync();   // everyone has read ticket before a next item may overwrite it
+  if (!last) return;
+  __threadfence();
+  for (int idx = tid; idx < G * HD; idx += W * 32) {
+    const int g = idx / HD, d = idx % HD;
+    const long long base = (long long)(kv * G + g) * n_split;
+    float mx = neg_inf();
+    for (int sp = 0; sp < n; ++sp) mx = fmaxf(mx, __ldcg(part_ml + (base + sp) * 2));
+    float o = 0.0f, sum = 0.0f;
+    for (int sp = 0; sp < n; ++sp) {
+      const float f = exp2f(__ldcg(part_ml + (base + sp) * 2) - mx);
+      sum += __ldcg(part_ml + (base + sp) * 2 + 1) * f;
+      o += __ldcg(part_o + (base + sp) * HD + d) * f;
+    }
+    out[(kv * G + g) * HD + d] = __float2half_rn(o / sum);
+  }
+  if (tid == 0) count[kv] = 0;   // ready for the next call (or graph replay)
+}
+
+}  // namespace layer_ops
