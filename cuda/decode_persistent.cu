@@ -49,9 +49,13 @@
 
 namespace persist {
 
-constexpr int CW = 16;                       // consumer warps
+#ifndef PERSIST_CW
+#define PERSIST_CW 16
+#endif
+constexpr int CW = PERSIST_CW;               // consumer warps
 constexpr int THREADS = (CW + 1) * 32;       // + one producer warp
-constexpr int PIECE = 128;                   // blocks per ring stage
+constexpr int PIECE = 128;                   // blocks per row piece
+constexpr int SP = 4;                        // row pieces per ring stage (one bulk copy)
 constexpr int LAYER_PTRS = 9;                // qkv, o, gate_up, down, attn_norm, mlp_norm, qk_norm, k, v
 
 // Rows of one weight a CTA streams in one phase: rows [r0, r1) of the tensor at w (rows of nb
@@ -60,6 +64,11 @@ struct Rows {
   const uint8_t* w;
   int r0, r1, nb;
   __device__ __forceinline__ int pieces() const { return (nb + PIECE - 1) / PIECE; }
+  // Where piece q (row r0 + q / pp, piece q % pp) starts, in blocks from row r0's first block:
+  // the phase's pieces lie back to back in memory, so a stage of consecutive pieces is one copy.
+  __device__ __forceinline__ long long block_of(int q, int pp) const {
+    return (long long)(q / pp) * nb + (long long)(q % pp) * PIECE;
+  }
 };
 
 __device__ __forceinline__ int share(int n, int c, int p) { return int((long long)n * c / p); }
@@ -86,8 +95,8 @@ __device__ __forceinline__ unsigned saddr(const void* p) { return static_cast<un
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+__device__ __forceinline__ void mbar_arrive_n(unsigned bar, unsigned n) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(n) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   asm volatile("{\n.reg .pred done;\nWAIT:\n"
@@ -153,7 +162,7 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   using namespace persist;
   pdl::grid_wait();   // no early release: the next kernel may start only when every CTA is gone
   constexpr int HD = 32 * E;
-  constexpr int SLOT = PIECE * F::BYTES;
+  constexpr int SLOT = SP * PIECE * F::BYTES;
   const int NQKV = (H + 2 * KV) * HD, HHD = H * HD, FF = F_;
   const int XB = max(max(D, HHD), FF) / 32;          // Q8_1 blocks the shared x holds at most
   extern __shared__ __align__(128) uint8_t smem[];
@@ -170,7 +179,7 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   if (tid == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, SP);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -184,15 +193,14 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
 #pragma unroll 1
         for (int ph = 0; ph < 5; ++ph) {
           const Rows& r = lr.ph[ph];
-          const long long row_bytes = (long long)r.nb * F::BYTES;
-          for (int row = r.r0; row < r.r1; ++row)
-            for (int pc = 0; pc * PIECE < r.nb; ++pc, ++st) {
-              const int slot = st % NS;
-              if (st >= NS) mbar_wait(empty0 + 8 * slot, ((st / NS) - 1) & 1);
-              const unsigned bytes = unsigned(min(PIECE, r.nb - pc * PIECE) * F::BYTES);
-              bulk_copy(saddr(ring + slot * SLOT), r.w + row * row_bytes + (long long)pc * PIECE * F::BYTES, bytes,
-                        full0 + 8 * slot);
-            }
+          const int pp = r.pieces(), Q = (r.r1 - r.r0) * pp;
+          const uint8_t* base = r.w + (long long)r.r0 * r.nb * F::BYTES;
+          for (int q0 = 0; q0 < Q; q0 += SP, ++st) {
+            const int slot = st % NS;
+            if (st >= NS) mbar_wait(empty0 + 8 * slot, ((st / NS) - 1) & 1);
+            const long long b0 = r.block_of(q0, pp), b1 = r.block_of(min(q0 + SP, Q), pp);
+            bulk_copy(saddr(ring + slot * SLOT), base + b0 * F::BYTES, unsigned((b1 - b0) * F::BYTES), full0 + 8 * slot);
+          }
         }
       }
     }
@@ -206,14 +214,14 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
 
   // y[row] for the phase's rows, each by one warp; epi(row, y) stores it (lane 0).
   auto gemv = [&](const Rows& r, int nbx, auto&& epi) {
-    const int pp = r.pieces(), rows = r.r1 - r.r0;
+    const int pp = r.pieces(), rows = r.r1 - r.r0, Q = rows * pp;
     const __half2* xds = reinterpret_cast<const __half2*>(xs + 32 * nbx);
     for (int i = warp; i < rows; i += CW) {
       float acc = 0.0f;
       for (int pc = 0; pc < pp; ++pc) {
-        const int s = st + i * pp + pc, slot = s % NS;
+        const int q = i * pp + pc, q0 = q / SP * SP, s = st + q / SP, slot = s % NS;
         mbar_wait(full0 + 8 * slot, (s / NS) & 1);
-        const uint8_t* piece = ring + slot * SLOT;
+        const uint8_t* piece = ring + slot * SLOT + (r.block_of(q, pp) - r.block_of(q0, pp)) * F::BYTES;
         const int nbp = min(PIECE, r.nb - pc * PIECE);
 #pragma unroll
         for (int j = 0; j < PIECE / 32; ++j) {
@@ -239,12 +247,14 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
           }
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * slot);
+        // the stage's SP pieces each release it once; the last piece of a short last stage
+        // also releases the pieces it lacks
+        if (lane == 0) mbar_arrive_n(empty0 + 8 * slot, q == Q - 1 ? SP - (Q - q0) + 1 : 1);
       }
       const float y = warp_sum(acc);
       if (lane == 0) epi(r.r0 + i, y);
     }
-    st += rows * pp;
+    st += (Q + SP - 1) / SP;
   };
 
   // Q8_1 of n fp16 values at src (written by another phase) into xs: q8_1_store8's groups of 4

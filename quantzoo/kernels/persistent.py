@@ -21,8 +21,10 @@ from quantzoo.cuda_launch import get_kernel, launch, set_max_dynamic_smem, sm_co
 from . import gguf, layer_ops
 
 SOURCE = "decode_persistent.cu"
-PIECE = 128                 # blocks per ring stage (persist::PIECE)
+PIECE = 128                 # blocks per row piece (persist::PIECE)
+SP = 4                      # row pieces per ring stage (persist::SP)
 CONSUMER_THREADS = 16 * 32  # persist::CW warps
+OPTIONS: tuple = ()         # extra compiler options (experiments)
 THREADS = CONSUMER_THREADS + 32
 SMEM_BUDGET = 200 * 1024    # dynamic shared memory the ring may grow to (of 227 KB per SM)
 MAX_STAGES = 64
@@ -46,7 +48,7 @@ def _norm_shape(D: int) -> tuple[int, int]:
 
 def smem_bytes(fmt: str, stages: int, D: int, HHD: int, F: int, ctas: int) -> int:
     """The kernel's dynamic shared memory: ring, Q8_1 x, gate / SwiGLU rows, mbarriers."""
-    slot = PIECE * gguf.BYTES[fmt]
+    slot = SP * PIECE * gguf.BYTES[fmt]
     xb = max(D, HHD, F) // 32
     umax = 32 * -(-(F // 32) // ctas)
     return stages * slot + 16 + xb * 36 + 4 * umax + 8 + 16 * stages
@@ -108,7 +110,7 @@ class PersistentDecode:
         self.norm = model.layers[0].qk_norm is not None
         self.v, self.norm_threads = _norm_shape(self.D)
         self.ctas = sm_count(dev)
-        slot = PIECE * gguf.BYTES[self.fmt]
+        slot = SP * PIECE * gguf.BYTES[self.fmt]
         fixed = smem_bytes(self.fmt, 0, self.D, self.H * self.hd, self.F, self.ctas)
         self.stages = int(min(MAX_STAGES, (SMEM_BUDGET - fixed) // (slot + 16)))
         self.smem = smem_bytes(self.fmt, self.stages, self.D, self.H * self.hd, self.F, self.ctas)
@@ -147,10 +149,10 @@ class PersistentDecode:
         if m.k_cache.data_ptr() != self.cache_ptr:
             self.layers_table(m)
         work = m._decode_work
-        k = get_kernel(SOURCE, self.name, (self.name,))
+        k = get_kernel(SOURCE, self.name, (self.name,), OPTIONS)
         set_max_dynamic_smem(k, (SOURCE, self.name, self.smem), self.smem)
         self.bar.zero_()
-        launch(k, (self.ctas,), (THREADS,),
+        launch(k, (self.ctas,), (CONSUMER_THREADS + 32,),
                (self.table.data_ptr(), np.int32(len(m.layers)), h.data_ptr(), self.qkv.data_ptr(), self.q.data_ptr(),
                 self.attn.data_ptr(), self.act_q8.data_ptr(), work.o.data_ptr(), work.ml.data_ptr(),
                 work.count.data_ptr(), pos.data_ptr(), m.cos.data_ptr(), m.sin.data_ptr(), self.bar.data_ptr(),

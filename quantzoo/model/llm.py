@@ -280,7 +280,7 @@ class Model:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu",
                  max_seq: int | None = None, matmul_mode: str = "cached", cuda_graph: bool = True,
                  dtype=None, progress: bool = False, fuse: bool | None = None,
-                 fused_ops: bool | None = None, pdl: bool = True, persistent: bool | None = None):
+                 fused_ops: bool | None = None, pdl: bool = True, persistent: bool = False):
         if matmul_mode not in MATMUL_MODES:
             raise ValueError(f"matmul_mode={matmul_mode!r}: choose one of {MATMUL_MODES}")
         device = check_device(device)
@@ -329,7 +329,7 @@ class Model:
         self.k_cache = self.v_cache = None
         self._graph = None
         # one-token steps through the persistent decode kernel (kernels.persistent: all decoder
-        # layers in one launch, GGUF models) where it serves the model; None: wherever it does
+        # layers in one launch, GGUF models) when asked and the kernel serves the model
         self._persistent = None
         self.persistent_why = None
         if persistent is not False:
