@@ -113,9 +113,16 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 struct ConsumerSync {
   __device__ __forceinline__ void operator()() const { consumers_sync(); }
 };
-struct AttnSync {   // warps 0-3
-  __device__ __forceinline__ void operator()() const { asm volatile("bar.sync 2, 128;\n" ::: "memory"); }
+struct GroupSync {   // the 4 warps of one attention group: named barrier id
+  int id;
+  __device__ __forceinline__ void operator()() const { asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory"); }
 };
+// Query heads per attention group: the smallest divisor of G that leaves at most 4 groups.
+__host__ __device__ constexpr int attn_heads_per_group(int g) {
+  for (int n = 1; n <= g; ++n)
+    if (g % n == 0 && g / n <= 4) return n;
+  return g;
+}
 
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -173,7 +180,10 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   __half* ts = gs + UMAX;                            // and its silu(gate) * up
   // NS full then NS empty mbarriers, 8-byte aligned
   const unsigned full0 = (saddr(ts + UMAX) + 7u) & ~7u, empty0 = full0 + 8 * NS;
+  float* att_sm = reinterpret_cast<float*>(smem + (empty0 + 8 * NS - saddr(smem)));   // 4 G (HD + 2) floats
   __shared__ float red[32];
+  __shared__ int ticket;
+  constexpr int AGN = attn_heads_per_group(G);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int c = blockIdx.x, P = gridDim.x;
   if (tid == 0) {
@@ -186,7 +196,14 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   __syncthreads();
 
   if (warp == CW) {   // the producer: every piece of every phase of every layer, in order
+#ifdef PERSIST_NO_STREAM
+    return;
+#endif
     if (lane == 0) {
+#ifdef PERSIST_PROFILE
+      long long prof_wait = 0;
+      const long long prof_t0 = clock64();
+#endif
       int st = 0;
       for (int l = 0; l < L; ++l) {
         const LayerRows lr(lw + (long long)l * LAYER_PTRS, c, P, D, FF, NQKV, HHD);
@@ -197,36 +214,68 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
           const uint8_t* base = r.w + (long long)r.r0 * r.nb * F::BYTES;
           for (int q0 = 0; q0 < Q; q0 += SP, ++st) {
             const int slot = st % NS;
+#ifdef PERSIST_PROFILE
+            const long long w0 = clock64();
+#endif
             if (st >= NS) mbar_wait(empty0 + 8 * slot, ((st / NS) - 1) & 1);
+#ifdef PERSIST_PROFILE
+            prof_wait += clock64() - w0;
+#endif
             const long long b0 = r.block_of(q0, pp), b1 = r.block_of(min(q0 + SP, Q), pp);
             bulk_copy(saddr(ring + slot * SLOT), base + b0 * F::BYTES, unsigned((b1 - b0) * F::BYTES), full0 + 8 * slot);
           }
         }
       }
+#ifdef PERSIST_PROFILE
+      if (trace) {
+        unsigned long long* pr = trace + ((long long)L * 12 + 1) * P + c * 8;
+        pr[0] = prof_wait;
+        pr[1] = clock64() - prof_t0;
+      }
+#endif
     }
     return;
   }
 
   // ---- consumers: tid 0 .. CW * 32 - 1 ----
   const ConsumerSync csync;
+#ifdef PERSIST_PROFILE
+  long long prof_full = 0, prof_gemv = 0;
+  const long long prof_c0 = clock64();
+#endif
   unsigned nbar = 0;
   int st = 0;
 
   // y[row] for the phase's rows, each by one warp; epi(row, y) stores it (lane 0).
   auto gemv = [&](const Rows& r, int nbx, auto&& epi) {
+#ifdef PERSIST_PROFILE
+    const long long g0 = clock64();
+#endif
     const int pp = r.pieces(), rows = r.r1 - r.r0, Q = rows * pp;
     const __half2* xds = reinterpret_cast<const __half2*>(xs + 32 * nbx);
     for (int i = warp; i < rows; i += CW) {
       float acc = 0.0f;
       for (int pc = 0; pc < pp; ++pc) {
         const int q = i * pp + pc, q0 = q / SP * SP, s = st + q / SP, slot = s % NS;
+#ifdef PERSIST_PROFILE
+        const long long w0 = clock64();
+#endif
+#ifndef PERSIST_NO_STREAM
         mbar_wait(full0 + 8 * slot, (s / NS) & 1);
+#endif
+#ifdef PERSIST_PROFILE
+        if (warp == 0) prof_full += clock64() - w0;
+#endif
         const uint8_t* piece = ring + slot * SLOT + (r.block_of(q, pp) - r.block_of(q0, pp)) * F::BYTES;
         const int nbp = min(PIECE, r.nb - pc * PIECE);
 #pragma unroll
         for (int j = 0; j < PIECE / 32; ++j) {
           const int b = lane + 32 * j;
+#ifdef PERSIST_NO_MATH
+          if (b < 0) {
+#else
           if (b < nbp) {
+#endif
             vec16::Window<F, 16, false, true> win;
             win.load(piece, (long long)b * F::BYTES);
             float dw, mw;
@@ -249,12 +298,17 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
         __syncwarp();
         // the stage's SP pieces each release it once; the last piece of a short last stage
         // also releases the pieces it lacks
+#ifndef PERSIST_NO_STREAM
         if (lane == 0) mbar_arrive_n(empty0 + 8 * slot, q == Q - 1 ? SP - (Q - q0) + 1 : 1);
+#endif
       }
       const float y = warp_sum(acc);
       if (lane == 0) epi(r.r0 + i, y);
     }
     st += (Q + SP - 1) / SP;
+#ifdef PERSIST_PROFILE
+    if (warp == 0) prof_gemv += clock64() - g0;
+#endif
   };
 
   // Q8_1 of n fp16 values at src (written by another phase) into xs: q8_1_store8's groups of 4
@@ -300,11 +354,21 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
       layer_ops::rope_item<E, NORM>(item, lane, qkv, qk_norm, cos_t, sin_t, pos, q, kc, vc, H, KV, S, eps);
     grid_barrier(bar, nbar, tid_c, at(l, 2));
 
-    // attention: (split, KV head) items on warps 0-3
-    if (warp < 4)
-      for (int it = c; it < n_split * KV; it += P)
-        layer_ops::attn_cta<E, G, true>(it % n_split, it / n_split, tid_c, q, kc, vc, pos, part_o, part_ml, count, attn,
-                                  S, n_split, scale_log2, AttnSync());
+    // attention: (run, KV head) items; the item's G query heads spread over up to 4 groups of 4
+    // consumer warps (AGN heads each), then the runs of a KV head merge
+    {
+      const layer_ops::AttnRuns ru(pos, n_split);
+      const int grp = warp / 4;
+      for (int it = c; it < ru.n * KV; it += P) {
+        const int split = it % ru.n, kvh = it / ru.n;
+        if (grp < G / AGN)
+          layer_ops::attn_run<E, AGN, true>(ru, split, kvh, G, grp * AGN, tid_c % 128, q, kc, vc, part_o, part_ml,
+                                            attn, att_sm + grp * 4 * AGN * (HD + 2), S, n_split, scale_log2,
+                                            GroupSync{2 + grp});
+        if (ru.n > 1)
+          layer_ops::attn_merge<E>(ru, kvh, G, tid_c, CW * 32, part_o, part_ml, count, attn, n_split, &ticket, csync);
+      }
+    }
     grid_barrier(bar, nbar, tid_c, at(l, 3));
 
     // h += W_o Q8_1(a)
@@ -344,6 +408,14 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   if (trace) {
     consumers_sync();
     if (tid_c == 0) trace[(long long)L * 12 * P + c] = global_ns();
+#ifdef PERSIST_PROFILE
+    if (tid_c == 0) {
+      unsigned long long* pr = trace + ((long long)L * 12 + 1) * P + c * 8;
+      pr[2] = prof_full;
+      pr[3] = prof_gemv;
+      pr[4] = clock64() - prof_c0;
+    }
+#endif
   }
 #endif
 }

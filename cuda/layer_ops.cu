@@ -117,6 +117,13 @@ __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q,
                             int* __restrict__ count, __half* __restrict__ out,
                             int S, int n_split, float scale_log2) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
-  layer_ops::attn_cta<E, G, false>(blockIdx.x, blockIdx.y, threadIdx.x, q, k_cache, v_cache, pos, part_o, part_ml, count,
-                            out, S, n_split, scale_log2, layer_ops::BlockSync());
+  using namespace layer_ops;
+  __shared__ float sm[4 * G * (32 * E + 2)];
+  __shared__ int ticket;
+  const AttnRuns ru(pos, n_split);
+  if ((int)blockIdx.x >= ru.n) return;
+  attn_run<E, G, false>(ru, blockIdx.x, blockIdx.y, G, 0, threadIdx.x, q, k_cache, v_cache, part_o, part_ml, out, sm,
+                        S, n_split, scale_log2, BlockSync());
+  if (ru.n > 1)
+    attn_merge<E>(ru, blockIdx.y, G, threadIdx.x, 128, part_o, part_ml, count, out, n_split, &ticket, BlockSync());
 }

@@ -143,17 +143,17 @@ __device__ __forceinline__ void rope_item(int item, int lane, const __half* qkv,
   }
 }
 
-// Decode attention, one CTA of it: 128 threads (tid 0..127, 4 warps) take run `split` of the
-// cache rows 0..pos[0] for the G query heads of KV head kv. The rows are cut into n runs of
+// Decode attention (attn_run, attn_merge): 4 warps take run `split` of the cache rows 0..pos[0]
+// for query heads of KV head kv. The rows are cut into n runs of
 // `chunk` positions (chunk a multiple of 16, at least MIN_CHUNK, so that short contexts take
-// one CTA per KV head and need no merge; n <= n_split), decided here from pos so that one
-// captured graph serves every position; CTAs past n return at once. Warp w takes groups of 4
+// one CTA per KV head and need no merge; n <= n_split), decided from pos on the device
+// (AttnRuns) so that one captured graph serves every position. Warp w takes groups of 4
 // consecutive positions of its run; the next group's 8 row loads are issued before the current
 // group is computed, and the 4 x G dot products are reduced independently so their shuffles
 // pipeline. Lane l holds dims E*l .. E*l+E-1 (one 4- or 8-byte load per row). Scores are in
 // base 2 (q pre-scaled by log2(e)/sqrt(hd)). With n > 1 each CTA leaves (max, sum,
 // unnormalised output) per query head in part_ml / part_o (KV*G, n_split, ...), and the last
-// CTA of a KV head to finish (a ticket from count[kv], which it resets) merges them.
+// run of a KV head to finish (a ticket from count[kv], which it resets) merges them.
 constexpr int MIN_CHUNK = 64;
 
 template <int E, bool CG = false>
@@ -170,26 +170,37 @@ __device__ __forceinline__ void load_row(float* dst, const __half* src) {
   }
 }
 
-// CG: read the cache through L2 (a persistent kernel writes row pos in an earlier phase).
-template <int E, int G, bool CG, class Sync>
-__device__ __forceinline__ void attn_cta(int split, int kv, int tid, const __half* q, const __half* k_cache,
-                                         const __half* v_cache, const long long* __restrict__ pos,
-                                         float* part_o, float* part_ml, int* count, __half* out,
+// The runs of the cache a decode attention is cut into: n runs of `chunk` rows over 0..pos.
+struct AttnRuns {
+  int npos, n, chunk;
+  __device__ __forceinline__ AttnRuns(const long long* __restrict__ pos, int n_split) {
+    npos = (int)pos[0] + 1;
+    n = min(n_split, (npos + MIN_CHUNK - 1) / MIN_CHUNK);
+    chunk = ((npos + n - 1) / n + 15) / 16 * 16;
+    n = (npos + chunk - 1) / chunk;
+  }
+};
+
+// Run `split` of the cache for query heads g0 .. g0 + GN - 1 of KV head kv (G per KV head), by 4
+// warps (tid 0..127; sync meets exactly them). Leaves this run's (max, sum, unnormalised output)
+// per head in part_ml / part_o, or with a single run the head's output in out. Each head's
+// arithmetic is the same whatever GN, so any grouping of the G heads gives the same bits.
+// sm: shared scratch of W * GN * (HD + 2) floats. CG: read the cache through L2 (a persistent
+// kernel writes row pos in an earlier phase).
+template <int E, int GN, bool CG, class Sync>
+__device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, int G, int g0, int tid,
+                                         const __half* q, const __half* k_cache, const __half* v_cache,
+                                         float* part_o, float* part_ml, __half* out, float* sm,
                                          int S, int n_split, float scale_log2, const Sync& sync) {
   constexpr int HD = 32 * E, W = 4;
   const int lane = tid % 32, warp = tid / 32;
-  const int npos = (int)pos[0] + 1;
-  int n = min(n_split, (npos + MIN_CHUNK - 1) / MIN_CHUNK);
-  const int chunk = ((npos + n - 1) / n + 15) / 16 * 16;
-  n = (npos + chunk - 1) / chunk;
-  if (split >= n) return;
-  const int p0 = split * chunk, p1 = min(p0 + chunk, npos);
-  float qv[G][E], acc[G][E], m[G], l[G];
+  const int p0 = split * ru.chunk, p1 = min(p0 + ru.chunk, ru.npos);
+  float qv[GN][E], acc[GN][E], m[GN], l[GN];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GN; ++g) {
     m[g] = neg_inf();
     l[g] = 0.0f;
-    load_row<E, true>(qv[g], q + (kv * G + g) * HD + E * lane);
+    load_row<E, true>(qv[g], q + (kv * G + g0 + g) * HD + E * lane);
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       qv[g][e] *= scale_log2;
@@ -210,11 +221,11 @@ __device__ __forceinline__ void attn_cta(int split, int kv, int tid, const __hal
   int pb = p0 + warp * 4;
   if (pb < p1) fetch(pb);
   for (; pb < p1; pb += W * 4) {   // pb itself is always a valid row
-    float sc[4][G], nv[4][E];
+    float sc[4][GN], nv[4][E];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
+      for (int g = 0; g < GN; ++g) {
         float d = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) d += qv[g][e] * kk[j][e];
@@ -230,9 +241,9 @@ __device__ __forceinline__ void attn_cta(int split, int kv, int tid, const __hal
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int g = 0; g < G; ++g) sc[j][g] += __shfl_xor_sync(0xffffffffu, sc[j][g], off);
+        for (int g = 0; g < GN; ++g) sc[j][g] += __shfl_xor_sync(0xffffffffu, sc[j][g], off);
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < GN; ++g) {
       float mx = m[g];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -254,56 +265,64 @@ __device__ __forceinline__ void attn_cta(int split, int kv, int tid, const __hal
       m[g] = mx;
     }
   }
-  // merge the 4 warps through shared memory
-  __shared__ float sm_m[W][G], sm_l[W][G], sm_o[W][G][HD];
-  __shared__ int ticket;
+  // merge the 4 warps through shared memory: sm_m[W][GN], sm_l[W][GN], sm_o[W][GN][HD]
+  float* sm_m = sm;
+  float* sm_l = sm + W * GN;
+  float* sm_o = sm + 2 * W * GN;
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+  for (int g = 0; g < GN; ++g) {
+    if (lane == 0) { sm_m[warp * GN + g] = m[g]; sm_l[warp * GN + g] = l[g]; }
 #pragma unroll
-    for (int e = 0; e < E; ++e) sm_o[warp][g][E * lane + e] = acc[g][e];
+    for (int e = 0; e < E; ++e) sm_o[(warp * GN + g) * HD + E * lane + e] = acc[g][e];
   }
   sync();
-  for (int idx = tid; idx < G * HD; idx += W * 32) {
+  for (int idx = tid; idx < GN * HD; idx += W * 32) {
     const int g = idx / HD, d = idx % HD;
     float mx = neg_inf();
 #pragma unroll
-    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, sm_m[w * GN + g]);
     float o = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < W; ++w) {   // a warp that saw no position has m = -inf: weight 0
-      const float f = exp2f(sm_m[w][g] - mx);
-      o += sm_o[w][g][d] * f;
-      sum += sm_l[w][g] * f;
+      const float f = exp2f(sm_m[w * GN + g] - mx);
+      o += sm_o[(w * GN + g) * HD + d] * f;
+      sum += sm_l[w * GN + g] * f;
     }
-    if (n == 1) {   // the whole context was this CTA's: done
-      out[(kv * G + g) * HD + d] = __float2half_rn(o / sum);
+    const int head = kv * G + g0 + g;
+    if (ru.n == 1) {   // the whole context was this run's: done
+      out[head * HD + d] = __float2half_rn(o / sum);
       continue;
     }
-    const long long slot = (long long)(kv * G + g) * n_split + split;
+    const long long slot = (long long)head * n_split + split;
     part_o[slot * HD + d] = o;
     if (d == 0) { part_ml[slot * 2] = mx; part_ml[slot * 2 + 1] = sum; }
   }
-  if (n == 1) {
-    sync();   // sm_* may be reused by this CTA's next item
-    return;
-  }
-  // the last of this KV head's n CTAs merges the runs
+  sync();   // sm may be reused for the next item
+}
+
+// After every head of KV head kv has its run `split` in part_o / part_ml (ru.n > 1): the last of
+// the n runs to finish (a ticket from count[kv], which it resets) merges them into out. All
+// threads 0 .. nthr - 1 that wrote parts call it (sync meets them); ticket: shared int.
+template <int E, class Sync>
+__device__ __forceinline__ void attn_merge(const AttnRuns& ru, int kv, int G, int tid, int nthr,
+                                           const float* part_o, const float* part_ml, int* count, __half* out,
+                                           int n_split, int* ticket, const Sync& sync) {
+  constexpr int HD = 32 * E;
   __threadfence();
   sync();
-  if (tid == 0) ticket = atomicAdd(&count[kv], 1);
+  if (tid == 0) *ticket = atomicAdd(&count[kv], 1);
   sync();
-  const bool last = ticket == n - 1;
-  sync();   // everyone has read ticket before a next item may overwrite it
+  const bool last = *ticket == ru.n - 1;
+  sync();   // everyone has read the ticket before a next item may take one
   if (!last) return;
   __threadfence();
-  for (int idx = tid; idx < G * HD; idx += W * 32) {
+  for (int idx = tid; idx < G * HD; idx += nthr) {
     const int g = idx / HD, d = idx % HD;
     const long long base = (long long)(kv * G + g) * n_split;
     float mx = neg_inf();
-    for (int sp = 0; sp < n; ++sp) mx = fmaxf(mx, __ldcg(part_ml + (base + sp) * 2));
+    for (int sp = 0; sp < ru.n; ++sp) mx = fmaxf(mx, __ldcg(part_ml + (base + sp) * 2));
     float o = 0.0f, sum = 0.0f;
-    for (int sp = 0; sp < n; ++sp) {
+    for (int sp = 0; sp < ru.n; ++sp) {
       const float f = exp2f(__ldcg(part_ml + (base + sp) * 2) - mx);
       sum += __ldcg(part_ml + (base + sp) * 2 + 1) * f;
       o += __ldcg(part_o + (base + sp) * HD + d) * f;
@@ -311,6 +330,7 @@ __device__ __forceinline__ void attn_cta(int split, int kv, int tid, const __hal
     out[(kv * G + g) * HD + d] = __float2half_rn(o / sum);
   }
   if (tid == 0) count[kv] = 0;   // ready for the next call (or graph replay)
+  sync();
 }
 
 }  // namespace layer_ops

@@ -46,12 +46,13 @@ def _norm_shape(D: int) -> tuple[int, int]:
     return v, -(-D // (8 * v * 32)) * 32
 
 
-def smem_bytes(fmt: str, stages: int, D: int, HHD: int, F: int, ctas: int) -> int:
-    """The kernel's dynamic shared memory: ring, Q8_1 x, gate / SwiGLU rows, mbarriers."""
+def smem_bytes(fmt: str, stages: int, D: int, HHD: int, F: int, ctas: int, G: int, hd: int) -> int:
+    """The kernel's dynamic shared memory: ring, Q8_1 x, gate / SwiGLU rows, mbarriers, the
+    attention's merge scratch (4 warps x G heads x (hd + 2) floats)."""
     slot = SP * PIECE * gguf.BYTES[fmt]
     xb = max(D, HHD, F) // 32
     umax = 32 * -(-(F // 32) // ctas)
-    return stages * slot + 16 + xb * 36 + 4 * umax + 8 + 16 * stages
+    return stages * slot + 16 + xb * 36 + 4 * umax + 8 + 16 * stages + 16 * G * (hd + 2)
 
 
 class PersistentDecode:
@@ -90,7 +91,7 @@ class PersistentDecode:
         if _norm_shape(D)[1] > CONSUMER_THREADS:
             return f"hidden size {D}: its norm takes more than {CONSUMER_THREADS} threads"
         fmt = fmts.pop()
-        if smem_bytes(fmt, 8, D, H * hd, F, sm_count(model.device)) > SMEM_BUDGET:
+        if smem_bytes(fmt, 8, D, H * hd, F, sm_count(model.device), H // KV, hd) > SMEM_BUDGET:
             return "shapes too large for the kernel's shared memory"
         return None
 
@@ -111,9 +112,10 @@ class PersistentDecode:
         self.v, self.norm_threads = _norm_shape(self.D)
         self.ctas = sm_count(dev)
         slot = SP * PIECE * gguf.BYTES[self.fmt]
-        fixed = smem_bytes(self.fmt, 0, self.D, self.H * self.hd, self.F, self.ctas)
+        G = self.H // self.KV
+        fixed = smem_bytes(self.fmt, 0, self.D, self.H * self.hd, self.F, self.ctas, G, self.hd)
         self.stages = int(min(MAX_STAGES, (SMEM_BUDGET - fixed) // (slot + 16)))
-        self.smem = smem_bytes(self.fmt, self.stages, self.D, self.H * self.hd, self.F, self.ctas)
+        self.smem = smem_bytes(self.fmt, self.stages, self.D, self.H * self.hd, self.F, self.ctas, G, self.hd)
         self.name = kernel_name(self.fmt, layer_ops.HEAD_DIMS[self.hd], self.H // self.KV, self.norm, self.v)
         self.model = model
         self.layers_table(model)
