@@ -7,36 +7,48 @@
 //   x    = Q8_1(rms_norm(h) * attn_norm)                 layer_ops::rms_norm_row
 //   qkv  = W_qkv x                                       the GEMV below (mmvq16's arithmetic)
 //   q, k = rope(q/k-norm(q, k)); k, v -> cache row pos   layer_ops::rope_item
-//   a    = attention(q, cache rows 0..pos)               layer_ops::attn_cta
+//   a    = attention(q, cache rows 0..pos)               layer_ops::attn_run, attn_merge
 //   h   += W_o Q8_1(a)
 //   x    = Q8_1(rms_norm(h) * mlp_norm)
 //   t    = Q8_1(silu(W_gate x) * (W_up x))               swiglu.cuh, q8_1_store
 //   h   += W_down t
-// The GEMV is gguf_mmvq16.cu's: lane l of the warp that owns a row takes the row's blocks
-// l, l + 32, ... in that order, sumi by DP4A, the format's per-block term (gguf_common.cuh),
-// then warp_sum; so each output equals the one-launch kernel's.
+// The GEMV adds in the order of the one-token kernel the per-op path runs for the format, so each
+// output equals it: lane l of the warp that owns a row takes the row's blocks l, l + 32, ... in
+// that order, sumi by DP4A, the format's per-block term (gguf_common.cuh); then gguf_mmvq16.cu's
+// warp_sum of one accumulator (q4_0, q8_0), or with SCALAR gguf_mmvq.cu's order (q4_1, q5_0,
+// q5_1: 128 threads, thread t summing blocks t, t + 128, ..., then its 4 warps' sums in turn),
+// kept as 4 accumulators, one per column j of lane + 32 j.
 //
-// Why. A decode step of one kernel per op spends ~40 % of its time outside the weight stream
-// (bench/NOTES.md, sessions 20-28): 8-10 launches a layer, each a chain of dependent latencies
-// (wait for the previous grid, load, reduce, store), while DRAM idles. Sessions that fused single
-// ops into their neighbours found each fusion cost what it saved. Here the weights never stop
-// streaming: one producer thread per CTA walks the CTA's static list of weight pieces for the
+// Why. A decode step of one kernel per op spends ~35 % of its time outside the weight stream
+// (bench/NOTES.md, session 27: 8-10 launches a layer, each a chain of dependent latencies --
+// wait for the previous grid, load, reduce, store -- while DRAM idles), and fusing single ops
+// into their neighbours cost what it saved (sessions 14, 22, 26, 28). Here the weights never wait
+// for a launch: one producer thread per CTA walks the CTA's static list of weight pieces for the
 // whole step -- every layer, every phase -- with cp.async.bulk copies into a ring of NS stages,
-// waiting only for a free stage; it never waits for a grid barrier, because weights do not depend
-// on activations. While the consumer warps sit at a barrier, in the attention or in a norm, the
-// ring fills with the next phase's rows.
+// waiting only for a free stage, never for a grid barrier (weights do not depend on activations).
+// While the consumer warps sit at a barrier, in the attention or in a norm, the ring fills with
+// the next phase's rows.
+//
+// Status (H100, session 29; bench/NOTES.md): correct -- bit-equal to the per-op step -- but
+// SLOWER: 3.1 ms a Qwen3-8B q4_0 step against the per-op graph's 2.33 ms, so the runner uses it
+// only when asked (Model(persistent=True)). A per-phase trace (the `trace` argument) shows why:
+// the ring holds ~8 us of DRAM time (190 KB a CTA), but a layer's barriers, norms and attention
+// keep the consumers ~28 us a layer off the weights even with DRAM idle, and the consumers'
+// GEMV, issue-bound at one CTA per SM, runs at only ~1.4x the DRAM rate, so it cannot catch up.
 //
 // Layout of the work:
 //   * CTA c of P (one per SM, all resident) owns rows [c N / P, (c + 1) N / P) of each weight of
 //     N rows; gate and up go by whole 32-row units, so that the CTA holds the gate and up rows of
 //     the same Q8_1 blocks of t and quantizes them itself.
-//   * A ring stage is one piece of one row: up to PIECE (128) blocks, 16-byte aligned because a
-//     row of K % 256 == 0 values is a multiple of 16 bytes in every format. Consumer warp w takes
-//     the CTA's local rows w, w + CW, ...; stage s (counted over the whole step, the same count in
-//     the producer and every consumer) lives in slot s % NS with phase parity (s / NS) & 1.
+//   * A row is cut into pieces of up to PIECE (128) blocks; a ring stage is SP consecutive pieces,
+//     one bulk copy (16-byte aligned: a row of K % 256 == 0 values is a multiple of 16 bytes in
+//     every format). Consumer warp w takes the CTA's local rows w, w + CW, ...; stage s (counted
+//     over the whole step, the same count in the producer and every consumer) lives in slot
+//     s % NS with phase parity (s / NS) & 1, and is free again once its SP pieces are released.
 //   * Small ops: the norm's and the o-input's quantization run redundantly in every CTA (4096
 //     values from L2, into the CTA's own shared x); q/k-norm + RoPE by one warp per head; the
-//     attention on (split, KV head) items by warps 0-3 of the first CTAs.
+//     attention on (run, KV head) items, a KV head's query heads spread over up to 4 groups of
+//     4 warps (layer_ops::attn_run gives each head the same bits in any grouping).
 //   * Grid barrier: the consumer warps meet (named barrier 1), thread 0 publishes with a fence and
 //     an atomic add on a counter the host zeroes before the launch, and spins on an acquire load.
 //     The launch must have all its CTAs resident: grid = the SM count, one CTA per SM (its shared
@@ -49,10 +61,7 @@
 
 namespace persist {
 
-#ifndef PERSIST_CW
-#define PERSIST_CW 16
-#endif
-constexpr int CW = PERSIST_CW;               // consumer warps
+constexpr int CW = 16;                       // consumer warps
 constexpr int THREADS = (CW + 1) * 32;       // + one producer warp
 constexpr int PIECE = 128;                   // blocks per row piece
 constexpr int SP = 4;                        // row pieces per ring stage (one bulk copy)
@@ -87,6 +96,37 @@ struct LayerRows {
     ph[2] = {gu, u0, u1, D / 32};
     ph[3] = {gu, F + u0, F + u1, D / 32};
     ph[4] = {dn, share(D, c, p), share(D, c + 1, p), F / 32};
+  }
+};
+
+// The CTA's ring stages in streaming order (layer, phase, first piece): where each one's bytes are.
+template <class F>
+struct Walk {
+  const unsigned long long* lw;
+  int c, p, D, FF, NQKV, HHD, L;
+  int l = 0, ph = -1, q0 = 0, pp = 1, Q = 0;
+  Rows r{};
+  __device__ __forceinline__ Walk(const unsigned long long* lw_, int c_, int p_, int D_, int FF_, int NQKV_, int HHD_,
+                                  int L_)
+      : lw(lw_), c(c_), p(p_), D(D_), FF(FF_), NQKV(NQKV_), HHD(HHD_), L(L_) {}
+  // The next stage's source and size; false past the last one.
+  __device__ __forceinline__ bool next(const uint8_t*& src, unsigned& bytes) {
+    while (q0 >= Q) {
+      if (++ph == 5) {
+        ph = 0;
+        ++l;
+      }
+      if (l >= L) return false;
+      r = LayerRows(lw + (long long)l * LAYER_PTRS, c, p, D, FF, NQKV, HHD).ph[ph];
+      pp = r.pieces();
+      Q = (r.r1 - r.r0) * pp;
+      q0 = 0;
+    }
+    const long long b0 = r.block_of(q0, pp), b1 = r.block_of(min(q0 + SP, Q), pp);
+    src = r.w + ((long long)r.r0 * r.nb + b0) * F::BYTES;
+    bytes = unsigned((b1 - b0) * F::BYTES);
+    q0 += SP;
+    return true;
   }
 };
 
@@ -156,9 +196,9 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned& n, int
 // two deltas; the caller's final norm adds nothing more). qkv ((H + 2 KV) HD), q (H HD), attn
 // (H HD), act_q8 (F / 32 Q8_1 blocks, split layout): scratch; part_o / part_ml / count: the
 // attention's (layer_ops.DecodeWork, n_split runs). bar: one zeroed counter. NS ring stages of
-// PIECE blocks; norm_v / norm_threads: add_rms_norm's V and thread count for D (layer_ops.py),
-// which the norm must reproduce to give its bits.
-template <class F, int E, int G, bool NORM, int V>
+// SP pieces; V / norm_threads: add_rms_norm's V and thread count for D (layer_ops.py), which the
+// norm must reproduce to give its bits. trace: null, or the per-CTA barrier times (below).
+template <class F, int E, int G, bool NORM, int V, bool SCALAR>
 __global__ void __launch_bounds__(persist::THREADS, 1)
 decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, __half* qkv, __half* q, __half* attn,
                   uint8_t* act_q8, float* part_o, float* part_ml, int* count, const long long* __restrict__ pos,
@@ -183,10 +223,13 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   float* att_sm = reinterpret_cast<float*>(smem + (empty0 + 8 * NS - saddr(smem)));   // 4 G (HD + 2) floats
   __shared__ float red[32];
   __shared__ int ticket;
+  __shared__ int issued_count;   // stages the producer has issued so far
+  volatile int* issued = &issued_count;
   constexpr int AGN = attn_heads_per_group(G);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int c = blockIdx.x, P = gridDim.x;
   if (tid == 0) {
+    *issued = 0;
     for (int s = 0; s < NS; ++s) {
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, SP);
@@ -196,86 +239,50 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   __syncthreads();
 
   if (warp == CW) {   // the producer: every piece of every phase of every layer, in order
-#ifdef PERSIST_NO_STREAM
-    return;
-#endif
     if (lane == 0) {
-#ifdef PERSIST_PROFILE
-      long long prof_wait = 0;
-      const long long prof_t0 = clock64();
-#endif
-      int st = 0;
-      for (int l = 0; l < L; ++l) {
-        const LayerRows lr(lw + (long long)l * LAYER_PTRS, c, P, D, FF, NQKV, HHD);
-#pragma unroll 1
-        for (int ph = 0; ph < 5; ++ph) {
-          const Rows& r = lr.ph[ph];
-          const int pp = r.pieces(), Q = (r.r1 - r.r0) * pp;
-          const uint8_t* base = r.w + (long long)r.r0 * r.nb * F::BYTES;
-          for (int q0 = 0; q0 < Q; q0 += SP, ++st) {
-            const int slot = st % NS;
-#ifdef PERSIST_PROFILE
-            const long long w0 = clock64();
-#endif
-            if (st >= NS) mbar_wait(empty0 + 8 * slot, ((st / NS) - 1) & 1);
-#ifdef PERSIST_PROFILE
-            prof_wait += clock64() - w0;
-#endif
-            const long long b0 = r.block_of(q0, pp), b1 = r.block_of(min(q0 + SP, Q), pp);
-            bulk_copy(saddr(ring + slot * SLOT), base + b0 * F::BYTES, unsigned((b1 - b0) * F::BYTES), full0 + 8 * slot);
-          }
-        }
+      // (Tried: asking L2 for the stage NS ahead before waiting for a free slot, so that L2 would
+      // hold more of the next phase while the consumers sit in a barrier: 3.15 -> 3.85 ms a step.)
+      Walk<F> fill(lw, c, P, D, FF, NQKV, HHD, L);
+      const uint8_t* src;
+      unsigned bytes;
+      for (int st = 0; fill.next(src, bytes); ++st) {
+        const int slot = st % NS;
+        if (st >= NS) mbar_wait(empty0 + 8 * slot, ((st / NS) - 1) & 1);
+        bulk_copy(saddr(ring + slot * SLOT), src, bytes, full0 + 8 * slot);
+        __threadfence_block();   // the copy's arrive on full[slot] before the count below
+        *issued = st + 1;
       }
-#ifdef PERSIST_PROFILE
-      if (trace) {
-        unsigned long long* pr = trace + ((long long)L * 12 + 1) * P + c * 8;
-        pr[0] = prof_wait;
-        pr[1] = clock64() - prof_t0;
-      }
-#endif
     }
     return;
   }
 
   // ---- consumers: tid 0 .. CW * 32 - 1 ----
   const ConsumerSync csync;
-#ifdef PERSIST_PROFILE
-  long long prof_full = 0, prof_gemv = 0;
-  const long long prof_c0 = clock64();
-#endif
   unsigned nbar = 0;
   int st = 0;
 
   // y[row] for the phase's rows, each by one warp; epi(row, y) stores it (lane 0).
   auto gemv = [&](const Rows& r, int nbx, auto&& epi) {
-#ifdef PERSIST_PROFILE
-    const long long g0 = clock64();
-#endif
     const int pp = r.pieces(), rows = r.r1 - r.r0, Q = rows * pp;
     const __half2* xds = reinterpret_cast<const __half2*>(xs + 32 * nbx);
     for (int i = warp; i < rows; i += CW) {
-      float acc = 0.0f;
+      float acc[PIECE / 32] = {};   // SCALAR: one per lane column j (gguf_mmvq.cu's 4 warps)
       for (int pc = 0; pc < pp; ++pc) {
         const int q = i * pp + pc, q0 = q / SP * SP, s = st + q / SP, slot = s % NS;
-#ifdef PERSIST_PROFILE
-        const long long w0 = clock64();
-#endif
-#ifndef PERSIST_NO_STREAM
+        // A parity wait can only tell phase k from k - 1. A warp waits on its own pieces' stages
+        // only, and can be more than NS stages ahead of the last one that landed (rows of many
+        // pieces, a small ring), where full[slot] still shows stage s - NS's phase and the
+        // wait would pass at once. Once the producer has issued stage s, stage s - NS has been
+        // released, so it landed: wait for that first.
+        while (*issued <= s) {
+        }
         mbar_wait(full0 + 8 * slot, (s / NS) & 1);
-#endif
-#ifdef PERSIST_PROFILE
-        if (warp == 0) prof_full += clock64() - w0;
-#endif
         const uint8_t* piece = ring + slot * SLOT + (r.block_of(q, pp) - r.block_of(q0, pp)) * F::BYTES;
         const int nbp = min(PIECE, r.nb - pc * PIECE);
 #pragma unroll
         for (int j = 0; j < PIECE / 32; ++j) {
           const int b = lane + 32 * j;
-#ifdef PERSIST_NO_MATH
-          if (b < 0) {
-#else
           if (b < nbp) {
-#endif
             vec16::Window<F, 16, false, true> win;
             win.load(piece, (long long)b * F::BYTES);
             float dw, mw;
@@ -292,23 +299,24 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
             int sumi = 0;
 #pragma unroll
             for (int t = 0; t < 8; ++t) sumi = __dp4a(qw[t], a[t], sumi);
-            acc += F::term(sumi, dw, mw, ds.x, ds.y);
+            acc[SCALAR ? j : 0] += F::term(sumi, dw, mw, ds.x, ds.y);
           }
         }
         __syncwarp();
         // the stage's SP pieces each release it once; the last piece of a short last stage
         // also releases the pieces it lacks
-#ifndef PERSIST_NO_STREAM
         if (lane == 0) mbar_arrive_n(empty0 + 8 * slot, q == Q - 1 ? SP - (Q - q0) + 1 : 1);
-#endif
       }
-      const float y = warp_sum(acc);
+      float y = 0.0f;
+      if constexpr (SCALAR) {   // ((0 + p0) + p1) + p2) + p3, as gguf_mmvq.cu adds its warps
+#pragma unroll
+        for (int j = 0; j < PIECE / 32; ++j) y += warp_sum(acc[j]);
+      } else {
+        y = warp_sum(acc[0]);
+      }
       if (lane == 0) epi(r.r0 + i, y);
     }
     st += (Q + SP - 1) / SP;
-#ifdef PERSIST_PROFILE
-    if (warp == 0) prof_gemv += clock64() - g0;
-#endif
   };
 
   // Q8_1 of n fp16 values at src (written by another phase) into xs: q8_1_store8's groups of 4
@@ -408,14 +416,6 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   if (trace) {
     consumers_sync();
     if (tid_c == 0) trace[(long long)L * 12 * P + c] = global_ns();
-#ifdef PERSIST_PROFILE
-    if (tid_c == 0) {
-      unsigned long long* pr = trace + ((long long)L * 12 + 1) * P + c * 8;
-      pr[2] = prof_full;
-      pr[3] = prof_gemv;
-      pr[4] = clock64() - prof_c0;
-    }
-#endif
   }
 #endif
 }

@@ -109,7 +109,8 @@ __global__ void silu_mul_q8_1(const __half* __restrict__ gu, __half* __restrict_
   q8_1_store<SPLIT>(__half2float(o), q8, blk, n_blocks, lane);
 }
 
-// Decode attention: grid (n_split, KV), block 128 (layer_ops::attn_cta).
+// Decode attention: grid (n_split, KV), block 128: CTA (s, kv) is run s of KV head kv for all G query
+// heads (layer_ops::attn_run), then the runs merge (attn_merge).
 template <int E, int G>
 __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q, const __half* __restrict__ k_cache,
                             const __half* __restrict__ v_cache, const long long* __restrict__ pos,

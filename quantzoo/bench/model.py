@@ -14,6 +14,8 @@ made), one run measures:
       once per token (embedding excluded), and the fraction of it decode reaches;
   the same graph decode with plain launches (pdl off), for programmatic dependent launch's gain;
   the same graph decode with the per-layer ops as torch ops (fused_ops off), for the fusion's gain;
+  GGUF formats: the graph decode through the experimental persistent kernel (every decoder layer
+      in one launch, kernels.persistent) and where one of its steps spends its time;
   a per-op breakdown of one eager decode step and of one prefill (torch.profiler, GPU time per
       kernel name, and the prefill's wall time: where GPU time < wall time, Python is the limit);
   two bounds for the decode graph, on the CUDA runner (kernels.stream: a plain one-launch read
@@ -402,6 +404,36 @@ def prefill_side_by_side(fmts, cfg, args, device, lens, reps: int = 7) -> dict:
     return out
 
 
+def persistent_decode(m, steps: int) -> dict:
+    """decode_tok_s_graph_persistent: the graph decode through kernels.persistent (all decoder
+    layers in one launch), and decode_persistent_phases_us, where one of its steps spends its time
+    (PersistentDecode.phase_times); or decode_persistent_why_not."""
+    import torch
+
+    from ..kernels.persistent import PersistentDecode
+
+    why = PersistentDecode.why_not(m)
+    if why:
+        return {"decode_persistent_why_not": why}
+    out = {}
+    try:
+        m.use_persistent(True)
+        out["decode_tok_s_graph_persistent"] = time_decode(m, steps, graph=True)
+        p = m._persistent
+        trace = torch.zeros(p.trace_size(), dtype=torch.int64, device=m.device)
+        with torch.inference_mode():
+            h = m.embed(torch.ones(1, dtype=torch.int64, device=m.device)).reshape(1, -1)
+            pos = torch.tensor([16], device=m.device)   # a position time_decode's prompt wrote
+            for _ in range(2):   # the second one traced warm
+                p.run(h.clone(), pos, trace)
+        out["decode_persistent_phases_us"] = {k: (round(v, 1) if isinstance(v, float) else
+                                                  {a: round(b, 1) for a, b in v.items()})
+                                              for k, v in p.phase_times(trace).items()}
+    finally:
+        m.use_persistent(False)
+    return out
+
+
 def bench_format(fmt, cfg, args, device, bw) -> dict:
     import torch
 
@@ -433,6 +465,8 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
         m.fused_ops, m._graph = False, None
         r["decode_tok_s_graph_torch_ops"] = time_decode(m, args.decode_tokens, graph=True)
         m.fused_ops, m._graph = True, None
+    if m.is_cuda and m.fused_ops:   # the experimental persistent decode kernel (GGUF formats)
+        r.update(persistent_decode(m, args.decode_tokens))
     if r["decode_tok_s_graph"]:
         r["graph_gain"] = r["decode_tok_s_graph"] / r["decode_tok_s_eager"]
         if bw:

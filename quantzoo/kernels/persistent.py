@@ -1,14 +1,21 @@
 """The persistent decode kernel (cuda/decode_persistent.cu): all decoder layers of one decode
-step in one launch, for a model whose decoder linears are all in one GGUF format.
+step in one launch, for a model whose decoder linears are all in one GGUF format. The runner
+uses it when asked: `build_model(..., persistent=True)` or `model.use_persistent(True)`, which
+raise ValueError saying why a model does not qualify (PersistentDecode.why_not).
 
-    plan = PersistentDecode.build(model)      # or None, with PersistentDecode.why_not(model)
+    plan = PersistentDecode(model)            # PersistentDecode.why_not(model) is None
     plan.run(h, pos)                          # h (1, D) fp16 embedded token, updated in place
+
+Experimental and slower than the runner's default one-launch-per-op decode on the H100 (3.1 vs
+2.33 ms a Qwen3-8B q4_0 step; the kernel's header and bench/NOTES.md, session 29, say why).
 
 After run, h is the residual stream after the last layer (both deltas added); the runner's final
 RMSNorm + lm_head follow as usual. The values equal the runner's fused-ops decode step bit for
 bit (tests/test_persistent_gpu.py): the kernel runs the same device functions (layer_ops.cuh)
 and gguf_mmvq16.cu's summation order. Graph-capturable: it zeroes its barrier counter with a
-memset, reads the position from device memory and allocates nothing.
+memset, reads the position from device memory and allocates nothing. Its grid barriers need all
+of its CTAs (one per SM) resident at once: nothing else may run on the GPU beside it (another
+stream, MPS client or green context holding SMs would make it wait forever).
 """
 from __future__ import annotations
 
@@ -24,26 +31,36 @@ SOURCE = "decode_persistent.cu"
 PIECE = 128                 # blocks per row piece (persist::PIECE)
 SP = 4                      # row pieces per ring stage (persist::SP)
 CONSUMER_THREADS = 16 * 32  # persist::CW warps
-OPTIONS: tuple = ()         # extra compiler options (experiments)
 THREADS = CONSUMER_THREADS + 32
 SMEM_BUDGET = 200 * 1024    # dynamic shared memory the ring may grow to (of 227 KB per SM)
 MAX_STAGES = 64
 LAYER_PTRS = 9
 
 
-def kernel_name(fmt: str, e: int, g: int, norm: bool, v: int) -> str:
-    return f"decode_persistent<{gguf.BLOCKS[fmt]}, {e}, {g}, {'true' if norm else 'false'}, {v}>"
+def kernel_name(fmt: str, e: int, g: int, norm: bool, v: int, scalar: bool) -> str:
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return f"decode_persistent<{gguf.BLOCKS[fmt]}, {e}, {g}, {b(norm)}, {v}, {b(scalar)}>"
 
 
-# Compiled by the CI's nvcc tier: Qwen3-8B's head shape (E 4, G 4, q/k norm) and a llama one
-# (E 2, G 3) in every format; the runner compiles other instances on first use.
-SOURCES = {SOURCE: tuple(kernel_name(f, e, g, n, 1) for f in gguf.BLOCKS for (e, g, n) in ((4, 4, True), (2, 3, False)))}
+# Compiled by the CI's nvcc tier (two instances keep it short; the GPU test compiles the rest):
+# Qwen3-8B's heads (E 4, G 4, q/k norm) in q4_0, and a llama shape (E 2, G 3) in q5_0, whose
+# GEMV adds in gguf_mmvq.cu's order (scalar).
+SOURCES = {SOURCE: (kernel_name("q4_0", 4, 4, True, 1, False), kernel_name("q5_0", 2, 3, False, 1, True))}
 
 
 def _norm_shape(D: int) -> tuple[int, int]:
     """add_rms_norm's (V, threads) for a row of D (quantzoo.kernels.layer_ops.add_rms_norm)."""
     v = next(v for v in layer_ops.NORM_CHUNKS if D <= 8 * 1024 * v)
     return v, -(-D // (8 * v * 32)) * 32
+
+
+def smem_budget(device) -> int:
+    """Dynamic shared memory the kernel may take: SMEM_BUDGET, less where the device opts in to
+    less (~16 KB left for the kernel's static shared memory)."""
+    import torch
+
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 227 * 1024)
+    return min(SMEM_BUDGET, optin - 16 * 1024)
 
 
 def smem_bytes(fmt: str, stages: int, D: int, HHD: int, F: int, ctas: int, G: int, hd: int) -> int:
@@ -91,13 +108,9 @@ class PersistentDecode:
         if _norm_shape(D)[1] > CONSUMER_THREADS:
             return f"hidden size {D}: its norm takes more than {CONSUMER_THREADS} threads"
         fmt = fmts.pop()
-        if smem_bytes(fmt, 8, D, H * hd, F, sm_count(model.device), H // KV, hd) > SMEM_BUDGET:
-            return "shapes too large for the kernel's shared memory"
+        if smem_bytes(fmt, 8, D, H * hd, F, sm_count(model.device), H // KV, hd) > smem_budget(model.device):
+            return f"shapes too large for the kernel's shared memory ({smem_budget(model.device)} bytes)"
         return None
-
-    @classmethod
-    def build(cls, model):
-        return None if cls.why_not(model) else cls(model)
 
     def __init__(self, model):
         import torch
@@ -114,9 +127,12 @@ class PersistentDecode:
         slot = SP * PIECE * gguf.BYTES[self.fmt]
         G = self.H // self.KV
         fixed = smem_bytes(self.fmt, 0, self.D, self.H * self.hd, self.F, self.ctas, G, self.hd)
-        self.stages = int(min(MAX_STAGES, (SMEM_BUDGET - fixed) // (slot + 16)))
+        self.stages = int(min(MAX_STAGES, (smem_budget(dev) - fixed) // (slot + 16)))
         self.smem = smem_bytes(self.fmt, self.stages, self.D, self.H * self.hd, self.F, self.ctas, G, self.hd)
-        self.name = kernel_name(self.fmt, layer_ops.HEAD_DIMS[self.hd], self.H // self.KV, self.norm, self.v)
+        # the summation order of the per-op path's one-token GEMV: gguf_mmvq16.cu ("split" Q8_1)
+        # or gguf_mmvq.cu; the kernel reproduces it
+        scalar = gguf.q8_1_layout(model.layers[0].qkv.qt, 1) != "split"
+        self.name = kernel_name(self.fmt, layer_ops.HEAD_DIMS[self.hd], self.H // self.KV, self.norm, self.v, scalar)
         self.model = model
         self.layers_table(model)
         nq = (self.H + 2 * self.KV) * self.hd
@@ -127,8 +143,8 @@ class PersistentDecode:
         self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def layers_table(self, model):
-        """The L x 9 pointer table (qkv, o, gate_up, down, the two norms, q/k norm, k and v cache);
-        rebuilt when the KV cache is reallocated (setup_cache)."""
+        """The L x 9 pointer table (qkv, o, gate_up, down, the two norms, q/k norm, k and v cache).
+        The runner makes a new PersistentDecode whenever it reallocates the KV cache."""
         import torch
 
         rows = []
@@ -140,21 +156,23 @@ class PersistentDecode:
                          kc[i, 0].data_ptr() if kc is not None else 0, vc[i, 0].data_ptr() if vc is not None else 0])
         self.table = torch.tensor(np.array(rows, dtype=np.uint64).view(np.int64), device=model.device)
         self.cache_ptr = kc.data_ptr() if kc is not None else 0
+        self.work = getattr(model, "_decode_work", None)
 
     def run(self, h, pos, trace=None) -> None:
+        import torch
+
         """One decode step's decoder layers over h (1, D) fp16 in place, at position pos (1,) int64.
         trace: None, or an int64 tensor of trace_size() that receives every CTA's barrier times
         (phase_times reads it)."""
         m = self.model
-        if m.k_cache is None:
-            raise ValueError("persistent decode: no KV cache yet; run prefill first")
-        if m.k_cache.data_ptr() != self.cache_ptr:
-            self.layers_table(m)
+        if trace is not None and (trace.dtype != torch.int64 or trace.device != h.device or not trace.is_contiguous()
+                                  or trace.numel() < self.trace_size()):
+            raise ValueError(f"trace: a contiguous int64 tensor of >= {self.trace_size()} elements on {h.device}")
         work = m._decode_work
-        k = get_kernel(SOURCE, self.name, (self.name,), OPTIONS)
+        k = get_kernel(SOURCE, self.name, (self.name,))
         set_max_dynamic_smem(k, (SOURCE, self.name, self.smem), self.smem)
         self.bar.zero_()
-        launch(k, (self.ctas,), (CONSUMER_THREADS + 32,),
+        launch(k, (self.ctas,), (THREADS,),
                (self.table.data_ptr(), np.int32(len(m.layers)), h.data_ptr(), self.qkv.data_ptr(), self.q.data_ptr(),
                 self.attn.data_ptr(), self.act_q8.data_ptr(), work.o.data_ptr(), work.ml.data_ptr(),
                 work.count.data_ptr(), pos.data_ptr(), m.cos.data_ptr(), m.sin.data_ptr(), self.bar.data_ptr(),
@@ -167,9 +185,10 @@ class PersistentDecode:
         return (len(self.model.layers) * 12 + 1) * self.ctas
 
     def phase_times(self, trace) -> dict:
-        """us per step in each phase from a trace of run(): 'work' is a CTA's time from leaving one
-        grid barrier to arriving at the next (mean and max over CTAs, summed over layers), 'wait'
-        its time inside barriers; 'step' the first departure to the last CTA's end."""
+        """us per step in each phase from a trace of run(): a phase's work is a CTA's time from
+        leaving one grid barrier to arriving at the next (mean and max over the CTAs, summed over
+        the layers); the barrier wait, a CTA's time inside the barriers (mean over the CTAs); the
+        step, the first CTA's start to the last one's end."""
         L, P = len(self.model.layers), self.ctas
         t = trace.view(-1).cpu().numpy().astype(np.float64)
         bar = t[: L * 12 * P].reshape(L, 6, 2, P)

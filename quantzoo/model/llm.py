@@ -329,22 +329,28 @@ class Model:
         self.k_cache = self.v_cache = None
         self._graph = None
         # one-token steps through the persistent decode kernel (kernels.persistent: all decoder
-        # layers in one launch, GGUF models) when asked and the kernel serves the model
-        self._persistent = None
-        self.persistent_why = None
-        if persistent is not False:
-            from ..kernels.persistent import PersistentDecode
-
-            self.persistent_why = PersistentDecode.why_not(self)
-            if self.persistent_why and persistent:
-                raise ValueError(f"persistent=True: {self.persistent_why}")
-        self.persistent = persistent is not False and self.persistent_why is None
+        # layers in one launch; experimental, slower than the per-op graph on the H100)
+        self.persistent, self._persistent = False, None
+        self.use_persistent(persistent)
         # fused ops: a norm or SiLU feeding a GGUF linear at M <= 8 writes its output in Q8_1 too,
         # and the linear skips its quantize launch (bit-identical; False: the linear quantizes its
         # fp16 input). Not the decode attention: fused there it cost what it saved (session 14).
         self.q8_1_fusion = True
 
     # ---- bookkeeping ----------------------------------------------------------------------
+    def use_persistent(self, on: bool) -> None:
+        """Decode one-token steps through the persistent kernel (True) or one launch per op
+        (False). Raises ValueError naming what the model lacks for it (kernels.persistent)."""
+        from ..kernels.persistent import PersistentDecode
+
+        on = bool(on)
+        if on:
+            why = PersistentDecode.why_not(self)
+            if why:
+                raise ValueError(f"persistent=True: {why}")
+        self.persistent, self._graph = on, None
+        self._persistent = PersistentDecode(self) if on and self.k_cache is not None else None
+
     def _fused_ops_status(self, want) -> tuple[bool, str | None]:
         """Whether _forward uses the fused CUDA layer ops, and if not, why (None: not asked)."""
         if want is False:
@@ -407,7 +413,7 @@ class Model:
                 if self.persistent:
                     from ..kernels.persistent import PersistentDecode
 
-                    self._persistent = PersistentDecode(self)
+                    self._persistent = PersistentDecode(self)   # points at this cache
             self._graph = None
         self._cache_len = n
         return n
@@ -481,7 +487,7 @@ class Model:
             return lo.silu_mul(y) if glu else y
 
         layers = self.layers
-        if T == 1 and self.persistent and self._persistent is not None:
+        if T == 1 and self._persistent is not None:
             self._persistent.run(h, pos)   # every decoder layer in one launch; h += both deltas
             layers = ()
         for li, lay in enumerate(layers):
