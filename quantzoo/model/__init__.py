@@ -17,8 +17,8 @@ def load_model(path=None, device: str = "cpu", **opts) -> Model:
     """Load a model: None = the default real model (SmolLM2-135M-Instruct Q4_1 GGUF), an HF
     directory (AWQ or fp16/bf16), a .gguf file, or a KuiperLLama AWQ .bin file.
 
-    opts go to build_model (max_seq, matmul_mode, cuda_graph, dtype); `progress` (default True)
-    shows tqdm bars while loading.
+    opts go to build_model (max_seq, matmul_mode, cuda_graph, dtype, fused_ops, pdl, persistent);
+    `progress` (default True) shows tqdm bars while loading.
     """
     progress = opts.pop("progress", True)
     if path is None:

@@ -653,6 +653,8 @@ def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str 
     (q/k/v and gate/up as one linear each; default on CUDA), fused_ops (norms, RoPE + cache
     write, SiLU and decode attention as fused CUDA kernels; default on CUDA when the shapes
     allow, False = the torch ops), pdl (the decode graph's kernels launched with programmatic
-    dependent launch, default True), dtype (activation dtype), progress (tqdm while placing layers).
+    dependent launch, default True), persistent (one-token steps of a GGUF model through the
+    experimental persistent decode kernel, Model.use_persistent; default False), dtype
+    (activation dtype), progress (tqdm while placing layers).
     """
     return Model(config, weights, tokenizer, device, **opts)
