@@ -30,8 +30,8 @@
 // the next phase's rows.
 //
 // Status (H100, session 29; bench/NOTES.md): correct -- bit-equal to the per-op step -- but
-// SLOWER: 3.1 ms a Qwen3-8B q4_0 step against the per-op graph's 2.33 ms, so the runner uses it
-// only when asked (Model(persistent=True)). A per-phase trace (the `trace` argument) shows why:
+// SLOWER: 3.07 ms a Qwen3-8B q4_0 step (326 tok/s) against the per-op graph's 2.33 ms (429), so
+// the runner uses it only when asked (Model(persistent=True)). A per-phase trace (the `trace` argument) shows why:
 // the ring holds ~8 us of DRAM time (190 KB a CTA), but a layer's barriers, norms and attention
 // keep the consumers ~28 us a layer off the weights even with DRAM idle, and the consumers'
 // GEMV, issue-bound at one CTA per SM, runs at only ~1.4x the DRAM rate, so it cannot catch up.
@@ -58,6 +58,7 @@
 // sm_90 (cp.async.bulk, mbarrier try_wait); elsewhere the kernel body is empty.
 #include "gguf_window.cuh"
 #include "layer_ops.cuh"
+#include "mbarrier.cuh"
 
 namespace persist {
 
@@ -132,20 +133,13 @@ struct Walk {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ unsigned saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_n(unsigned bar, unsigned n) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile("{\n.reg .pred done;\nWAIT:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               "@!done bra WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
-}
+using sm90::mbar_arrive;
+using sm90::mbar_arrive_expect_tx;
+using sm90::mbar_init;
+using sm90::mbar_wait;
 // bytes (a multiple of 16) from global src (16-byte aligned) to shared dst, completing on bar.
 __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+  mbar_arrive_expect_tx(bar, bytes);
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
@@ -305,7 +299,7 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
         __syncwarp();
         // the stage's SP pieces each release it once; the last piece of a short last stage
         // also releases the pieces it lacks
-        if (lane == 0) mbar_arrive_n(empty0 + 8 * slot, q == Q - 1 ? SP - (Q - q0) + 1 : 1);
+        if (lane == 0) mbar_arrive(empty0 + 8 * slot, q == Q - 1 ? SP - (Q - q0) + 1 : 1);
       }
       float y = 0.0f;
       if constexpr (SCALAR) {   // ((0 + p0) + p1) + p2) + p3, as gguf_mmvq.cu adds its warps

@@ -7,6 +7,7 @@
 // that include this compile to empty bodies.
 #pragma once
 #include <cuda_fp16.h>
+#include "mbarrier.cuh"
 #include "pdl.cuh"
 #include "swiglu.cuh"
 
@@ -168,22 +169,12 @@ __device__ __forceinline__ void drain(float (&acc)[JN][T / 2]) {
     for (int i = 0; i < T / 2; ++i) pin(acc[j][i]);
 }
 
-// mbarriers (shared memory, 8 bytes each) for the TMA copies: one arrival per phase (the
-// thread that issues the copy, announcing its bytes), completed when the bytes have landed.
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count = 1) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile("{\n.reg .pred done;\nWAIT:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               "@!done bra WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
-}
+// mbarriers for the TMA copies (mbarrier.cuh): one arrival per phase (the thread that issues the
+// copy, announcing its bytes), completed when the bytes have landed.
+using sm90::mbar_arrive;
+using sm90::mbar_arrive_expect_tx;
+using sm90::mbar_init;
+using sm90::mbar_wait;
 
 // The stage ring's mbarriers of both kernels, D of each kind: full[b] (one arrival, the
 // producer's, plus the bytes of its copies) and empty[b] (one arrival per consumer warp); empty

@@ -6,13 +6,14 @@ raise ValueError saying why a model does not qualify (PersistentDecode.why_not).
     plan = PersistentDecode(model)            # PersistentDecode.why_not(model) is None
     plan.run(h, pos)                          # h (1, D) fp16 embedded token, updated in place
 
-Experimental and slower than the runner's default one-launch-per-op decode on the H100 (3.1 vs
-2.33 ms a Qwen3-8B q4_0 step; the kernel's header and bench/NOTES.md, session 29, say why).
+Experimental and slower than the runner's default one-launch-per-op decode on the H100 (326 vs
+429 tok/s on a Qwen3-8B q4_0 model; the kernel's header and bench/NOTES.md, session 29, say why).
 
 After run, h is the residual stream after the last layer (both deltas added); the runner's final
 RMSNorm + lm_head follow as usual. The values equal the runner's fused-ops decode step bit for
 bit (tests/test_persistent_gpu.py): the kernel runs the same device functions (layer_ops.cuh)
-and gguf_mmvq16.cu's summation order. Graph-capturable: it zeroes its barrier counter with a
+and the summation order of the format's one-token kernel (gguf_mmvq16.cu or gguf_mmvq.cu).
+Graph-capturable: it zeroes its barrier counter with a
 memset, reads the position from device memory and allocates nothing. Its grid barriers need all
 of its CTAs (one per SM) resident at once: nothing else may run on the GPU beside it (another
 stream, MPS client or green context holding SMs would make it wait forever).
