@@ -428,6 +428,12 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                          "free. What lies between the decode and those bounds is the GEMVs' own cost; what "
                          "lies between them and the roofline, the per-layer ops and each launch's fixed "
                          "cost.\n")
+            if any("decode_tok_s_graph_persistent" in h for h in hdr):
+                L.append("\n`decode_tok_s_graph_persistent` (GGUF formats): the same decode through the "
+                         "experimental persistent kernel (cuda/decode_persistent.cu: every decoder layer of "
+                         "a step in one resident launch, bit-equal to the default decode, opt-in with "
+                         "`persistent=True`); the bench JSON's `decode_persistent_phases_us` says where "
+                         "one of its steps spends its time.\n")
             recs = rep["model_bench"].get("results", []) if isinstance(rep["model_bench"], dict) else []
             for r in recs:
                 if isinstance(r, dict) and r.get("error"):
