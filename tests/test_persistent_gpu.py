@@ -14,9 +14,12 @@ path takes (gguf_mmvq16.cu for q4_0 / q8_0, gguf_mmvq.cu for the others). The sh
                    ahead than the ring is deep in q8_0, the case the kernel's issued-count wait
                    is for.
 
-CPU tier: where the kernel does not apply the model says why, and persistent=True refuses.
+CPU tier: persistent=True refuses off the GPU, and each check of PersistentDecode.why_not gives
+its one-line reason (on stand-in model objects).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,3 +89,39 @@ def test_persistent_refused_off_gpu():
     assert not m.persistent
     with pytest.raises(ValueError, match="persistent=True"):
         build_model(cfg, w, None, device="cpu", persistent=True)
+
+
+def _fake_model(fmts=("q4_0",) * 4, K=(512, 512, 512, 1024), fused=True, cfg=None):
+    """The attributes PersistentDecode.why_not reads, on the CPU."""
+    from types import SimpleNamespace as NS
+
+    def lin(fmt, k):
+        qt = None if fmt == "f16" else NS(format=fmt, shape=(256, k), data=NS(data_ptr=lambda: 4096))
+        return NS(qt=qt, mode="emulate", format=fmt)
+
+    names = ("qkv", "o", "gate_up", "down")
+    lay = NS(**{n: lin(f, k) for n, f, k in zip(names, fmts, K)})
+    if not fused:
+        lay.qkv = None
+    return NS(is_cuda=True, fused_ops=True, device="cuda:0", config=cfg or _config("qwen3-hd128-g4"), layers=[lay])
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({}, None),
+    ({"fused": False}, "not fused"),
+    ({"fmts": ("q4_0", "q4_0", "q8_0", "q4_0")}, "several formats"),
+    ({"fmts": ("q4_0", "awq", "q4_0", "q4_0")}, "o_proj: awq is not a GGUF block format"),
+    ({"fmts": ("q4_0", "f16", "q4_0", "q4_0")}, "o_proj: f16 is not a GGUF block format"),
+    ({"K": (512, 512, 576, 1024)}, "gate_up: K=576 not a multiple of 256"),
+    ({"cfg": replace(_config("qwen3-hd128-g4"), head_dim=96)}, "head_dim 96"),
+    ({"cfg": replace(_config("qwen3-hd128-g4"), intermediate_size=1088)}, "intermediate size 1088"),
+])
+def test_persistent_why_not(monkeypatch, kw, why):
+    """The one-line reason a model does not qualify (each check of why_not), without a GPU."""
+    from quantzoo.kernels import persistent
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(persistent, "sm_count", lambda device: 132)
+    monkeypatch.setattr(persistent, "smem_budget", lambda device: persistent.SMEM_BUDGET)
+    got = persistent.PersistentDecode.why_not(_fake_model(**kw))
+    assert got == why if why is None else why in got
