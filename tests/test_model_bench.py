@@ -38,5 +38,30 @@ def test_bench_model_cpu_smoke(tmp_path, capsys):
     sbs = doc["prefill_side_by_side"]   # both models at once, round-robin
     assert sbs["reps"] == 7 and set(sbs["tok_s"]) == {"q4_0", "fp16"}
     assert sbs["tok_s"]["q4_0"]["32"] > 0 and sbs["x_fp16"]["fp16"]["32"] == 1.0
-    text = capsys.readouterr().out
-    assert "prefill 32" in text and "timed round-robin" in text
+    assert "partial" not in doc   # the last write is the whole run
+    cap = capsys.readouterr()
+    assert "prefill 32" in cap.out and "timed round-robin" in cap.out
+    assert "== q4_0: decode_tok_s_eager" in cap.err   # each format's figures as it finishes
+
+
+def test_bench_model_json_keeps_finished_formats(tmp_path, monkeypatch):
+    """A run cut short (here: interrupted in its second format) leaves the finished formats in the
+    JSON, marked partial."""
+    from quantzoo.bench import model as bm
+    from quantzoo.cli import main
+
+    calls = []
+
+    def fake(fmt, *a):
+        calls.append(fmt)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return {"format": fmt, "decode_tok_s_eager": 12.5}
+
+    monkeypatch.setattr(bm, "bench_format", fake)
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "model", "--tiny", "--device", "cpu", "--layers", "1", "--formats", "q4_0,fp16",
+              "--prompt-lens", "", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True and doc["results"] == [{"format": "q4_0", "decode_tok_s_eager": 12.5}]

@@ -60,7 +60,8 @@ def add_arguments(p) -> None:
     p.add_argument("--awq-group-size", type=int, default=128)
     p.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test, CPU or GPU)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--json", default=None, help="write the results as JSON to this path")
+    p.add_argument("--json", default=None, help="write the results as JSON to this path (rewritten after each "
+                   "format with \"partial\": true, so that a run cut short keeps the formats it finished)")
 
 
 # ---- random weights in each format, built on the device ------------------------------------
@@ -560,6 +561,8 @@ def run(args) -> int:
         bw = cb["copy_tbps"] * 1e12
         info["copy"] = cb
     results = []
+    out = {"config": cfg.__dict__, "device": device, "machine": info, "copy_bandwidth_bytes_s": bw,
+           "llama_cpp_h100": LLAMA_CPP, "results": results}
     for f in fmts:
         print(f"== {f} ...", file=sys.stderr, flush=True)
         try:
@@ -571,8 +574,12 @@ def run(args) -> int:
             results.append({"format": f, "error": f"{type(e).__name__}: {e}"})
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    out = {"config": cfg.__dict__, "device": device, "machine": info, "copy_bandwidth_bytes_s": bw,
-           "llama_cpp_h100": LLAMA_CPP, "results": results}
+        r = results[-1]
+        print(f"== {f}: " + ("ERROR" if "error" in r else ", ".join(
+            f"{k} {v:,.0f}" for k, v in r.items() if k.startswith(("decode_tok_s", "prefill_tok_s"))
+            and isinstance(v, float) and math.isfinite(v))), file=sys.stderr, flush=True)
+        if args.json:   # the formats so far, should a long run be cut short
+            _write_json(args.json, dict(out, partial=True))
     ok = [r["format"] for r in results if "error" not in r]
     if lens and len(ok) > 1:
         print("== prefill, every format side by side ...", file=sys.stderr, flush=True)
@@ -582,12 +589,16 @@ def run(args) -> int:
             out["prefill_side_by_side"] = {"skipped": f"{type(e).__name__}: {e}"}
     print(render(out, args))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1, default=str)
+        _write_json(args.json, out)
     if not ok:
         print("bench model: every format failed (tracebacks above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_json(path: str, out: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1, default=str)
 
 
 def render(out: dict, args) -> str:
