@@ -82,6 +82,13 @@ def _check_q8_1(q8_1, layout, T, D, device, arg):
         raise ValueError("q8_1: address not 16-byte aligned")
 
 
+def norm_shape(D: int) -> tuple[int, int]:
+    """add_rms_norm's (V, threads) for a row of D values: V 16-byte chunks per thread, threads a
+    whole number of warps (the persistent decode kernel reproduces it to give the same bits)."""
+    V = next(v for v in NORM_CHUNKS if D <= 8 * 1024 * v)
+    return V, -(-D // (8 * V * 32)) * 32
+
+
 def add_rms_norm(h, delta, w, eps: float, q8_1=None, layout: str = "split"):
     """h (T, D) fp16 (updated in place to h + delta when delta is not None) -> fp16 (T, D).
     With q8_1 (uint8, T * D / 32 * 36 bytes; D % 32 == 0) the output is also written there as
@@ -102,8 +109,7 @@ def add_rms_norm(h, delta, w, eps: float, q8_1=None, layout: str = "split"):
         _check_q8_1(q8_1, layout, T, D, h.device, "h")
         q = Q8_LAYOUTS[layout]
     out = torch.empty_like(h)
-    V = next(v for v in NORM_CHUNKS if D <= 8 * 1024 * v)
-    threads = -(-D // (8 * V * 32)) * 32
+    V, threads = norm_shape(D)
     launch(_k(f"add_rms_norm<{'true' if delta is not None else 'false'}, {V}, {q}>"), (T,), (threads,),
            (h.data_ptr(), delta.data_ptr() if delta is not None else 0, w.data_ptr(), out.data_ptr(),
             q8_1.data_ptr() if q else 0, np.int32(D), np.float32(eps)))

@@ -49,12 +49,6 @@ def kernel_name(fmt: str, e: int, g: int, norm: bool, v: int, scalar: bool) -> s
 SOURCES = {SOURCE: (kernel_name("q4_0", 4, 4, True, 1, False), kernel_name("q5_0", 2, 3, False, 1, True))}
 
 
-def _norm_shape(D: int) -> tuple[int, int]:
-    """add_rms_norm's (V, threads) for a row of D (quantzoo.kernels.layer_ops.add_rms_norm)."""
-    v = next(v for v in layer_ops.NORM_CHUNKS if D <= 8 * 1024 * v)
-    return v, -(-D // (8 * v * 32)) * 32
-
-
 def smem_budget(device) -> int:
     """Dynamic shared memory the kernel may take: SMEM_BUDGET, less where the device opts in to
     less (~16 KB left for the kernel's static shared memory)."""
@@ -64,13 +58,18 @@ def smem_budget(device) -> int:
     return min(SMEM_BUDGET, optin - 16 * 1024)
 
 
+def stage_bytes(fmt: str) -> int:
+    """Shared memory per ring stage: SP pieces of PIECE blocks, and its two mbarriers."""
+    return SP * PIECE * gguf.BYTES[fmt] + 16
+
+
 def smem_bytes(fmt: str, stages: int, D: int, HHD: int, F: int, ctas: int, G: int, hd: int) -> int:
-    """The kernel's dynamic shared memory: ring, Q8_1 x, gate / SwiGLU rows, mbarriers, the
-    attention's merge scratch (4 warps x G heads x (hd + 2) floats)."""
-    slot = SP * PIECE * gguf.BYTES[fmt]
+    """The kernel's dynamic shared memory: ring (+ 16 bytes a window may read past it), Q8_1 x,
+    gate / SwiGLU rows, mbarrier alignment, the attention's merge scratch (4 warps x G heads x
+    (hd + 2) floats)."""
     xb = max(D, HHD, F) // 32
     umax = 32 * -(-(F // 32) // ctas)
-    return stages * slot + 16 + xb * 36 + 4 * umax + 8 + 16 * stages + 16 * G * (hd + 2)
+    return stages * stage_bytes(fmt) + 16 + xb * 36 + 4 * umax + 8 + 16 * G * (hd + 2)
 
 
 class PersistentDecode:
@@ -101,12 +100,13 @@ class PersistentDecode:
         if len(fmts) != 1:
             return f"decoder linears in several formats {sorted(fmts)}"
         hd, H, KV = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        if layer_ops.supports(cfg.hidden_size, cfg.intermediate_size, hd, H, KV):
-            return layer_ops.supports(cfg.hidden_size, cfg.intermediate_size, hd, H, KV)
         D, F = cfg.hidden_size, cfg.intermediate_size
+        why = layer_ops.supports(D, F, hd, H, KV)
+        if why:
+            return why
         if F % 128 or (H * hd) % 256:
             return f"intermediate size {F} (a multiple of 128) / attention width {H * hd} (of 256)"
-        if _norm_shape(D)[1] > CONSUMER_THREADS:
+        if layer_ops.norm_shape(D)[1] > CONSUMER_THREADS:
             return f"hidden size {D}: its norm takes more than {CONSUMER_THREADS} threads"
         fmt = fmts.pop()
         if smem_bytes(fmt, 8, D, H * hd, F, sm_count(model.device), H // KV, hd) > smem_budget(model.device):
@@ -123,12 +123,11 @@ class PersistentDecode:
         self.H, self.KV, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.norm = model.layers[0].qk_norm is not None
-        self.v, self.norm_threads = _norm_shape(self.D)
+        self.v, self.norm_threads = layer_ops.norm_shape(self.D)
         self.ctas = sm_count(dev)
-        slot = SP * PIECE * gguf.BYTES[self.fmt]
         G = self.H // self.KV
         fixed = smem_bytes(self.fmt, 0, self.D, self.H * self.hd, self.F, self.ctas, G, self.hd)
-        self.stages = int(min(MAX_STAGES, (smem_budget(dev) - fixed) // (slot + 16)))
+        self.stages = int(min(MAX_STAGES, (smem_budget(dev) - fixed) // stage_bytes(self.fmt)))
         self.smem = smem_bytes(self.fmt, self.stages, self.D, self.H * self.hd, self.F, self.ctas, G, self.hd)
         # the summation order of the per-op path's one-token GEMV: gguf_mmvq16.cu ("split" Q8_1)
         # or gguf_mmvq.cu; the kernel reproduces it
@@ -154,18 +153,20 @@ class PersistentDecode:
             rows.append([lay.qkv.qt.data.data_ptr(), lay.o.qt.data.data_ptr(), lay.gate_up.qt.data.data_ptr(),
                          lay.down.qt.data.data_ptr(), lay.attn_norm.data_ptr(), lay.mlp_norm.data_ptr(),
                          lay.qk_norm.data_ptr() if lay.qk_norm is not None else 0,
-                         kc[i, 0].data_ptr() if kc is not None else 0, vc[i, 0].data_ptr() if vc is not None else 0])
+                         kc[i, 0].data_ptr(), vc[i, 0].data_ptr()])
         self.table = torch.tensor(np.array(rows, dtype=np.uint64).view(np.int64), device=model.device)
-        self.cache_ptr = kc.data_ptr() if kc is not None else 0
-        self.work = getattr(model, "_decode_work", None)
+        self.cache, self.work = kc, model._decode_work   # what the table and the launch point at
 
     def run(self, h, pos, trace=None) -> None:
-        import torch
-
         """One decode step's decoder layers over h (1, D) fp16 in place, at position pos (1,) int64.
         trace: None, or an int64 tensor of trace_size() that receives every CTA's barrier times
         (phase_times reads it)."""
+        import torch
+
         m = self.model
+        if m.k_cache is not self.cache or m._decode_work is not self.work:
+            raise ValueError("persistent decode: the model's KV cache was replaced since this plan was made "
+                             "(Model.setup_cache makes a new plan)")
         if trace is not None and (trace.dtype != torch.int64 or trace.device != h.device or not trace.is_contiguous()
                                   or trace.numel() < self.trace_size()):
             raise ValueError(f"trace: a contiguous int64 tensor of >= {self.trace_size()} elements on {h.device}")
