@@ -52,7 +52,8 @@
 //   * Grid barrier: the consumer warps meet (named barrier 1), thread 0 publishes with a fence and
 //     an atomic add on a counter the host zeroes before the launch, and spins on an acquire load.
 //     The launch must have all its CTAs resident: grid = the SM count, one CTA per SM (its shared
-//     memory sees to that), launched after the previous kernel completes (no early release).
+//     memory sees to that), a cooperative launch (the driver refuses a grid that cannot all be
+//     resident instead of letting it wait forever), after the previous kernel completes.
 // Data written in one phase and read in another goes through L2 (ld.global.cg / __ldcg).
 //
 // sm_90 (cp.async.bulk, mbarrier try_wait); elsewhere the kernel body is empty.
@@ -185,10 +186,10 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned& n, int
 
 }  // namespace persist
 
-// One decode step through L layers. lw: L x LAYER_PTRS device pointers (quantzoo/kernels/
-// persistent.py). h (D) fp16: the residual stream, updated in place (on return h + every layer's
+// One decode step through L layers of hidden size D, intermediate size FF (F is the weight
+// format). lw: L x LAYER_PTRS device pointers (quantzoo/kernels/persistent.py). h (D) fp16: the residual stream, updated in place (on return h + every layer's
 // two deltas; the caller's final norm adds nothing more). qkv ((H + 2 KV) HD), q (H HD), attn
-// (H HD), act_q8 (F / 32 Q8_1 blocks, split layout): scratch; part_o / part_ml / count: the
+// (H HD), act_q8 (FF / 32 Q8_1 blocks, split layout): scratch; part_o / part_ml / count: the
 // attention's (layer_ops.DecodeWork, n_split runs). bar: one zeroed counter. NS ring stages of
 // SP pieces; V / norm_threads: add_rms_norm's V and thread count for D (layer_ops.py), which the
 // norm must reproduce to give its bits. trace: null, or the per-CTA barrier times (below).
@@ -197,14 +198,14 @@ __global__ void __launch_bounds__(persist::THREADS, 1)
 decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, __half* qkv, __half* q, __half* attn,
                   uint8_t* act_q8, float* part_o, float* part_ml, int* count, const long long* __restrict__ pos,
                   const __half* __restrict__ cos_t, const __half* __restrict__ sin_t, unsigned* bar,
-                  int D, int F_, int H, int KV, int S, int n_split, int norm_threads, int NS,
+                  int D, int FF, int H, int KV, int S, int n_split, int norm_threads, int NS,
                   float eps, float scale_log2, unsigned long long* trace) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace persist;
   pdl::grid_wait();   // no early release: the next kernel may start only when every CTA is gone
   constexpr int HD = 32 * E;
   constexpr int SLOT = SP * PIECE * F::BYTES;
-  const int NQKV = (H + 2 * KV) * HD, HHD = H * HD, FF = F_;
+  const int NQKV = (H + 2 * KV) * HD, HHD = H * HD;
   const int XB = max(max(D, HHD), FF) / 32;          // Q8_1 blocks the shared x holds at most
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;                              // NS x SLOT (+ 16: a window may read past)
@@ -325,7 +326,6 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
     }
   };
 
-  const int tid_c = tid;   // consumer thread index (the producer warp is the last)
   // trace: per layer l and barrier k (0: before qkv, 1-5: after qkv, rope, attention, o,
   // gate/up), arrival and departure of CTA c at trace[((l * 6 + k) * 2 + {0, 1}) * P + c]; the
   // end of the last down_proj at trace[L * 12 * P + c]
@@ -341,20 +341,20 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
 
     // qkv = W_qkv Q8_1(norm(h))
     if (l > 0) {
-      grid_barrier(bar, nbar, tid_c, at(l, 0));
-    } else if (trace && tid_c == 0) {
+      grid_barrier(bar, nbar, tid, at(l, 0));
+    } else if (trace && tid == 0) {
       trace[c] = trace[P + c] = global_ns();
     }
-    layer_ops::rms_norm_row<false, V, 2>(h, nullptr, attn_norm, nullptr, xs, 0, D / 32, D, eps, tid_c,
+    layer_ops::rms_norm_row<false, V, 2>(h, nullptr, attn_norm, nullptr, xs, 0, D / 32, D, eps, tid,
                                          norm_threads, red, csync);
     csync();
     gemv(lr.ph[0], D / 32, [&](int row, float y) { qkv[row] = __float2half_rn(y); });
-    grid_barrier(bar, nbar, tid_c, at(l, 1));
+    grid_barrier(bar, nbar, tid, at(l, 1));
 
     // q/k norm + RoPE; k, v into the cache
     for (int item = c * CW + warp; item < H + 2 * KV; item += P * CW)
       layer_ops::rope_item<E, NORM>(item, lane, qkv, qk_norm, cos_t, sin_t, pos, q, kc, vc, H, KV, S, eps);
-    grid_barrier(bar, nbar, tid_c, at(l, 2));
+    grid_barrier(bar, nbar, tid, at(l, 2));
 
     // attention: (run, KV head) items; the item's G query heads spread over up to 4 groups of 4
     // consumer warps (AGN heads each), then the runs of a KV head merge
@@ -364,14 +364,14 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
       for (int it = c; it < ru.n * KV; it += P) {
         const int split = it % ru.n, kvh = it / ru.n;
         if (grp < G / AGN)
-          layer_ops::attn_run<E, AGN, true>(ru, split, kvh, G, grp * AGN, tid_c % 128, q, kc, vc, part_o, part_ml,
+          layer_ops::attn_run<E, AGN, true>(ru, split, kvh, G, grp * AGN, tid % 128, q, kc, vc, part_o, part_ml,
                                             attn, att_sm + grp * 4 * AGN * (HD + 2), S, n_split, scale_log2,
                                             GroupSync{2 + grp});
         if (ru.n > 1)
-          layer_ops::attn_merge<E>(ru, kvh, G, tid_c, CW * 32, part_o, part_ml, count, attn, n_split, &ticket, csync);
+          layer_ops::attn_merge<E>(ru, kvh, G, tid, CW * 32, part_o, part_ml, count, attn, n_split, &ticket, csync);
       }
     }
-    grid_barrier(bar, nbar, tid_c, at(l, 3));
+    grid_barrier(bar, nbar, tid, at(l, 3));
 
     // h += W_o Q8_1(a)
     quantize_into_xs(attn, HHD);
@@ -379,10 +379,10 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
     gemv(lr.ph[1], HHD / 32, [&](int row, float y) {
       h[row] = __float2half_rn(__half2float(__ldcg(h + row)) + __half2float(__float2half_rn(y)));
     });
-    grid_barrier(bar, nbar, tid_c, at(l, 4));
+    grid_barrier(bar, nbar, tid, at(l, 4));
 
     // t = Q8_1(silu(W_gate x) * (W_up x)), x = Q8_1(norm(h)), this CTA's 32-row units
-    layer_ops::rms_norm_row<false, V, 2>(h, nullptr, mlp_norm, nullptr, xs, 0, D / 32, D, eps, tid_c,
+    layer_ops::rms_norm_row<false, V, 2>(h, nullptr, mlp_norm, nullptr, xs, 0, D / 32, D, eps, tid,
                                          norm_threads, red, csync);
     csync();
     const int u0 = lr.ph[2].r0;
@@ -394,12 +394,12 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
     csync();
     for (int u = lr.ph[2].r0 / 32 + warp; u < lr.ph[2].r1 / 32; u += CW)
       q8_1_store<true>(__half2float(ts[u * 32 - u0 + lane]), act_q8, u, FF / 32, lane);
-    grid_barrier(bar, nbar, tid_c, at(l, 5));
+    grid_barrier(bar, nbar, tid, at(l, 5));
 
     // h += W_down t
     {
       const int n16 = FF / 32 * 36 / 16;   // act_q8 is 16-byte aligned and FF % 128 == 0
-      for (int i = tid_c; i < n16; i += CW * 32)
+      for (int i = tid; i < n16; i += CW * 32)
         reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(act_q8) + i);
     }
     csync();
@@ -409,7 +409,7 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   }
   if (trace) {
     consumers_sync();
-    if (tid_c == 0) trace[(long long)L * 12 * P + c] = global_ns();
+    if (tid == 0) trace[(long long)L * 12 * P + c] = global_ns();
   }
 #endif
 }

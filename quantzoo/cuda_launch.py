@@ -191,7 +191,8 @@ def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
 # Python per launch, which is why PDL is opt-in (`programmatic_launches()`): the runner turns it
 # on while it captures its decode graph, where Python cost is paid once and replays are free.
 _PDL = False
-_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID (cuda.h, CUDA >= 12.0)
+_ATTR_COOPERATIVE = 2                         # CUlaunchAttributeID (cuda.h, CUDA >= 12.0)
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class programmatic_launches:
@@ -386,14 +387,18 @@ class PackedLaunch:
     """One kernel launch with its configuration and arguments packed once into the driver's
     structures (cuLaunchKernelEx through ctypes: for the programmatic-serialization attribute
     and for arguments CuPy cannot pass); calling it launches on torch's current stream, with
-    PDL inside programmatic_launches(). set_pointer / set_map change one argument in place."""
-    __slots__ = ("args", "cfg", "cfg_ref", "attr", "func", "vals", "params")
+    PDL inside programmatic_launches(). set_pointer / set_map change one argument in place.
+    cooperative: a cooperative launch instead (never PDL), which the driver refuses
+    (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) unless every block of the grid can be resident
+    at once -- what a kernel with grid-wide barriers needs so as not to wait forever."""
+    __slots__ = ("args", "cfg", "cfg_ref", "attr", "func", "vals", "params", "cooperative")
 
-    def __init__(self, kernel, grid, block, args, shared_mem: int = 0):
+    def __init__(self, kernel, grid, block, args, shared_mem: int = 0, cooperative: bool = False):
         ctypes, lib, Attribute, Config, fn = _driver()
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         self.args = tuple(args)
-        self.attr = Attribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.cooperative = bool(cooperative)
+        self.attr = Attribute(id=_ATTR_COOPERATIVE if cooperative else _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1
         self.cfg = Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), int(shared_mem),
                           None, ctypes.pointer(self.attr), 0)
@@ -412,12 +417,12 @@ class PackedLaunch:
     def __call__(self) -> None:
         cfg = self.cfg
         cfg.stream = current_stream_ptr()
-        cfg.num_attrs = 1 if _PDL else 0
+        cfg.num_attrs = 1 if _PDL or self.cooperative else 0
         err = _driver()[4](self.cfg_ref, self.func, self.params, None)
         if err:
             ctypes, lib, *_ = _driver()
-            raise RuntimeError(f"cuLaunchKernelEx{' (programmatic dependent launch)' if _PDL else ''} "
-                               f"failed: {_driver_error(ctypes, lib, err)}")
+            how = " (cooperative)" if self.cooperative else " (programmatic dependent launch)" if _PDL else ""
+            raise RuntimeError(f"cuLaunchKernelEx{how} failed: {_driver_error(ctypes, lib, err)}")
 
 
 class TorchStep:

@@ -14,6 +14,9 @@ path takes (gguf_mmvq16.cu for q4_0 / q8_0, gguf_mmvq.cu for the others). The sh
                    ahead than the ring is deep in q8_0, the case the kernel's issued-count wait
                    is for.
 
+A grid one CTA larger than the GPU can hold at once is refused (cooperative launch), not left to
+wait forever at its first grid barrier.
+
 CPU tier: persistent=True refuses off the GPU, and each check of PersistentDecode.why_not gives
 its one-line reason (on stand-in model objects).
 """
@@ -80,6 +83,29 @@ def test_persistent_decode_bit_equal(fmt, shape):
         n = len(prompt) + steps
         for a, b in ((models[True].k_cache, models[False].k_cache), (models[True].v_cache, models[False].v_cache)):
             assert torch.equal(a[:, :, :, :n], b[:, :, :, :n])
+
+
+@pytest.mark.gpu
+def test_persistent_grid_that_cannot_be_resident_is_refused():
+    """The grid barriers would wait forever for a CTA that cannot become resident: the launch is
+    cooperative, so one CTA more than the SMs (each holds one) is refused with a clear error,
+    and the plan still runs afterwards with its own grid."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an sm_90 GPU")
+    cfg = _config("qwen3-hd128-g4", layers=1)
+    m = build_model(cfg, synthetic_weights("q4_0", cfg, "cuda", seed=2), None, device="cuda", persistent=True)
+    m.use_graph = False
+    m.prefill([1, 2, 3])
+    plan = m._persistent
+    ctas = plan.ctas
+    h = torch.zeros(1, cfg.hidden_size, dtype=torch.float16, device="cuda")
+    pos = torch.tensor([3], dtype=torch.int64, device="cuda")
+    plan.ctas = ctas + 1
+    with pytest.raises(RuntimeError, match=f"cannot hold all {ctas + 1} CTAs"):
+        plan.run(h, pos)
+    plan.ctas = ctas
+    torch.cuda.synchronize()
+    assert torch.isfinite(m.decode_step(4, 3)).all()
 
 
 def test_persistent_refused_off_gpu():

@@ -15,8 +15,9 @@ bit (tests/test_persistent_gpu.py): the kernel runs the same device functions (l
 and the summation order of the format's one-token kernel (gguf_mmvq16.cu or gguf_mmvq.cu).
 Graph-capturable: it zeroes its barrier counter with a
 memset, reads the position from device memory and allocates nothing. Its grid barriers need all
-of its CTAs (one per SM) resident at once: nothing else may run on the GPU beside it (another
-stream, MPS client or green context holding SMs would make it wait forever).
+of its CTAs (one per SM) resident at once, so it goes out as a cooperative launch: the driver
+refuses a grid that cannot all be resident (a RuntimeError here) instead of starting one that
+would wait forever.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import math
 
 import numpy as np
 
-from quantzoo.cuda_launch import get_kernel, launch, set_max_dynamic_smem, sm_count
+from quantzoo.cuda_launch import PackedLaunch, get_kernel, set_max_dynamic_smem, sm_count
 
 from . import gguf, layer_ops
 
@@ -174,14 +175,22 @@ class PersistentDecode:
         k = get_kernel(SOURCE, self.name, (self.name,))
         set_max_dynamic_smem(k, (SOURCE, self.name, self.smem), self.smem)
         self.bar.zero_()
-        launch(k, (self.ctas,), (THREADS,),
-               (self.table.data_ptr(), np.int32(len(m.layers)), h.data_ptr(), self.qkv.data_ptr(), self.q.data_ptr(),
+        # cooperative: the grid barriers need every CTA resident (PackedLaunch); a new packing per
+        # call (~0.1 ms of Python against a ~3 ms step; the runner replays a captured graph)
+        args = (self.table.data_ptr(), np.int32(len(m.layers)), h.data_ptr(), self.qkv.data_ptr(), self.q.data_ptr(),
                 self.attn.data_ptr(), self.act_q8.data_ptr(), work.o.data_ptr(), work.ml.data_ptr(),
                 work.count.data_ptr(), pos.data_ptr(), m.cos.data_ptr(), m.sin.data_ptr(), self.bar.data_ptr(),
                 np.int32(self.D), np.int32(self.F), np.int32(self.H), np.int32(self.KV), np.int32(work.S),
                 np.int32(work.n_split), np.int32(self.norm_threads), np.int32(self.stages), np.float32(self.eps),
-                np.float32(math.log2(math.e) / math.sqrt(self.hd)), 0 if trace is None else trace.data_ptr()),
-               shared_mem=self.smem)
+                np.float32(math.log2(math.e) / math.sqrt(self.hd)), 0 if trace is None else trace.data_ptr())
+        try:
+            PackedLaunch(k, (self.ctas,), (THREADS,), args, self.smem, cooperative=True)()
+        except RuntimeError as e:
+            if "COOPERATIVE_LAUNCH_TOO_LARGE" not in str(e):
+                raise
+            raise RuntimeError(f"persistent decode: the GPU cannot hold all {self.ctas} CTAs of {self.smem} bytes of "
+                               "shared memory at once (are other kernels or MPS clients holding SMs?); "
+                               "use Model.use_persistent(False)") from e
 
     def trace_size(self) -> int:
         return (len(self.model.layers) * 12 + 1) * self.ctas
