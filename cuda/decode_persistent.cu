@@ -368,7 +368,8 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
                                             attn, att_sm + grp * 4 * AGN * (HD + 2), S, n_split, scale_log2,
                                             GroupSync{2 + grp});
         if (ru.n > 1)
-          layer_ops::attn_merge<E>(ru, kvh, G, tid, CW * 32, part_o, part_ml, count, attn, n_split, &ticket, csync);
+          layer_ops::attn_merge<E>(ru, kvh, G, tid, CW * 32, part_o, part_ml, count, attn, n_split, &ticket, att_sm,
+                                   csync);
       }
     }
     grid_barrier(bar, nbar, tid, at(l, 3));

@@ -111,7 +111,7 @@ __global__ void silu_mul_q8_1(const __half* __restrict__ gu, __half* __restrict_
 
 // Decode attention: grid (n_split, KV), block 128: CTA (s, kv) is run s of KV head kv for all G query
 // heads (layer_ops::attn_run), then the runs merge (attn_merge).
-template <int E, int G>
+template <int E, int G, int RING>
 __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q, const __half* __restrict__ k_cache,
                             const __half* __restrict__ v_cache, const long long* __restrict__ pos,
                             float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -119,12 +119,15 @@ __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q,
                             int S, int n_split, float scale_log2) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   using namespace layer_ops;
-  __shared__ float sm[4 * G * (32 * E + 2)];
+  // attn_run's and attn_merge's scratch, overlaid by attn_run's ring (RING stages of 8 rows a warp)
+  constexpr int SM = 4 * G * (32 * E + 2), RING_FLOATS = 4 * RING * 8 * 32 * E / 2;
+  __shared__ __align__(16) float sm[SM > RING_FLOATS ? SM : RING_FLOATS];
   __shared__ int ticket;
   const AttnRuns ru(pos, n_split);
   if ((int)blockIdx.x >= ru.n) return;
-  attn_run<E, G, false>(ru, blockIdx.x, blockIdx.y, G, 0, threadIdx.x, q, k_cache, v_cache, part_o, part_ml, out, sm,
-                        S, n_split, scale_log2, BlockSync());
+  attn_run<E, G, false, BlockSync, RING>(ru, blockIdx.x, blockIdx.y, G, 0, threadIdx.x, q, k_cache, v_cache, part_o,
+                                         part_ml, out, sm, S, n_split, scale_log2, BlockSync(),
+                                         reinterpret_cast<__half*>(sm));
   if (ru.n > 1)
-    attn_merge<E>(ru, blockIdx.y, G, threadIdx.x, 128, part_o, part_ml, count, out, n_split, &ticket, BlockSync());
+    attn_merge<E>(ru, blockIdx.y, G, threadIdx.x, 128, part_o, part_ml, count, out, n_split, &ticket, sm, BlockSync());
 }

@@ -187,11 +187,18 @@ struct AttnRuns {
 // arithmetic is the same whatever GN, so any grouping of the G heads gives the same bits.
 // sm: shared scratch of W * GN * (HD + 2) floats. CG: read the cache through L2 (a persistent
 // kernel writes row pos in an earlier phase).
-template <int E, int GN, bool CG, class Sync>
+// RING = 0: each warp keeps the next group of 4 rows in flight in registers. RING = D > 1: each
+// warp streams its groups through a ring of D stages in shared memory (ring: W * D * 8 * HD
+// halves) with cp.async (through L2, like CG), D - 1 groups in flight -- at long contexts one
+// group in flight left each warp waiting a full memory latency per 2 KB (a 16k-token context ran
+// at ~0.8 TB/s). Both give the same bits: only where the rows wait differs. The ring may overlay
+// sm: the warps meet before sm is written.
+template <int E, int GN, bool CG, class Sync, int RING = 0>
 __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, int G, int g0, int tid,
                                          const __half* q, const __half* k_cache, const __half* v_cache,
                                          float* part_o, float* part_ml, __half* out, float* sm,
-                                         int S, int n_split, float scale_log2, const Sync& sync) {
+                                         int S, int n_split, float scale_log2, const Sync& sync,
+                                         __half* ring = nullptr) {
   constexpr int HD = 32 * E, W = 4;
   const int lane = tid % 32, warp = tid / 32;
   const int p0 = split * ru.chunk, p1 = min(p0 + ru.chunk, ru.npos);
@@ -207,21 +214,12 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
       acc[g][e] = 0.0f;
     }
   }
-  const __half* kb = k_cache + (long long)kv * S * HD + E * lane;
-  const __half* vb = v_cache + (long long)kv * S * HD + E * lane;
-  float kk[4][E], vv[4][E];
-  auto fetch = [&](int pb) {   // rows past p1 are loaded (valid memory) and masked below
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const long long p = min(pb + j, p1 - 1);
-      load_row<E, CG>(kk[j], kb + p * HD);
-      load_row<E, CG>(vv[j], vb + p * HD);
-    }
-  };
-  int pb = p0 + warp * 4;
-  if (pb < p1) fetch(pb);
-  for (; pb < p1; pb += W * 4) {   // pb itself is always a valid row
-    float sc[4][GN], nv[4][E];
+  const __half* kb = k_cache + (long long)kv * S * HD;
+  const __half* vb = v_cache + (long long)kv * S * HD;
+  // the 4 rows pb .. pb + 3 (rows past p1 are the valid row p1 - 1 again, masked below) into
+  // this lane's kk / vv (its E dims of each), and this group's softmax update
+  auto consume = [&](int pb, const float (&kk)[4][E], const float (&nv)[4][E]) {
+    float sc[4][GN];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -231,11 +229,6 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
         for (int e = 0; e < E; ++e) d += qv[g][e] * kk[j][e];
         sc[j][g] = d;
       }
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < E; ++e) nv[j][e] = vv[j][e];
-    if (pb + W * 4 < p1) fetch(pb + W * 4);   // next group in flight while this one finishes
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
 #pragma unroll
@@ -264,6 +257,64 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
       }
       m[g] = mx;
     }
+  };
+  if constexpr (RING == 0) {
+    float kk[4][E], vv[4][E];
+    auto fetch = [&](int pb) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const long long p = min(pb + j, p1 - 1);
+        load_row<E, CG>(kk[j], kb + p * HD + E * lane);
+        load_row<E, CG>(vv[j], vb + p * HD + E * lane);
+      }
+    };
+    int pb = p0 + warp * 4;
+    if (pb < p1) fetch(pb);
+    for (; pb < p1; pb += W * 4) {   // pb itself is always a valid row
+      float k0[4][E], nv[4][E];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < E; ++e) { k0[j][e] = kk[j][e]; nv[j][e] = vv[j][e]; }
+      if (pb + W * 4 < p1) fetch(pb + W * 4);   // next group in flight while this one finishes
+      consume(pb, k0, nv);
+    }
+  } else {
+    // stage: K rows 0..3 then V rows 0..3 of a group, HD halves each; a lane copies 16-byte pieces
+    constexpr int PIECES = 8 * HD * 2 / 16;   // per stage: 128 (E = 4) or 64 (E = 2)
+    __half* wring = ring + (long long)warp * RING * 8 * HD;
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(wring));
+    auto issue = [&](int pb, int slot) {   // always commits a group (empty past the run's end)
+      if (pb < p1) {
+#pragma unroll
+        for (int i = lane; i < PIECES; i += 32) {
+          const int r = i / (PIECES / 8), c = i % (PIECES / 8);   // stage row r (K 0..3, V 4..7), piece c
+          const long long p = min(pb + (r & 3), p1 - 1);
+          const __half* src = (r < 4 ? kb : vb) + p * HD + c * 8;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                       :: "r"(base + unsigned((slot * 8 * HD + r * HD + c * 8) * 2)), "l"(src) : "memory");
+        }
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    int pb = p0 + warp * 4;
+#pragma unroll
+    for (int i = 0; i < RING - 1; ++i) issue(pb + i * W * 4, i);
+    for (int it = 0; pb < p1; pb += W * 4, ++it) {
+      asm volatile("cp.async.wait_group %0;\n" :: "n"(RING - 2) : "memory");
+      __syncwarp();   // every lane's pieces of this stage landed; the slot refilled below was read
+      issue(pb + (RING - 1) * W * 4, (it + RING - 1) % RING);
+      const __half* st = wring + (it % RING) * 8 * HD + E * lane;
+      float kk[4][E], nv[4][E];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        load_row<E>(kk[j], st + j * HD);
+        load_row<E>(nv[j], st + (4 + j) * HD);
+      }
+      consume(pb, kk, nv);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");   // nothing left in flight into the ring
+    sync();   // every warp is done with its ring before sm (which the ring may overlay) is written
   }
   // merge the 4 warps through shared memory: sm_m[W][GN], sm_l[W][GN], sm_o[W][GN][HD]
   float* sm_m = sm;
@@ -302,11 +353,18 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
 
 // After every head of KV head kv has its run `split` in part_o / part_ml (ru.n > 1): the last of
 // the n runs to finish (a ticket from count[kv], which it resets) merges them into out. All
-// threads 0 .. nthr - 1 that wrote parts call it (sync meets them); ticket: shared int.
+// threads 0 .. nthr - 1 that wrote parts call it (sync meets them); ticket: shared int; sm:
+// shared scratch of G * (n + 1) floats.
+// The merge first turns each head's n (max, sum) pairs into the runs' weights 2^(m_run - max)
+// and their weighted sum, one warp a head (its lanes take runs lane, lane + 32, ... and add with
+// warp_sum: the same bits whatever nthr), into sm; then every output is one pass over the runs'
+// partial outputs whose loads do not wait on each other. (The first version had every thread
+// re-read each run's (max, sum) twice from L2 per output, in dependent loops: with 256 runs, a
+// 16k-token context, that merge took most of a Qwen3-8B layer's ~130 us of attention.)
 template <int E, class Sync>
 __device__ __forceinline__ void attn_merge(const AttnRuns& ru, int kv, int G, int tid, int nthr,
                                            const float* part_o, const float* part_ml, int* count, __half* out,
-                                           int n_split, int* ticket, const Sync& sync) {
+                                           int n_split, int* ticket, float* sm, const Sync& sync) {
   constexpr int HD = 32 * E;
   __threadfence();
   sync();
@@ -316,18 +374,45 @@ __device__ __forceinline__ void attn_merge(const AttnRuns& ru, int kv, int G, in
   sync();   // everyone has read the ticket before a next item may take one
   if (!last) return;
   __threadfence();
-  for (int idx = tid; idx < G * HD; idx += nthr) {
-    const int g = idx / HD, d = idx % HD;
-    const long long base = (long long)(kv * G + g) * n_split;
+  const int n = ru.n, lane = tid % 32;
+  float* fw = sm;            // fw[g * n + run]: the run's weight in head g
+  float* sum = sm + G * n;   // sum[g]: the weighted sum of the runs' softmax denominators
+  for (int g = tid / 32; g < G; g += nthr / 32) {
+    const float* ml = part_ml + (long long)(kv * G + g) * n_split * 2;
     float mx = neg_inf();
-    for (int sp = 0; sp < ru.n; ++sp) mx = fmaxf(mx, __ldcg(part_ml + (base + sp) * 2));
-    float o = 0.0f, sum = 0.0f;
-    for (int sp = 0; sp < ru.n; ++sp) {
-      const float f = exp2f(__ldcg(part_ml + (base + sp) * 2) - mx);
-      sum += __ldcg(part_ml + (base + sp) * 2 + 1) * f;
-      o += __ldcg(part_o + (base + sp) * HD + d) * f;
+    for (int sp = lane; sp < n; sp += 32) mx = fmaxf(mx, __ldcg(ml + sp * 2));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float l = 0.0f;
+    for (int sp = lane; sp < n; sp += 32) {
+      const float f = exp2f(__ldcg(ml + sp * 2) - mx);
+      fw[g * n + sp] = f;
+      l += __ldcg(ml + sp * 2 + 1) * f;
     }
-    out[(kv * G + g) * HD + d] = __float2half_rn(o / sum);
+    l = warp_sum(l);
+    if (lane == 0) sum[g] = l;
+  }
+  sync();
+  // a thread's outputs tid, tid + nthr, ... (G HD <= 8 * 128 <= OUTS nthr) side by side, so that
+  // their loads of a run are in flight together
+  constexpr int OUTS = 8;
+  const float* po[OUTS];
+  float o[OUTS];
+#pragma unroll
+  for (int i = 0; i < OUTS; ++i) {
+    const int idx = min(tid + i * nthr, G * HD - 1);
+    po[i] = part_o + (long long)(kv * G + idx / HD) * n_split * HD + idx % HD;
+    o[i] = 0.0f;
+  }
+#pragma unroll 4
+  for (int sp = 0; sp < n; ++sp)
+#pragma unroll
+    for (int i = 0; i < OUTS; ++i)
+      if (tid + i * nthr < G * HD) o[i] += __ldcg(po[i] + (long long)sp * HD) * fw[(tid + i * nthr) / HD * n + sp];
+#pragma unroll
+  for (int i = 0; i < OUTS; ++i) {
+    const int idx = tid + i * nthr;
+    if (idx < G * HD) out[kv * G * HD + idx] = __float2half_rn(o[i] / sum[idx / HD]);
   }
   if (tid == 0) count[kv] = 0;   // ready for the next call (or graph replay)
   sync();

@@ -87,21 +87,25 @@ def wgmma_available(device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-_SMEM_SET: set = set()
+_SMEM_MAX: dict = {}   # kernel's function handle -> the dynamic shared memory it may take so far
 
 
-def set_max_dynamic_smem(kernel, key, nbytes: int) -> None:
-    """Let `kernel` take nbytes of dynamic shared memory (above the default 48 KB), once per key."""
-    if key in _SMEM_SET or nbytes <= 40 * 1024:   # static shared memory counts against 48 KB too
+def set_max_dynamic_smem(kernel, nbytes: int) -> None:
+    """Let `kernel` take nbytes of dynamic shared memory (above the default 48 KB). The limit only
+    ever rises: one kernel launched with several sizes (the persistent decode's depends on the
+    model's shapes) keeps fitting the largest, where setting each size in turn had left a later,
+    larger launch over the limit (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE, or an invalid value)."""
+    ptr = getattr(kernel, "ptr", None)
+    key = ptr if ptr is not None else id(kernel)
+    if nbytes <= max(_SMEM_MAX.get(key, 0), 40 * 1024):   # static shared memory counts against 48 KB too
         return
     cupy = import_cupy()
     attr = getattr(cupy.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
-    ptr = getattr(kernel, "ptr", None)
     if ptr is None:
         kernel.max_dynamic_shared_size_bytes = nbytes
     else:
         cupy.cuda.driver.funcSetAttribute(ptr, attr, nbytes)
-    _SMEM_SET.add(key)
+    _SMEM_MAX[key] = nbytes
 
 
 _RESIDENT: dict = {}

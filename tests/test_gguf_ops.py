@@ -162,7 +162,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     monkeypatch.setattr(G, "_sm_count", lambda device: 132)
     monkeypatch.setattr(G, "_check_act", lambda x, k, arg="x", dtypes=None: (x.numel() // x.shape[-1], x.shape[-1]))
     monkeypatch.setattr(G, "wgmma_ok", lambda qt: qt.format in G.WGMMA_FORMATS)   # no Hopper here
-    monkeypatch.setattr(G, "set_max_dynamic_smem", lambda kern, key, nbytes: None)
+    monkeypatch.setattr(G, "set_max_dynamic_smem", lambda kern, nbytes: None)
     monkeypatch.setattr(G, "resident_blocks", lambda kern, smem, threads: 1)
     monkeypatch.setattr(G, "tensor_map_2d", lambda ptr, rows, cols, box_rows, box_cols, swizzle=128, dtype="f16":
                         ("tmap", ptr, rows, cols, box_rows, box_cols, swizzle, dtype))

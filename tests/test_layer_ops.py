@@ -21,9 +21,12 @@ def test_decode_work_runs(rng):
     from quantzoo.kernels.layer_ops import SPLITS_MAX, DecodeWork
 
     for S in (16, 64, 256, 4096, 40960, int(rng.integers(1, 50000))):
-        w = DecodeWork(32, 8, 128, S, "cpu")
-        assert 1 <= w.n_split <= SPLITS_MAX and w.n_split * 64 <= max(S, 64)
-        assert tuple(w.o.shape) == (32, w.n_split, 128) and int(w.count.sum()) == 0
+        for kv in (8, 2, 1):
+            w = DecodeWork(32, kv, 128, S, "cpu")
+            assert 1 <= w.n_split <= SPLITS_MAX and w.n_split * 64 <= max(S, 64)
+            # about two CTAs per SM at most (132 SMs where there is no GPU)
+            assert w.n_split == max(1, min(SPLITS_MAX, S // 64, -(-264 // kv)))
+            assert tuple(w.o.shape) == (32, w.n_split, 128) and int(w.count.sum()) == 0
 
 
 def test_cpu_model_refuses_fused_ops():

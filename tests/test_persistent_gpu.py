@@ -15,7 +15,8 @@ path takes (gguf_mmvq16.cu for q4_0 / q8_0, gguf_mmvq.cu for the others). The sh
                    is for.
 
 A grid one CTA larger than the GPU can hold at once is refused (cooperative launch), not left to
-wait forever at its first grid barrier.
+wait forever at its first grid barrier; models that share a kernel instance with different
+shared-memory sizes run in turn.
 
 CPU tier: persistent=True refuses off the GPU, and each check of PersistentDecode.why_not gives
 its one-line reason (on stand-in model objects).
@@ -106,6 +107,26 @@ def test_persistent_grid_that_cannot_be_resident_is_refused():
     plan.ctas = ctas
     torch.cuda.synchronize()
     assert torch.isfinite(m.decode_step(4, 3)).all()
+
+
+@pytest.mark.gpu
+def test_persistent_models_sharing_a_kernel_with_other_shared_memory():
+    """Two models whose steps run the same kernel instance with different shared-memory sizes,
+    used in turn: every launch fits (the kernel's dynamic shared memory limit only ever rises).
+    Setting each model's size in turn had left the larger one's next launch refused."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an sm_90 GPU")
+    models = []
+    for shape in ("qwen3-hd128-g4", "qwen3-long-rows"):
+        cfg = _config(shape, layers=1)
+        m = build_model(cfg, synthetic_weights("q4_0", cfg, "cuda", seed=4), None, device="cuda", persistent=True)
+        m.use_graph = False
+        m.prefill([1, 2, 3])
+        models.append(m)
+    a, b = (m._persistent for m in models)
+    assert a.name == b.name and a.smem != b.smem
+    for m in models + models:
+        assert torch.isfinite(m.decode_step(4, 3)).all()
 
 
 def test_persistent_refused_off_gpu():

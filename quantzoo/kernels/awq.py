@@ -425,7 +425,7 @@ def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
     smem = _mma_smem(mt, ng, occ)
     name = f"awq_mma_kernel<{mt}, {ng}, {occ}>"
     kern = _kernel("awq_mma.cu", name)
-    _set_smem(kern, (str(dev), name), smem)
+    _set_smem(kern, smem)
     slots = _blocks_per_sm(kern, smem) * _sm_count(dev)
     splits, per = _splits(tiles_n * tiles_m, k, 32, slots, min_rows=128)
     ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
@@ -516,7 +516,7 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     kern = _kernel("awq_small.cu", name)
     smem = _small_smem(m, mb, nw, warps, d)
     # the largest this kernel ever asks for (M = 8 * MB), so one attribute serves every M
-    _set_smem(kern, (str(dev), name), _small_smem(8 * mb, mb, nw, warps, d))
+    _set_smem(kern, _small_smem(8 * mb, mb, nw, warps, d))
     tuned = SMALL_TUNED.get((k, n, mb))
     if splits is None and tuned is not None and tuned[0] == (mb, nw, warps, cw, mode, d):
         splits = tuned[1]
@@ -570,7 +570,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     name = f"awq_wgmma_kernel<{nwg}, {t}, {d}{', true' if glu else ''}>"
     kern = _kernel("awq_wgmma.cu", name)
     smem = _wgmma_smem(nwg, t, d)
-    _set_smem(kern, (str(dev), name), smem)
+    _set_smem(kern, smem)
     tiles_m, tiles_n = wgmma_tiles.grid(m, n, (nwg, t, d))
     tiles = tiles_m * tiles_n
     threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup

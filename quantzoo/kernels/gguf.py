@@ -433,7 +433,7 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False):
     name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}{', true' if glu else ''}>"
     kern = _kernel("gguf_wgmma.cu", name)
     smem = wgmma_smem_bytes(fmt, nwg, t, d)
-    set_max_dynamic_smem(kern, (str(y2.device), name), smem)
+    set_max_dynamic_smem(kern, smem)
     tiles_m, tiles_n = wgmma_tiles.grid(m, n, cfg)
     tiles = tiles_m * tiles_n
     threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup

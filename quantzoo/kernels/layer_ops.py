@@ -26,6 +26,7 @@ from quantzoo.cuda_launch import get_kernel, launch
 HEAD_DIMS = {64: 2, 128: 4}      # head_dim -> elements per lane (E)
 MAX_GROUP = 8                    # query heads per KV head served by attn_decode
 SPLITS_MAX = 256                 # attn_decode cuts the context into at most this many runs
+ATTN_RING = 4                    # attn_decode: stages of each warp's shared-memory ring (layer_ops.cuh)
 NORM_CHUNKS = (1, 2, 4)         # 16-byte chunks per thread in add_rms_norm: D <= 8 * 1024 * 4
 # Q8_1 output of add_rms_norm / silu_mul (the input a GGUF mmvq reads, kernels.gguf.q8_1_layout):
 # the layout name -> the kernels' template value (add_rms_norm's Q; silu_mul_q8_1's SPLIT)
@@ -34,7 +35,7 @@ SOURCES = {"layer_ops.cu": tuple(f"add_rms_norm<{a}, {v}, {q}>" for a in ("true"
                                  for q in (0, 1, 2))
            + ("silu_mul", "silu_mul_q8_1<false>", "silu_mul_q8_1<true>")
            + tuple(f"qk_rope_store<{e}, {b}>" for e in HEAD_DIMS.values() for b in ("true", "false"))
-           + tuple(f"attn_decode<{e}, {g}>" for e in HEAD_DIMS.values() for g in range(1, MAX_GROUP + 1))}
+           + tuple(f"attn_decode<{e}, {g}, {ATTN_RING}>" for e in HEAD_DIMS.values() for g in range(1, MAX_GROUP + 1))}
 
 
 def _k(name: str):
@@ -175,12 +176,18 @@ def silu_mul(gu, q8_1=None, layout: str = "split", out=None):
 
 class DecodeWork:
     """fp32 scratch of attn_decode for one cache size S: the runs' partial outputs. The kernel
-    cuts rows 0..pos into at most n_split runs of >= 64 positions (cuda/layer_ops.cu)."""
+    cuts rows 0..pos into at most n_split runs of >= 64 positions (cuda/layer_ops.cu), and its
+    grid is n_split x kv_heads CTAs, so n_split is also capped at about two CTAs per SM: more,
+    shorter runs cost more than they gain (H100, Qwen3-8B heads, a 16k-token context: 37 us with
+    runs of 512 positions, 42 with 256, 87 with 64; bench/NOTES.md, session 30)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, S: int, device):
         import torch
 
-        self.n_split = max(1, min(SPLITS_MAX, S // 64))
+        from quantzoo.cuda_launch import sm_count
+
+        sms = sm_count(device) if torch.device(device).type == "cuda" else 132   # (CPU: the tests)
+        self.n_split = max(1, min(SPLITS_MAX, S // 64, -(-2 * sms // kv_heads)))
         self.S = S
         self.o = torch.empty((heads, self.n_split, head_dim), dtype=torch.float32, device=device)
         self.ml = torch.empty((heads, self.n_split, 2), dtype=torch.float32, device=device)
@@ -212,7 +219,7 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     E = HEAD_DIMS[hd]
     scale_log2 = math.log2(math.e) / math.sqrt(hd)
     out = torch.empty((1, H * hd), dtype=q.dtype, device=q.device)
-    launch(_k(f"attn_decode<{E}, {G}>"), (work.n_split, KV), (128,),
+    launch(_k(f"attn_decode<{E}, {G}, {ATTN_RING}>"), (work.n_split, KV), (128,),
            (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos.data_ptr(), work.o.data_ptr(),
             work.ml.data_ptr(), work.count.data_ptr(), out.data_ptr(), np.int32(S), np.int32(work.n_split),
             np.float32(scale_log2)))

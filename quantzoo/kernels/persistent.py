@@ -173,7 +173,7 @@ class PersistentDecode:
             raise ValueError(f"trace: a contiguous int64 tensor of >= {self.trace_size()} elements on {h.device}")
         work = m._decode_work
         k = get_kernel(SOURCE, self.name, (self.name,))
-        set_max_dynamic_smem(k, (SOURCE, self.name, self.smem), self.smem)
+        set_max_dynamic_smem(k, self.smem)
         self.bar.zero_()
         # cooperative: the grid barriers need every CTA resident (PackedLaunch); a new packing per
         # call (~0.1 ms of Python against a ~3 ms step; the runner replays a captured graph)
