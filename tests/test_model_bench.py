@@ -44,6 +44,13 @@ def test_bench_model_cpu_smoke(tmp_path, capsys):
     assert "== q4_0: decode_tok_s_eager" in cap.err   # each format's figures as it finishes
 
 
+def test_bench_model_long_context_out_of_range(capsys):
+    from quantzoo.cli import main
+
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--long-context", "5000"]) == 2
+    assert "--long-context 5000: 0 (skip) up to 3960" in capsys.readouterr().err
+
+
 def test_bench_model_json_keeps_finished_formats(tmp_path, monkeypatch):
     """A run cut short (here: interrupted in its second format) leaves the finished formats in the
     JSON, marked partial."""

@@ -188,12 +188,12 @@ def test_bench_model_tiny_gpu(tmp_path):
 
     out = tmp_path / "b.json"
     assert main(["bench", "model", "--tiny", "--layers", "2", "--prompt-lens", "64,256",
-                 "--decode-tokens", "16", "--eager-tokens", "4", "--json", str(out)]) == 0
+                 "--decode-tokens", "16", "--eager-tokens", "4", "--long-context", "1000", "--json", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
     assert [r["format"] for r in res] == ["awq", "q4_0", "q8_0", "fp16"]
     for r in res:
         assert "error" not in r, r
-        assert r["decode_tok_s_graph"] > 0 and r["prefill_tok_s_256"] > 0
+        assert r["decode_tok_s_graph"] > 0 and r["prefill_tok_s_256"] > 0 and r["decode_tok_s_graph_ctx1000"] > 0
 
 
 def test_seeded_sampling_repeats_on_gpu():

@@ -403,11 +403,12 @@ def test_model_bench_section(errors):
     assert finite(t[0]["decode_tok_s_ideal_linears"]) == 470.0 and finite(t[0]["roofline_fraction_reads_only"]) == 0.869
     assert "decode_read_config_reads_only" not in t[0] and "Two decode bounds" in md
     assert "persistent kernel" not in md
-    mb["results"][0].update(decode_tok_s_graph_persistent=330.0,
+    mb["results"][0].update(decode_tok_s_graph_ctx4096=300.0, decode_tok_s_graph_persistent=330.0,
                             decode_persistent_phases_us={"attention": {"work_mean_us": 70.0}})
     md = report.render(report.build(None, mb, accuracy=False, errors=errors))
     t = table_with(md, "decode_tok_s_graph_persistent")
     assert finite(t[0]["decode_tok_s_graph_persistent"]) == 330.0 and "persistent kernel" in md
+    assert finite(t[0]["decode_tok_s_graph_ctx4096"]) == 300.0 and "after a 4096-token prompt" in md
     assert "decode_persistent_phases_us" not in t[0]
 
 
