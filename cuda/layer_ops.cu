@@ -28,8 +28,13 @@
 //                  (every K/V row is loaded once for G heads: grouped-query attention without
 //                  repeating the cache), online softmax in base 2; the last CTA of each KV
 //                  head merges the splits' (max, sum, unnormalised output) and writes fp16.
-//                  The grid is fixed by the cache size S, CTAs past pos exit at once, and pos is
-//                  read from device memory, so one CUDA graph serves every decode position.
+//                  The grid is fixed by the cache size S (and capped near two CTAs per SM:
+//                  layer_ops.DecodeWork), CTAs past pos exit at once, and pos is read from device
+//                  memory, so one CUDA graph serves every decode position. Each warp streams its
+//                  rows through a cp.async ring in shared memory (RING stages). Long contexts
+//                  made this kernel matter: at 16k tokens it had run at 0.4 TB/s, 164 us a
+//                  Qwen3-8B layer (its merge, fixed now, and one group of rows in flight a warp);
+//                  37 us now (bench/NOTES.md, session 30).
 //
 // Layouts: row-major fp16, contiguous. head_dim hd = 32*E (E = 2: hd 64, E = 4: hd 128), one warp
 // per head. In qk_rope_store lane l holds elements l + 32e, so element i and its RoPE partner
