@@ -187,8 +187,9 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned& n, int
 }  // namespace persist
 
 // One decode step through L layers of hidden size D, intermediate size FF (F is the weight
-// format). lw: L x LAYER_PTRS device pointers (quantzoo/kernels/persistent.py). h (D) fp16: the residual stream, updated in place (on return h + every layer's
-// two deltas; the caller's final norm adds nothing more). qkv ((H + 2 KV) HD), q (H HD), attn
+// format). lw: L x LAYER_PTRS device pointers (quantzoo/kernels/persistent.py). h (D) fp16: the
+// residual stream, updated in place (on return h + every layer's two deltas; the caller's final
+// norm adds nothing more). qkv ((H + 2 KV) HD), q (H HD), attn
 // (H HD), act_q8 (FF / 32 Q8_1 blocks, split layout): scratch; part_o / part_ml / count: the
 // attention's (layer_ops.DecodeWork, n_split runs). bar: one zeroed counter. NS ring stages of
 // SP pieces; V / norm_threads: add_rms_norm's V and thread count for D (layer_ops.py), which the
@@ -368,8 +369,8 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
                                             attn, att_sm + grp * 4 * AGN * (HD + 2), S, n_split, scale_log2,
                                             GroupSync{2 + grp});
         if (ru.n > 1)
-          layer_ops::attn_merge<E>(ru, kvh, G, tid, CW * 32, part_o, part_ml, count, attn, n_split, &ticket, att_sm,
-                                   csync);
+          layer_ops::attn_merge<E, (G * E + 15) / 16>(ru, kvh, G, tid, CW * 32, part_o, part_ml, count, attn, n_split,
+                                                     &ticket, att_sm, csync);
       }
     }
     grid_barrier(bar, nbar, tid, at(l, 3));

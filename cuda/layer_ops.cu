@@ -134,5 +134,6 @@ __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q,
                                          part_ml, out, sm, S, n_split, scale_log2, BlockSync(),
                                          reinterpret_cast<__half*>(sm));
   if (ru.n > 1)
-    attn_merge<E>(ru, blockIdx.y, G, threadIdx.x, 128, part_o, part_ml, count, out, n_split, &ticket, sm, BlockSync());
+    attn_merge<E, (G * E + 3) / 4>(ru, blockIdx.y, G, threadIdx.x, 128, part_o, part_ml, count, out, n_split,
+                                   &ticket, sm, BlockSync());
 }

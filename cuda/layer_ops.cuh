@@ -216,10 +216,9 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
   }
   const __half* kb = k_cache + (long long)kv * S * HD;
   const __half* vb = v_cache + (long long)kv * S * HD;
-  // the 4 rows pb .. pb + 3 (rows past p1 are the valid row p1 - 1 again, masked below) into
-  // this lane's kk / vv (its E dims of each), and this group's softmax update
-  auto consume = [&](int pb, const float (&kk)[4][E], const float (&nv)[4][E]) {
-    float sc[4][GN];
+  // A group: the 4 rows pb .. pb + 3 (rows past p1 are the valid row p1 - 1 again, masked in
+  // update), this lane's E dims of each. scores: this lane's part of each row's q.k per head.
+  auto scores = [&](const float (&kk)[4][E], float (&sc)[4][GN]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -229,6 +228,9 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
         for (int e = 0; e < E; ++e) d += qv[g][e] * kk[j][e];
         sc[j][g] = d;
       }
+  };
+  // update: the scores' warp sums and the online softmax over the group's V rows nv
+  auto update = [&](int pb, float (&sc)[4][GN], const float (&nv)[4][E]) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
 #pragma unroll
@@ -271,13 +273,14 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
     int pb = p0 + warp * 4;
     if (pb < p1) fetch(pb);
     for (; pb < p1; pb += W * 4) {   // pb itself is always a valid row
-      float k0[4][E], nv[4][E];
+      float sc[4][GN], nv[4][E];
+      scores(kk, sc);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int e = 0; e < E; ++e) { k0[j][e] = kk[j][e]; nv[j][e] = vv[j][e]; }
+        for (int e = 0; e < E; ++e) nv[j][e] = vv[j][e];
       if (pb + W * 4 < p1) fetch(pb + W * 4);   // next group in flight while this one finishes
-      consume(pb, k0, nv);
+      update(pb, sc, nv);
     }
   } else {
     // stage: K rows 0..3 then V rows 0..3 of a group, HD halves each; a lane copies 16-byte pieces
@@ -305,13 +308,14 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
       __syncwarp();   // every lane's pieces of this stage landed; the slot refilled below was read
       issue(pb + (RING - 1) * W * 4, (it + RING - 1) % RING);
       const __half* st = wring + (it % RING) * 8 * HD + E * lane;
-      float kk[4][E], nv[4][E];
+      float kk[4][E], nv[4][E], sc[4][GN];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         load_row<E>(kk[j], st + j * HD);
         load_row<E>(nv[j], st + (4 + j) * HD);
       }
-      consume(pb, kk, nv);
+      scores(kk, sc);
+      update(pb, sc, nv);
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");   // nothing left in flight into the ring
     sync();   // every warp is done with its ring before sm (which the ring may overlay) is written
@@ -354,14 +358,14 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
 // After every head of KV head kv has its run `split` in part_o / part_ml (ru.n > 1): the last of
 // the n runs to finish (a ticket from count[kv], which it resets) merges them into out. All
 // threads 0 .. nthr - 1 that wrote parts call it (sync meets them); ticket: shared int; sm:
-// shared scratch of G * (n + 1) floats.
+// shared scratch of G * (n + 1) floats; OUTS >= G * HD / nthr: the outputs a thread takes.
 // The merge first turns each head's n (max, sum) pairs into the runs' weights 2^(m_run - max)
 // and their weighted sum, one warp a head (its lanes take runs lane, lane + 32, ... and add with
 // warp_sum: the same bits whatever nthr), into sm; then every output is one pass over the runs'
 // partial outputs whose loads do not wait on each other. (The first version had every thread
 // re-read each run's (max, sum) twice from L2 per output, in dependent loops: with 256 runs, a
 // 16k-token context, that merge took most of a Qwen3-8B layer's ~130 us of attention.)
-template <int E, class Sync>
+template <int E, int OUTS, class Sync>
 __device__ __forceinline__ void attn_merge(const AttnRuns& ru, int kv, int G, int tid, int nthr,
                                            const float* part_o, const float* part_ml, int* count, __half* out,
                                            int n_split, int* ticket, float* sm, const Sync& sync) {
@@ -393,9 +397,8 @@ __device__ __forceinline__ void attn_merge(const AttnRuns& ru, int kv, int G, in
     if (lane == 0) sum[g] = l;
   }
   sync();
-  // a thread's outputs tid, tid + nthr, ... (G HD <= 8 * 128 <= OUTS nthr) side by side, so that
-  // their loads of a run are in flight together
-  constexpr int OUTS = 8;
+  // a thread's outputs tid, tid + nthr, ... side by side, so that their loads of a run are in
+  // flight together
   const float* po[OUTS];
   float o[OUTS];
 #pragma unroll

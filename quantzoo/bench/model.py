@@ -492,8 +492,11 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
             r["decode_bounds_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     n = getattr(args, "long_context", 0)
     if n and m.is_cuda:   # after the decode peak: this cache is larger than the short run's
+        from .. import ops
+
         m.setup_cache(cache_positions(n + args.decode_tokens + 8))
         r[f"decode_tok_s_graph_ctx{n}"] = time_decode(m, args.decode_tokens, prompt=n)
+        ops.release_workspaces()   # the N-token prefill's (AWQ's dequant buffer ...): not the prefill peak's
     m._graph = m._g_out = None
     m.k_cache = m.v_cache = None
     if device.startswith("cuda"):
