@@ -30,8 +30,9 @@
 // the next phase's rows.
 //
 // Status (H100, session 29; bench/NOTES.md): correct -- bit-equal to the per-op step -- but
-// SLOWER: 3.07 ms a Qwen3-8B q4_0 step (326 tok/s) against the per-op graph's 2.33 ms (429), so
-// the runner uses it only when asked (Model(persistent=True)). A per-phase trace (the `trace` argument) shows why:
+// SLOWER: 3.07 ms a Qwen3-8B q4_0 step (326 tok/s) against the per-op graph's 2.33 ms (429; in
+// session 30's bench/model-h100.json 321 against 444), so the runner uses it only when asked
+// (Model(persistent=True)). A per-phase trace (the `trace` argument) shows why:
 // the ring holds ~8 us of DRAM time (190 KB a CTA), but a layer's barriers, norms and attention
 // keep the consumers ~28 us a layer off the weights even with DRAM idle, and the consumers'
 // GEMV, issue-bound at one CTA per SM, runs at only ~1.4x the DRAM rate, so it cannot catch up.

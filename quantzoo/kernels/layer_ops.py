@@ -35,7 +35,8 @@ SOURCES = {"layer_ops.cu": tuple(f"add_rms_norm<{a}, {v}, {q}>" for a in ("true"
                                  for q in (0, 1, 2))
            + ("silu_mul", "silu_mul_q8_1<false>", "silu_mul_q8_1<true>")
            + tuple(f"qk_rope_store<{e}, {b}>" for e in HEAD_DIMS.values() for b in ("true", "false"))
-           + tuple(f"attn_decode<{e}, {g}, {ATTN_RING}>" for e in HEAD_DIMS.values() for g in range(1, MAX_GROUP + 1))}
+           + tuple(f"attn_decode<{e}, {g}, {ATTN_RING}>" for e in HEAD_DIMS.values()
+                   for g in range(1, MAX_GROUP + 1))}
 
 
 def _k(name: str):

@@ -6,8 +6,9 @@ raise ValueError saying why a model does not qualify (PersistentDecode.why_not).
     plan = PersistentDecode(model)            # PersistentDecode.why_not(model) is None
     plan.run(h, pos)                          # h (1, D) fp16 embedded token, updated in place
 
-Experimental and slower than the runner's default one-launch-per-op decode on the H100 (326 vs
-429 tok/s on a Qwen3-8B q4_0 model; the kernel's header and bench/NOTES.md, session 29, say why).
+Experimental and slower than the runner's default one-launch-per-op decode on the H100 (321 vs
+444 tok/s on a Qwen3-8B q4_0 model, bench/model-h100.json; the kernel's header and bench/NOTES.md,
+session 29, say why).
 
 After run, h is the residual stream after the last layer (both deltas added); the runner's final
 RMSNorm + lm_head follow as usual. The values equal the runner's fused-ops decode step bit for
@@ -175,8 +176,8 @@ class PersistentDecode:
         k = get_kernel(SOURCE, self.name, (self.name,))
         set_max_dynamic_smem(k, self.smem)
         self.bar.zero_()
-        # cooperative: the grid barriers need every CTA resident (PackedLaunch); a new packing per
-        # call (~0.1 ms of Python against a ~3 ms step; the runner replays a captured graph)
+        # cooperative: the grid barriers need every CTA resident (PackedLaunch); packed anew per
+        # call (some Python against a ~3 ms step; the runner replays a captured graph)
         args = (self.table.data_ptr(), np.int32(len(m.layers)), h.data_ptr(), self.qkv.data_ptr(), self.q.data_ptr(),
                 self.attn.data_ptr(), self.act_q8.data_ptr(), work.o.data_ptr(), work.ml.data_ptr(),
                 work.count.data_ptr(), pos.data_ptr(), m.cos.data_ptr(), m.sin.data_ptr(), self.bar.data_ptr(),
