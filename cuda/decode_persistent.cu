@@ -223,6 +223,7 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   __shared__ int issued_count;   // stages the producer has issued so far
   volatile int* issued = &issued_count;
   constexpr int AGN = attn_heads_per_group(G);
+  constexpr int MERGE_OUTS = (G * HD + CW * 32 - 1) / (CW * 32);   // attn_merge's outputs a thread
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int c = blockIdx.x, P = gridDim.x;
   if (tid == 0) {
@@ -370,8 +371,8 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
                                             attn, att_sm + grp * 4 * AGN * (HD + 2), S, n_split, scale_log2,
                                             GroupSync{2 + grp});
         if (ru.n > 1)
-          layer_ops::attn_merge<E, (G * E + 15) / 16>(ru, kvh, G, tid, CW * 32, part_o, part_ml, count, attn, n_split,
-                                                     &ticket, att_sm, csync);
+          layer_ops::attn_merge<E, MERGE_OUTS>(ru, kvh, G, tid, CW * 32, part_o, part_ml, count, attn, n_split,
+                                              &ticket, att_sm, csync);
       }
     }
     grid_barrier(bar, nbar, tid, at(l, 3));

@@ -128,12 +128,14 @@ __global__ void __launch_bounds__(128) attn_decode(const __half* __restrict__ q,
   constexpr int SM = 4 * G * (32 * E + 2), RING_FLOATS = 4 * RING * 8 * 32 * E / 2;
   __shared__ __align__(16) float sm[SM > RING_FLOATS ? SM : RING_FLOATS];
   __shared__ int ticket;
+  constexpr int OUTS = (G * E + 3) / 4;   // attn_merge: outputs a thread takes, of G * 32 E over 128
+  static_assert(OUTS * 128 >= G * 32 * E, "attn_merge needs OUTS * nthr >= G * HD");
   const AttnRuns ru(pos, n_split);
   if ((int)blockIdx.x >= ru.n) return;
   attn_run<E, G, false, BlockSync, RING>(ru, blockIdx.x, blockIdx.y, G, 0, threadIdx.x, q, k_cache, v_cache, part_o,
                                          part_ml, out, sm, S, n_split, scale_log2, BlockSync(),
                                          reinterpret_cast<__half*>(sm));
   if (ru.n > 1)
-    attn_merge<E, (G * E + 3) / 4>(ru, blockIdx.y, G, threadIdx.x, 128, part_o, part_ml, count, out, n_split,
-                                   &ticket, sm, BlockSync());
+    attn_merge<E, OUTS>(ru, blockIdx.y, G, threadIdx.x, 128, part_o, part_ml, count, out, n_split, &ticket, sm,
+                        BlockSync());
 }

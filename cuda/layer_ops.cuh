@@ -148,8 +148,8 @@ __device__ __forceinline__ void rope_item(int item, int lane, const __half* qkv,
 // `chunk` positions (chunk a multiple of 16, at least MIN_CHUNK, so that short contexts take
 // one CTA per KV head and need no merge; n <= n_split), decided from pos on the device
 // (AttnRuns) so that one captured graph serves every position. Warp w takes groups of 4
-// consecutive positions of its run; the next group's 8 row loads are issued before the current
-// group is computed, and the 4 x G dot products are reduced independently so their shuffles
+// consecutive positions of its run, with later groups' rows in flight while one is computed
+// (attn_run's RING), and the 4 x G dot products are reduced independently so their shuffles
 // pipeline. Lane l holds dims E*l .. E*l+E-1 (one 4- or 8-byte load per row). Scores are in
 // base 2 (q pre-scaled by log2(e)/sqrt(hd)). With n > 1 each CTA leaves (max, sum,
 // unnormalised output) per query head in part_ml / part_o (KV*G, n_split, ...), and the last
@@ -187,12 +187,12 @@ struct AttnRuns {
 // arithmetic is the same whatever GN, so any grouping of the G heads gives the same bits.
 // sm: shared scratch of W * GN * (HD + 2) floats. CG: read the cache through L2 (a persistent
 // kernel writes row pos in an earlier phase).
-// RING = 0: each warp keeps the next group of 4 rows in flight in registers. RING = D > 1: each
-// warp streams its groups through a ring of D stages in shared memory (ring: W * D * 8 * HD
-// halves) with cp.async (through L2, like CG), D - 1 groups in flight -- at long contexts one
-// group in flight left each warp waiting a full memory latency per 2 KB (a 16k-token context ran
-// at ~0.8 TB/s). Both give the same bits: only where the rows wait differs. The ring may overlay
-// sm: the warps meet before sm is written.
+// RING = 0: each warp keeps the next group of 4 rows in flight in registers. RING > 1: each warp
+// streams its groups through a ring of RING stages in shared memory (ring: W * RING * 8 * HD
+// halves) with cp.async.cg, RING - 1 groups in flight (cp.async.cg reads through L2 whatever CG
+// says) -- at long contexts one group in flight left each warp waiting a full memory latency per
+// 2 KB (a 16k-token context ran at ~0.8 TB/s). Both give the same bits: only where the rows wait
+// differs. The ring may overlay sm: the warps meet before sm is written.
 template <int E, int GN, bool CG, class Sync, int RING = 0>
 __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, int G, int g0, int tid,
                                          const __half* q, const __half* k_cache, const __half* v_cache,

@@ -212,6 +212,28 @@ def test_attn_decode(rng, hd, H, KV, S):
         torch.testing.assert_close(out, want, rtol=0, atol=2e-3, msg=f"pos {p}")
 
 
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("H,KV", [(8, 1), (32, 8)])
+def test_attn_decode_many_runs(rng, hd, H, KV):
+    """A 20000-row cache: up to 256 runs for one KV head (its merge's lanes take 8 runs each) or
+    33 (the cap of about two CTAs per SM on 132 SMs with 8 KV heads)."""
+    from quantzoo.kernels import layer_ops as lo
+
+    S = 20000
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    kc = torch.randn(KV, S, hd, device="cuda", generator=g).half()
+    vc = torch.randn(KV, S, hd, device="cuda", generator=g).half()
+    work = lo.DecodeWork(H, KV, hd, S, "cuda")
+    for p in (2047, 16383, S - 1):
+        q = (torch.randn(1, H, hd, device="cuda", generator=g) * 3).half()
+        out = lo.attn_decode(q, kc, vc, torch.tensor([p], device="cuda"), work).view(H, hd).double()
+        k = kc[:, : p + 1].double().repeat_interleave(H // KV, 0)
+        v = vc[:, : p + 1].double().repeat_interleave(H // KV, 0)
+        want = (torch.softmax((q[0].double()[:, None] @ k.transpose(1, 2)) / math.sqrt(hd), -1) @ v)[:, 0]
+        torch.testing.assert_close(out, want, rtol=0, atol=2e-3, msg=f"pos {p}, n_split {work.n_split}")
+    assert int(work.count.sum()) == 0   # every KV head's ticket counter reset for the next call
+
+
 def test_bad_inputs():
     from quantzoo.kernels import layer_ops as lo
 
@@ -224,6 +246,11 @@ def test_bad_inputs():
         lo.add_rms_norm(h, h.float(), torch.ones(8, device="cuda", dtype=torch.float16), 1e-6)
     with pytest.raises(ValueError, match="gu: not contiguous"):
         lo.silu_mul(torch.zeros(4, 8, device="cuda", dtype=torch.float16).t())
+    cache = torch.zeros(2 * 16 * 64 + 4, device="cuda", dtype=torch.float16)[4:].view(2, 16, 64)   # 8 bytes in
+    work = lo.DecodeWork(4, 2, 64, 16, "cuda")
+    with pytest.raises(ValueError, match="k_cache: its data must start at a 16-byte boundary"):
+        lo.attn_decode(torch.zeros(1, 4, 64, device="cuda", dtype=torch.float16), cache, cache.clone(),
+                       torch.zeros(1, dtype=torch.int64, device="cuda"), work)
     kc = torch.zeros(2, 16, 96, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="head_dim 96"):
         lo.qk_rope_store(torch.zeros(1, 6 * 96, device="cuda", dtype=torch.float16), None, kc[0], kc[0],

@@ -87,6 +87,29 @@ def test_persistent_decode_bit_equal(fmt, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qwen3-hd128-g4", "llama-hd64-g3"])
+def test_persistent_decode_bit_equal_after_a_long_prompt(shape):
+    """After a 3000-token prompt the attention takes 47 runs: the merge's lanes take two runs each."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an sm_90 GPU")
+    cfg = _config(shape, layers=2)
+    w = synthetic_weights("q4_0", cfg, "cuda", seed=6)
+    models = {p: build_model(cfg, w, None, device="cuda", persistent=p) for p in (True, False)}
+    prompt = torch.randint(0, cfg.vocab_size, (3000,), generator=torch.Generator().manual_seed(7)).tolist()
+    for graph in (True, False):
+        for m in models.values():
+            m.use_graph, m._graph = graph, None
+            m.setup_cache(3072)
+            last = m.prefill(prompt)
+        assert models[True]._decode_work.n_split > 32
+        tok = int(last.argmax())
+        for step in range(8):
+            got = {p: m.decode_step(tok, len(prompt) + step).clone() for p, m in models.items()}
+            assert torch.equal(got[True], got[False]), f"{shape} graph={graph} step {step}"
+            tok = int(got[True].argmax())
+
+
+@pytest.mark.gpu
 def test_persistent_grid_that_cannot_be_resident_is_refused():
     """The grid barriers would wait forever for a CTA that cannot become resident: the launch is
     cooperative, so one CTA more than the SMs (each holds one) is refused with a clear error,

@@ -168,7 +168,7 @@ def time_decode(m, steps: int, prompt: int = 16, graph: bool = True) -> float:
     import torch
 
     m.use_graph = graph and m.is_cuda
-    ids = list(range(1, prompt + 1))
+    ids = prompt_ids(prompt, m.config.vocab_size)
     logits = m.prefill(ids)
     tok = torch.argmax(logits).reshape(1)
     m.ensure_graph()
@@ -624,7 +624,7 @@ def render(out: dict, args) -> str:
     res = out["results"]
     fp16 = next((r for r in res if r["format"] == "fp16" and "error" not in r), None)
     lens = [int(x) for x in args.prompt_lens.split(",") if x]
-    lc_n = getattr(args, "long_context", 0)
+    lc_n = getattr(args, "long_context", None) or 0
     rows = []
     fmt_n = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.0f}"  # noqa
     for r in res:
@@ -633,11 +633,12 @@ def render(out: dict, args) -> str:
             continue
         row = [r["format"], f"{r['weight_bytes'] / 1e9:.2f}", fmt_n(r.get("roofline_tok_s")),
                fmt_n(r.get("decode_tok_s_graph")),
-               "-" if r.get("roofline_fraction") is None else f"{100 * r['roofline_fraction']:.0f}%",
-               fmt_n(r.get(f"decode_tok_s_graph_ctx{lc_n}")),
-               fmt_n(r.get("decode_tok_s_graph_no_pdl")), fmt_n(r.get("decode_tok_s_eager")),
-               "-" if r.get("graph_gain") is None else f"{r['graph_gain']:.2f}x",
-               fmt_n(r.get("decode_tok_s_graph_torch_ops"))]
+               "-" if r.get("roofline_fraction") is None else f"{100 * r['roofline_fraction']:.0f}%"]
+        if lc_n:
+            row.append(fmt_n(r.get(f"decode_tok_s_graph_ctx{lc_n}")))
+        row += [fmt_n(r.get("decode_tok_s_graph_no_pdl")), fmt_n(r.get("decode_tok_s_eager")),
+                "-" if r.get("graph_gain") is None else f"{r['graph_gain']:.2f}x",
+                fmt_n(r.get("decode_tok_s_graph_torch_ops"))]
         for n in lens:
             v = r[f"prefill_tok_s_{n}"]
             rel = f" ({v / fp16[f'prefill_tok_s_{n}']:.2f}x)" if fp16 and r is not fp16 else ""
@@ -648,9 +649,10 @@ def render(out: dict, args) -> str:
         lc = LLAMA_CPP.get(r["format"], {})
         row.append("/".join(str(lc.get(k, "-")) for k in ("tg128", "pp512", "pp2048")) if lc else "-")
         rows.append(row)
-    hdr = (["format", "weights GB", "roofline tok/s", "decode tok/s (graph)", "of roofline",
-            f"decode after {lc_n} tokens", "decode, no PDL", "decode eager", "graph gain",
-            "decode, torch layer ops"] + [f"prefill {n}" for n in lens] +
+    hdr = (["format", "weights GB", "roofline tok/s", "decode tok/s (graph)", "of roofline"]
+           + ([f"decode after {lc_n} tokens"] if lc_n else [])
+           + ["decode, no PDL", "decode eager", "graph gain", "decode, torch layer ops"]
+           + [f"prefill {n}" for n in lens] +
            ["peak GiB decode / prefill (vs W+emb+KV)", "llama.cpp tg128/pp512/pp2048"])
     s = tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
     bw = out.get("copy_bandwidth_bytes_s")

@@ -212,6 +212,9 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
         raise ValueError(f"attn_decode: head_dim {hd} / group {G} not served "
                          f"(head_dim in {sorted(HEAD_DIMS)}, group <= {MAX_GROUP})")
     _check("pos", pos, (1,), torch.int64, k_cache.device)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.data_ptr() % 16:   # the kernel copies cache rows in 16-byte pieces (cp.async)
+            raise ValueError(f"{name}: its data must start at a 16-byte boundary")
     if work.o.device != k_cache.device:
         raise ValueError(f"work: on {work.o.device}, the cache is on {k_cache.device}")
     if work.S != S or work.o.shape[0] != H or work.count.shape[0] != KV:

@@ -190,7 +190,7 @@ class PersistentDecode:
             if "COOPERATIVE_LAUNCH_TOO_LARGE" not in str(e):
                 raise
             raise RuntimeError(f"persistent decode: the GPU cannot hold all {self.ctas} CTAs of {self.smem} bytes of "
-                               "shared memory at once (are other kernels or MPS clients holding SMs?); "
+                               "shared memory at once (its occupancy, or an SM limit of MPS or a green context); "
                                "use Model.use_persistent(False)") from e
 
     def trace_size(self) -> int:
