@@ -407,7 +407,7 @@ __device__ __forceinline__ void attn_merge(const AttnRuns& ru, int kv, int G, in
     po[i] = part_o + (long long)(kv * G + idx / HD) * n_split * HD + idx % HD;
     o[i] = 0.0f;
   }
-#pragma unroll 4
+#pragma unroll 16   // (4: 14.6 us at 4k tokens, 16: 13.9; registers unchanged)
   for (int sp = 0; sp < n; ++sp)
 #pragma unroll
     for (int i = 0; i < OUTS; ++i)
