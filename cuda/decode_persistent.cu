@@ -190,11 +190,11 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned& n, int
 // One decode step through L layers of hidden size D, intermediate size FF (F is the weight
 // format). lw: L x LAYER_PTRS device pointers (quantzoo/kernels/persistent.py). h (D) fp16: the
 // residual stream, updated in place (on return h + every layer's two deltas; the caller's final
-// norm adds nothing more). qkv ((H + 2 KV) HD), q (H HD), attn
-// (H HD), act_q8 (FF / 32 Q8_1 blocks, split layout): scratch; part_o / part_ml / count: the
-// attention's (layer_ops.DecodeWork, n_split runs). bar: one zeroed counter. NS ring stages of
-// SP pieces; V / norm_threads: add_rms_norm's V and thread count for D (layer_ops.py), which the
-// norm must reproduce to give its bits. trace: null, or the per-CTA barrier times (below).
+// norm adds nothing more). qkv ((H + 2 KV) HD), q (H HD), attn (H HD), act_q8 (FF / 32 Q8_1
+// blocks, split layout): scratch; part_o / part_ml / count: the attention's (layer_ops.DecodeWork,
+// n_split runs). bar: one zeroed counter. NS ring stages of SP pieces; V / norm_threads:
+// add_rms_norm's V and thread count for D (layer_ops.py), which the norm must reproduce to give
+// its bits. trace: null, or the per-CTA barrier times (below).
 template <class F, int E, int G, bool NORM, int V, bool SCALAR>
 __global__ void __launch_bounds__(persist::THREADS, 1)
 decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, __half* qkv, __half* q, __half* attn,

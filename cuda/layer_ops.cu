@@ -34,7 +34,7 @@
 //                  rows through a cp.async ring in shared memory (RING stages). Long contexts
 //                  made this kernel matter: at 16k tokens it had run at 0.4 TB/s, 164 us a
 //                  Qwen3-8B layer (its merge, fixed now, and one group of rows in flight a warp);
-//                  37 us now (bench/NOTES.md, session 30).
+//                  32 us now (bench/NOTES.md, session 30).
 //
 // Layouts: row-major fp16, contiguous. head_dim hd = 32*E (E = 2: hd 64, E = 4: hd 128), one warp
 // per head. In qk_rope_store lane l holds elements l + 32e, so element i and its RoPE partner
