@@ -19,6 +19,7 @@
 // reference. (A single hfma2 q*s - z*s would be cheaper but rounds differently.)
 #pragma once
 #include <cuda_fp16.h>
+#include "cp_async.cuh"
 #include "pdl.cuh"
 
 namespace awq {
@@ -97,11 +98,13 @@ __device__ __forceinline__ int2 slice_steps(int K, int rows_per_split, int slice
   return make_int2(kb / ROWS + steps * slice / slices, kb / ROWS + steps * (slice + 1) / slices);
 }
 
-// ---- cp.async (sm_80+): global -> shared without a register round trip; src_bytes = 0 writes
-// zeros, which is how every kernel pads tails (rows past K or the split, columns past N).
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
+// ---- cp.async (cp_async.cuh), named awq::... by the AWQ kernels; shared-state-space loads
+using ::cp_async16;
+using ::cp_async16_at;
+using ::cp_async4;
+using ::cp_async_commit;
+using ::cp_async_wait;
+using ::smem_addr;
 // Loads from a shared-state-space address (smem_addr + byte offset), for loops that carry their
 // fragment addresses from one trip to the next.
 __device__ __forceinline__ unsigned lds32(unsigned a) {
@@ -114,21 +117,6 @@ __device__ __forceinline__ uint2 lds64(unsigned a) {
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
   return v;
 }
-// cp_async16_at takes the destination as a shared-state-space address (smem_addr), for loops that
-// keep one base address and add byte offsets instead of converting a pointer per copy.
-__device__ __forceinline__ void cp_async16_at(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  cp_async16_at(smem_addr(dst), src, valid);
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
-               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
 // Copy a [rows x words] tile of 32-bit words (row stride src_ld words, first word col0 of a
 // row of n_words) into shared memory with row stride dst_ld. Rows >= row_end and words >=

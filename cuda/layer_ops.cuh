@@ -9,6 +9,7 @@
 // earlier phase. It costs the one-op kernels nothing (their inputs come from L2 anyway).
 #pragma once
 #include <cuda_fp16.h>
+#include "cp_async.cuh"
 #include "pdl.cuh"
 #include "q8_1.cuh"
 #include "swiglu.cuh"
@@ -286,25 +287,24 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
     // stage: K rows 0..3 then V rows 0..3 of a group, HD halves each; a lane copies 16-byte pieces
     constexpr int PIECES = 8 * HD * 2 / 16;   // per stage: 128 (E = 4) or 64 (E = 2)
     __half* wring = ring + (long long)warp * RING * 8 * HD;
-    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(wring));
+    const unsigned base = smem_addr(wring);
     auto issue = [&](int pb, int slot) {   // always commits a group (empty past the run's end)
       if (pb < p1) {
 #pragma unroll
         for (int i = lane; i < PIECES; i += 32) {
           const int r = i / (PIECES / 8), c = i % (PIECES / 8);   // stage row r (K 0..3, V 4..7), piece c
           const long long p = min(pb + (r & 3), p1 - 1);
-          const __half* src = (r < 4 ? kb : vb) + p * HD + c * 8;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                       :: "r"(base + unsigned((slot * 8 * HD + r * HD + c * 8) * 2)), "l"(src) : "memory");
+          cp_async16_at(base + unsigned((slot * 8 * HD + r * HD + c * 8) * 2), (r < 4 ? kb : vb) + p * HD + c * 8,
+                        true);
         }
       }
-      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      cp_async_commit();
     };
     int pb = p0 + warp * 4;
 #pragma unroll
     for (int i = 0; i < RING - 1; ++i) issue(pb + i * W * 4, i);
     for (int it = 0; pb < p1; pb += W * 4, ++it) {
-      asm volatile("cp.async.wait_group %0;\n" :: "n"(RING - 2) : "memory");
+      cp_async_wait<RING - 2>();
       __syncwarp();   // every lane's pieces of this stage landed; the slot refilled below was read
       issue(pb + (RING - 1) * W * 4, (it + RING - 1) % RING);
       const __half* st = wring + (it % RING) * 8 * HD + E * lane;
@@ -317,7 +317,7 @@ __device__ __forceinline__ void attn_run(const AttnRuns& ru, int split, int kv, 
       scores(kk, sc);
       update(pb, sc, nv);
     }
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");   // nothing left in flight into the ring
+    cp_async_wait<0>();   // nothing left in flight into the ring
     sync();   // every warp is done with its ring before sm (which the ring may overlay) is written
   }
   // merge the 4 warps through shared memory: sm_m[W][GN], sm_l[W][GN], sm_o[W][GN][HD]
