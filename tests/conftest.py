@@ -1,20 +1,50 @@
+import contextlib
+import fcntl
 import os
+import tempfile
 
 import numpy as np
 import pytest
 
 
+@contextlib.contextmanager
+def _flock(config, name, mode):
+    """An flock shared by the xdist workers of one test run (a file in the temp directory)."""
+    run = getattr(config, "workerinput", {}).get("testrunuid", f"solo-{os.getpid()}")
+    with open(os.path.join(tempfile.gettempdir(), f"quantzoo-gpu-{run}.{name}"), "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(autouse=True)
 def _gpu_tier_needs_a_gpu(request):
-    """A test marked gpu that runs where there is no GPU fails; it is deselected, never skipped."""
-    if request.node.get_closest_marker("gpu") is not None:
-        import torch
+    """A test marked gpu that runs where there is no GPU fails; it is deselected, never skipped.
+    Under xdist the GPU tests share the GPU, except a test marked gpu_alone (its assertions bound
+    timings): it waits until no other GPU test runs and holds the GPU to itself. Readers/writer
+    locks: every GPU test holds "lock" shared; gpu_alone takes it exclusively, first taking the
+    "gate" so that no new test starts while it waits."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    import torch
 
-        if not torch.cuda.is_available():
-            pytest.fail("this test is in the GPU tier (-m gpu) but no CUDA device is visible")
-        from quantzoo.cuda_launch import import_cupy
+    if not torch.cuda.is_available():
+        pytest.fail("this test is in the GPU tier (-m gpu) but no CUDA device is visible")
+    from quantzoo.cuda_launch import import_cupy
 
-        import_cupy()  # a CUDA machine without CuPy is an error, not a skip
+    import_cupy()  # a CUDA machine without CuPy is an error, not a skip
+    with contextlib.ExitStack() as held:
+        if request.node.get_closest_marker("gpu_alone") is not None:
+            with _flock(request.config, "gate", fcntl.LOCK_EX):
+                held.enter_context(_flock(request.config, "lock", fcntl.LOCK_EX))
+        else:
+            with _flock(request.config, "gate", fcntl.LOCK_SH):
+                pass
+            held.enter_context(_flock(request.config, "lock", fcntl.LOCK_SH))
+        yield
 
 
 @pytest.fixture(scope="module")

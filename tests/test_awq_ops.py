@@ -130,20 +130,22 @@ def test_small_dispatch_thresholds():
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
-    """wgmma takes 8 <= M <= 1024 on weights of at least 4096 x 4096 and 17 <= M <= 64 from
+    """wgmma takes 8 <= M <= WGMMA_MAX_M (2048) on weights of at least 4096 x 4096 and 17 <= M <= 64 from
     1024 x 4096, with N % 32 == 0, and only where the device is a Hopper GPU; elsewhere (or with
     no device) the rules above stand."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
     monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
-    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (7, 8, 16, 17, 256, 257, 512, 1024, 1025)] == \
+    top = awq.WGMMA_MAX_M
+    assert top == 2048
+    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (7, 8, 16, 17, 256, 257, 512, 1025, top, top + 1)] \
+        == ["small"] + ["wgmma"] * 8 + ["dequant+cublas"]
+    assert [awq.choose_path(m, shape(4096, 4096), cuda) for m in (7, 8, 16, 32, 33, 512, 1024, top, top + 1)] == \
         ["small"] + ["wgmma"] * 7 + ["dequant+cublas"]
-    assert [awq.choose_path(m, shape(4096, 4096), cuda) for m in (7, 8, 16, 32, 33, 512, 1024, 1025)] == \
-        ["small"] + ["wgmma"] * 6 + ["dequant+cublas"]
     assert [awq.choose_path(m, shape(1024, 4096), cuda) for m in (8, 16, 17, 64, 65, 128)] == \
         ["small"] * 2 + ["wgmma"] * 2 + ["mma", "dequant+cublas"]
-    assert [awq.choose_path(1024, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288), (6144, 4096))] \
+    assert [awq.choose_path(top, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288), (6144, 4096))] \
         == ["wgmma"] * 3
     assert awq.choose_path(128, shape(2048, 4096), cuda) == "dequant+cublas"   # too small a weight
     assert awq.choose_path(128, shape(12296, 4096), cuda) == "mma"             # N % 32 != 0: no TMA rows
@@ -155,7 +157,7 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
         [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
     assert {awq.wgmma_config(m) for m in (1, 8, 16, 17, 32, 33, 512)} <= set(awq.WGMMA_CFGS)
     # every config dispatch can pick has its GLU instance (matmul(glu=True))
-    picks = {awq.wgmma_config(m, 24576, 4096, 132) for m in range(1, 1025)}
+    picks = {awq.wgmma_config(m, 24576, 4096, 132) for m in range(1, top + 1)}
     assert picks <= set(awq.WGMMA_GLU_CFGS) <= set(awq.WGMMA_CFGS)
 
 

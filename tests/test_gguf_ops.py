@@ -47,7 +47,7 @@ def test_choose_path_thresholds(fmt):
 
 
 def test_wgmma_dispatch(monkeypatch):
-    """Where wgmma_ok holds (on Hopper): M = 9 to the format's WGMMA_MAX_M on weights of 4096 x 4096
+    """Where wgmma_ok holds (on Hopper): M = 9 to WGMMA_MAX_M on weights of 4096 x 4096
     and up, whatever the grid's wave fill (4096->12288 M = 512: 192 tiles, 1.45 waves); never
     below 9 (mmvq), nor on smaller weights."""
     class Data:
@@ -58,8 +58,9 @@ def test_wgmma_dispatch(monkeypatch):
 
     monkeypatch.setattr(G, "wgmma_ok", lambda q: q.format in G.WGMMA_FORMATS)
     monkeypatch.setattr(G, "_aligned16", lambda q: True)
-    assert set(G.WGMMA_MAX_M) == set(G.WGMMA_FORMATS) == set(G.BLOCKS)
-    for fmt, top in G.WGMMA_MAX_M.items():
+    assert set(G.WGMMA_FORMATS) == set(G.BLOCKS)
+    top = G.WGMMA_MAX_M
+    for fmt in G.WGMMA_FORMATS:
         for n, k in ((4096, 4096), (6144, 4096), (12288, 4096), (4096, 12288), (24576, 4096)):
             assert [G.choose_path(m, qt(n, k, fmt)) for m in (8, 9, 256, 257, top, top + 1)] == \
                 ["mmvq"] + ["wgmma"] * 4 + ["dequant"], (fmt, n, k)

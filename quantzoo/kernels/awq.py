@@ -118,9 +118,13 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 4096->6144 to 1024 (M = 768 72.7 vs 77.1, M = 1024 90.3 vs 93.2), loses at 1536 (140.2 vs 126.4);
 # 4096->1024 to M = 64 (48: 11.5 vs 12.2 mma, 64: 11.7 vs 12.6), not from 96 (14.0 vs 13.3 mma,
 # M = 128 14.7 vs 13.7 dequant + cuBLAS). At M = 2048 it ties dequant + cuBLAS on 12288 x 4096
-# (360.5 vs 377.7, 353.0 vs 354.4) and loses on the rest, so M = 1024 stays its top.
+# (360.5 vs 377.7, 353.0 vs 354.4) and loses on the rest. Session 31: in a whole prefill, which
+# runs at the card's power cap (session 28), wgmma wins to 2048 after all, its fused SwiGLU
+# included -- the Qwen3-8B-shaped runner's prefill with wgmma to M = 1536 / 2048 vs to 1024: +9 % /
+# +5 % tok/s (6 rounds each, rotated order, every round the same way); at 4096 dequant + cuBLAS
+# stays ahead (-3 %). gguf.py has the same finding.
 WGMMA_MIN_M = 8         # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M on weights of
-WGMMA_MAX_M = 1024
+WGMMA_MAX_M = 2048
 WGMMA_MIN_NK = 4096 * 4096         # at least this many elements,
 WGMMA_MID_MAX_M = 64               # and for 17 <= M <= WGMMA_MID_MAX_M on weights of
 WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many

@@ -19,7 +19,7 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
                         on the H100 it never wins (MMQ_MAX_M = 0), so only path="mmq" runs it.
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
-  "wgmma"    Hopper only, every format (wgmma_ok), WGMMA_MIN_M <= M <= WGMMA_MAX_M[fmt] on
+  "wgmma"    Hopper only, every format (wgmma_ok), WGMMA_MIN_M <= M <= WGMMA_MAX_M on
                         weights of WGMMA_MIN_NK elements and up: the dequant path's
                         function with the blocks unpacked in registers as wgmma's A operand, fed
                         by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
@@ -184,9 +184,16 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 #   with no x box past row M (wg::x_box_row) wgmma also wins on 4096->4096 to M = 1024: q4_0
 #        M = 384 34.5 (was 43.8), M = 512 34.9, M = 1000 49.6 vs dequant 41-42 / 60; q4_1 M = 768
 #        46.0 vs 50.9; at M = 1536-2048 the two tie (q4_1 86.4 vs 82.5, 103.5 vs 103.4).
+# Session 31: those per-shape times are short bursts; a whole prefill is sustained, runs at the
+# card's power cap (session 28), and there the dequant path's extra fp16 traffic (and, for the
+# MLP, a separate SwiGLU pass) costs more than the per-shape times showed. The Qwen3-8B-shaped
+# runner's prefill, wgmma to M = N vs the earlier tops (tok/s, rotated order, 4-6 rounds, every
+# round the same way unless stated): q8_0 N = 1536 +5 %, 2048 +2.5 % (5 of 6); q5_0 N = 1024
+# +10 %, 2048 +2 % (3 of 4); at 4096 dequant + cuBLAS stays ahead (q8_0 -8 %, q4_0 a tie). So
+# every format takes wgmma to 2048.
 WGMMA_MIN_M = 9
 WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMMA_MIN_M to WGMMA_MAX_M
-WGMMA_MAX_M = {"q4_0": 2048, "q4_1": 2048, "q5_0": 512, "q5_1": 512, "q8_0": 1024}
+WGMMA_MAX_M = 2048
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -392,7 +399,7 @@ def choose_path(m: int, qt) -> str:
         return "mmvq"
     if fmt in WGMMA_FORMATS and m >= WGMMA_MIN_M and not isinstance(qt, str) and wgmma_ok(qt):
         n, k = qt.shape
-        if m <= WGMMA_MAX_M[fmt] and n * k >= WGMMA_MIN_NK:
+        if m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
             return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
