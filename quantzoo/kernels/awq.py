@@ -121,7 +121,7 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # (360.5 vs 377.7, 353.0 vs 354.4) and loses on the rest. Session 31: in a whole prefill, which
 # runs at the card's power cap (session 28), wgmma wins to 2048 after all, its fused SwiGLU
 # included -- the Qwen3-8B-shaped runner's prefill with wgmma to M = 1536 / 2048 vs to 1024: +9 % /
-# +5 % tok/s (6 rounds each, rotated order, every round the same way); at 4096 dequant + cuBLAS
+# +6 % tok/s (6 rounds each, rotated order, every round the same way); at 4096 dequant + cuBLAS
 # stays ahead (-3 %). gguf.py has the same finding.
 WGMMA_MIN_M = 8         # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M on weights of
 WGMMA_MAX_M = 2048

@@ -188,9 +188,9 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 # card's power cap (session 28), and there the dequant path's extra fp16 traffic (and, for the
 # MLP, a separate SwiGLU pass) costs more than the per-shape times showed. The Qwen3-8B-shaped
 # runner's prefill, wgmma to M = N vs the earlier tops (tok/s, rotated order, 4-6 rounds, every
-# round the same way unless stated): q8_0 N = 1536 +5 %, 2048 +2.5 % (5 of 6); q5_0 N = 1024
-# +10 %, 2048 +2 % (3 of 4); at 4096 dequant + cuBLAS stays ahead (q8_0 -8 %, q4_0 a tie). So
-# every format takes wgmma to 2048.
+# round the same way unless stated): q8_0 N = 1536 +6 %, 2048 +2.5 % (5 of 6); q5_0 N = 1024
+# +10 %, 2048 +2 % (3 of 4); q5_1 N = 1024 +15 %, 2048 +2.5 %; at 4096 dequant + cuBLAS stays
+# ahead (q8_0 -7 %, q4_0 a tie). So every format takes wgmma to 2048 (bench/NOTES.md, session 31).
 WGMMA_MIN_M = 9
 WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMMA_MIN_M to WGMMA_MAX_M
 WGMMA_MAX_M = 2048
