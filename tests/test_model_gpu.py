@@ -91,6 +91,31 @@ def test_graph_decode_equals_eager(synthetic_path):
         torch.testing.assert_close(eager, graph_logits[i], rtol=0, atol=1e-3)
 
 
+def test_warm_prefill_keeps_its_launch_plans(synthetic_path):
+    """`quantzoo run model` times generate()'s prefill after an untimed one. That warm-up must
+    come after generate.prepare (cache sizing, decode graph capture): the capture's workspaces
+    drop every launch plan, and the timed prefill then recorded them anew (27 ms against 9 for
+    the default model's 38-token prompt on the H100). After prepare + warm-up, generate's prefill
+    replays the very plans the warm-up recorded."""
+    from quantzoo import cuda_launch as cl
+    from quantzoo.model.generate import generate, prepare
+
+    m = qz.load_model(synthetic_path, device="cuda", progress=False)
+    ids = [(7 * i + 3) % 512 for i in range(40)]   # M = 40: multi-launch GGUF plans
+    prepare(m, len(ids), 8)
+    m.prefill(ids)
+    ms = (len(ids), ("glu", len(ids)))   # run_planned's keys: (M or ("glu", M), stream)
+
+    def plans():
+        return {(id(c), k): p for c in list(cl._PLAN_CACHES.values()) for k, p in c.items() if k[0] in ms}
+
+    before = plans()
+    assert len(before) >= 4 * 4, before.keys()   # q/k/v, o, gate/up, down of each of the 4 layers
+    generate(m, ids, max_new_tokens=8, eos_token_ids=[])
+    after = plans()
+    assert after.keys() == before.keys() and all(after[key] is before[key] for key in before)
+
+
 def test_real_default_model_gpu_equals_cpu(monkeypatch):
     """The GPU's integer kernels run Q8_1 activations; the CPU's float32 path does not. On this
     model that rounding alone moves the logits by 0.9-2.6 (measured on CPU: matmul_mode="emulate",
