@@ -83,6 +83,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
         w.reshape(n_head, n // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
+class TensorInfoError(ValueError):
+    """A tensor's info in the GGUF header is inconsistent (the message names the tensor)."""
+
+
 def _reader(path: str):
     """GGUFReader that checks every tensor's byte range before mapping it (names the tensor)."""
     from gguf import GGUFReader
@@ -98,26 +102,26 @@ def _reader(path: str):
                 try:
                     t = GGMLQuantizationType(int(raw_dtype[0]))
                 except ValueError:
-                    raise ValueError(f"tensor {name!r}: unknown ggml type number {int(raw_dtype[0])}") from None
+                    raise TensorInfoError(f"tensor {name!r}: unknown ggml type number {int(raw_dtype[0])}") from None
                 bs, ts = GGML_QUANT_SIZES[t]
                 n = 1
                 for d in dims:   # Python ints: np.prod would wrap around on huge dims
                     n *= int(d)
                 if n % bs:
-                    raise ValueError(f"tensor {name!r}: {n} elements are not whole {t.name} blocks of {bs}")
+                    raise TensorInfoError(f"tensor {name!r}: {n} elements are not whole {t.name} blocks of {bs}")
                 if int(off[0]) % self.alignment:
-                    raise ValueError(f"tensor {name!r}: data offset {int(off[0])} is not a multiple of "
+                    raise TensorInfoError(f"tensor {name!r}: data offset {int(off[0])} is not a multiple of "
                                      f"the file's alignment ({self.alignment})")
                 a = int(start_offs + off[0])
                 b = a + n * ts // bs
                 if b > size:
-                    raise ValueError(f"tensor {name!r}: its data (bytes {a}..{b}) runs past the end "
+                    raise TensorInfoError(f"tensor {name!r}: its data (bytes {a}..{b}) runs past the end "
                                      f"of the file ({size} bytes): truncated file?")
                 spans.append((a, b, name))
             spans.sort()
             for (_a0, b0, n0), (a1, _b1, n1) in zip(spans, spans[1:]):
                 if a1 < b0:
-                    raise ValueError(f"tensor {n1!r}: its data (from byte {a1}) overlaps tensor {n0!r}'s "
+                    raise TensorInfoError(f"tensor {n1!r}: its data (from byte {a1}) overlaps tensor {n0!r}'s "
                                      f"(to byte {b0})")
             return super()._build_tensors(start_offs, fields)
 
@@ -131,9 +135,10 @@ def _open(path: str):
         raise ValueError(f"{path}: not a GGUF file (magic {head!r}, expected b'GGUF')")
     try:
         return _reader(path)
-    except ValueError as e:
+    except TensorInfoError as e:
         raise ValueError(f"{path}: {e}") from None
-    except Exception as e:  # truncated metadata: short memmap slices fail in many ways
+    except Exception as e:  # truncated metadata: short memmap slices fail in many ways (numpy's
+        # ValueErrors about views among them), so none of their own messages is shown alone
         raise ValueError(f"{path}: cannot parse the GGUF header/metadata "
                          f"({type(e).__name__}: {e}); truncated or corrupt file?") from None
 
