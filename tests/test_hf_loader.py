@@ -171,6 +171,9 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     ({"head_dim": 63}, "head_dim=63: RoPE needs an even head_dim"),
     ({"vocab_size": None}, "missing key 'vocab_size'"),
     ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0, "layer_types": None},
+     "sliding-window attention"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window attention"),
 ])
 def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     d = tmp_path / "cfg"
@@ -242,6 +245,46 @@ def test_bias_tensors_are_refused(dirs, tmp_path):
                      lambda t: t.update({name: np.zeros(256, np.float32)}))
     with pytest.raises(ValueError, match=rf"model\.safetensors: tensor '{name}': the runner's linears have no biases"):
         load_hf(d, progress=False)
+
+
+def test_sliding_window_settings_that_change_nothing_load(dirs, tmp_path):
+    """Qwen3 configs name a window that no layer uses (use_sliding_window false, or every layer
+    below max_window_layers, or layer_types all full): they load."""
+    for i, change in enumerate([{"use_sliding_window": False, "sliding_window": 4096, "layer_types": None},
+                                {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 99,
+                                 "layer_types": None},
+                                {"layer_types": ["full_attention"] * 2}]):
+        d = tmp_path / f"ok{i}"
+        shutil.copytree(dirs["fp32"], d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(change)
+        (d / "config.json").write_text(json.dumps(cfg))
+        load_hf(d, progress=False)
+
+
+def test_tensors_the_config_does_not_use_are_refused(dirs, tmp_path):
+    """A checkpoint tensor the config does not describe would be dropped without a word: a layer
+    past num_hidden_layers, q/k norms under a llama label. RoPE's inv_freq buffers and a tied
+    model's stored lm_head are what transformers ignores too: they load."""
+    d = tmp_path / "fewer"
+    shutil.copytree(dirs["fp32"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n - 1}))
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor 'model\.layers\.{n - 1}\..*not part of "
+                                         rf"the qwen3 model config\.json describes \({n - 1} layers\)"):
+        load_hf(d, progress=False)
+    d = tmp_path / "llama"
+    shutil.copytree(dirs["fp32"], d)
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d+\.self_attn\.[qk]_norm\.weight'"):
+        load_hf(d, progress=False)
+    assert cfg["tie_word_embeddings"]
+    ok = _edited_copy(dirs["fp32"], tmp_path / "ok", "model.safetensors", lambda t: t.update({
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(32, np.float32),
+        "lm_head.weight": t["model.embed_tokens.weight"]}))
+    _, w, _, _ = load_hf(ok, progress=False)
+    assert "lm_head.weight" not in w and not any("inv_freq" in k for k in w)
 
 
 def test_broken_chat_template_is_a_clear_error(dirs, tmp_path):

@@ -121,6 +121,13 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise ValueError(f"{where}: {key}=true is not supported (the runner has no biases)")
+    layer_types = cfg.get("layer_types")
+    sliding = (any(t != "full_attention" for t in layer_types) if isinstance(layer_types, list) else
+               bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+               and (cfg.get("max_window_layers") or 0) < (cfg.get("num_hidden_layers") or 1))
+    if sliding:
+        raise ValueError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
+                         "supported (every layer attends to the whole context here)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act={cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
 
@@ -298,6 +305,13 @@ def load_hf(path, progress: bool = True):
                                  f"expected one of {FLOAT_DTYPES}")
             plan.append((name, "float", None))
 
+    used = {n for name, kind, extra in plan for n in (extra if kind == "awq" else [name])}
+    extra = [k for k in shards.where if k not in used and not _unused_ok(k, config)]
+    if extra:   # e.g. layers past num_hidden_layers, or q/k norms of a qwen3 checkpoint labelled llama
+        raise ValueError(f"{shards.file_of(extra[0])}: tensor {extra[0]!r} (and {len(extra) - 1} more) is not "
+                         f"part of the {config.arch} model config.json describes ({config.num_layers} layers); "
+                         "the runner would drop it silently")
+
     from quantzoo.formats import get
 
     awq = get("awq")
@@ -323,6 +337,12 @@ def load_hf(path, progress: bool = True):
             config.bos_token_id = tok.bos_token_id
     config.check_tokenizer(tok, str(path), strict=False)
     return config, weights, tok, gen
+
+
+def _unused_ok(name: str, config) -> bool:
+    """Checkpoint tensors the model does not need and transformers ignores too: RoPE's inv_freq
+    buffers (older checkpoints) and a tied model's stored lm_head."""
+    return name.endswith(".rotary_emb.inv_freq") or (config.tie_word_embeddings and name.startswith("lm_head."))
 
 
 def _check_awq(shards: _Shards, module: str, shape, group_size: int) -> None:
