@@ -287,6 +287,19 @@ def test_tensors_the_config_does_not_use_are_refused(dirs, tmp_path):
     assert "lm_head.weight" not in w and not any("inv_freq" in k for k in w)
 
 
+def test_quantizing_a_nan_weight_names_file_and_tensor(dirs, tmp_path, capsys):
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def nan(t):
+        t[name][0, 0] = np.nan
+
+    d = _edited_copy(dirs["fp32"], tmp_path / "nan", "model.safetensors", nan)
+    assert cli(["quantize", str(d), str(tmp_path / "x.gguf"), "--format", "q8_0", "--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert f"nan: tensor '{name}': " in err and "non-finite value nan at index (0, 0)" in err, err
+    assert err.count("\n") == 0, err
+
+
 def test_broken_chat_template_is_a_clear_error(dirs, tmp_path):
     from quantzoo.model.hf_loader import load_tokenizer
 

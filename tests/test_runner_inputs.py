@@ -79,6 +79,20 @@ def test_tiny_temperature_samples_the_top_token(model):
     assert model.generate([1, 2], max_new_tokens=4, temperature=1e-45, seed=0) == greedy
 
 
+def test_non_finite_weights_are_an_error_not_garbage():
+    """A NaN weight makes every logit NaN; sampling them emitted token after token of garbage
+    with no error (argmax of NaNs). generate() checks the prompt's logits."""
+    from quantzoo.bench.model import synthetic_weights
+    from quantzoo.model import build_model
+
+    cfg = make_config(1, tiny=True)
+    w = synthetic_weights("fp16", cfg, "cpu")
+    w["model.layers.0.input_layernorm.weight"][0] = float("nan")
+    m = build_model(cfg, w, None, device="cpu")
+    with pytest.raises(ValueError, match=r"logits are not finite \(NaN/inf\): the model's weights"):
+        m.generate([1, 2, 3], max_new_tokens=4)
+
+
 def test_model_options():
     cfg = make_config(1, tiny=True)
     with pytest.raises(ValueError, match="dtype=torch.float16: the runner computes in torch.float32 on cpu"):

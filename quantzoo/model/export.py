@@ -69,7 +69,10 @@ class Source:
         if isinstance(w, QuantizedTensor) and w.format == fmt and all(
                 w.params.get(k) == v for k, v in params.items()):
             return w.numpy()
-        return get(fmt).quantize(self.tensor(name), **params)
+        try:
+            return get(fmt).quantize(self.tensor(name), **params)
+        except ValueError as e:   # e.g. a NaN in the checkpoint: say which tensor of which file
+            raise ValueError(f"{self.path}: tensor {name!r}: {e}") from None
 
 
 def read_source(src, progress: bool = True) -> Source:
