@@ -128,7 +128,7 @@ class AWQ(Format, name="awq"):
         return {"q": unpack_int4(qt.data["qweight"]), "z": unpack_int4(qt.data["qzeros"]),
                 "s": qt.data["scales"]}
 
-    def dequantize(self, qt: QuantizedTensor) -> np.ndarray:
+    def _dequantize(self, qt: QuantizedTensor) -> np.ndarray:
         f = self.fields(qt)
         g = qt.group_size
         k, n = f["q"].shape

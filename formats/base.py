@@ -41,6 +41,11 @@ class Format:
         raise NotImplementedError
 
     def dequantize(self, qt) -> np.ndarray:
+        """float32 (out_features, in_features) of qt, after `check` (its format and storage)."""
+        self.check(qt)
+        return self._dequantize(qt)
+
+    def _dequantize(self, qt) -> np.ndarray:
         raise NotImplementedError
 
     def storage(self, shape, params: dict) -> dict:
@@ -51,6 +56,8 @@ class Format:
     def check(self, qt) -> None:
         """A clear error when qt's storage does not match its shape and params (a hand-built
         QuantizedTensor, say): every array's shape and dtype as `storage` says."""
+        if getattr(qt, "format", None) != self.name:
+            raise ValueError(f"{self.name} weight: got a {getattr(qt, 'format', type(qt).__name__)!r} weight")
         shape = getattr(qt, "shape", None)
         if not (isinstance(shape, tuple) and len(shape) == 2
                 and all(isinstance(d, (int, np.integer)) and d > 0 for d in shape)):

@@ -25,7 +25,7 @@ class FP16(Format, name="fp16"):
     def storage(self, shape, params: dict) -> dict:
         return {"data": (tuple(shape), np.float16)}
 
-    def dequantize(self, qt) -> np.ndarray:
+    def _dequantize(self, qt) -> np.ndarray:
         return qt.numpy().data.astype(np.float32)
 
     def emulate(self, x, qt, return_bound=False):

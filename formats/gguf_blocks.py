@@ -164,7 +164,7 @@ class GGUFBlockFormat(Format):
             return d * f["q"].astype(np.float32) + f["m"].astype(np.float32)[..., None]
         return d * (f["q"] - self.offset).astype(np.float32)
 
-    def dequantize(self, qt: QuantizedTensor) -> np.ndarray:
+    def _dequantize(self, qt: QuantizedTensor) -> np.ndarray:
         qt = qt.numpy()
         n, k = qt.shape
         return self.values(self.unpack(qt.data)).reshape(n, k)

@@ -75,7 +75,6 @@ class QuantizedTensor:
         return self.to("cpu")
 
     def dequantize(self) -> np.ndarray:
-        self.fmt.check(self)
         return self.fmt.dequantize(self)
 
     def __repr__(self) -> str:

@@ -1,6 +1,8 @@
-"""QuantLinear: a torch.nn.Module computing x @ W.T (+ bias) through quantzoo.ops."""
+"""QuantLinear: a torch.nn.Module computing x @ W.T (+ bias) through quantzoo.ops. Inference
+only: the quantized weight has no gradient, and neither does x through it (refused, not cut)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import ops
@@ -12,6 +14,8 @@ class QuantLinear(torch.nn.Module):
         super().__init__()
         if not isinstance(qt, QuantizedTensor):
             raise ValueError(f"qt: expected a QuantizedTensor, got {type(qt).__name__}")
+        if qt.fmt.kind == "activation":
+            raise ValueError(f"qt: {qt.format} is an activation format, not a weight format")
         if mode not in ops.MODES:
             raise ValueError(f"mode={mode!r}: choose one of {ops.MODES}")
         self.qt = qt
@@ -34,7 +38,30 @@ class QuantLinear(torch.nn.Module):
             self.qt = self.qt.to(str(dev))
         return super()._apply(fn, *args, **kw)
 
+    def get_extra_state(self) -> dict:
+        """The quantized weight in state_dict (it is no Parameter): format, shape, params and its
+        storage arrays as CPU tensors, so torch.save and load_state_dict carry it."""
+        q = self.qt.numpy()
+        return {"format": q.format, "shape": tuple(q.shape), "params": dict(q.params),
+                "arrays": {k: torch.from_numpy(np.array(v)) for k, v in q.arrays().items()}}
+
+    def set_extra_state(self, state: dict) -> None:
+        try:
+            arrays = {k: v.numpy() for k, v in state["arrays"].items()}
+            qt = QuantizedTensor(state["format"], tuple(state["shape"]),
+                                 arrays["data"] if list(arrays) == ["data"] else arrays, dict(state["params"]))
+            get(qt.format).check(qt)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"QuantLinear state: not a quantized weight this module saved ({e})") from None
+        if qt.shape != (self.out_features, self.in_features):
+            raise ValueError(f"QuantLinear state: weight shape {qt.shape}, this module is "
+                             f"{(self.out_features, self.in_features)}")
+        self.qt = qt.to(self.qt.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError("x requires grad, but QuantLinear is inference only (its kernels have no "
+                             "backward); run it under torch.no_grad() or pass x.detach()")
         y = ops.matmul(x, self.qt, mode=self.mode)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

@@ -53,6 +53,13 @@ def test_quant_linear_checks_its_arguments():
         qz.QuantLinear(qt, mode="bogus")
     with pytest.raises(ValueError, match="qt: expected a QuantizedTensor"):
         qz.QuantLinear(np.zeros((16, 64)))
+    with pytest.raises(ValueError, match="qt: q8_1 is an activation format, not a weight format"):
+        qz.QuantLinear.from_linear(torch.nn.Linear(64, 16), "q8_1")
+    ql = qz.QuantLinear(qt)
+    with pytest.raises(ValueError, match="x requires grad, but QuantLinear is inference only"):
+        ql(torch.zeros(2, 64, requires_grad=True))   # its output had requires_grad False: grads cut
+    with torch.no_grad():
+        assert ql(torch.zeros(2, 64, requires_grad=True)).shape == (2, 16)
 
 
 @pytest.mark.parametrize("name", ["q8_0", "awq"])
@@ -67,6 +74,21 @@ def test_quant_linear(name, rng):
     # quantized, but close: 4-bit RTN on uniform weights costs ~7 % (step/sqrt(12) per weight)
     assert ((y - ref).norm() / ref.norm()).item() < 0.1
     assert "format=" + name in repr(ql)
+
+
+@pytest.mark.parametrize("name", ["q4_1", "awq", "fp16"])
+def test_quant_linear_state_dict_round_trip(name, rng, tmp_path):
+    """state_dict carries the quantized weight (it was empty: torch.save lost the weights)."""
+    w = rng.standard_normal((32, 256)).astype(np.float32)
+    a = qz.QuantLinear(get(name).quantize(w), torch.randn(32))
+    path = tmp_path / "ql.pt"
+    torch.save(a.state_dict(), path)
+    b = qz.QuantLinear(get(name).quantize(np.zeros_like(w)), torch.zeros(32))
+    b.load_state_dict(torch.load(path))
+    x = torch.randn(3, 256)
+    assert torch.equal(a(x), b(x)) and b.qt.format == name
+    with pytest.raises(ValueError, match=r"QuantLinear state: weight shape \(32, 256\), this module is \(16, 256\)"):
+        qz.QuantLinear(get(name).quantize(w[:16])).load_state_dict(a.state_dict(), strict=False)
 
 
 def test_release_workspaces():

@@ -106,6 +106,18 @@ def test_awq_rejects_what_fp16_cannot_hold():
 
 
 @pytest.mark.parametrize("name", STORED)
+def test_dequantize_refuses_another_formats_weight(name, rng):
+    """fmt.dequantize(qt) of another format's weight: one clear error, not garbage (fp16 read a
+    q8_0 weight's 272 bytes a row as 136 halves) or a reshape error."""
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    for other in STORED:
+        if other != name:
+            qt = get(other).quantize(w)
+            with pytest.raises(ValueError, match=rf"^{name} weight: got a '{other}' weight$"):
+                get(name).dequantize(qt)
+
+
+@pytest.mark.parametrize("name", STORED)
 def test_to_cpu_round_trip_keeps_storage(name, rng):
     fmt = get(name)
     qt = fmt.quantize(rng.standard_normal((16, 256)).astype(np.float32))
