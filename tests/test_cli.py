@@ -44,6 +44,24 @@ def test_options_that_do_not_apply_are_refused(tmp_path, capsys):
     assert "--tablefmt 'bogus': one of" in capsys.readouterr().err
 
 
+def test_paths_and_numbers_that_cannot_work_are_named(tmp_path, capsys):
+    """An empty --model, a .gguf DST that is a directory, and bench settings that cannot mean
+    anything: one line naming the argument (they gave ': no such file', a bare '[Errno 21]', or
+    were taken as given)."""
+    from quantzoo.cli import main
+
+    (tmp_path / "out.gguf").mkdir()
+    (tmp_path / "src").mkdir()
+    for argv, needle in ((["run", "model", "--model", ""], "path: empty"),
+                         (["quantize", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--format", "q4_0"],
+                          f"DST={tmp_path / 'out.gguf'} is a directory; a .gguf DST names the file to write"),
+                         (["bench", "kernels", "--target-ms", "-1"], "--target-ms: milliseconds must be > 0, got -1.0"),
+                         (["bench", "kernels", "--workers", "0"], "--workers: at least 1, got 0")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, (argv, err)
+
+
 def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
     """A bad --device or sampling setting is reported before any model is read (the model path
     here does not exist, so a load would fail differently), naming only the bad setting."""

@@ -42,6 +42,11 @@ def test_bench_model_cpu_smoke(tmp_path, capsys):
     cap = capsys.readouterr()
     assert "prefill 32" in cap.out and "timed round-robin" in cap.out
     assert "== q4_0: decode_tok_s_eager" in cap.err   # each format's figures as it finishes
+    assert "A tiny smoke-test model (1 layers, hidden 256" in cap.out and "Qwen3-8B-shaped" not in cap.out
+    # a report of it says so too (it passed as a GPU bench of the real shape)
+    assert main(["report", "--model-bench", str(out), "--no-bench", "--no-accuracy", "--no-plots",
+                 "--out", str(tmp_path / "r.md")]) == 0
+    assert "**Not the Qwen3-8B shape**" in (tmp_path / "r.md").read_text()
 
 
 def test_bench_model_long_context_out_of_range(capsys):
@@ -49,6 +54,13 @@ def test_bench_model_long_context_out_of_range(capsys):
 
     assert main(["bench", "model", "--tiny", "--device", "cpu", "--long-context", "5000"]) == 2
     assert "--long-context 5000: 0 (skip) up to 3960" in capsys.readouterr().err
+
+
+def test_bench_model_refuses_an_activation_format(capsys):
+    from quantzoo.cli import main
+
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--formats", "q4_0,q8_1"]) == 2
+    assert "--formats: 'q8_1' is an activation format, not a weight format" in capsys.readouterr().err
 
 
 def test_bench_model_json_keeps_finished_formats(tmp_path, monkeypatch):

@@ -100,3 +100,9 @@ def test_cli_run_model(capsys):
     assert out.startswith("The capital of France is") and "Paris" in out
     for key in ("prefill", "decode", "peak memory", "q4_1", "q8_0"):
         assert key in out
+    # with no decode step, or no prefill at all, the speed lines say so (they printed "nan tok/s")
+    for n, needle in (("1", "no decode step (the first token comes from the prefill)"),
+                      ("0", "not run (--max-new-tokens 0)")):
+        assert main(["run", "model", "--device", "cpu", "--max-new-tokens", n, "--prompt", "Hi"]) == 0
+        out = capsys.readouterr().out
+        assert needle in out and "nan" not in out, out

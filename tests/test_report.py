@@ -223,6 +223,19 @@ def test_bad_model_bench_file_is_an_error(tmp_path, capsys):
     assert str(p) in err and "expected a 'results' list of per-format records" in err
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "/nonexistent/m.gguf"], "--model '/nonexistent/m.gguf': no such file or directory"),
+    (["--accuracy-formats", "q4_0,q8_1"], "--accuracy-formats: 'q8_1' is an activation format"),
+])
+def test_bad_accuracy_arguments_are_errors(capsys, args, needle):
+    """A model path given and not found was a 'Skipped' line inside a report that exited 0."""
+    from quantzoo.cli import main
+
+    assert main(["report", "--no-bench", "--no-plots", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
 def test_layer_aggregate_by_hand():
     """% roofline and x cuBLAS for a Qwen3-8B layer: sums over 7 linears, checked by hand."""
     shapes = [(4096, 4096, "qo", 2), (4096, 1024, "kv", 2), (4096, 12288, "gu", 2), (12288, 4096, "d", 1)]

@@ -402,6 +402,10 @@ def run(args) -> int:
         raise ValueError("--only-shapes given without any --shape K,N")
     ms = args.m or (QUICK_M if args.quick else M_VALUES)
     names = bench_formats([s.strip() for s in args.formats.split(",")] if args.formats else None)
+    if args.target_ms is not None and not args.target_ms > 0:
+        raise ValueError(f"--target-ms: milliseconds must be > 0, got {args.target_ms}")
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers: at least 1, got {args.workers}")
     target = (args.target_ms or (10.0 if args.quick else 30.0)) * 1e-3
     if not args.power_s >= 0:
         raise ValueError(f"--power-s: seconds must be >= 0, got {args.power_s}")

@@ -539,7 +539,8 @@ def run(args) -> int:
     if not fmts:
         raise ValueError("--formats: no format named")
     for f in fmts:
-        registry.get(f)   # KeyError listing the known names
+        if registry.get(f).kind == "activation":   # (get: a KeyError listing the known names)
+            raise ValueError(f"--formats: {f!r} is an activation format, not a weight format")
     # the arguments first: a mistake should fail here, not once per format after minutes of setup
     try:
         lens = [int(x) for x in args.prompt_lens.split(",") if x]
@@ -657,7 +658,8 @@ def render(out: dict, args) -> str:
     s = tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
     bw = out.get("copy_bandwidth_bytes_s")
     c = out["config"]
-    s += (f"\n\nQwen3-8B-shaped ({c['num_layers']} layers, hidden {c['hidden_size']}, vocab "
+    shaped = "Qwen3-8B-shaped" if c["hidden_size"] == QWEN3_8B["hidden_size"] else "A tiny smoke-test model"
+    s += (f"\n\n{shaped} ({c['num_layers']} layers, hidden {c['hidden_size']}, vocab "
           f"{c['vocab_size']}), random weights, batch 1, {out['device']}. Roofline = copy bandwidth "
           f"{'-' if not bw else f'{bw / 1e12:.2f} TB/s'} (measured now) / weight bytes per token "
           "(embedding excluded). 'decode after N tokens': the graph decode after an N-token prompt (the "

@@ -6,6 +6,7 @@ says so): error, size, accuracy and a given --model-bench need no GPU.
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
@@ -65,7 +66,10 @@ def run(args) -> int:
 
         acc_formats = [s.strip() for s in args.accuracy_formats.split(",") if s.strip()]
         for n in acc_formats:
-            formats.get(n)
+            if formats.get(n).kind == "activation":
+                raise ValueError(f"--accuracy-formats: {n!r} is an activation format, not a weight format")
+    if args.model is not None and not args.no_accuracy and not os.path.exists(args.model):
+        raise FileNotFoundError(f"--model {args.model!r}: no such file or directory")
     command = "quantzoo " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
     if command and "report" not in command:
         command = None

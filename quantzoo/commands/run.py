@@ -70,7 +70,7 @@ def run(args) -> int:
         raise ValueError(f"{args.model}: the model has no tokenizer, it cannot take a text prompt")
     text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.chat:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        msgs = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
                [{"role": "user", "content": text}]
         text = tok.apply_chat_template(msgs, add_generation_prompt=True)
         ids = tok.encode(text, add_bos=False) if tok.bos_token and text.startswith(tok.bos_token) \
@@ -90,9 +90,11 @@ def run(args) -> int:
     graph = "CUDA graph" if m.use_graph else "eager"
     print(f"device       {m.device} ({torch.cuda.get_device_name(m.device) if m.is_cuda else 'torch CPU'})")
     warm = " after one untimed warm-up prefill" if m.is_cuda else ""
-    print(f"prompt       {len(ids)} tokens, prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})")
-    print(f"generated    {len(g.tokens)} tokens (stop: {g.stop_reason}), decode {g.decode_tok_s:,.1f} tok/s "
-          f"({graph}, {g.decode_tokens} steps after the first token)")
+    print(f"prompt       {len(ids)} tokens, " + (f"prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})"
+                                                  if g.prefill_s else "not run (--max-new-tokens 0)"))
+    print(f"generated    {len(g.tokens)} tokens (stop: {g.stop_reason}), " +
+          (f"decode {g.decode_tok_s:,.1f} tok/s ({graph}, {g.decode_tokens} steps after the first token)"
+           if g.decode_tokens else "no decode step (the first token comes from the prefill)"))
     print(f"peak memory  {_peak_memory(m)}")
     print("formats      " + ", ".join(f"{k}: {v}" for k, v in m.formats.items()))
     if m.is_cuda:

@@ -26,6 +26,8 @@ def load_model(path=None, device: str = "cpu", **opts) -> Model:
 
         path = default_model_path()
     path = os.fspath(path)
+    if not path:
+        raise ValueError("path: empty (a .gguf file, an HF model directory or a KuiperLLama .bin)")
     if os.path.isdir(path):
         from .hf_loader import load_hf
 

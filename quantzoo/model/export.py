@@ -399,6 +399,8 @@ def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> 
         raise ValueError(f"--format {fmt}: a KuiperLLama .bin holds AWQ weights only (--format awq)")
     if kind == "dir" and dst.exists() and not dst.is_dir():
         raise ValueError(f"DST={dst} exists and is not a directory")
+    if kind != "dir" and dst.is_dir():
+        raise ValueError(f"DST={dst} is a directory; a .{kind} DST names the file to write")
     if kind == "dir" and dst.is_dir():
         stale = [f.name for f in dst.iterdir()
                  if f.name.endswith(".safetensors") and f.name != "model.safetensors"

@@ -410,7 +410,12 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         try:
             hdr, rows = model_bench_rows(rep["model_bench"])
             mm = rep["model_bench"].get("machine", {}) if isinstance(rep["model_bench"], dict) else {}
-            if mm:
+            cfg = rep["model_bench"].get("config", {}) if isinstance(rep["model_bench"], dict) else {}
+            if cfg.get("hidden_size", 4096) != 4096:
+                L.append(f"**Not the Qwen3-8B shape**: this bench JSON holds a tiny smoke-test model "
+                         f"({cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, device "
+                         f"{rep['model_bench'].get('device')}); its figures say nothing of speed.\n")
+            elif mm:
                 L.append(f"Measured on {mm.get('gpu')} ({mm.get('time_utc')}), from the runner's own "
                          "bench JSON; a Qwen3-8B-shaped model with random weights, its decoder linears in the "
                          "format (embedding and lm_head as that bench stores them). roofline_tok_s: the copy bandwidth over the weight bytes read per "
