@@ -77,11 +77,12 @@ def run(args) -> int:
             else tok.encode(text)
     else:
         ids = tok.encode(text)
-        print(text, end="", flush=True)
     from ..model.generate import generate, prepare
 
+    prepare(m, len(ids), args.max_new_tokens)   # (a prompt too long for the model fails here)
+    if not args.chat:
+        print(text, end="", flush=True)
     if m.is_cuda:   # compile/load the prefill kernels and record its launch plans outside the timed region
-        prepare(m, len(ids), args.max_new_tokens)
         m.prefill(ids)
     g = generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
