@@ -163,12 +163,13 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     _sync(model)
     t0 = time.perf_counter()
     logits = model.prefill(ids)
-    if not bool(torch.isfinite(logits).all()):   # sampling NaNs would emit garbage without a word
-        raise ValueError("the prompt's next-token logits are not finite (NaN/inf): the model's weights hold "
-                         "non-finite values, or its activations overflowed")
     nxt = sample(logits, temperature, top_k, top_p, gen)
     _sync(model)
     out.prefill_s = time.perf_counter() - t0
+    # (after the clock: a first isfinite on the GPU loads its kernels, which took ~45 ms on the H100)
+    if not bool(torch.isfinite(logits).all()):   # sampling NaNs would emit garbage without a word
+        raise ValueError("the prompt's next-token logits are not finite (NaN/inf): the model's weights hold "
+                         "non-finite values, or its activations overflowed")
     pos = len(ids)
     t1 = None
     while True:
