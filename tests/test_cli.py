@@ -56,7 +56,8 @@ def test_paths_and_numbers_that_cannot_work_are_named(tmp_path, capsys):
                          (["quantize", str(tmp_path / "src"), str(tmp_path / "out.gguf"), "--format", "q4_0"],
                           f"DST={tmp_path / 'out.gguf'} is a directory; a .gguf DST names the file to write"),
                          (["bench", "kernels", "--target-ms", "-1"], "--target-ms: milliseconds must be > 0, got -1.0"),
-                         (["bench", "kernels", "--workers", "0"], "--workers: at least 1, got 0")):
+                         (["bench", "kernels", "--workers", "0"], "--workers: at least 1, got 0"),
+                         (["bench", "kernels", "--m", "0"], "--m '0': expected comma-separated positive integers")):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err, (argv, err)

@@ -374,7 +374,7 @@ def add_arguments(p) -> None:
                    help="extra linear shape in_features,out_features (repeatable)")
     p.add_argument("--only-shapes", action="store_true",
                    help="bench only the --shape shapes, not the Qwen3-8B ones")
-    p.add_argument("--m", type=parse_m, default=None, metavar="M1,M2,...",
+    p.add_argument("--m", default=None, metavar="M1,M2,...",
                    help=f"activation rows to bench (default {','.join(map(str, M_VALUES))})")
     p.add_argument("--quick", action="store_true",
                    help=f"M in {QUICK_M} and a shorter timing target (a few dozen rows)")
@@ -400,7 +400,7 @@ def run(args) -> int:
             shapes.append(ks)
     if not shapes:
         raise ValueError("--only-shapes given without any --shape K,N")
-    ms = args.m or (QUICK_M if args.quick else M_VALUES)
+    ms = parse_m(args.m) if args.m is not None else QUICK_M if args.quick else M_VALUES
     names = bench_formats([s.strip() for s in args.formats.split(",")] if args.formats else None)
     if args.target_ms is not None and not args.target_ms > 0:
         raise ValueError(f"--target-ms: milliseconds must be > 0, got {args.target_ms}")
