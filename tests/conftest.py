@@ -23,7 +23,8 @@ def _flock(config, name, mode):
 def _gpu_tier_needs_a_gpu(request):
     """A test marked gpu that runs where there is no GPU fails; it is deselected, never skipped.
     Under xdist the GPU tests share the GPU, except a test marked gpu_alone (its assertions bound
-    timings): it waits until no other GPU test runs and holds the GPU to itself. Readers/writer
+    timings): it waits until no other GPU test function runs and keeps them out while it runs (a
+    module-scoped fixture's setup elsewhere is not held back). Readers/writer
     locks: every GPU test holds "lock" shared; gpu_alone takes it exclusively, first taking the
     "gate" so that no new test starts while it waits."""
     if request.node.get_closest_marker("gpu") is None:

@@ -111,18 +111,18 @@ def _reader(path: str):
                     raise TensorInfoError(f"tensor {name!r}: {n} elements are not whole {t.name} blocks of {bs}")
                 if int(off[0]) % self.alignment:
                     raise TensorInfoError(f"tensor {name!r}: data offset {int(off[0])} is not a multiple of "
-                                     f"the file's alignment ({self.alignment})")
+                                          f"the file's alignment ({self.alignment})")
                 a = int(start_offs + off[0])
                 b = a + n * ts // bs
                 if b > size:
                     raise TensorInfoError(f"tensor {name!r}: its data (bytes {a}..{b}) runs past the end "
-                                     f"of the file ({size} bytes): truncated file?")
+                                          f"of the file ({size} bytes): truncated file?")
                 spans.append((a, b, name))
             spans.sort()
             for (_a0, b0, n0), (a1, _b1, n1) in zip(spans, spans[1:]):
                 if a1 < b0:
                     raise TensorInfoError(f"tensor {n1!r}: its data (from byte {a1}) overlaps tensor {n0!r}'s "
-                                     f"(to byte {b0})")
+                                          f"(to byte {b0})")
             return super()._build_tensors(start_offs, fields)
 
     return Reader(path)

@@ -121,10 +121,13 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise ValueError(f"{where}: {key}=true is not supported (the runner has no biases)")
+    # sliding layers as transformers' Qwen2/Qwen3 configs derive them: layer_types when given, else
+    # every layer from max_window_layers (default 28) on, when use_sliding_window and a window are set
     layer_types = cfg.get("layer_types")
+    first_sliding = 28 if cfg.get("max_window_layers") is None else cfg.get("max_window_layers")
     sliding = (any(t != "full_attention" for t in layer_types) if isinstance(layer_types, list) else
                bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
-               and (cfg.get("max_window_layers") or 0) < (cfg.get("num_hidden_layers") or 1))
+               and isinstance(first_sliding, int) and first_sliding < (cfg.get("num_hidden_layers") or 1))
     if sliding:
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
                          "supported (every layer attends to the whole context here)")
