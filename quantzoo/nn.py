@@ -47,7 +47,8 @@ class QuantLinear(torch.nn.Module):
 
     def set_extra_state(self, state: dict) -> None:
         try:
-            arrays = {k: v.numpy() for k, v in state["arrays"].items()}
+            # (.cpu(): torch.load's map_location may have put them on a GPU)
+            arrays = {k: v.detach().cpu().numpy() for k, v in state["arrays"].items()}
             qt = QuantizedTensor(state["format"], tuple(state["shape"]),
                                  arrays["data"] if list(arrays) == ["data"] else arrays, dict(state["params"]))
             get(qt.format).check(qt)

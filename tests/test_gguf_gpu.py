@@ -617,3 +617,15 @@ def test_matmul_q8_1_equals_matmul(fmt, m):
     with pytest.raises(ValueError, match="m: 9"):
         G.matmul_q8_1(xq, qt, 9, layout)
     assert G.q8_1_layout(qt, 9) is None and G.q8_1_layout(qt.to("cpu"), 1) is None
+
+
+def test_quant_linear_state_dict_on_cuda(tmp_path):
+    """A CUDA QuantLinear's state_dict saved and loaded with map_location='cuda' (its arrays then
+    arrive as CUDA tensors) into another CUDA module: the same outputs."""
+    w = (RNG.standard_normal((96, 256)) * 0.02).astype(np.float32)
+    a = qz.QuantLinear(qz.formats.get("q4_1").quantize(w)).to(DEV)
+    torch.save(a.state_dict(), tmp_path / "ql.pt")
+    b = qz.QuantLinear(qz.formats.get("q4_1").quantize(np.zeros_like(w))).to(DEV)
+    b.load_state_dict(torch.load(tmp_path / "ql.pt", map_location=DEV))
+    x = torch.randn(5, 256, device=DEV, dtype=torch.float16)
+    assert b.qt.device.startswith("cuda") and torch.equal(a(x), b(x))

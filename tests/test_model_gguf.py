@@ -205,6 +205,16 @@ def test_wrong_magic(tmp_path, good_file):
         qz.load_model(bad, progress=False)
 
 
+def test_unsupported_version(tmp_path, good_file):
+    """A version gguf-py does not read is named as such (not 'truncated or corrupt')."""
+    data = bytearray(good_file.read_bytes())
+    data[4:8] = (4).to_bytes(4, "little")
+    bad = tmp_path / "v4.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"v4\.gguf: GGUF version 4 is not supported \(gguf-py reads versions 2, 3\)$"):
+        qz.load_model(bad, progress=False)
+
+
 @pytest.mark.parametrize("frac", [0.9, 0.5])
 def test_truncated_tensor_data(tmp_path, good_file, frac):
     data = good_file.read_bytes()

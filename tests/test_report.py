@@ -227,11 +227,17 @@ def test_bad_model_bench_file_is_an_error(tmp_path, capsys):
     (["--model", "/nonexistent/m.gguf"], "--model '/nonexistent/m.gguf': no such file or directory"),
     (["--accuracy-formats", "q4_0,q8_1"], "--accuracy-formats: 'q8_1' is an activation format"),
 ])
-def test_bad_accuracy_arguments_are_errors(capsys, args, needle):
-    """A model path given and not found was a 'Skipped' line inside a report that exited 0."""
+def test_bad_accuracy_arguments_are_errors(capsys, monkeypatch, args, needle):
+    """A model path given and not found was a 'Skipped' line inside a report that exited 0. Both
+    are refused before the quick kernel bench a GPU machine would run first (a stand-in GPU here)."""
+    import torch
+
+    from quantzoo.bench import kernels
     from quantzoo.cli import main
 
-    assert main(["report", "--no-bench", "--no-plots", *args]) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "run_bench", lambda **kw: pytest.fail("the bench ran before the check"))
+    assert main(["report", "--no-plots", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
 

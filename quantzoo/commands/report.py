@@ -40,17 +40,6 @@ def run(args) -> int:
     def log(s):
         print(s, file=sys.stderr, flush=True)
 
-    bench = speed.load_bench(args.bench) if args.bench else None
-    if bench is None and not args.no_bench:
-        import torch
-
-        if torch.cuda.is_available():
-            from quantzoo.bench import kernels
-
-            log("no --bench given and a GPU is here: running `quantzoo bench kernels --quick` first")
-            names = kernels.bench_formats()
-            bench = kernels.run_bench(shapes=[(k, n) for k, n, _, _ in kernels.QWEN3_8B_SHAPES],
-                                      ms=kernels.QUICK_M, names=names, target_s=0.01, log=log)
     model_bench = None
     if args.model_bench:
         model_bench = speed.load_json(args.model_bench, "`quantzoo bench model`")
@@ -70,6 +59,18 @@ def run(args) -> int:
                 raise ValueError(f"--accuracy-formats: {n!r} is an activation format, not a weight format")
     if args.model is not None and not args.no_accuracy and not os.path.exists(args.model):
         raise FileNotFoundError(f"--model {args.model!r}: no such file or directory")
+    # (every argument is checked above, before a minute of GPU bench below)
+    bench = speed.load_bench(args.bench) if args.bench else None
+    if bench is None and not args.no_bench:
+        import torch
+
+        if torch.cuda.is_available():
+            from quantzoo.bench import kernels
+
+            log("no --bench given and a GPU is here: running `quantzoo bench kernels --quick` first")
+            names = kernels.bench_formats()
+            bench = kernels.run_bench(shapes=[(k, n) for k, n, _, _ in kernels.QWEN3_8B_SHAPES],
+                                      ms=kernels.QUICK_M, names=names, target_s=0.01, log=log)
     command = "quantzoo " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
     if command and "report" not in command:
         command = None

@@ -129,10 +129,17 @@ def _reader(path: str):
 
 
 def _open(path: str):
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
     with open(path, "rb") as f:
-        head = f.read(4)
-    if head != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (magic {head!r}, expected b'GGUF')")
+        head = f.read(8)
+    if head[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
+    version = int.from_bytes(head[4:], "little") if len(head) == 8 else None
+    if version is not None and version not in READER_SUPPORTED_VERSIONS and version & 0xFFFF:
+        # (a byte-swapped file's version reads with zero low bits: gguf-py takes those itself)
+        raise ValueError(f"{path}: GGUF version {version} is not supported (gguf-py reads versions "
+                         f"{', '.join(map(str, READER_SUPPORTED_VERSIONS))})")
     try:
         return _reader(path)
     except TensorInfoError as e:
