@@ -2,11 +2,12 @@
 
     names()         registered format names, weight formats first
     get(name)       the Format instance (KeyError listing the known names otherwise)
+    get_stored(name, what)  the same for a format that stores weights (ValueError naming `what`)
 
 Each module below registers its classes on import (gguf-py style, `class X(Format, name=...)`).
 """
-from .base import Format, as_float_matrix, get, names, weight_formats
+from .base import Format, as_float_matrix, get, get_stored, names, weight_formats
 from .tensor import QuantizedTensor
 from . import awq, gguf_blocks, fp16  # noqa: F401  (registration)
 
-__all__ = ["Format", "QuantizedTensor", "get", "names", "weight_formats", "as_float_matrix"]
+__all__ = ["Format", "QuantizedTensor", "get", "get_stored", "names", "weight_formats", "as_float_matrix"]

@@ -93,6 +93,15 @@ def get(name: str) -> Format:
         raise KeyError(f"unknown format {name!r}; known formats: {', '.join(_REGISTRY)}") from None
 
 
+def get_stored(name: str, what: str) -> Format:
+    """get(name) of a format that stores weights (a weight format or the fp16 baseline, not an
+    activation format); `what` names the argument in the error."""
+    f = get(name)
+    if f.kind == "activation":
+        raise ValueError(f"{what}: {name!r} is an activation format, not a weight format")
+    return f
+
+
 def weight_formats() -> list[Format]:
     return [f for f in _REGISTRY.values() if f.kind == "weight"]
 

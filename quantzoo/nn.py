@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from . import ops
-from .formats import QuantizedTensor, get
+from .formats import QuantizedTensor, get, get_stored
 
 
 class QuantLinear(torch.nn.Module):
@@ -14,8 +14,7 @@ class QuantLinear(torch.nn.Module):
         super().__init__()
         if not isinstance(qt, QuantizedTensor):
             raise ValueError(f"qt: expected a QuantizedTensor, got {type(qt).__name__}")
-        if qt.fmt.kind == "activation":
-            raise ValueError(f"qt: {qt.format} is an activation format, not a weight format")
+        get_stored(qt.format, "qt")
         if mode not in ops.MODES:
             raise ValueError(f"mode={mode!r}: choose one of {ops.MODES}")
         self.qt = qt

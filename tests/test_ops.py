@@ -53,7 +53,7 @@ def test_quant_linear_checks_its_arguments():
         qz.QuantLinear(qt, mode="bogus")
     with pytest.raises(ValueError, match="qt: expected a QuantizedTensor"):
         qz.QuantLinear(np.zeros((16, 64)))
-    with pytest.raises(ValueError, match="qt: q8_1 is an activation format, not a weight format"):
+    with pytest.raises(ValueError, match="qt: 'q8_1' is an activation format, not a weight format"):
         qz.QuantLinear.from_linear(torch.nn.Linear(64, 16), "q8_1")
     ql = qz.QuantLinear(qt)
     with pytest.raises(ValueError, match="x requires grad, but QuantLinear is inference only"):

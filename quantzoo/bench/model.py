@@ -539,8 +539,7 @@ def run(args) -> int:
     if not fmts:
         raise ValueError("--formats: no format named")
     for f in fmts:
-        if registry.get(f).kind == "activation":   # (get: a KeyError listing the known names)
-            raise ValueError(f"--formats: {f!r} is an activation format, not a weight format")
+        registry.get_stored(f, "--formats")   # (an unknown name: a KeyError listing the known ones)
     # the arguments first: a mistake should fail here, not once per format after minutes of setup
     try:
         lens = [int(x) for x in args.prompt_lens.split(",") if x]

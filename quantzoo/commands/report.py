@@ -55,8 +55,7 @@ def run(args) -> int:
 
         acc_formats = [s.strip() for s in args.accuracy_formats.split(",") if s.strip()]
         for n in acc_formats:
-            if formats.get(n).kind == "activation":
-                raise ValueError(f"--accuracy-formats: {n!r} is an activation format, not a weight format")
+            formats.get_stored(n, "--accuracy-formats")
     if args.model is not None and not args.no_accuracy and not os.path.exists(args.model):
         raise FileNotFoundError(f"--model {args.model!r}: no such file or directory")
     # (every argument is checked above, before a minute of GPU bench below)
