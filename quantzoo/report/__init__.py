@@ -410,8 +410,10 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         try:
             hdr, rows = model_bench_rows(rep["model_bench"])
             mm = rep["model_bench"].get("machine", {}) if isinstance(rep["model_bench"], dict) else {}
+            from quantzoo.bench.model import QWEN3_8B
+
             cfg = rep["model_bench"].get("config", {}) if isinstance(rep["model_bench"], dict) else {}
-            if cfg.get("hidden_size", 4096) != 4096:
+            if cfg.get("hidden_size", QWEN3_8B["hidden_size"]) != QWEN3_8B["hidden_size"]:
                 L.append(f"**Not the Qwen3-8B shape**: this bench JSON holds a tiny smoke-test model "
                          f"({cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, device "
                          f"{rep['model_bench'].get('device')}); its figures say nothing of speed.\n")
