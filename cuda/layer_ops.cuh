@@ -145,10 +145,10 @@ __device__ __forceinline__ void rope_item(int item, int lane, const __half* qkv,
 }
 
 // Decode attention (attn_run, attn_merge): 4 warps take run `split` of the cache rows 0..pos[0]
-// for query heads of KV head kv. The rows are cut into n runs of
-// `chunk` positions (chunk a multiple of 16, at least MIN_CHUNK, so that short contexts take
-// one CTA per KV head and need no merge; n <= n_split), decided from pos on the device
-// (AttnRuns) so that one captured graph serves every position. Warp w takes groups of 4
+// for query heads of KV head kv. The rows are cut into n runs of `chunk` positions (a multiple
+// of 16), decided from pos on the device (AttnRuns) so that one captured graph serves every
+// position: a context of up to SINGLE_RUN positions is one run (one CTA per KV head, no merge),
+// a longer one ceil(npos / MIN_CHUNK) runs, at most n_split. Warp w takes groups of 4
 // consecutive positions of its run, with later groups' rows in flight while one is computed
 // (attn_run's RING), and the 4 x G dot products are reduced independently so their shuffles
 // pipeline. Lane l holds dims E*l .. E*l+E-1 (one 4- or 8-byte load per row). Scores are in
@@ -156,6 +156,12 @@ __device__ __forceinline__ void rope_item(int item, int lane, const __half* qkv,
 // unnormalised output) per query head in part_ml / part_o (KV*G, n_split, ...), and the last
 // run of a KV head to finish (a ticket from count[kv], which it resets) merges them.
 constexpr int MIN_CHUNK = 64;
+// Up to 128 positions one run of 8 groups a warp beats two or three shorter runs and their merge
+// (fence, ticket, the partials read back): Qwen3-8B-shaped q4_0 decode graph, 128 steps from
+// position 16, 443.7 -> 448.5 tok/s; from 100, 432.3 -> 434.1; no change from 160, 300, 1024.
+// Single runs up to 192 / 256 positions lost from 160 (428.4 / 423.4 against 429.1), and runs
+// of at least 128 positions lost at 1024 (404 against 414): bench/NOTES.md, session 32.
+constexpr int SINGLE_RUN = 128;
 
 template <int E, bool CG = false>
 __device__ __forceinline__ void load_row(float* dst, const __half* src) {
@@ -176,7 +182,7 @@ struct AttnRuns {
   int npos, n, chunk;
   __device__ __forceinline__ AttnRuns(const long long* __restrict__ pos, int n_split) {
     npos = (int)pos[0] + 1;
-    n = min(n_split, (npos + MIN_CHUNK - 1) / MIN_CHUNK);
+    n = npos <= SINGLE_RUN ? 1 : min(n_split, (npos + MIN_CHUNK - 1) / MIN_CHUNK);
     chunk = ((npos + n - 1) / n + 15) / 16 * 16;
     n = (npos + chunk - 1) / chunk;
   }

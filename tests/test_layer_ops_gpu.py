@@ -199,7 +199,7 @@ def test_attn_decode(rng, hd, H, KV, S):
     kc = torch.randn(KV, S, hd, device="cuda", generator=g).half()
     vc = torch.randn(KV, S, hd, device="cuda", generator=g).half()
     work = lo.DecodeWork(H, KV, hd, S, "cuda")
-    for p in sorted({0, 1, 15, 16, 63, 200, S // 2 + 3, S - 1}):
+    for p in sorted({0, 1, 15, 16, 63, 127, 128, 200, S // 2 + 3, S - 1}):   # 127: one run, 128: three
         q = (torch.randn(1, H, hd, device="cuda", generator=g) * 3).half()
         pos = torch.tensor([p], device="cuda")
         out = lo.attn_decode(q, kc, vc, pos, work).view(H, hd).double()

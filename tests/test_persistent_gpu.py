@@ -1,9 +1,9 @@
 """The persistent decode kernel (cuda/decode_persistent.cu, quantzoo.kernels.persistent).
 
 GPU tier: for every GGUF format of the registry and four shapes, a small random model decodes
-100 tokens after a 40-token prompt (positions 40-139: the attention takes 1, 2 and 3 runs of the
-cache) twice: through the persistent kernel and through the one-launch-per-op path, in the CUDA
-graph and eagerly. Every step's logits and the final KV caches must be bit-equal: the kernel
+100 tokens after a 40-token prompt (positions 40-139: the attention takes one run of the cache,
+then three) twice: through the persistent kernel and through the one-launch-per-op path, in the
+CUDA graph and eagerly. Every step's logits and the final KV caches must be bit-equal: the kernel
 runs the same device functions and each format's GEMV adds in the order of the kernel the per-op
 path takes (gguf_mmvq16.cu for q4_0 / q8_0, gguf_mmvq.cu for the others). The shapes:
   qwen3-hd128-g4   Qwen3's heads (head_dim 128, q/k norms, 4 query heads per KV head);

@@ -177,10 +177,11 @@ def silu_mul(gu, q8_1=None, layout: str = "split", out=None):
 
 class DecodeWork:
     """fp32 scratch of attn_decode for one cache size S: the runs' partial outputs. The kernel
-    cuts rows 0..pos into at most n_split runs of >= 64 positions (cuda/layer_ops.cu), and its
-    grid is n_split x kv_heads CTAs, so n_split is also capped at about two CTAs per SM: more,
-    shorter runs cost more than they gain (H100, Qwen3-8B heads, a 16k-token context: 37 us with
-    runs of 512 positions, 42 with 256, 87 with 64; bench/NOTES.md, session 30)."""
+    cuts rows 0..pos into one run up to 128 positions, else ceil((pos + 1) / 64) runs, at most
+    n_split (cuda/layer_ops.cuh, AttnRuns), and its grid is n_split x kv_heads CTAs, so n_split
+    is also capped at about two CTAs per SM: more, shorter runs cost more than they gain (H100,
+    Qwen3-8B heads, a 16k-token context: 37 us with runs of 512 positions, 42 with 256, 87 with
+    64; bench/NOTES.md, session 30)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, S: int, device):
         import torch
