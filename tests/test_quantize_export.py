@@ -255,3 +255,79 @@ def test_dst_with_another_checkpoint_is_refused(src, capsys):
     (d / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert cli(["quantize", str(src["dir"]), str(d), "--format", "awq", "--quiet"]) == 2
     assert "already holds other checkpoint files" in capsys.readouterr().err
+
+
+def test_awq_source_modules_to_not_convert_stay_fp16(src):
+    """An AWQ checkpoint whose config leaves down_proj unconverted: the re-export keeps those
+    weights fp16, bit for bit, and carries the list over (it had quantized them and written
+    None)."""
+    from safetensors.numpy import load_file, save_file
+
+    base = src["root"] / "mtnc-base"
+    assert cli(["quantize", str(src["dir"]), str(base), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
+    t = load_file(str(base / "model.safetensors"))
+    down = sorted(k[: -len(".qweight")] for k in t if k.endswith("mlp.down_proj.qweight"))
+    for m in down:
+        for key in ("qweight", "qzeros", "scales"):
+            del t[f"{m}.{key}"]
+        t[m + ".weight"] = src["orig"][m + ".weight"].astype(np.float16)
+    save_file(t, str(base / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["down_proj"]
+    (base / "config.json").write_text(json.dumps(cfg))
+    out = src["root"] / "mtnc-out"
+    assert cli(["quantize", str(base), str(out), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
+    t2 = load_file(str(out / "model.safetensors"))
+    for m in down:
+        assert m + ".qweight" not in t2
+        np.testing.assert_array_equal(t2[m + ".weight"], t[m + ".weight"])
+    assert any(k.endswith("mlp.up_proj.qweight") for k in t2)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"] == ["down_proj"]
+
+
+def test_reused_destination_keeps_no_earlier_tokenizer_files(src, tmp_path):
+    """A second export into the same directory from a source without a chat template or
+    generation config must not leave the first export's ones behind."""
+    out = tmp_path / "out"
+    assert cli(["quantize", str(src["dir"]), str(out), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
+    (out / "chat_template.jinja").write_text("STALE")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in src["dir"].iterdir():
+        if f.name not in ("generation_config.json", "chat_template.jinja"):
+            (bare / f.name).write_bytes(f.read_bytes())
+    assert cli(["quantize", str(bare), str(out), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
+    assert not (out / "chat_template.jinja").exists() and not (out / "generation_config.json").exists()
+    assert (out / "tokenizer.json").read_bytes() == (src["dir"] / "tokenizer.json").read_bytes()
+
+
+def test_gguf_name_keeps_a_dotted_directory_name(src, tmp_path):
+    import gguf
+
+    dotted = tmp_path / "Model-0.6B"
+    dotted.mkdir()
+    for f in src["dir"].iterdir():
+        (dotted / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / "m.gguf"
+    assert cli(["quantize", str(dotted), str(out), "--format", "q8_0", "--quiet"]) == 0
+    assert _fields(gguf.GGUFReader(str(out)))["general.name"] == "Model-0.6B"
+
+
+def test_non_finite_fp16_tensor_is_named(src, tmp_path, capsys):
+    """A NaN in a weight stored as fp16 (a norm) is refused with the tensor's name, as one in a
+    quantized weight is."""
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "nan"
+    bad.mkdir()
+    for f in src["dir"].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    shard = next(bad.glob("*.safetensors"))
+    t = load_file(str(shard))
+    name = next(k for k in sorted(t) if k.endswith("input_layernorm.weight"))
+    t[name] = t[name].copy()
+    t[name][3] = np.nan
+    save_file(t, str(shard), metadata={"format": "pt"})
+    assert cli(["quantize", str(bad), str(tmp_path / "o"), "--format", "awq", "--group-size", "64", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert name in err and "non-finite value nan at index (3,)" in err, err

@@ -36,7 +36,7 @@ import numpy as np
 from quantzoo.formats import get, names
 
 from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
-from .hf_loader import LINEARS, to_numpy_float
+from .hf_loader import LINEARS, not_converted, to_numpy_float
 
 # Every stored (non-activation) format of the registry can be exported.
 FORMATS = tuple(n for n in names() if get(n).kind != "activation")
@@ -121,15 +121,16 @@ def check_group_size(config, group_size: int, modules=None) -> None:
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size {group_size} is not supported; choose one of {GROUP_SIZES}")
     shapes = config.expected_shapes()
+    modules = linear_modules(config) if modules is None else modules
     bad = []
-    for m in modules or linear_modules(config):
+    for m in modules:
         n, k = shapes[m + ".weight"]
         if n % 8:
             raise ValueError(f"{m}: out_features={n} is not a multiple of 8; AWQ packs 8 outputs per int32")
         if k % group_size:
             bad.append((m, k))
     if bad:
-        ks = {shapes[m + ".weight"][1] for m in modules or linear_modules(config)}
+        ks = {shapes[m + ".weight"][1] for m in modules}
         ok = [g for g in sorted(GROUP_SIZES, reverse=True) if all(k % g == 0 for k in ks)]
         hint = f"use --group-size {ok[0]}" if ok else f"no AWQ group size {GROUP_SIZES} divides them"
         m, k = bad[0]
@@ -138,6 +139,9 @@ def check_group_size(config, group_size: int, modules=None) -> None:
 
 
 def _fp16(w: np.ndarray, name: str) -> np.ndarray:
+    if not np.isfinite(w).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(w))[0])
+        raise ValueError(f"{name}: non-finite value {w[bad]} at index {bad}")
     if np.abs(w).max(initial=0) > 65504:
         raise ValueError(f"{name}: values beyond +-65504 do not fit fp16")
     return w.astype(np.float16)
@@ -169,6 +173,8 @@ def hf_config_dict(src: Source, dtype: str = "float16") -> dict:
 
 
 def _write_tokenizer_files(src: Source, dst: Path) -> None:
+    for name in TOKENIZER_FILES:   # an earlier export's files must not outlive this one's
+        (dst / name).unlink(missing_ok=True)
     if src.hf_config is not None:
         for name in TOKENIZER_FILES:
             if (src.path / name).exists():
@@ -194,10 +200,12 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
 
     dst = Path(dst)
     c = src.config
+    # an AWQ source's modules_to_not_convert stay fp16 here too (AutoAWQ's substring rule)
+    skip = list(((src.hf_config or {}).get("quantization_config") or {}).get("modules_to_not_convert") or [])
+    quantized = [m for m in linear_modules(c) if not not_converted(m, skip)] if fmt == "awq" else []
     if fmt == "awq":
-        check_group_size(c, group_size)
+        check_group_size(c, group_size, quantized)
     dst.mkdir(parents=True, exist_ok=True)
-    quantized = set(linear_modules(c)) if fmt == "awq" else set()
     tensors = {}
     names = list(c.expected_shapes())
     for name in tqdm(names, desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
@@ -213,7 +221,7 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
     if fmt == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
                                       "zero_point": True, "version": "gemm",
-                                      "modules_to_not_convert": None}
+                                      "modules_to_not_convert": skip or None}
     _write_tokenizer_files(src, dst)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     return dst
@@ -336,7 +344,7 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(dst), c.arch)
-    w.add_name(src.path.stem if src.path.suffix else src.path.name)
+    w.add_name(src.path.stem if src.path.is_file() else src.path.name)
     w.add_context_length(c.max_position)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_layers)
