@@ -36,7 +36,7 @@ import numpy as np
 from quantzoo.formats import get, names
 
 from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
-from .hf_loader import LINEARS, not_converted, to_numpy_float
+from .hf_loader import LINEARS, not_converted, parse_quantization_config, to_numpy_float
 
 # Every stored (non-activation) format of the registry can be exported.
 FORMATS = tuple(n for n in names() if get(n).kind != "activation")
@@ -201,7 +201,8 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
     dst = Path(dst)
     c = src.config
     # an AWQ source's modules_to_not_convert stay fp16 here too (AutoAWQ's substring rule)
-    skip = list(((src.hf_config or {}).get("quantization_config") or {}).get("modules_to_not_convert") or [])
+    quant = parse_quantization_config((src.hf_config or {}).get("quantization_config"))
+    skip = quant["modules_to_not_convert"] if quant else []
     quantized = [m for m in linear_modules(c) if not not_converted(m, skip)] if fmt == "awq" else []
     if fmt == "awq":
         check_group_size(c, group_size, quantized)
