@@ -74,9 +74,54 @@ def test_bad_generation_settings(model, kw, needle):
 
 
 def test_tiny_temperature_samples_the_top_token(model):
-    """1e-45 used to overflow logits / T to inf and give NaN probabilities: the top token now."""
+    """1e-45 used to overflow logits / T to inf and give NaN probabilities, and 1e-46 (0 as a
+    float32) made the top logit 0 / 0 = NaN: the top token now."""
     greedy = model.generate([1, 2], max_new_tokens=4)
-    assert model.generate([1, 2], max_new_tokens=4, temperature=1e-45, seed=0) == greedy
+    for t in (1e-45, 1e-46, 1e-300):
+        assert model.generate([1, 2], max_new_tokens=4, temperature=t, seed=0) == greedy, t
+
+
+class _Scripted:
+    """Just what generate() asks of a model: it emits `script` token by token (greedy)."""
+
+    def __init__(self, tok, script):
+        from types import SimpleNamespace
+
+        self.tokenizer, self.script, self.i = tok, list(script), 0
+        self.config = SimpleNamespace(vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
+        self.k_cache, self.max_seq, self.is_cuda = None, 4096, False
+
+    def setup_cache(self, n):
+        self.k_cache = torch.zeros(1, 1, 1, n)
+
+    def ensure_graph(self):
+        pass
+
+    def _logits(self):
+        lg = torch.zeros(self.config.vocab_size)
+        lg[self.script[min(self.i, len(self.script) - 1)]] = 10.0
+        self.i += 1
+        return lg
+
+    def prefill(self, ids):
+        self.i = 0
+        return self._logits()
+
+    def decode_step(self, tok, pos):
+        return self._logits()
+
+
+def test_stop_strings_cut_at_the_earliest_whatever_their_order():
+    """Stops "User:" and "\nUser:" both occur; the text ends before the earlier one in either
+    order (cutting at each in turn had left the newline in, streamed too)."""
+    from quantzoo.model.generate import generate
+
+    tok = Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(), {})
+    for stops in (["User:", "\nUser:"], ["\nUser:", "User:"]):
+        chunks = []
+        g = generate(_Scripted(tok, tok.encode("Paris.\nUser: and Rome?")), [1], max_new_tokens=20,
+                     stop=stops, stream=chunks.append)
+        assert (g.text, "".join(chunks), g.stop_reason) == ("Paris.", "Paris.", "stop"), stops
 
 
 def test_non_finite_weights_are_an_error_not_garbage():
@@ -104,6 +149,25 @@ def test_model_options():
 
     with pytest.raises(ValueError, match="device='gpu': not a torch device"):
         build_model(cfg, {}, None, device="gpu")   # the device is checked before the weights
+
+
+def test_bos_from_the_post_processor_when_the_config_does_not_say():
+    """Llama 3's tokenizer_config.json has no add_bos_token: its BOS comes from tokenizer.json's
+    post-processor, and transformers' encoding starts with it. An explicit add_bos_token wins."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    raw = H.build_tokenizer(300)
+    bos = "<|im_start|>"
+    raw.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, raw.token_to_id(bos))])
+    cfg = {"bos_token": bos, "eos_token": "<|im_end|>"}
+    tok = Tokenizer.from_tokenizer_json(raw.to_str(), cfg)
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, **cfg)
+    assert tok.add_bos and tok.encode("the moon") == hf("the moon")["input_ids"]
+    assert tok.encode("the moon")[0] == raw.token_to_id(bos)
+    assert not Tokenizer.from_tokenizer_json(raw.to_str(), {**cfg, "add_bos_token": False}).add_bos
+    assert not Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(), cfg).add_bos   # no post-processor BOS
 
 
 def test_tokenizer_arguments():

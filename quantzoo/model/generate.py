@@ -65,7 +65,10 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     # cumsum adds in an order that varies from run to run, and with many near-equal
     # probabilities that moved a seeded draw (seen on the H100 with a random-weight model).
     lg = logits.float()
-    lg = (lg - lg.max()) / temperature   # <= 0 and the top at 0: no overflow at any temperature
+    # <= 0 and the top at 0: no overflow at any temperature. Below float32's smallest normal the
+    # temperature is taken as that (the top token(s) only, either way): a smaller one would become
+    # a float32 subnormal or 0, and the top 0 / 0 = NaN.
+    lg = (lg - lg.max()) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k and top_k < lg.numel():
         kth = torch.topk(lg, top_k).values[-1]
         lg = lg.masked_fill(lg < kth, float("-inf"))
@@ -138,11 +141,12 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
         if tok is None:
             return False
         text = tok.decode([t for t in out.tokens if t not in eos])
-        hit = False
-        for s in stops:
-            j = text.find(s)
-            if j >= 0:
-                text, hit = text[:j], True
+        # cut at the earliest stop string, whatever the order of `stops` (cutting at each in turn
+        # let the front of an earlier, overlapping one through)
+        cuts = [j for j in (text.find(s) for s in stops) if j >= 0]
+        hit = bool(cuts)
+        if hit:
+            text = text[:min(cuts)]
         out.text = text
         safe = len(text)
         if not final and not hit:

@@ -153,8 +153,11 @@ class Tokenizer:
             tmpl = next((t["template"] for t in named if t.get("name") == "default"), named[0]["template"])
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(tmpl).__name__}")
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:   # e.g. Llama 3: the BOS comes from tokenizer.json's post_processor
+            add_bos = bos_id is not None and tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
         return cls(tok, bos_token_id=bos_id, eos_token_ids=eos_ids,
-                   add_bos=bool(cfg.get("add_bos_token", False)) and bos_id is not None,
+                   add_bos=bool(add_bos) and bos_id is not None,
                    chat_template=tmpl, bos_token=bos or "", eos_token=eos or "")
 
     @classmethod
