@@ -117,7 +117,7 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
     for r in fit_t:
         fit = speed.streaming_fit(bench, r["format"])
         assert finite(r["streaming TB/s"]) == pytest.approx(fit["rate_tbps"], abs=0.006)
-        assert finite(r["fixed us per launch"]) == pytest.approx(fit["fixed_us"], abs=0.006)
+        assert finite(r["fixed us per product"]) == pytest.approx(fit["fixed_us"], abs=0.006)
         assert r["PDL: fixed us"] == "-"   # the fixture has no PDL timings
     # per-shape detail: one table per shape, a cell for every bench M
     for k, n, _, _ in bench["settings"]["qwen3_8b_layer"]:
@@ -449,7 +449,7 @@ def test_model_bench_against_fp16(errors):
     assert finite(awq["prefill 512 GPU ms"]) == pytest.approx(17.0, abs=0.05)
     assert awq["wall x fp16"] == "0.50" and awq["GPU x fp16"] == "0.80" and awq["wall / GPU"] == "2.35"
     assert fp16["GPU x fp16"] == "1.00" and fp16["wall / GPU"] == "1.47"
-    assert awq["prefill 2048 tok/s"] == "34000" and awq["2048 x fp16"] == "0.85"
+    assert awq["prefill 2048 wall tok/s"] == "34000" and awq["2048 x fp16"] == "0.85"
     assert report.model_vs_fp16_rows({"results": [rec("awq", 1.0, 1.0, 1.0, 1.0)]}) is None
     # the round-robin figures take precedence for the wall columns (JSON keys are strings)
     mb["prefill_side_by_side"] = {"reps": 7, "tok_s": {"awq": {"512": 20480.0, "2048": 36000.0},
@@ -458,3 +458,14 @@ def test_model_bench_against_fp16(errors):
     awq = table_with(md, "prefill 512 GPU ms")[0]
     assert finite(awq["prefill 512 wall ms"]) == pytest.approx(25.0, abs=0.05) and awq["wall x fp16"] == "0.80"
     assert awq["2048 x fp16"] == "0.90" and "timed round-robin" in md
+
+
+def test_a_tied_lm_head_is_read_every_step_too():
+    """Tied or not, one decode step reads one vocab x hidden lm_head matrix (embedding rows
+    excluded): the tied model's decode bytes had left it out."""
+    tied = {**sizes.QWEN3_8B, "tied": True}
+    for fmt in (formats.get(n) for n in formats.names()):
+        if fmt.kind == "activation":
+            continue
+        assert sizes.decode_bytes_per_token(fmt, tied) == sizes.decode_bytes_per_token(fmt), fmt.name
+        assert 2 * sizes.model_bytes(fmt, tied)["embeddings"] == sizes.model_bytes(fmt)["embeddings"], fmt.name

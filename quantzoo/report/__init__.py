@@ -31,10 +31,12 @@ from . import sizes, speed
 HEADLINE_M = (1, 16, 512)
 
 
-def _num(v) -> str:
-    """A number at a sensible precision for a table cell."""
+def _num(v, key: str = "") -> str:
+    """A number at a sensible precision for a table cell (fractions: always 3 decimals)."""
     if v is None or not math.isfinite(v):
         return "-"
+    if "fraction" in key:
+        return format(v, ".3f")
     a = abs(v)
     return format(v, ".0f" if a >= 100 else ".1f" if a >= 1 else ".3f")
 
@@ -150,7 +152,7 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
         return 1e3 * n / tps if tps else None
 
     hdr = ["format", "decode tok/s", "decode x fp16", "prefill 512 wall ms", "wall x fp16",
-           "prefill 512 GPU ms", "GPU x fp16", "wall / GPU", "prefill 2048 tok/s", "2048 x fp16"]
+           "prefill 512 GPU ms", "GPU x fp16", "wall / GPU", "prefill 2048 wall tok/s", "2048 x fp16"]
     rows = []
     for r in recs:
         g, w = gpu_ms(r), wall_ms(r, 512)
@@ -251,8 +253,9 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
              "'weights' uses the dequantized W in float64, 'kernel' what the CUDA kernel computes "
              "(Q8_1 activations for GGUF formats, fp16 arithmetic for AWQ), emulated bit-faithfully "
              "in numpy; 'ceiling' is the bound the GPU tests hold each kernel to."
-             + (" Roofline decode tok/s: the copy bandwidth measured in the bench over the bytes "
-                "one Qwen3-8B decode step reads (every linear + lm_head + norms, embedding rows excluded)."
+             + (" Roofline decode tok/s: the copy bandwidth measured in the kernel bench over the weight "
+                "bytes one Qwen3-8B decode step reads (every linear + lm_head + norms, embedding rows "
+                "excluded; KV cache and activations not counted)."
                 if bench is not None else "") + "\n")
 
     # --- speed
@@ -298,7 +301,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                               _f(r[f"m1_fixed_us{tag}"], ".2f"), _f(r[f"m1_stream_tbps{tag}"], ".2f"),
                               _f(pct(r[f"m1_stream_tbps{tag}"]), ".0f"), _f(r[f"m1_fit_max_residual_us{tag}"], ".2f"))]
                              for r in fits],
-                            ["format", "fixed us per launch", "streaming TB/s", "streaming % of copy",
+                            ["format", "fixed us per product", "streaming TB/s", "streaming % of copy",
                              "fit max residual us", "PDL: fixed us", "PDL: streaming TB/s",
                              "PDL: % of copy", "PDL: fit max residual us"]))
             L.append("\nA straight line, time = fixed + weight bytes / streaming rate, fitted by least "
@@ -306,7 +309,8 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                      "(plain launches in a graph), and 'PDL' the same graph under programmatic dependent "
                      "launch, as the runner's decode step launches them (each kernel starts while the one "
                      "before drains; '-' where the bench did not time it). The fixed part is paid by every "
-                     "launch whatever its weight's size "
+                     "product (one ops.matmul: for GGUF formats at M = 1 two launches, the Q8_1 quantize "
+                     "and the mmvq) whatever its weight's size "
                      "(launch, first loads, the last blocks' tail); the rate is how fast a larger weight's "
                      "extra bytes stream (copy bandwidth counts a device copy's reads and writes; a "
                      "read-only stream may exceed it a little). A rate near copy bandwidth with a low M = 1 "
@@ -331,11 +335,12 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                             "The bench's shapes at M = 1, summed once each (as above),")
                      + " against `read`: cuda/stream_read.cu reading each linear's weight bytes in one launch and doing "
                      "nothing else, the fastest of a sweep of its launch shapes, timed the same way "
-                     "(rotated copies, graph replays; 'PDL' as the decode graph launches). An M = 1 kernel "
-                     "launched once per linear does all of that and its math besides, so 'read % of "
-                     "copy' is about as much of the copy bandwidth as such kernels can be shown to "
-                     "reach, and 'kernel / read' how far the format's kernels are from that floor. Per "
-                     "shape: `read_us` in bench-kernels.csv.\n")
+                     "(rotated copies, graph replays; 'PDL' as the decode graph launches). An M = 1 "
+                     "product per linear (GGUF formats: a Q8_1 quantize launch and the mmvq launch) "
+                     "does all of that and its math besides, so 'read % of copy' is about as much of "
+                     "the copy bandwidth as such kernels can be shown to reach, and 'kernel / read' "
+                     "how far the format's kernels are from that floor. Per shape: `read_us` in "
+                     "bench-kernels.csv.\n")
         sus = speed.sustained(bench)
         if sus:
             k, n = sus[0]["k"], sus[0]["n"]
@@ -418,12 +423,16 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                          f"({cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, device "
                          f"{rep['model_bench'].get('device')}); its figures say nothing of speed.\n")
             elif mm:
+                bw = (rep["model_bench"].get("copy_bandwidth_bytes_s") or float("nan")) / 1e12
                 L.append(f"Measured on {mm.get('gpu')} ({mm.get('time_utc')}), from the runner's own "
                          "bench JSON; a Qwen3-8B-shaped model with random weights, its decoder linears in the "
-                         "format (embedding and lm_head as that bench stores them). roofline_tok_s: the copy bandwidth over the weight bytes read per "
-                         "decode step.\n")
-            L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
-                              for v in r] for r in rows], hdr))
+                         "format (embedding and lm_head as that bench stores them). roofline_tok_s: the copy bandwidth "
+                         f"measured in that run ({bw:.2f} TB/s, "
+                         "not the kernel bench's) over the bytes of every linear + lm_head (norms not counted), "
+                         "so it differs from the size table's roofline decode tok/s. A read-only stream may "
+                         "exceed a copy's rate a little: a roofline_fraction above 1 is possible.\n")
+            L.append(_table([[_num(v, h) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
+                              for h, v in zip(hdr, r)] for r in rows], hdr))
             if any("decode_tok_s_reads_only" in h for h in hdr):
                 L.append("\nTwo decode bounds from the same run (the fastest one-launch read of a buffer, "
                          "cuda/stream_read.cu, standing in for every linear): `*_ideal_linears`, the "
@@ -459,7 +468,8 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                           "drift within the run falls on all of them alike)" if sb else "") +
                          " and by the GPU time of its profiled run; wall / GPU well above 1 means the "
                          "host's Python, not the GPU, set that time (it moves up to 2x between runs on "
-                         "the lent machine).\n")
+                         "the lent machine). The 2048-token columns are the same round-robin wall figures (not "
+                         "the table above's prefill_tok_s_2048, timed one format after another).\n")
                 L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
                                   for v in r] for r in vs[1]], vs[0]))
         except ValueError as e:

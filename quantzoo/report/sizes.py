@@ -68,4 +68,5 @@ def decode_bytes_per_token(fmt, c: dict = QWEN3_8B) -> int:
     """Weight bytes one decode step reads: every linear and lm_head (embedding rows excluded),
     the figure DESIGN.md's tok/s rooflines use."""
     mb = model_bytes(fmt, c)
-    return mb["linears"] + (0 if c["tied"] else mb["embeddings"] // 2) + mb["norms"]
+    # lm_head is read every step: the tied embedding itself, or the second of the two matrices
+    return mb["linears"] + (mb["embeddings"] if c["tied"] else mb["embeddings"] // 2) + mb["norms"]
