@@ -116,7 +116,13 @@ class AWQ(Format, name="awq"):
                              "2-D and non-empty")
         k, n8 = qweight.shape
         if group_size is None:
+            if k % scales.shape[0]:
+                raise ValueError(f"awq: scales has {scales.shape[0]} group rows, which do not divide "
+                                 f"qweight's K={k} rows")
             group_size = k // scales.shape[0]
+        elif scales.shape[0] * group_size != k:
+            raise ValueError(f"awq: group_size={group_size} disagrees with scales' {scales.shape[0]} "
+                             f"group rows over qweight's K={k} rows")
         qt = QuantizedTensor("awq", (n8 * 8, k), {"qweight": qweight, "qzeros": qzeros, "scales": scales},
                              {"group_size": group_size})
         self.check(qt)

@@ -39,6 +39,12 @@ def _safe_inverse(d: np.ndarray) -> np.ndarray:
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
 
 
+def _cast_q(q: np.ndarray) -> np.ndarray:
+    """Non-finite q (a block whose fp32 scale is subnormal, so 1/d is inf) -> 0, as llama.cpp's
+    and gguf-py's float-to-int casts give on x86; np.clip would turn +inf into the top level."""
+    return np.where(np.isfinite(q), q, 0)
+
+
 def _split_blocks(w: np.ndarray, what: str) -> np.ndarray:
     n, k = w.shape
     if k % QK:
@@ -109,17 +115,17 @@ class GGUFBlockFormat(Format):
             hi = blocks.max(axis=-1, keepdims=True)
             d = (hi - lo) / np.float32(levels)
             q = np.trunc((blocks - lo) * _safe_inverse(d) + np.float32(0.5))
-            return {"d": d[..., 0], "m": lo[..., 0], "q": np.clip(q, 0, levels).astype(np.int16)}
+            return {"d": d[..., 0], "m": lo[..., 0], "q": np.clip(_cast_q(q), 0, levels).astype(np.int16)}
         if self.bits == 8:  # Q8_0: q = roundf(x * (127 / amax))
             d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
             q = roundf(blocks * _safe_inverse(d))
-            return {"d": d[..., 0], "m": None, "q": q.astype(np.int16)}
+            return {"d": d[..., 0], "m": None, "q": _cast_q(q).astype(np.int16)}
         # symmetric with a signed scale: the largest-magnitude element maps to q = 0 exactly
         imax = np.abs(blocks).argmax(axis=-1)[..., None]
         vmax = np.take_along_axis(blocks, imax, axis=-1)
         d = vmax / np.float32(-self.offset)
         q = np.trunc(blocks * _safe_inverse(d) + np.float32(self.offset + 0.5))
-        return {"d": d[..., 0], "m": None, "q": np.clip(q, 0, levels).astype(np.int16)}
+        return {"d": d[..., 0], "m": None, "q": np.clip(_cast_q(q), 0, levels).astype(np.int16)}
 
     def quantize(self, w, **opts) -> QuantizedTensor:
         if opts:

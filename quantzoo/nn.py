@@ -59,7 +59,9 @@ class QuantLinear(torch.nn.Module):
         self.qt = qt.to(self.qt.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x: expected a torch tensor, got {type(x).__name__}")
+        if torch.is_grad_enabled() and x.requires_grad:
             raise ValueError("x requires grad, but QuantLinear is inference only (its kernels have no "
                              "backward); run it under torch.no_grad() or pass x.detach()")
         y = ops.matmul(x, self.qt, mode=self.mode)

@@ -41,6 +41,12 @@ def matmul(x, qt, *, mode: str = "emulate"):
     if not isinstance(qt, QuantizedTensor):
         raise ValueError(f"qt: expected a QuantizedTensor (formats.get(name).quantize(w)), "
                          f"got {type(qt).__name__}")
+    if getattr(x, "requires_grad", False):
+        import torch
+
+        if torch.is_grad_enabled():
+            raise ValueError("x requires grad, but quantzoo.ops.matmul has no backward (the result "
+                             "would be silently detached); run it under torch.no_grad() or pass x.detach()")
     if getattr(x, "is_cuda", False):
         # The runner's hot path (~150 calls per forward, a 512-token prefill is partly bound
         # by their Python time): the kernel module checks x and the weight itself (shapes,

@@ -18,6 +18,8 @@ partial sum is an exact integer in float32 and BLAS gives the int32 result.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 EPS32 = 2.0 ** -24
@@ -46,6 +48,17 @@ def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features, the weight expects K={k}")
     a = quantize_activations(x)
+    # d and s are half in the Q8_1 block: a block with amax > 127 * 65504, or (for the formats
+    # whose block_dot uses s) |sum x| > 65504, gives inf/NaN here as in the kernel. Say so.
+    over = ~np.isfinite(a["d"])
+    if fmt.has_min or getattr(fmt, "offset", 0):
+        over |= ~np.isfinite(a["m"])
+    over &= np.isfinite(x).reshape(over.shape + (32,)).all(axis=-1)   # not NaN/inf already in x
+    if over.any():
+        r, b = (int(i) for i in np.argwhere(over)[0])
+        warnings.warn(f"x: row {r}, block {b}: the Q8_1 scale or block sum of the activations overflows "
+                      f"fp16 (|sum x| or max|x|/127 > 65504); {fmt.name}'s kernels, and this emulation, "
+                      "give inf/NaN there (mode='dequant' does not)", RuntimeWarning, stacklevel=3)
     w = fmt.unpack(qt.numpy().data)
     nb = k // 32
     qa = np.ascontiguousarray(a["q"].astype(np.float32).transpose(1, 0, 2))   # (nb, M, 32)

@@ -24,6 +24,11 @@ def test_group_size_and_shape_errors():
         awq.gemm(x, qw, sc, qz, 128)
     with pytest.raises(ValueError, match="group_size: 48"):
         awq.gemm(x, qw, sc, qz, 48)
+    # a g64 weight (9 groups over K = 576) called with 32: the group size is named, not qzeros
+    with pytest.raises(ValueError, match="group_size: 32 disagrees with scales' 9 groups over qweight's K=576"):
+        awq.gemm(x, qw, sc, qz, 32)
+    with pytest.raises(ValueError, match="awq: group_size=32 disagrees with scales' 9 group rows"):
+        get("awq").from_arrays(qw.numpy(), qz.numpy(), sc.numpy(), group_size=32)
     with pytest.raises(ValueError, match="qzeros: shape"):
         awq.gemm(x, qw, sc, qz[:3], 64)
     with pytest.raises(ValueError, match="scales: shape"):

@@ -23,6 +23,9 @@ def _cases(rng):
         "zeros": np.zeros((n, k), np.float32),
         "mixed_zero_constant": mixed,
         "tiny_1e-8": (rng.standard_normal((n, k)) * 1e-8).astype(np.float32),
+        # a subnormal fp32 scale: 1/d is inf, and gguf-py (llama.cpp's float-to-int casts) stores
+        # q = 0 where a clip had stored the top level
+        "subnormal_scale_1e-40": (rng.standard_normal((n, k)) * 1e-40).astype(np.float32),
         "huge_6e4": huge,
     }
 

@@ -1,4 +1,6 @@
 """quantzoo.ops.matmul and QuantLinear on CPU: they run the reference, numpy or torch in/out."""
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -60,6 +62,32 @@ def test_quant_linear_checks_its_arguments():
         ql(torch.zeros(2, 64, requires_grad=True))   # its output had requires_grad False: grads cut
     with torch.no_grad():
         assert ql(torch.zeros(2, 64, requires_grad=True)).shape == (2, 16)
+    with pytest.raises(ValueError, match="x: expected a torch tensor, got ndarray"):
+        qz.QuantLinear(qt, torch.zeros(16))(np.zeros((2, 64), np.float32))   # (a numpy x had met the bias)
+
+
+def test_matmul_refuses_an_input_that_requires_grad():
+    """The result had come back detached: the gradient cut without a word."""
+    qt = get("q4_0").quantize(np.zeros((8, 64), np.float32))
+    x = torch.zeros(2, 64, requires_grad=True)
+    with pytest.raises(ValueError, match="x requires grad, but quantzoo.ops.matmul has no backward"):
+        qz.ops.matmul(x, qt)
+    with torch.no_grad():
+        assert qz.ops.matmul(x, qt).shape == (2, 8)
+
+
+def test_q8_1_overflow_is_said():
+    """Activations whose Q8_1 block sum passes fp16's 65504: the kernels (as llama.cpp's) and
+    their emulation give inf/NaN for the formats that use the sum; a warning names the block."""
+    w = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    x = np.full((1, 256), 3000, np.float32)
+    with pytest.warns(RuntimeWarning, match="row 0, block 0: the Q8_1 scale or block sum .* overflows fp16"):
+        assert not np.isfinite(qz.ops.matmul(x, get("q4_0").quantize(w))).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.isfinite(qz.ops.matmul(x, get("q8_0").quantize(w))).all()   # q8_0 does not use it
+        np.testing.assert_allclose(qz.ops.matmul(x, get("q4_0").quantize(w), mode="dequant"),
+                                   x @ get("q4_0").dequantize(get("q4_0").quantize(w)).T, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["q8_0", "awq"])

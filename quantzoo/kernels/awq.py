@@ -220,6 +220,9 @@ def check_weights(qweight, scales, qzeros, group_size=None):
         group_size = k // scales.shape[0]
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size: {group_size} is not supported; choose one of {GROUP_SIZES}")
+    if scales.shape[0] * group_size != k:
+        raise ValueError(f"group_size: {group_size} disagrees with scales' {scales.shape[0]} groups "
+                         f"over qweight's K={k} rows")
     if k == 0 or n8 == 0:
         raise ValueError(f"qweight: empty shape {tuple(qweight.shape)}")
     if k % group_size:
