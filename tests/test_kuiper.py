@@ -118,6 +118,16 @@ def test_bad_files(files, tmp_path):
         assert needle in str(e.value) and name in str(e.value), (name, str(e.value))
 
 
+def test_a_corrupt_layer_count_fails_at_once(tmp_path):
+    """n_layers = 2^31 - 1 in the header of a small file: the size check is worked out in closed
+    form (it had walked every layer's shapes first and hung)."""
+    hdr = struct.pack("<Ii7iBii", MAGIC, 5, 64, 128, 2**31 - 1, 4, 2, 160, 256, 1, 64, 32)
+    p = tmp_path / "layers.bin"
+    p.write_bytes(hdr + bytes(HEADER_BYTES - len(hdr)) + bytes(1000))
+    with pytest.raises(ValueError, match="layers=2147483647.*truncated"):
+        load_kuiper(p)
+
+
 def test_dims_come_from_the_header_not_the_seed_example(tmp_path):
     """A Qwen3-8B header (intermediate 12288, not the seed example's 14336) on a short file:
     the size check reports what the header implies, read from the file."""

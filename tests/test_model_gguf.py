@@ -313,6 +313,39 @@ def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     assert msg.startswith(str(path)) and msg.count(str(path)) == 1 and needle in msg, msg
 
 
+@pytest.mark.parametrize("kv,needle", [
+    # llama.cpp: no rope.scaling.type means linear, the factor from either key
+    ({"llama.rope.scaling.factor": 4.0}, "llama.rope.scaling.factor=4.0 asks for linear RoPE scaling"),
+    ({"llama.rope.scale_linear": 4.0}, "llama.rope.scale_linear=4.0 asks for linear RoPE scaling"),
+    ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type='yarn' is not supported yet"),
+    ({"llama.block_count": 2**31}, "llama.block_count=2147483648, but the file holds only"),
+])
+def test_rope_scaling_and_layer_count_are_refused(tmp_path, kv, needle):
+    """A RoPE scaling factor had loaded without a word (wrong logits: llama.cpp scales the
+    frequencies); a corrupt layer count had hung the loader building its shape table."""
+    path = tmp_path / "r.gguf"
+    write_gguf(path, hf_model("llama"), "llama", kv=kv)
+    with pytest.raises(ValueError, match=needle):
+        qz.load_model(path, progress=False)
+
+
+@pytest.mark.parametrize("kv", [{"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0},
+                                {"llama.rope.scaling.type": "linear"}, {"llama.rope.scaling.factor": 1.0}])
+def test_rope_scaling_that_scales_nothing_loads(tmp_path, kv):
+    path = tmp_path / "r.gguf"
+    write_gguf(path, hf_model("llama"), "llama", kv=kv)
+    qz.load_model(path, progress=False)
+
+
+def test_merge_of_a_space_token(tmp_path):
+    """llama.cpp splits a merge at the first space after position 0: a first token may be " "."""
+    kv = {**TOK_KV, "tokenizer.ggml.tokens": [f"t{i}" for i in range(157)] + [" ", "a", " a"],
+          "tokenizer.ggml.merges": ["  a"]}
+    path = tmp_path / "sp.gguf"
+    write_gguf(path, hf_model("llama"), "llama", kv=kv)
+    assert qz.load_model(path, progress=False).tokenizer.tok.get_vocab()[" a"] == 159
+
+
 def test_good_tokenizer_metadata_loads(tmp_path):
     """The control for the cases above: the same tokenizer keys, valid, load and encode. A
     special id past the vocabulary is ignored with a warning, as llama.cpp does."""

@@ -195,9 +195,17 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
     if rope_dims != head_dim:
         raise ValueError(f"{path}: {arch}.rope.dimension_count={rope_dims} (partial RoPE) is not "
                          f"supported; head_dim is {head_dim}")
-    if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] not in ("none",):
-        raise ValueError(f"{path}: {arch}.rope.scaling.type={meta[f'{arch}.rope.scaling.type']!r} "
-                         "is not supported yet")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "linear")   # llama.cpp's default type
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported yet")
+    # llama.cpp: freq_scale = 1/factor from rope.scaling.factor, else the old rope.scale_linear,
+    # applied whenever the type is not "none" (an absent type means linear)
+    for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        if k in meta:
+            if scaling != "none" and meta[k] not in (0, 1):
+                raise ValueError(f"{path}: {k}={meta[k]!r} asks for linear RoPE scaling, which is "
+                                 "not supported yet")
+            break
     dims = dict(intermediate_size=key("feed_forward_length"), num_layers=key("block_count"),
                 num_kv_heads=key("attention.head_count_kv", heads),
                 rms_norm_eps=key("attention.layer_norm_rms_epsilon", kind=float),
@@ -248,6 +256,9 @@ def load_gguf(path, progress: bool = True):
                          " expected 2 (embedding_length, vocabulary)")
     vocab = int(tensors["token_embd.weight"].shape[1])
     cfg = config_from_metadata(meta, path, vocab, tied="output.weight" not in tensors)
+    if cfg.num_layers > len(tensors):   # before anything loops over the layers (a corrupt count)
+        raise ValueError(f"{path}: {cfg.arch}.block_count={cfg.num_layers}, but the file holds only "
+                         f"{len(tensors)} tensors")
     tok = None   # a file without tokenizer.ggml.* (synthetic, bench) loads without one
     if "tokenizer.ggml.model" in meta:
         tok = Tokenizer.from_gguf_fields({k: v for k, v in meta.items() if k.startswith("tokenizer.")}, path)

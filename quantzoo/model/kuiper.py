@@ -27,6 +27,7 @@ model directory the .bin was exported from) is loaded when present.
 """
 from __future__ import annotations
 
+import dataclasses
 import struct
 from pathlib import Path
 
@@ -111,19 +112,28 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
             rope_theta=rope_theta, max_position=hd["max_seq_len"],
             tie_word_embeddings=hd["shared_classifier"], qk_norm=True, bos_token_id=None,
             eos_token_ids=list(eos_token_ids or []))
-        shapes = config.expected_shapes()
-        for m in linear_modules(config):   # the AWQ format's own shape rule, per linear
+        # one layer's shapes stand for all (every layer has the same); the size check below is
+        # in closed form, so a corrupt n_layers fails at once instead of looping over it
+        one = dataclasses.replace(config, num_layers=1)
+        shapes = one.expected_shapes()
+        for m in linear_modules(one):   # the AWQ format's own shape rule, per linear
             check_shape(*shapes[m + ".weight"], hd["group_size"], f"{m}.weight")
     except ValueError as e:
         raise ValueError(f"{path}: header: {e}") from None
-    items = _layout(config, hd["group_size"])
-    need = HEADER_BYTES + sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in items)
+
+    def data_bytes(layers: int) -> int:
+        return sum(int(np.prod(s)) * np.dtype(d).itemsize
+                   for _, s, d in _layout(dataclasses.replace(config, num_layers=layers), hd["group_size"]))
+
+    first = data_bytes(1)
+    need = HEADER_BYTES + first + (config.num_layers - 1) * (data_bytes(2) - first)
     size = path.stat().st_size
     if size != need:
         raise ValueError(f"{path}: {size} bytes, but the header (dim={hd['dim']}, hidden_dim="
                          f"{hd['hidden_dim']}, layers={hd['n_layers']}, vocab={hd['vocab_size']}, "
                          f"group_size={hd['group_size']}) implies {need}: "
                          f"{'truncated' if size < need else 'trailing bytes'}")
+    items = _layout(config, hd["group_size"])
     mm = np.memmap(path, dtype=np.uint8, mode="c")
     raw, off = {}, HEADER_BYTES
     for name, shape, dtype in items:

@@ -191,10 +191,10 @@ class Tokenizer:
                              f"tokenizer.ggml.tokens {len(tokens)}")
         merges = []
         for m in array_of("tokenizer.ggml.merges", str):
-            a, sep, b = m.partition(" ")
-            if not sep:
+            i = m.find(" ", 1)   # from 1, as llama.cpp: a first token may itself be " "
+            if i < 0:
                 raise ValueError(f"{path}: tokenizer.ggml.merges entry {m!r} is not 'a b'")
-            merges.append((a, b))
+            merges.append((m[:i], m[i + 1:]))
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)   # first id wins, as in llama.cpp's token_to_id
