@@ -363,6 +363,7 @@ def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, swizzle: int, dty
 # no plan can point into a freed buffer or keep one alive.
 _RECORDING = threading.local()   # .launches: the list a recording() on this thread fills
 _PLAN_CACHES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # id -> PlanCache
+_WORKSPACE_GENERATION = 0   # how many times workspaces_changed has dropped the plans
 
 
 class PlanCache(dict):
@@ -383,8 +384,16 @@ class PlanCache(dict):
 def workspaces_changed() -> None:
     """Call when a workspace a kernel argument may point into is allocated, grown or released:
     every recorded plan is dropped (the next call of each records anew)."""
+    global _WORKSPACE_GENERATION
+    _WORKSPACE_GENERATION += 1
     for cache in list(_PLAN_CACHES.values()):
         cache.clear()
+
+
+def workspace_generation() -> int:
+    """A count that moves whenever workspaces_changed drops the plans: equal before and after a
+    call means every plan the call recorded is still there."""
+    return _WORKSPACE_GENERATION
 
 
 class PackedLaunch:

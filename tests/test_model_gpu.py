@@ -96,14 +96,15 @@ def test_warm_prefill_keeps_its_launch_plans(synthetic_path):
     come after generate.prepare (cache sizing, decode graph capture): the capture's workspaces
     drop every launch plan, and the timed prefill then recorded them anew (27 ms against 9 for
     the default model's 38-token prompt on the H100). After prepare + warm-up, generate's prefill
-    replays the very plans the warm-up recorded."""
+    replays the very plans the warm-up recorded (generate.warm_up: a workspace that grows inside
+    the warm-up's prefill drops the plans before it, so it prefills again)."""
     from quantzoo import cuda_launch as cl
-    from quantzoo.model.generate import generate, prepare
+    from quantzoo.model.generate import generate, prepare, warm_up
 
     m = qz.load_model(synthetic_path, device="cuda", progress=False)
     ids = [(7 * i + 3) % 512 for i in range(40)]   # M = 40: multi-launch GGUF plans
     prepare(m, len(ids), 8)
-    m.prefill(ids)
+    warm_up(m, ids)
     ms = (len(ids), ("glu", len(ids)))   # run_planned's keys: (M or ("glu", M), stream)
 
     def plans():

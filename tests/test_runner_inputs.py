@@ -186,3 +186,32 @@ def test_tokenizer_arguments():
     for messages in (None, [{"role": "user", "content": None}], [{"content": "hi"}]):
         with pytest.raises(ValueError, match="messages: expected a list of"):
             tok.apply_chat_template(messages)
+
+
+def test_warm_up_prefills_again_when_a_workspace_grew():
+    """generate.warm_up (quantzoo run model's untimed pass, CUDA): a prefill during which a
+    workspace grew has lost the plans recorded before the growth, so it prefills again -- until
+    one grows nothing, at most `tries` times; a CPU model is not warmed up."""
+    from types import SimpleNamespace
+
+    from quantzoo import cuda_launch as cl
+    from quantzoo.model.generate import warm_up
+
+    def fake(grows):
+        calls = []
+
+        def prefill(ids):
+            calls.append(1)
+            if len(calls) <= grows:
+                cl.workspaces_changed()
+            return torch.tensor([0.0, 1.0])
+        return SimpleNamespace(is_cuda=True, prefill=prefill), calls
+
+    for grows, want in ((0, 1), (1, 2), (2, 3), (5, 3)):
+        m, calls = fake(grows)
+        warm_up(m, [1, 2], tries=3)
+        assert len(calls) == want, (grows, len(calls))
+    m, calls = fake(1)
+    m.is_cuda = False
+    warm_up(m, [1, 2])
+    assert calls == []

@@ -77,15 +77,12 @@ def run(args) -> int:
             else tok.encode(text)
     else:
         ids = tok.encode(text)
-    from ..model.generate import generate, prepare, sample
+    from ..model.generate import generate, prepare, warm_up
 
     prepare(m, len(ids), args.max_new_tokens)   # (a prompt too long for the model fails here)
     if not args.chat:
         print(text, end="", flush=True)
-    if m.is_cuda:   # the timed region once untimed: the kernels load (CUDA loads each lazily, on first
-        # use: up to tens of ms) and the prefill's launch plans are recorded (a throwaway generator:
-        # a --seed's draws stay as they were)
-        sample(m.prefill(ids), args.temperature, args.top_k, args.top_p, torch.Generator())
+    warm_up(m, ids, args.temperature, args.top_k, args.top_p)   # (CUDA only)
     g = generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                  stream=lambda s: print(s, end="", flush=True))
