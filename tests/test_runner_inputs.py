@@ -215,3 +215,16 @@ def test_warm_up_prefills_again_when_a_workspace_grew():
     m.is_cuda = False
     warm_up(m, [1, 2])
     assert calls == []
+
+
+def test_logits_are_an_ordinary_tensor_and_numpy_seeds_work(model):
+    """m.logits had returned the inference-mode tensor itself (on CPU), which refuses an in-place
+    edit and autograd; a numpy integer seed passed the checks and then crashed manual_seed."""
+    lg = model.logits([1, 2, 3])
+    assert lg.dtype == torch.float32 and lg.device.type == "cpu" and not lg.is_inference()
+    lg[0, 5] = -1e9
+    w = torch.ones(lg.shape[-1], requires_grad=True)
+    (lg[1:] * w).sum().backward()
+    assert torch.equal(w.grad, lg[1:].sum(0))
+    a = model.generate([1, 2], max_new_tokens=6, temperature=1.0, seed=np.int64(7))
+    assert a == model.generate([1, 2], max_new_tokens=6, temperature=1.0, seed=7)

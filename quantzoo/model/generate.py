@@ -149,7 +149,7 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
         raise ValueError(f"stream: {type(stream).__name__} is not callable (it is given each new piece of text)")
     if (stops or stream) and tok is None:
         raise ValueError("stop strings and streaming need a tokenizer; this model has none")
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None   # (numpy ints too)
     prepare(model, len(ids), max_new_tokens)
 
     out = Generation(tokens=[], prompt_tokens=len(ids))

@@ -624,17 +624,20 @@ class Model:
             self._g_out = self._forward(self._g_tok, self._g_pos, False)
         self._graph = g
 
-    @torch.inference_mode()
     def logits(self, ids) -> torch.Tensor:
         """Teacher-forced next-token logits for every position: (len(ids), vocab) float32 CPU."""
         ids = token_ids(ids, self.config.vocab_size)
         if len(ids) > self.max_seq:
             raise ValueError(f"{len(ids)} ids exceed the model's max_seq {self.max_seq}")
-        if self.k_cache is None or self.k_cache.shape[3] < len(ids):
-            self.setup_cache(max(len(ids), self.k_cache.shape[3] if self.k_cache is not None else 0))
-        t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.arange(len(ids), device=self.device)
-        return self._forward(t, pos, all_logits=True, from_start=True).float().cpu()
+        with torch.inference_mode():
+            if self.k_cache is None or self.k_cache.shape[3] < len(ids):
+                self.setup_cache(max(len(ids), self.k_cache.shape[3] if self.k_cache is not None else 0))
+            t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+            pos = torch.arange(len(ids), device=self.device)
+            out = self._forward(t, pos, all_logits=True, from_start=True)
+        # copied outside inference mode: an inference tensor refuses in-place edits (masking a
+        # token) and autograd, and on CPU .float().cpu() would hand back that very tensor
+        return out.to(device="cpu", dtype=torch.float32, copy=True)
 
     def generate(self, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop=None, stream=None, **kw) -> list[int]:
