@@ -375,6 +375,12 @@ class PlanCache(dict):
         super().__init__()
         _PLAN_CACHES[id(self)] = self
 
+    def __reduce__(self):
+        # copy.deepcopy / pickle of a weight (or of a module holding it) carries its memo: the
+        # copy gets a fresh cache, registered (so workspaces_changed empties it), and no plans
+        # (they hold ctypes pointers, and raw addresses of this weight and these workspaces)
+        return (PlanCache, ())
+
     def put(self, key, plan) -> None:
         while len(self) >= self.LIMIT:
             del self[next(iter(self))]

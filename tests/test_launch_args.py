@@ -91,3 +91,43 @@ def test_plan_cache_is_bounded_and_dropped_when_workspaces_change():
     ia = id(a)
     del a                                        # a dropped cache leaves the registry with it
     assert ia not in cl._PLAN_CACHES and cl._PLAN_CACHES[id(b)] is b
+
+
+def test_a_copied_weight_gets_a_fresh_registered_plan_cache():
+    """deepcopy / pickle of a weight (or of a module holding it) carries its memo. Plans hold
+    ctypes pointers (the copy failed) and this weight's addresses; a copy made of an empty cache
+    was not registered, so workspaces_changed never emptied it and its later plans could outlive
+    the workspaces they point into."""
+    import copy
+    import pickle
+
+    from quantzoo import cuda_launch as cl
+
+    a = cl.PlanCache()
+    a.put((1, 0), ctypes.c_void_p(5))            # not picklable, as a real plan's launches are not
+    for b in (copy.deepcopy(a), pickle.loads(pickle.dumps(a)), copy.deepcopy(cl.PlanCache())):
+        assert type(b) is cl.PlanCache and not b and cl._PLAN_CACHES[id(b)] is b
+        b.put("k", "plan")
+        cl.workspaces_changed()
+        assert not b
+
+
+def test_misaligned_x_or_y_runs_unplanned(monkeypatch):
+    """A plan replays launch choices made for the addresses it recorded (gguf's split-K reduce
+    writes 8 bytes at a time when y is 8-byte aligned): an x or y at an odd offset runs its own
+    launches and leaves no plan."""
+    import torch
+
+    from quantzoo.formats import get
+    from quantzoo.kernels import checked_once, run_planned
+
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    qt = get("q8_0").quantize(np.zeros((8, 64), np.float32))
+    checked_once(qt, lambda q: None)
+    plans = qt.__dict__["_kernels_checked"][3]
+    x = torch.zeros(4, 64, dtype=torch.float16)
+    big = torch.zeros(64, dtype=torch.float16)
+    calls = []
+    for y in (big[1:33].view(4, 8), big[4:36].view(4, 8)):   # 2 and 8 bytes past a 16-byte boundary
+        run_planned(qt, 4, x, y, lambda: calls.append(1))
+    assert len(calls) == 2 and not plans

@@ -280,9 +280,13 @@ def _buffer(dev, key, numel, dtype, zero=False):
     cache = _WS.setdefault(str(dev), {})
     buf = cache.get(key)
     if buf is None or buf.numel() < numel:
+        alloc = torch.zeros if zero else torch.empty
+        if torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # the graph's own buffer, from its pool (as gguf._workspace): torch.zeros' fill is
+            # captured, not run now, so cached it would hand eager calls unzeroed tile counters
+            return alloc(max(numel, 1), dtype=dtype, device=dev)
         if buf is not None:   # keep the old one alive: a captured CUDA graph may still use it
             cache.setdefault("retired", []).append(buf)
-        alloc = torch.zeros if zero else torch.empty
         buf = alloc(max(numel, 1), dtype=dtype, device=dev)
         cache[key] = buf
         workspaces_changed()   # launch plans may point into the old buffer
