@@ -53,9 +53,12 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     xp, xb, yp, yb = x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(), y.numel() * y.element_size()
     if xp < yp + yb and yp < xp + xb:   # also: a plan could not tell x's pointers from y's
         raise ValueError("out: overlaps x; the matmul needs a separate output")
-    if (xp | yp) % 16:   # a plan replays choices made for the recorded addresses (gguf's split-K
-        queue()          # reduce writes 8 bytes at a time into an 8-byte-aligned y): a view at an
-        return           # odd offset runs unplanned, its launches chosen for its own address
+    if (xp | yp) % 16:
+        # a plan replays launch choices made for the recorded addresses (gguf's split-K reduce
+        # writes 8 bytes at a time into an 8-byte-aligned y): a view off a 16-byte boundary runs
+        # unplanned, its launches chosen for its own address
+        queue()
+        return
     plans = memo[3]
     key = (m, cl.current_stream_ptr())
     with _LOCK:   # a replay re-aims shared argument slots: one at a time
