@@ -170,6 +170,32 @@ def test_bos_from_the_post_processor_when_the_config_does_not_say():
     assert not Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(), cfg).add_bos   # no post-processor BOS
 
 
+def test_eos_from_the_post_processor_when_the_config_does_not_say():
+    """A post-processor that appends EOS (and BOS) is followed as transformers follows it;
+    an explicit add_eos_token wins; a chat prompt never gets the EOS (run model --chat)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    raw = H.build_tokenizer(300)
+    bos, eos = "<|im_start|>", "<|im_end|>"
+    raw.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B {eos}",
+        special_tokens=[(bos, raw.token_to_id(bos)), (eos, raw.token_to_id(eos))])
+    cfg = {"bos_token": bos, "eos_token": eos}
+    tok = Tokenizer.from_tokenizer_json(raw.to_str(), cfg)
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, **cfg)
+    assert tok.add_eos and tok.encode("the moon") == hf("the moon")["input_ids"]
+    assert tok.encode("the moon")[-1] == raw.token_to_id(eos)
+    assert tok.encode("the moon", add_eos=False) == hf("the moon")["input_ids"][:-1]
+    assert not Tokenizer.from_tokenizer_json(raw.to_str(), {**cfg, "add_eos_token": False}).add_eos
+    tok.chat_template = H.CHATML
+    msgs = [{"role": "user", "content": "the moon"}]
+    text = tok.apply_chat_template(msgs)      # starts with the BOS text, "<|im_start|>"
+    assert tok.encode_chat(msgs) == tok.encode(text)[1:-1]   # so neither a second BOS nor the EOS
+    tok.chat_template = "hello {{ messages[0]['content'] }}"
+    assert tok.encode_chat(msgs) == tok.encode("hello the moon")[:-1]   # BOS added, no EOS
+
+
 def test_tokenizer_arguments():
     tok = Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(), {"chat_template": H.CHATML})
     for text in (None, 5, b"hi"):

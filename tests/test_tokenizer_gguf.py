@@ -81,3 +81,44 @@ def test_special_tokens_and_chat_template():
     assert tok.encode(s, add_bos=False) == [27] + tok.encode("user ab", add_bos=False) + [28]
     assert 28 in tok.eos_token_ids
     assert tok.decode([29, 26, 2]) == "ab c"
+
+
+def _meta(toks, types, **kv):
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+            "tokenizer.ggml.tokens": toks, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": [], **{f"tokenizer.ggml.{k}": v for k, v in kv.items()}}
+
+
+def test_end_of_generation_tokens_as_llama_cpp_finds_them():
+    """llama.cpp's EOG set (llama-vocab.cpp): the eos id, every token of an end-of-turn text --
+    typed CONTROL with a warning where the file typed it otherwise, so it is one token in text --
+    and the fim pad / repo / file-separator tokens; an eot key in the file wins over the text."""
+    from quantzoo.model.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer
+
+    toks = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
+        "<|endoftext|>", "<|im_end|>", "<|file_sep|>", "<|fim_pad|>", "<|im_start|>", "<|repo_name|>"]
+    types = [NORMAL] * 26 + [CONTROL, NORMAL, USER_DEFINED, CONTROL, CONTROL, CONTROL]
+    with pytest.warns(UserWarning, match=r"token 27 '<\|im_end\|>' looks like a control token"):
+        tok = Tokenizer.from_gguf_fields(_meta(toks, types, eos_token_id=26), "x.gguf")
+    assert tok.eos_token_ids[0] == 26 and sorted(tok.eos_token_ids) == [26, 27, 28, 29, 31]
+    assert tok.encode("a<|im_end|>b") == [0, 27, 1]
+    assert tok.decode([0, 27, 1], skip_special_tokens=True) == "ab"      # CONTROL now: skipped
+    # an eot id in the file is an EOG token whatever its text
+    with pytest.warns(UserWarning):
+        tok = Tokenizer.from_gguf_fields(_meta(toks, types, eos_token_id=26, eot_token_id=3), "x.gguf")
+    assert sorted(tok.eos_token_ids) == [3, 26, 27, 28, 29, 31]
+
+
+def test_add_eos_token_from_the_file():
+    from quantzoo.model.tokenizer import CONTROL, NORMAL, Tokenizer
+
+    toks = ["a", "b", "<s>", "</s>"]
+    types = [NORMAL, NORMAL, CONTROL, CONTROL]
+    meta = _meta(toks, types, bos_token_id=2, eos_token_id=3, add_bos_token=True, add_eos_token=True)
+    tok = Tokenizer.from_gguf_fields(meta, "x.gguf")
+    assert tok.encode("ab") == [2, 0, 1, 3]
+    assert tok.encode("ab", add_bos=False, add_eos=False) == [0, 1]
+    meta["tokenizer.ggml.add_eos_token"] = False
+    assert Tokenizer.from_gguf_fields(meta, "x.gguf").encode("ab") == [2, 0, 1]
+    del meta["tokenizer.ggml.eos_token_id"]   # nothing to add
+    assert Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.add_eos_token": True}, "x.gguf").encode("ab") == [2, 0, 1]

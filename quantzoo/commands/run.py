@@ -72,9 +72,7 @@ def run(args) -> int:
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
                [{"role": "user", "content": text}]
-        text = tok.apply_chat_template(msgs, add_generation_prompt=True)
-        ids = tok.encode(text, add_bos=False) if tok.bos_token and text.startswith(tok.bos_token) \
-            else tok.encode(text)
+        ids = tok.encode_chat(msgs, add_generation_prompt=True)
     else:
         ids = tok.encode(text)
     from ..model.generate import generate, prepare, warm_up

@@ -185,7 +185,8 @@ def _write_tokenizer_files(src: Source, dst: Path) -> None:
         return
     (dst / "tokenizer.json").write_text(tok.tok.to_str(), encoding="utf-8")
     tc = {"bos_token": tok.bos_token or None, "eos_token": tok.eos_token or None,
-          "add_bos_token": bool(tok.add_bos), "clean_up_tokenization_spaces": False}
+          "add_bos_token": bool(tok.add_bos),
+          "add_eos_token": bool(tok.add_eos), "clean_up_tokenization_spaces": False}
     if tok.chat_template:
         tc["chat_template"] = tok.chat_template
     (dst / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False), encoding="utf-8")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -54,20 +55,41 @@ PRE_TOKENIZERS = {
 
 # llama.cpp's token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-# Names of end-of-generation tokens: models stop on these besides the declared eos id.
-_EOG_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
-              "<end_of_turn>", "<|eom_id|>")
+_TYPE_NAMES = dict(enumerate(("NORMAL", "UNKNOWN", "CONTROL", "USER_DEFINED", "UNUSED", "BYTE"), 1))
+# llama.cpp (llama-vocab.cpp, load) finds some special tokens by their text when the file's
+# `tokenizer.ggml.<key>_token_id` does not name them: key -> the texts it looks for.
+_FOUND_BY_TEXT = {
+    "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+            "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>"),
+    "eom": ("<|eom_id|>",),
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                "<|code_prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                "<|code_suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                "<|code_middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+_DEPRECATED_KEY = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}   # read after the new key
+# End of generation, as llama.cpp: the fim pad / repo / file-separator tokens, every token of
+# these texts, and the eos, eot and eom ids. (gpt-oss's <|return|> / <|call|> are left out: its
+# tokenizer needs more of llama.cpp's special cases than this runner's archs use.)
+_EOG_NAMES = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+              "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
 
 
 class Tokenizer:
     """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer`."""
 
     def __init__(self, tok: HFTokenizer, *, bos_token_id=None, eos_token_ids=(), add_bos=False,
-                 chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
+                 add_eos=False, chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
         self.tok = tok
         self.bos_token_id = bos_token_id
         self.eos_token_ids = [int(i) for i in eos_token_ids]
         self.add_bos = bool(add_bos)
+        self.add_eos = bool(add_eos) and bool(self.eos_token_ids)   # appends eos_token_ids[0]
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
 
@@ -75,7 +97,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
+        """Token ids of text; BOS in front and EOS behind where the model's tokenizer adds them
+        (add_bos / add_eos; None: the tokenizer's own setting), as llama.cpp and HF do."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a str, got {type(text).__name__}")
         try:
@@ -84,6 +108,8 @@ class Tokenizer:
             raise ValueError(f"text: cannot be encoded ({e})") from None
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
+        if (self.add_eos if add_eos is None else add_eos) and self.eos_token_ids:
+            ids = ids + [self.eos_token_ids[0]]
         return ids
 
     # Ids are integers in tokenizers' u32 range; one past the vocabulary (a model's embedding may
@@ -121,6 +147,13 @@ class Tokenizer:
             where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise ValueError(f"the model's chat template{where}: {type(e).__name__}: {e}") from None
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The ids of a rendered conversation: BOS in front unless the template renders one, and
+        no EOS behind it whatever add_eos says (the model is to continue it)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        renders_bos = bool(self.bos_token) and text.startswith(self.bos_token)
+        return self.encode(text, add_bos=False if renders_bos else None, add_eos=False)
+
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def from_tokenizer_json(cls, path_or_str, tokenizer_config: dict | None = None) -> "Tokenizer":
@@ -153,11 +186,15 @@ class Tokenizer:
             tmpl = next((t["template"] for t in named if t.get("name") == "default"), named[0]["template"])
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(tmpl).__name__}")
-        add_bos = cfg.get("add_bos_token")
-        if add_bos is None:   # e.g. Llama 3: the BOS comes from tokenizer.json's post_processor
-            add_bos = bos_id is not None and tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+        add_bos, add_eos = cfg.get("add_bos_token"), cfg.get("add_eos_token")
+        if add_bos is None or add_eos is None:   # e.g. Llama 3: tokenizer.json's post_processor adds BOS
+            with_special = tok.encode("a", add_special_tokens=True).ids
+            if add_bos is None:
+                add_bos = bos_id is not None and with_special[:1] == [bos_id]
+            if add_eos is None:
+                add_eos = bool(eos_ids) and with_special[-1:] == eos_ids
         return cls(tok, bos_token_id=bos_id, eos_token_ids=eos_ids,
-                   add_bos=bool(add_bos) and bos_id is not None,
+                   add_bos=bool(add_bos) and bos_id is not None, add_eos=bool(add_eos) and bool(eos_ids),
                    chat_template=tmpl, bos_token=bos or "", eos_token=eos or "")
 
     @classmethod
@@ -206,6 +243,39 @@ class Tokenizer:
         tok = HFTokenizer(bpe)
         tok.pre_tokenizer = make_pre()
         tok.decoder = decoders.ByteLevel()
+
+        def token_id(key):   # out of range: ignored with a warning, as llama.cpp does
+            return special_token_id(meta.get(key), len(tokens), f"{path}: {key}")
+
+        types = list(types)
+
+        def control(i):   # llama.cpp types a control-looking token CONTROL, warning if the file did not
+            if types[i] != CONTROL:
+                was = _TYPE_NAMES.get(types[i], types[i])
+                warnings.warn(f"{path}: token {i} {tokens[i]!r} looks like a control token but "
+                              f"tokenizer.ggml.token_type gives {was}: typed CONTROL, as llama.cpp does",
+                              stacklevel=3)
+                types[i] = CONTROL
+
+        found = {}
+        for what, names in _FOUND_BY_TEXT.items():
+            keys = [f"tokenizer.ggml.{what}_token_id"]
+            if what in _DEPRECATED_KEY:
+                keys.append(f"tokenizer.ggml.{_DEPRECATED_KEY[what]}_token_id")
+            ids = [i for i in map(token_id, keys) if i is not None]
+            if ids:
+                found[what] = ids[-1]
+            else:   # the first of these texts the vocabulary holds (llama.cpp: whichever its map yields)
+                i = next((vocab[n] for n in names if n in vocab), None)
+                if i is not None:
+                    found[what] = i
+                    control(i)
+        eog = [found[k] for k in ("fim_pad", "fim_rep", "fim_sep") if k in found]
+        for name in _EOG_NAMES:
+            if name in vocab:
+                control(vocab[name])
+                eog.append(vocab[name])
+
         added = []
         for i, (t, ty) in enumerate(zip(tokens, types)):
             if ty in (CONTROL, USER_DEFINED) and vocab.get(t) == i:
@@ -215,9 +285,6 @@ class Tokenizer:
             tok.add_tokens([a for a in added if not a.special])
             tok.add_special_tokens([a for a in added if a.special])
 
-        def token_id(key):   # out of range: ignored with a warning, as llama.cpp does
-            return special_token_id(meta.get(key), len(tokens), f"{path}: {key}")
-
         # llama.cpp: add_bos from the file; when absent, true for the llama3 family only
         add_bos = meta.get("tokenizer.ggml.add_bos_token", ignore_merges)
         raw_bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -226,18 +293,14 @@ class Tokenizer:
                              f"tokenizer.ggml.bos_token_id={raw_bos!r} is none of the {len(tokens)} token ids")
         bos = token_id("tokenizer.ggml.bos_token_id")
         eos = token_id("tokenizer.ggml.eos_token_id")
-        eos_ids = [] if eos is None else [eos]
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            i = token_id(key)
+        eos_ids = []   # the declared eos first; generation stops on any of them
+        for i in [eos, found.get("eot"), found.get("eom")] + eog:
             if i is not None and i not in eos_ids:
                 eos_ids.append(i)
-        for name in _EOG_NAMES:
-            i = vocab.get(name)
-            if i is not None and types[i] == CONTROL and i not in eos_ids:
-                eos_ids.append(i)
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
         tmpl = meta.get("tokenizer.chat_template")
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"{path}: tokenizer.chat_template must be a string, got {type(tmpl).__name__}")
         return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=bool(add_bos) and bos is not None,
-                   chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
+                   add_eos=add_eos, chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
                    eos_token="" if eos is None else tokens[eos])
