@@ -2,8 +2,9 @@
 //
 // Output is fp16 [K, 8*nw]: column words [c0, c0 + nw) of the [in, out] weight (the whole weight
 // when c0 = 0, nw = N/8), ready for cuBLAS (torch.mm(x, out)). Used by the large-M path, which
-// dequantises a slab of columns small enough to stay in L2 into a reused buffer and hands it to
-// cuBLAS, slab after slab, and by ops.awq_dequantize.
+// dequantises the whole weight into a reused buffer and hands it to cuBLAS (slabs of columns
+// small enough to stay in L2 are an option, awq.SLAB_BYTES, off: measured slower,
+// bench/notes-awq.md), and by ops.awq_dequantize.
 //
 // One thread per qweight word (8 weights): one 4-byte load of the word, one of the zero word, one
 // 16-byte load of the 8 scales, the LOP3 conversion of awq_common.cuh, and one 16-byte store.

@@ -89,11 +89,13 @@
 //   time) it is 175 us against 158 + 18: no gain there yet.
 //
 // Measured on the H100 (bench/NOTES.md, sessions 7, 8, 13 and 25): from M = 1536 dequant +
-// cuBLAS is faster (at M = 2048 on the 12288 x 4096 weights the two tie within 5 %). With split
-// K it is the fastest AWQ path from M = 8 to 1024 on weights of
+// cuBLAS is faster per launch (at M = 2048 on the 12288 x 4096 weights the two tie within 5 %).
+// With split K it is the fastest AWQ path from M = 8 to 1024 on weights of
 // 4096 x 4096 and up (4096->12288 M = 128: 35 us against 93 for mma.sync and 40 for cuBLAS
 // fp16; M = 512: 84-92 against 123 for dequant + cuBLAS and 73-75 for cuBLAS fp16; 4096->4096
-// M = 512: 35 against 41 and 26), which is where dispatch uses it. One block of 2 consumer
+// M = 512: 35 against 41 and 26). Dispatch uses it from M = 8 to 2048 on those weights (in a
+// whole prefill, at the card's power cap, it wins to 2048: session 31), and for M = 17..64 from
+// 1024 x 4096 (awq.WGMMA_MIN_NK, WGMMA_MID_MIN_NK). One block of 2 consumer
 // warpgroups (232 registers a thread) + the producer warpgroup (40) per SM. (Tried and slower:
 // a producer warpgroup issuing cp.async + mbarriers + setmaxnreg, ~300 TFLOP/s, session 7;
 // T = 64 at 2 blocks per SM, 10-30 % slower.)

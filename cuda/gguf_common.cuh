@@ -135,7 +135,7 @@ struct GGUFBlock {
 
     // The per-block term, exactly formats.gguf_blocks.<fmt>.block_dot in float32.
     __device__ __forceinline__ static float term(int sumi, float dw, float mw, float da, float sa) {
-        return term_f(float(sumi), dw, mw, da, sa);  // exact: |sumi| <= 32 * 127 * 31 < 2^24
+        return term_f(float(sumi), dw, mw, da, sa);  // exact: |sumi| <= 32 * 128 * 127 < 2^24 (Q8_0)
     }
     // The same with sumi already converted to float (exactly).
     __device__ __forceinline__ static float term_f(float fs, float dw, float mw, float da, float sa) {
@@ -162,7 +162,7 @@ struct BlockQ8_0 : GGUFBlock<34, 8, 0, false> {};
 
 // int -> float without the (quarter-rate) I2F conversion: an integer accumulator started at
 // SUMI_MAGIC (the bits of 1.5 * 2^23) holds the bits of the float 1.5 * 2^23 + sumi, exact for
-// |sumi| < 2^22 (a block's |sumi| < 2^17); subtracting 1.5 * 2^23 leaves sumi exactly.
+// |sumi| < 2^22 (a block's |sumi| <= 32 * 128 * 127 < 2^19); subtracting 1.5 * 2^23 leaves sumi exactly.
 constexpr int SUMI_MAGIC = 0x4B400000;
 __device__ __forceinline__ float magic_to_float(int acc) { return __fsub_rn(__int_as_float(acc), 12582912.0f); }
 

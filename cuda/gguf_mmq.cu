@@ -20,10 +20,11 @@
 // Measured on the H100 (bench/notes-gguf.md) this kernel loses everywhere: at M = 16..64 the
 // 64-row N tiles give only N/64 CTAs (64 for N = 4096, fewer than the 132 SMs), and at large M
 // DP4A peaks near 52 TOP/s while cuBLAS fp16 runs 600+ TFLOP/s on tensor cores, so the dispatch
-// (gguf.py) uses chunked MMVQ below M ~ 24 and fp16 dequant + cuBLAS above. It is kept, tested,
-// as the readable integer-domain GEMM and as the base for an int8 tensor-core version: mma.sync
-// m16n8k32.s8 has K = 32 = one GGUF block, so each MMA yields exactly one block's sumi and the
-// per-block term could be applied to the accumulator fragment with the same exact arithmetic.
+// (gguf.py, MMQ_MAX_M = 0) never picks it: MMVQ up to M = 8, then wgmma (Hopper), the int8
+// tensor-core GEMM (gguf_mma.cu) or fp16 dequant + cuBLAS. It is kept, tested (path="mmq"), as
+// the readable integer-domain GEMM that gguf_mma.cu grew from: mma.sync m16n8k32.s8 has K = 32 =
+// one GGUF block, so each MMA yields exactly one block's sumi and the per-block term is applied
+// to the accumulator fragment with the same exact arithmetic.
 #include "gguf_common.cuh"
 
 constexpr int MMQ_BM = 64, MMQ_BN = 64, MMQ_BK = 4, MMQ_THREADS = 256, MMQ_PAD = 12;

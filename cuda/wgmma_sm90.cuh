@@ -379,7 +379,8 @@ __device__ __forceinline__ void sum_splits(float (&s)[V], const float* __restric
 // summed inside the kernel by each tile's last block, the few blocks doing it made GGUF's split
 // launches 2x slower with scalar loads (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us, session 16) and
 // 5-12 % slower with coalesced fragment-order partials (session 17, bench/NOTES.md). The AWQ
-// kernel uses it past 2 splits and keeps its last-block sum at 2 (awq_wgmma.cu says why).
+// kernel uses it past 2 splits; at 2 its halves meet in the kernel (hand_over; awq_wgmma.cu
+// says why).
 template <int V, bool GLU = false>
 __global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ y, int M, int N, int T, int rows,
                              int tiles_m, int dp_tiles, int splits, long long count) {

@@ -9,8 +9,9 @@ and accumulate in fp32, then round y to fp16. The emulation sums in float64 and 
 summation order by K * 2^-24 * sum_k |x_k w_k|, plus half an fp16 ulp of y for the output
 rounding (y is fp16 on the GPU).
 
-The small-M kernel (cuda/awq_small.cu, path "small") is the exception: it forms no fp16 weight
-and applies s per group to fp32 partials; emulate_group_scaled below is its function and bound.
+The small-M kernel (cuda/awq_small.cu, path "small") and the M = 1 GEMV (cuda/awq_gemv.cu, path
+"gemv") are the exception: they form no fp16 weight and apply s per group to fp32 partials;
+emulate_group_scaled below is their function and bound.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def emulate_matmul(x, qt, return_bound: bool = False):
     return fp16_matmul(x, dequantize_fp16(qt), return_bound=return_bound)
 
 
-# ---- the small-M kernel (cuda/awq_small.cu): no fp16 weight, the scale applied per group
+# ---- the small-M kernel (cuda/awq_small.cu) and the GEMV (cuda/awq_gemv.cu): no fp16 weight,
+# the scale applied per group
 #
 #   y = fp16( sum_g s_g * sum_{k in g} (q_k - z_g) * x_k )
 #
@@ -84,7 +86,8 @@ def group_scaled_bound(x_abs, qs, zs, g, y_exact):
 
 
 def emulate_group_scaled(x, qt, return_bound: bool = False):
-    """What cuda/awq_small.cu computes: y = x16 @ ((q - z) * s), fp32 result (before fp16)."""
+    """What cuda/awq_small.cu and cuda/awq_gemv.cu compute: y = x16 @ ((q - z) * s), fp32 result
+    (before fp16)."""
     x = np.asarray(x)
     lead = x.shape[:-1]
     x16 = x.reshape(-1, x.shape[-1]).astype(np.float16).astype(np.float64)

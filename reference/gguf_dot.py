@@ -13,7 +13,7 @@ so this sums in float64 and returns, when asked, a per-output bound on any fp32 
 order: |y_kernel - y| <= (n_blocks + 4) * 2^-24 * sum_b |term pieces|, the pieces being the
 magnitudes that enter each term (|d_w| * (|d_a * sumi| + |offset * s_a|) + |m_w * s_a|).
 
-sumi is computed as a float32 matrix product: |sum| <= 32 * 127 * 31 < 2^24, so every
+sumi is computed as a float32 matrix product: |sum| <= 32 * 128 * 127 < 2^24 (Q8_0), so every
 partial sum is an exact integer in float32 and BLAS gives the int32 result.
 """
 from __future__ import annotations

@@ -6,9 +6,9 @@ raise ValueError saying why a model does not qualify (PersistentDecode.why_not).
     plan = PersistentDecode(model)            # PersistentDecode.why_not(model) is None
     plan.run(h, pos)                          # h (1, D) fp16 embedded token, updated in place
 
-Experimental and slower than the runner's default one-launch-per-op decode on the H100 (321 vs
-444 tok/s on a Qwen3-8B q4_0 model, bench/model-h100.json; the kernel's header and bench/NOTES.md,
-session 29, say why).
+Experimental and slower than the runner's default one-launch-per-op decode on the H100 (324 vs
+448 tok/s on a Qwen3-8B q4_0 model, bench/model-h100.json as of session 32; the kernel's header
+and bench/NOTES.md, session 29, say why).
 
 After run, h is the residual stream after the last layer (both deltas added); the runner's final
 RMSNorm + lm_head follow as usual. The values equal the runner's fused-ops decode step bit for
