@@ -336,6 +336,30 @@ def test_bad_inputs_raise_before_launch():
         ops.matmul(x, q2)
 
 
+def test_out_aliasing_x_refused_on_every_path():
+    """An out that shares bytes with x: every kernel reads x while others write y, so the product
+    would be garbage (seen on an H200 with the weight's K = N = 4096: max |error| 7.6 at M = 512
+    on mma, 7.7 at M = 2048 on wgmma, 9.1 at M = 4096 on dequant + cuBLAS). The planned call
+    refused it; a forced path, awq.gemm and a graph capture ran it. Now every call refuses it."""
+    awq = awq_mod()
+    _, qt, qtc, _ = weight(576, 576, 64, seed=8)
+    d = qtc.data
+    for m in (1, 16):
+        for path in paths_for(m, 576):
+            x = torch.randn(m, 576, device="cuda", dtype=torch.float16)
+            with pytest.raises(ValueError, match="out: overlaps x"):
+                awq.matmul(x, qtc, out=x, path=path)
+    x = torch.randn(16, 576, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="out: overlaps x"):
+        awq.gemm(x, d["qweight"], d["scales"], d["qzeros"], 64, out=x)
+    buf = torch.empty(2 * 16 * 576, device="cuda", dtype=torch.float16)   # a partial overlap
+    with pytest.raises(ValueError, match="out: overlaps x"):
+        awq.matmul(buf[:16 * 576].view(16, 576), qtc, out=buf[8 * 576:24 * 576].view(16, 576), path="mma")
+    y = awq.matmul(buf[:16 * 576].view(16, 576), qtc, out=buf[16 * 576:].view(16, 576), path="mma")
+    assert y.data_ptr() == buf[16 * 576:].data_ptr()   # adjacent, not overlapping: fine
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("m", [33, 300])
 @pytest.mark.parametrize("k,n,g", [(576, 576, 64), (4096, 1024, 128)], ids=lambda v: str(v))
 def test_dequant_cublas_slabs(k, n, g, m, monkeypatch):

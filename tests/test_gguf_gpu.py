@@ -565,6 +565,42 @@ def test_bad_inputs_raise_value_error():
     torch.cuda.synchronize()
 
 
+def test_x_off_16_bytes_and_out_aliasing_x():
+    """x contiguous fp16 at a 2-byte offset (a legal input: mmvq, mma and dequant read it): the
+    dispatch took the wgmma path for it, whose TMA descriptor needs a 16-byte aligned x, and the
+    call died in cuTensorMapEncodeTiled (RuntimeError, CUDA_ERROR_INVALID_VALUE). Now the dispatch
+    passes over wgmma for such an x, and forcing wgmma names x. An out that aliases x (or
+    quantize_q8_1's out overlapping its x) is refused on every path, not only on a planned call
+    (a forced path wrote garbage: max |error| 7.6 at M = 2048 on wgmma, 9.2 at M = 4096 on dequant)."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    n = k = 4096
+    _, qt_cpu = _weight("q4_0", n, k, rng)
+    qt = qt_cpu.to(DEV)
+    m = 16
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).to(DEV)
+    xo = torch.empty(m * k + 1, dtype=torch.float16, device=DEV)[1:].view(m, k)
+    xo.copy_(x)
+    assert xo.is_contiguous() and xo.data_ptr() % 16 == 2
+    path = G.choose_path(m, qt, xo)
+    assert path != "wgmma"
+    if G.wgmma_ok(qt):
+        assert G.choose_path(m, qt) == "wgmma"
+        with pytest.raises(ValueError, match="x: the 'wgmma' path"):
+            G.matmul(xo, qt, path="wgmma")
+    want = G.matmul(x, qt, path=path)
+    assert torch.equal(G.matmul(xo, qt), want)
+    assert torch.equal(qz.ops.matmul(xo, qt), want)
+    paths = [p for p in G.PATHS if p != "wgmma" or G.wgmma_ok(qt)]
+    for p in paths:
+        xc = x.clone()
+        with pytest.raises(ValueError, match="out: overlaps x"):
+            G.matmul(xc, qt, out=xc, path=p)
+    raw = torch.empty(m * k * 2, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="out: overlaps x"):
+        G.quantize_q8_1(raw.view(torch.float16).view(m, k), out=raw[: m * k // 32 * 36].view(m, -1))
+    torch.cuda.synchronize()
+
+
 # ---- mmvq: long K, unaligned weight addresses ------------------------------------------------------
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mmvq_long_k_and_unaligned_weight(fmt):

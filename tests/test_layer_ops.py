@@ -47,3 +47,35 @@ def test_gemv_declines_cpu_tensors():
     assert not fp16.gemv_ok(x, w)
     with pytest.raises(ValueError, match="gemv"):
         fp16.gemv(x, w)
+
+
+def test_persistent_run_checks_h_and_pos_before_launch(monkeypatch):
+    """PersistentDecode.run(h, pos) hands h's and pos's addresses to a kernel that reads D fp16
+    values of h 16 bytes at a time and one int64 position (which indexes the KV cache unchecked):
+    a float32 or short h, an int32 pos or one on another device is refused by name, not launched.
+    (The plan is built by hand: its constructor needs a CUDA model; no launch is reached.)"""
+    from types import SimpleNamespace
+
+    from quantzoo.kernels import persistent
+
+    def no_launch(*a, **k):
+        raise AssertionError("a bad call reached the kernel")
+
+    monkeypatch.setattr(persistent, "get_kernel", no_launch)
+    model = SimpleNamespace(k_cache=object(), _decode_work=object(), layers=[])
+    plan = persistent.PersistentDecode.__new__(persistent.PersistentDecode)
+    plan.model, plan.cache, plan.work, plan.D, plan.name = model, model.k_cache, model._decode_work, 64, "k"
+    plan.table = torch.zeros((1, persistent.LAYER_PTRS), dtype=torch.int64)   # the model's device (CPU here)
+    h = torch.zeros(1, 64, dtype=torch.float16)
+    pos = torch.zeros(1, dtype=torch.int64)
+    for bad_h in (h.float(), h[:, :32].contiguous(), torch.zeros(4, 64, dtype=torch.float16),
+                  torch.zeros(64, 2, dtype=torch.float16).t()[:1], h.numpy()):
+        with pytest.raises(ValueError, match="^h: "):
+            plan.run(bad_h, pos)
+    with pytest.raises(ValueError, match="^h: its data must start at a 16-byte boundary"):
+        plan.run(torch.zeros(65, dtype=torch.float16)[1:].view(1, 64), pos)
+    for bad_pos in (pos.int(), torch.zeros(2, dtype=torch.int64), 0):
+        with pytest.raises(ValueError, match="^pos: "):
+            plan.run(h, bad_pos)
+    with pytest.raises(AssertionError, match="reached the kernel"):   # good arguments get through
+        plan.run(h, pos)

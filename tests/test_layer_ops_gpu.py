@@ -257,6 +257,54 @@ def test_bad_inputs():
                          torch.zeros(1, dtype=torch.int64, device="cuda"), kc, kc, 2, 2, 1e-6)
 
 
+def test_zero_rows_and_unaligned_inputs():
+    """T = 0 rows: CuPy launches a grid of 0 blocks as 1 block, and add_rms_norm's block read row
+    0 of an empty h (a null pointer): an illegal memory access that killed the CUDA context. Now
+    the ops return their empty outputs. Inputs off the kernels' load width (add_rms_norm's h,
+    delta, w: 16 bytes; silu_mul's gu and out: 4; attn_decode's q: 8 at head_dim 128) are refused
+    by name: they were a 'misaligned address' fault, also fatal to the context."""
+    from quantzoo.kernels import layer_ops as lo
+
+    f16 = dict(device="cuda", dtype=torch.float16)
+    w = torch.ones(64, **f16)
+    empty = torch.empty(0, 64, **f16)
+    assert lo.add_rms_norm(empty, None, w, 1e-6).shape == (0, 64)
+    assert lo.add_rms_norm(empty, torch.empty(0, 64, **f16), w, 1e-6).shape == (0, 64)
+    assert lo.silu_mul(empty).shape == (0, 32)
+    assert lo.silu_mul(empty, torch.empty(0, device="cuda", dtype=torch.uint8)).shape == (0, 32)
+    kc = torch.zeros(2, 16, 64, **f16)
+    q = lo.qk_rope_store(torch.empty(0, 6 * 64, **f16), None, kc[0], kc[0],
+                         torch.empty(0, dtype=torch.int64, device="cuda"), kc, kc.clone(), 2, 2, 1e-6)
+    assert q.shape == (0, 2, 64)
+    torch.cuda.synchronize()
+
+    def odd(t):   # the same values one element (2 bytes) past an aligned address
+        o = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+        return o.copy_(t)
+
+    h = torch.randn(4, 64, **f16)
+    with pytest.raises(ValueError, match="h: its data must start at a 16-byte boundary"):
+        lo.add_rms_norm(odd(h), None, w, 1e-6)
+    with pytest.raises(ValueError, match="delta: its data must start"):
+        lo.add_rms_norm(h, odd(h), w, 1e-6)
+    with pytest.raises(ValueError, match="w: its data must start"):
+        lo.add_rms_norm(h, None, odd(w), 1e-6)
+    with pytest.raises(ValueError, match="gu: its data must start at a 4-byte boundary"):
+        lo.silu_mul(odd(h))
+    with pytest.raises(ValueError, match="out: its data must start"):
+        lo.silu_mul(h, out=odd(torch.empty(4, 32, **f16)))
+    assert torch.equal(lo.silu_mul(odd(h), torch.empty(4 * 32 // 32 * 36, device="cuda", dtype=torch.uint8)),
+                       lo.silu_mul(h))   # the Q8_1 variant reads element by element: any address
+    kc = torch.randn(2, 16, 128, **f16)
+    work = lo.DecodeWork(4, 2, 128, 16, "cuda")
+    pos = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="q: its data must start at a 8-byte boundary"):
+        lo.attn_decode(odd(torch.randn(1, 4, 128, **f16)), kc, kc.clone(), pos, work)
+    with pytest.raises(ValueError, match="k_cache: shape"):
+        lo.attn_decode(torch.randn(1, 4, 128, **f16), kc[0], kc[0].clone(), pos, work)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q5_1"])   # split and interleaved Q8_1 at M = 1
 def test_model_q8_1_fusion_is_bit_identical(fmt):
     """A GGUF model's norms and SiLU writing Q8_1 for its linears (Model.q8_1_fusion) give the

@@ -29,6 +29,21 @@ def checked_once(qt, check):
     return result
 
 
+def check_out_overlap(x, out) -> None:
+    """ValueError when the output tensor shares bytes with x: every kernel reads x while (or
+    after) it writes y, so an aliased output gives a silently wrong product. Checked on every
+    call that is given an `out` (a forced path, a graph capture and an unplanned call as well
+    as a planned one)."""
+    if out is None:
+        return
+    xb, yb = x.numel() * x.element_size(), out.numel() * out.element_size()
+    if not xb or not yb:
+        return
+    xp, yp = x.data_ptr(), out.data_ptr()
+    if xp < yp + yb and yp < xp + xb:
+        raise ValueError("out: overlaps x; the matmul needs a separate output")
+
+
 PLANS = True            # run_planned replays recorded launches (False: every call runs queue())
 _LOCK = threading.Lock()
 
@@ -50,9 +65,8 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     if not PLANS or memo is None or torch._C._cuda_isCurrentStreamCapturing():
         queue()
         return
+    check_out_overlap(x, y)   # (the callers check a given out; a plan also needs x apart from y)
     xp, xb, yp, yb = x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(), y.numel() * y.element_size()
-    if xp < yp + yb and yp < xp + xb:   # also: a plan could not tell x's pointers from y's
-        raise ValueError("out: overlaps x; the matmul needs a separate output")
     if (xp | yp) % 16:
         # a plan replays launch choices made for the recorded addresses (gguf's split-K reduce
         # writes 8 bytes at a time into an 8-byte-aligned y): a view off a 16-byte boundary runs

@@ -45,7 +45,7 @@ from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.cuda_launch import workspaces_changed, launch_tma, tensor_map_2d, tensor_map_halves, torch_step
 from quantzoo.cuda_launch import wgmma_available
-from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
+from quantzoo.kernels import check_out_overlap, checked_once, run_planned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -641,6 +641,7 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
         out = torch.empty(lead + (ny,), dtype=torch.float16, device=x.device)
     else:
         _check_tensor("out", out, torch.float16, lead + (ny,), x.device)
+        check_out_overlap(x, out)
     if path is not None and path not in _PATHS:
         raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if m == 0:

@@ -54,7 +54,7 @@ from quantzoo.cuda_launch import resident_blocks
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
-from quantzoo.kernels import checked_once, run_planned, wgmma_tiles
+from quantzoo.kernels import check_out_overlap, checked_once, run_planned, wgmma_tiles
 
 QK = 32
 GLU_MATMUL = True   # matmul(..., glu=True): the decoder MLP's silu(gate) * up (the runner asks)
@@ -336,6 +336,7 @@ def quantize_q8_1(x, out=None):
         out = torch.empty(shape, dtype=torch.uint8, device=x.device)
     else:
         _check_out(out, shape, torch.uint8, x.device, align=4)
+        check_out_overlap(x, out)
     _launch_quantize(x, out, m * (k // QK))
     return out
 
@@ -352,6 +353,7 @@ def quantize_q8_1_split(x, out=None):
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     else:
         _check_out(out, (nbytes,), torch.uint8, x.device, align=16)
+        check_out_overlap(x, out)
     _launch_quantize(x, out, m * (k // QK), split=True)
     return out
 
@@ -387,8 +389,9 @@ def _launch_dequant(fmt, w, out, row0: int, rows: int, nb: int):
            (w.data_ptr(), out.data_ptr(), np.int64(row0), np.int32(rows), np.int32(nb)))
 
 
-def choose_path(m: int, qt) -> str:
-    """Which kernel path matmul takes for M activation rows and this weight's format."""
+def choose_path(m: int, qt, x=None) -> str:
+    """Which kernel path matmul takes for M activation rows and this weight's format (and, given
+    x, its address: the wgmma path reads x by TMA, which takes 16-byte aligned addresses only)."""
     fmt = qt if isinstance(qt, str) else getattr(qt, "format", None)
     if fmt not in BLOCKS:
         raise ValueError(f"qt: format {fmt!r} has no GGUF kernel here; one of {sorted(BLOCKS)}")
@@ -397,7 +400,8 @@ def choose_path(m: int, qt) -> str:
         raise ValueError(f"m: {m} rows")
     if m <= max(MMVQ_COLS, MMVQ_MAX_M[fmt]):
         return "mmvq"
-    if fmt in WGMMA_FORMATS and m >= WGMMA_MIN_M and not isinstance(qt, str) and wgmma_ok(qt):
+    if (fmt in WGMMA_FORMATS and m >= WGMMA_MIN_M and not isinstance(qt, str) and wgmma_ok(qt)
+            and (x is None or x.data_ptr() % 16 == 0)):
         n, k = qt.shape
         if m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
             return "wgmma"
@@ -534,16 +538,17 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
         out = torch.empty(lead + (ny,), dtype=torch.float16, device=x.device)
     else:
         _check_out(out, lead + (ny,), torch.float16, x.device, align=4 if glu else 2)   # glu: half2 stores
+        check_out_overlap(x, out)
     if m >= 2**31 // 2:
         raise ValueError(f"x: {m} rows is too many")
     if path is None and mmvq_rows is None and mmvq_kernel is None and mma_split is None:
         if m:
             run_planned(qt, ("glu", m) if glu else m, x, out,
-                        lambda: _queue(fmt, x, qt, out, m, n, k, choose_path(m, qt), _vec_default(fmt, m, qt),
+                        lambda: _queue(fmt, x, qt, out, m, n, k, choose_path(m, qt, x), _vec_default(fmt, m, qt),
                                        None, None, glu))
         return out
     if path is None:
-        path = choose_path(m, qt)
+        path = choose_path(m, qt, x)
     elif path not in PATHS:
         raise ValueError(f"path: {path!r}, one of {PATHS}")
     if mmvq_rows is not None and (isinstance(mmvq_rows, bool) or mmvq_rows not in MMVQ_ROW_CHOICES):
@@ -556,6 +561,9 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if path == "wgmma" and not wgmma_ok(qt):
         raise ValueError(f"path: 'wgmma' takes a weight on a Hopper GPU (compute capability "
                          f"9.0), 16-byte aligned, with K % 256 == 0; got {fmt} K={k} on {qt.data.device}")
+    if path == "wgmma" and x.data_ptr() % 16:
+        raise ValueError(f"x: the 'wgmma' path reads x by TMA, which needs a 16-byte aligned address "
+                         f"(x's address % 16 = {x.data_ptr() % 16})")
     if path == "mma" and not _aligned16(qt):
         raise ValueError("path: 'mma' needs qt.data's address and size to be multiples of 16 bytes "
                          f"(address % 16 = {qt.data.data_ptr() % 16}, size {qt.data.numel()})")
@@ -657,6 +665,7 @@ def matmul_q8_1(xq, qt, m: int, layout: str, out=None):
         out = torch.empty((m, n), dtype=torch.float16, device=xq.device)
     else:
         _check_out(out, (m, n), torch.float16, xq.device)
+        check_out_overlap(xq, out)
     run_planned(qt, ("q8_1", m), xq, out,
                 lambda: _launch_mmvq_rows(fmt, qt.data, xq, out, m, n, nb, layout == "split"))
     return out

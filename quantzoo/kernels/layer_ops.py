@@ -55,7 +55,8 @@ def supports(hidden: int, ffn: int, head_dim: int, heads: int, kv_heads: int) ->
     return None
 
 
-def _check(name, t, shape=None, dtype=None, device=None):
+def _check(name, t, shape=None, dtype=None, device=None, align=0):
+    """align: the widest load or store (bytes) the kernel makes at t's address."""
     import torch
 
     if not isinstance(t, torch.Tensor) or not t.is_cuda:
@@ -69,6 +70,9 @@ def _check(name, t, shape=None, dtype=None, device=None):
         raise ValueError(f"{name}: not contiguous")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if align and t.numel() and t.data_ptr() % align:
+        raise ValueError(f"{name}: its data must start at a {align}-byte boundary (the kernel reads "
+                         f"{align} bytes at a time; address % {align} = {t.data_ptr() % align})")
 
 
 def _check_q8_1(q8_1, layout, T, D, device, arg):
@@ -98,19 +102,21 @@ def add_rms_norm(h, delta, w, eps: float, q8_1=None, layout: str = "split"):
     would make of it."""
     import torch
 
-    _check("h", h)
+    _check("h", h, align=16)   # 16-byte chunks of h, delta, w (layer_ops.cuh, rms_norm_row)
     limit = 8 * 1024 * NORM_CHUNKS[-1]
     if h.dim() != 2 or h.shape[1] % 8 or h.shape[1] > limit:
         raise ValueError(f"h: shape {tuple(h.shape)}, expected (T, D) with D a multiple of 8, at most {limit}")
     T, D = h.shape
     if delta is not None:
-        _check("delta", delta, (T, D), device=h.device)
-    _check("w", w, (D,), device=h.device)
+        _check("delta", delta, (T, D), device=h.device, align=16)
+    _check("w", w, (D,), device=h.device, align=16)
     q = 0
     if q8_1 is not None:
         _check_q8_1(q8_1, layout, T, D, h.device, "h")
         q = Q8_LAYOUTS[layout]
     out = torch.empty_like(h)
+    if T == 0:   # (a grid of no blocks is an invalid launch)
+        return out
     V, threads = norm_shape(D)
     launch(_k(f"add_rms_norm<{'true' if delta is not None else 'false'}, {V}, {q}>"), (T,), (threads,),
            (h.data_ptr(), delta.data_ptr() if delta is not None else 0, w.data_ptr(), out.data_ptr(),
@@ -140,6 +146,8 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     if norm_w is not None:
         _check("norm_w", norm_w, (H + KV, hd), device=k_cache.device)
     q = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
     items = T * (H + 2 * KV)
     name = f"qk_rope_store<{HEAD_DIMS[hd]}, {'true' if norm_w is not None else 'false'}>"
     launch(_k(name), (math.ceil(items / 4),), (128,),
@@ -155,17 +163,19 @@ def silu_mul(gu, q8_1=None, layout: str = "split", out=None):
     add_rms_norm)."""
     import torch
 
-    _check("gu", gu)
+    _check("gu", gu, align=0 if q8_1 is not None else 4)   # silu_mul's half2 loads
     if gu.dim() != 2 or gu.shape[1] % 4:
         raise ValueError(f"gu: shape {tuple(gu.shape)}, expected (T, 2F) with F even")
     T, F2 = gu.shape
     if out is None:
         out = torch.empty((T, F2 // 2), dtype=gu.dtype, device=gu.device)
     else:
-        _check("out", out, (T, F2 // 2), gu.dtype, gu.device)
+        _check("out", out, (T, F2 // 2), gu.dtype, gu.device, align=0 if q8_1 is not None else 4)
     if q8_1 is not None:
         _check_q8_1(q8_1, layout, T, F2 // 2, gu.device, "gu")
         n_blocks = T * F2 // 64
+        if n_blocks == 0:
+            return out
         launch(_k(f"silu_mul_q8_1<{'true' if layout == 'split' else 'false'}>"), (-(-n_blocks // 8),), (256,),
                (gu.data_ptr(), out.data_ptr(), q8_1.data_ptr(), np.int64(T), np.int32(F2 // 2)))
         return out
@@ -202,6 +212,8 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     import torch
 
     _check("k_cache", k_cache)
+    if k_cache.dim() != 3:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)}, expected (KV, S, head_dim)")
     KV, S, hd = k_cache.shape
     _check("v_cache", v_cache, (KV, S, hd), device=k_cache.device)
     _check("q", q, device=k_cache.device)
@@ -216,6 +228,8 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.data_ptr() % 16:   # the kernel copies cache rows in 16-byte pieces (cp.async)
             raise ValueError(f"{name}: its data must start at a 16-byte boundary")
+    if q.data_ptr() % (2 * HEAD_DIMS[hd]):   # a lane loads its E halves of a head at once
+        raise ValueError(f"q: its data must start at a {2 * HEAD_DIMS[hd]}-byte boundary")
     if work.o.device != k_cache.device:
         raise ValueError(f"work: on {work.o.device}, the cache is on {k_cache.device}")
     if work.S != S or work.o.shape[0] != H or work.count.shape[0] != KV:

@@ -166,6 +166,20 @@ class PersistentDecode:
         import torch
 
         m = self.model
+        dev = self.table.device
+        if (not isinstance(h, torch.Tensor) or h.dtype != torch.float16 or h.device != dev
+                or not h.is_contiguous() or h.numel() != self.D):
+            got = (f"{h.dtype} {tuple(h.shape)} on {h.device}" if isinstance(h, torch.Tensor)
+                   else type(h).__name__)
+            raise ValueError(f"h: expected a contiguous float16 tensor of {self.D} values (1, {self.D}) "
+                             f"on {dev}, got {got}")
+        if h.data_ptr() % 16:   # read 16 bytes at a time (layer_ops.cuh, rms_norm_row)
+            raise ValueError("h: its data must start at a 16-byte boundary")
+        if (not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.numel() != 1
+                or pos.device != dev):
+            got = (f"{pos.dtype} {tuple(pos.shape)} on {pos.device}" if isinstance(pos, torch.Tensor)
+                   else type(pos).__name__)
+            raise ValueError(f"pos: expected an int64 tensor of one position on {dev}, got {got}")
         if m.k_cache is not self.cache or m._decode_work is not self.work:
             raise ValueError("persistent decode: the model's KV cache was replaced since this plan was made "
                              "(Model.setup_cache makes a new plan)")
