@@ -85,13 +85,78 @@ def test_timing_helpers():
     l2 = 50 << 20
     assert timing.rotation_copies(9437184, l2_bytes=l2) == math.ceil(4 * l2 / 9437184)
     assert timing.rotation_copies(4 * 100 << 20, l2_bytes=l2) == 2         # a big weight: 2 copies
-    assert timing.rotation_copies(1000, l2_bytes=l2) == 128                # capped
-    for n in (1 << 20, 9437184, 25165824):
+    assert timing.rotation_copies(1000, l2_bytes=l2) == 4096               # capped
+    for n in (62208, 1 << 20, 9437184, 25165824):
         c = timing.rotation_copies(n, l2_bytes=l2)
-        assert c * n >= min(4 * l2, 128 * n)
+        assert c * n >= min(4 * l2, 4096 * n)
     info = timing.machine_info()
     for key in ("time_utc", "torch", "numpy", "python", "git_commit", "cupy", "gpu"):
         assert key in info
+
+
+def test_rotation_exceeds_l2_for_small_weights():
+    """A small `--shape` (SmolLM2's 576 -> 192 in q4_0: 62,208 bytes; 576 -> 1536: 497,664) must
+    still rotate over copies that L2 cannot hold: with a cap of 128 copies they came to 8 MB and
+    61 MB, the first wholly inside the H100's 50 MB L2."""
+    l2 = 52428800
+    for nbytes in (192 * 576 * 18 // 32, 1536 * 576 * 18 // 32):
+        assert timing.rotation_copies(nbytes, l2_bytes=l2) * nbytes >= 4 * l2
+
+
+def test_nonfinite_nmse_keeps_the_run(tmp_path):
+    """A kernel that writes NaN (what the row's NMSE check is there to show) is recorded as such,
+    and the JSON is still written: json.dump(allow_nan=False) used to raise at the end of the run,
+    losing every row (and the CSV) of a bench that had taken minutes."""
+    import torch
+
+    y_ref = torch.ones(2, 8)
+    y = y_ref.clone().half()
+    y[0, 3] = float("nan")
+    got = kernels.nmse_fields(y, y_ref)
+    assert got["nmse"] is None and "1 non-finite" in got["nmse_error"]
+    assert kernels.nmse_fields(y_ref.half(), y_ref) == {"nmse": 0.0}
+    with open(FIXTURE) as f:
+        res = json.load(f)
+    res["results"][0]["nmse"] = float("nan")
+    res["results"][1]["x_cublas"] = float("inf")
+    jpath, cpath = kernels.write_outputs(res, str(tmp_path))
+    with open(jpath) as f:
+        back = json.load(f)
+    assert back["results"][0]["nmse"] is None and back["results"][1]["x_cublas"] is None
+    assert back["results"][2] == res["results"][2]
+    with open(cpath) as f:
+        assert len(list(csv.DictReader(f))) == len(res["results"])
+
+
+def test_awq_bench_graph_covers_every_copy(monkeypatch):
+    """bench/awq_bench.py's time_graph captured a fixed 20 calls whatever the number of rotated
+    weight copies: at 4096 -> 1024 (69 AWQ copies of 2.18 MB) the graph cycled over the first 20,
+    42 MiB, inside the 50 MB L2 the rotation is meant to defeat."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "awq_bench.py")
+    spec = importlib.util.spec_from_file_location("awq_bench_under_test", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    seen, captured = [], []
+
+    def capture(fn, inner):
+        captured.append(inner)
+        for i in range(inner):
+            fn(i)
+        return object()
+
+    monkeypatch.setattr(ab.timing, "capture_graph", capture)
+    monkeypatch.setattr(ab.timing, "time_graph", lambda g, inner, reps, warmup: [1e-6 * inner] * reps)
+    k, n = 4096, 1024
+    qbytes = k * n // 2 + (k // ab.G) * (n // 8) * 4 + (k // ab.G) * n * 2
+    copies = max(2, math.ceil(ab.ROT_BYTES / qbytes))
+    ab.time_graph([lambda j=j: seen.append(j) for j in range(copies)])
+    assert copies == 69 and set(seen) == set(range(copies))
+    assert len(set(seen)) * qbytes > 52428800
+    seen.clear()
+    ab.time_graph([lambda: seen.append(0)] * 3)   # fewer callables than reps: still 20 calls
+    assert captured[-1] == 20 and len(seen) == 20
 
 
 def test_quantize_all_in_processes():

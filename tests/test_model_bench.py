@@ -56,6 +56,27 @@ def test_bench_model_long_context_out_of_range(capsys):
     assert "--long-context 5000: 0 (skip) up to 3960" in capsys.readouterr().err
 
 
+def test_bench_model_eager_tokens_fit_the_cache(tmp_path, capsys):
+    """The short decode's KV cache was sized from --decode-tokens alone: more --eager-tokens than
+    that (here 300 against a 256-position cache) failed every format mid-run with 'position 256
+    is not in the KV cache', after its graph decode had been timed."""
+    from quantzoo.cli import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--layers", "1", "--formats", "fp16",
+                 "--prompt-lens", "", "--decode-tokens", "4", "--eager-tokens", "300", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert "error" not in r and r["decode_tok_s_eager"] > 0 and r["decode_cache_positions"] == 512
+    capsys.readouterr()
+    # too many for the model's positions: one clear error naming the flag (it used to blame
+    # --long-context, which the user had not given, or fail each format in setup_cache)
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--decode-tokens", "4080"]) == 2
+    assert "--decode-tokens 4080 / --eager-tokens 32" in capsys.readouterr().err
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--decode-tokens", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert "--decode-tokens 5000" in err and "--long-context" not in err
+
+
 def test_bench_model_refuses_an_activation_format(capsys):
     from quantzoo.cli import main
 

@@ -19,6 +19,7 @@ copies, median of the replays, warm-up excluded). Per row:
     path                what the format's dispatch chose (kernels.<mod>.choose_path(m, qt))
     nmse                ||y - x @ W.T||^2 / ||x @ W.T||^2 against the unquantized fp32 W: a
                         sanity check that the kernel timed is computing the right thing
+                        (null, with nmse_error, where the kernel wrote NaN or inf)
 
 and on the largest shape at M in POWER_M, the same launches replayed for --power-s seconds while
 nvidia-smi samples (quantzoo.bench.power): sustained_us, sm_clock_mhz, power_w, power_capped
@@ -57,7 +58,7 @@ CSV_FIELDS = ["format", "k", "n", "m", "status", "path", "median_us", "p10_us", 
               "median_us_pdl", "read_us", "read_us_pdl", "sustained_us", "sm_clock_mhz", "power_w",
               "power_capped", "power_limit_w", "mj_per_call", "power_error",
               "tflops", "weight_bytes", "weight_tbps", "pct_copy_bw", "pct_cublas_tflops",
-              "pct_roofline", "roofline_us", "x_cublas", "nmse", "timing", "copies", "inner",
+              "pct_roofline", "roofline_us", "x_cublas", "nmse", "nmse_error", "timing", "copies", "inner",
               "reps", "error"]
 
 
@@ -182,6 +183,30 @@ def metrics(rec: dict, ceil: dict) -> dict:
             "roofline_us": roof * 1e6, "pct_roofline": 100.0 * roof / t}
 
 
+def nmse_fields(y, y_ref) -> dict:
+    """{"nmse": ||y - y_ref||^2 / ||y_ref||^2} or, where that is not a finite number (the kernel
+    wrote NaN/inf: what the check is there to catch), {"nmse": None, "nmse_error": why}: a NaN
+    in the row would make the JSON writer (allow_nan=False) throw the whole run away."""
+    import torch
+
+    v = float(((y.float() - y_ref) ** 2).sum() / (y_ref ** 2).sum())
+    if math.isfinite(v):
+        return {"nmse": v}
+    bad = int((~torch.isfinite(y.float())).sum())
+    return {"nmse": None, "nmse_error": f"NMSE is {v} ({bad} non-finite outputs)"}
+
+
+def finite_or_none(o):
+    """o with every float that is NaN or infinite replaced by None (JSON has no such numbers)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: finite_or_none(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [finite_or_none(v) for v in o]
+    return o
+
+
 def add_x_cublas(rows: list[dict]) -> None:
     base = {(r["k"], r["n"], r["m"]): r["median_us"] for r in rows
             if r["format"] == BASELINE and r["status"] == "ok"}
@@ -252,7 +277,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
                     y = ops.matmul(x, first)
                     torch.cuda.synchronize()
                     y_ref = x.float() @ w_ref.T
-                    rec["nmse"] = float(((y.float() - y_ref) ** 2).sum() / (y_ref ** 2).sum())
+                    rec.update(nmse_fields(y, y_ref))
                     del y, y_ref
                     def timed():
                         return timing.benchmark(lambda i: ops.matmul(x, copies[i]), copies=len(copies),
@@ -300,7 +325,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
         "ceilings": ceil, "ceilings_end": ceil_end,
         "settings": {"shapes": [list(s) for s in shapes], "m": list(ms), "formats": list(names),
                      "seed": seed, "sigma": SIGMA, "target_s": target_s, "graph": use_graph,
-                     "l2_bytes": l2, "rotation": "copies x weight bytes >= 4 x L2",
+                     "l2_bytes": l2, "rotation": "copies x weight bytes >= 4 x L2 (at most 4096 copies)",
                      "power": {"shape": list(power_shape), "m": [m for m in POWER_M if m in ms], "seconds": power_s,
                                "interval_ms": power.INTERVAL_MS} if probe else None,
                      "qwen3_8b_layer": [[k, n, what, c] for k, n, what, c in QWEN3_8B_SHAPES],
@@ -326,8 +351,9 @@ def write_outputs(res: dict, out_dir: str, stem: str = "bench-kernels") -> tuple
     os.makedirs(out_dir, exist_ok=True)
     jpath = os.path.join(out_dir, f"{stem}.json")
     cpath = os.path.join(out_dir, f"{stem}.csv")
-    with open(jpath, "w") as f:
-        json.dump(res, f, indent=1, allow_nan=False, default=_json_default)
+    text = json.dumps(finite_or_none(res), indent=1, allow_nan=False, default=_json_default)
+    with open(jpath, "w") as f:   # serialised first: an unstorable value leaves no half-written file
+        f.write(text)
     with open(cpath, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
@@ -361,7 +387,8 @@ def summary_table(res: dict, tablefmt: str = "github") -> str:
                      f"{r['median_us']:.2f}", f"{r['tflops']:.1f}", f"{r['weight_tbps']:.2f}",
                      f"{r['pct_copy_bw']:.0f}", f"{r['pct_cublas_tflops']:.1f}",
                      "" if r.get("x_cublas") is None else f"{r['x_cublas']:.2f}",
-                     f"{r['nmse']:.2e}" if r.get("nmse") is not None else ""])
+                     f"{r['nmse']:.2e}" if r.get("nmse") is not None else
+                     "NON-FINITE" if r.get("nmse_error") else ""])
     return tabulate(rows, headers=["format", "K->N", "M", "path", "median us", "TFLOP/s",
                                    "weight TB/s", "% copy BW", "% cuBLAS", "x cuBLAS", "NMSE"],
                     tablefmt=tablefmt, disable_numparse=True)

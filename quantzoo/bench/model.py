@@ -163,6 +163,12 @@ def cache_positions(n: int) -> int:
     return -(-n // 256) * 256
 
 
+def decode_cache_positions(args) -> int:
+    """KV cache positions of the short decode runs: the 16-token prompt, then as many steps as the
+    longer of the graph (--decode-tokens) and eager (--eager-tokens) runs, and a margin of 8."""
+    return cache_positions(16 + max(args.decode_tokens, args.eager_tokens) + 8)
+
+
 def time_decode(m, steps: int, prompt: int = 16, graph: bool = True) -> float:
     """Decode tok/s at batch 1: `steps` steps after a `prompt`-token prefill; argmax fed back."""
     import torch
@@ -447,7 +453,7 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     m = synthetic_model(fmt, cfg, device, group_size=args.awq_group_size)
     _sync(device)
     setup_s = time.perf_counter() - t0
-    dec_seq = cache_positions(16 + args.decode_tokens + 8)
+    dec_seq = decode_cache_positions(args)
     pre_seq = cache_positions(max(prompt_lens, default=0))
     m.setup_cache(dec_seq)   # decode attends over the whole cache: keep it as short as the run
     if device.startswith("cuda"):   # peak from here: the random-init transients do not count
@@ -551,6 +557,10 @@ def run(args) -> int:
     for name in ("decode_tokens", "eager_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    if decode_cache_positions(args) > cfg.max_position:
+        raise ValueError(f"--decode-tokens {args.decode_tokens} / --eager-tokens {args.eager_tokens}: after the "
+                         f"16-token prompt (and a margin of 8) each must fit the model's {cfg.max_position} "
+                         f"positions (at most {cfg.max_position - 16 - 8})")
     if args.long_context is None:
         args.long_context = 0 if args.tiny else 4096
     top = cfg.max_position - args.decode_tokens - 8

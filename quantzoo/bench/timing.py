@@ -53,11 +53,13 @@ def summarize(samples_s: list[float]) -> dict:
 
 
 def rotation_copies(nbytes: int, *, l2_bytes: int | None = None, factor: float = 4.0,
-                    max_copies: int = 128) -> int:
+                    max_copies: int = 4096) -> int:
     """How many copies of an `nbytes` buffer to cycle through so L2 cannot serve them.
 
     Enough that the copies together exceed `factor` x L2 (each copy is evicted before it comes
-    round again under LRU-like replacement), at least 2, at most `max_copies`.
+    round again under LRU-like replacement), at least 2, at most `max_copies`. The cap binds only
+    below factor x L2 / max_copies bytes (51 KB on the H100): a cap of 128 let the weights of a
+    SmolLM2-sized `--shape` (576 -> 192 q4_0, 62 KB: 8 MB in 128 copies) sit in the 50 MB L2.
     """
     if nbytes <= 0:
         raise ValueError(f"nbytes={nbytes}: must be positive")
