@@ -348,3 +348,43 @@ def test_truncated_or_corrupt_safetensors(dirs, tmp_path):
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=f"names shard {shard.name}, which does not exist"):
         load_hf(d2, progress=False)
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path):
+    """transformers: "If independent chat template file(s) exist, they take priority over template
+    entries in the tokenizer config". The loader had it the other way round."""
+    from transformers import AutoTokenizer
+
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    H.build_tokenizer(300).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast",
+         "chat_template": "OLD {{ messages[0]['content'] }}"}))
+    (tmp_path / "chat_template.jinja").write_text("NEW {{ messages[0]['content'] }}")
+    msgs = [{"role": "user", "content": "hi"}]
+    want = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(msgs, tokenize=False)
+    assert want == "NEW hi"
+    assert load_tokenizer(tmp_path).apply_chat_template(msgs) == want
+
+
+def test_special_tokens_map_json_gives_bos_and_eos(tmp_path):
+    """A tokenizer_config.json without bos/eos (nor added_tokens_decoder), the tokens in
+    special_tokens_map.json: transformers takes them from there. The loader read only the config,
+    so the template's bos_token/eos_token rendered as "" (no BOS at all) and no eos id was known."""
+    from transformers import AutoTokenizer
+
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    H.build_tokenizer(300).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast",
+         "chat_template": "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>", "lstrip": False,
+                                                     "normalized": False, "rstrip": False, "single_word": False}}))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = load_tokenizer(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False) == "<|im_start|>hi<|im_end|>"
+    assert (tok.bos_token_id, tok.eos_token_ids) == (hf.bos_token_id, [hf.eos_token_id])

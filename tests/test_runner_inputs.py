@@ -214,6 +214,41 @@ def test_tokenizer_arguments():
             tok.apply_chat_template(messages)
 
 
+# Pieces of real templates that lean on what transformers' apply_chat_template gives a template:
+# Llama 3.2's date line (strftime_now), a {% generation %} block (templates made for training
+# masks), and a tools/documents test written without `is defined` (transformers passes None).
+_LLAMA32_DATE = ('{{- bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}'
+                 '{%- set date_string = strftime_now("%d %b %Y") %}{%- else %}'
+                 '{%- set date_string = "26 Jul 2024" %}{%- endif %}{%- endif %}'
+                 '{{- "Today Date: " + date_string + "\\n\\n" }}'
+                 "{%- for m in messages %}{{- m['role'] + ': ' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}")
+_GENERATION = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+               "{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}"
+               "<|im_end|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_TOOLS_NONE = ("{% if tools is not none %}[TOOLS]{% for t in tools %}{{ t | tojson }}{% endfor %}[/TOOLS]"
+               "{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
+               "{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [_LLAMA32_DATE, _GENERATION, _TOOLS_NONE])
+def test_chat_template_renders_as_transformers_does(template):
+    """The same string as transformers' apply_chat_template: the date was "26 Jul 2024" (no
+    strftime_now), {% generation %} was a TemplateSyntaxError, and `tools is not none` rendered
+    an empty tool list (tools undefined)."""
+    from transformers import PreTrainedTokenizerFast
+
+    raw = H.build_tokenizer(300)
+    cfg = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    tok = Tokenizer.from_tokenizer_json(raw.to_str(), {**cfg, "chat_template": template})
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, chat_template=template, **cfg)
+    for msgs in ([{"role": "user", "content": "hi"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"}]):
+        for agp in (True, False):
+            assert tok.apply_chat_template(msgs, add_generation_prompt=agp) == \
+                hf.apply_chat_template(msgs, add_generation_prompt=agp, tokenize=False), (msgs, agp)
+
+
 def test_warm_up_prefills_again_when_a_workspace_grew():
     """generate.warm_up (quantzoo run model's untimed pass, CUDA): a prefill during which a
     workspace grew has lost the plans recorded before the growth, so it prefills again -- until

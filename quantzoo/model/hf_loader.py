@@ -250,7 +250,7 @@ class _Shards:
 # the loader
 # ---------------------------------------------------------------------------------------
 def load_tokenizer(path: Path):
-    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) -> Tokenizer, or None."""
+    """tokenizer.json + tokenizer_config.json (+ special_tokens_map.json, chat_template.jinja) -> Tokenizer, or None."""
     tj = path / "tokenizer.json"
     if not tj.exists():
         return None
@@ -258,8 +258,15 @@ def load_tokenizer(path: Path):
 
     tc = _read_json(path / "tokenizer_config.json", "tokenizer_config.json") \
         if (path / "tokenizer_config.json").exists() else {}
+    stm = path / "special_tokens_map.json"
+    if "added_tokens_decoder" not in tc and stm.exists():
+        # as transformers does for a tokenizer_config.json without added_tokens_decoder (older
+        # saves): the special tokens of special_tokens_map.json, over the config's own
+        for key, v in _read_json(stm, "special_tokens_map.json").items():
+            if key in ("bos_token", "eos_token") and v is not None:
+                tc[key] = v
     jinja = path / "chat_template.jinja"
-    if "chat_template" not in tc and jinja.exists():
+    if jinja.exists():   # as in transformers: the file wins over tokenizer_config.json's entry
         tc["chat_template"] = jinja.read_text(encoding="utf-8")
     return Tokenizer.from_tokenizer_json(str(tj), tc)
 

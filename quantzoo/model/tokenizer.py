@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from datetime import datetime
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -80,6 +81,26 @@ _EOG_NAMES = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
               "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
 
 
+def _generation_tag():
+    """jinja2 extension for `{% generation %}...{% endgeneration %}` (transformers marks the
+    assistant's part with it, for training masks): renders its body unchanged."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationTag
+
+
 class Tokenizer:
     """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer`."""
 
@@ -135,13 +156,17 @@ class Tokenizer:
         def raise_exception(msg):
             raise jinja2.exceptions.TemplateError(msg)
 
+        # What transformers' apply_chat_template gives a template (chat_template_utils): its
+        # {% generation %} tag (a no-op when rendering), strftime_now (Llama 3.2's "Today Date"),
+        # raise_exception, a tojson that does not HTML-escape, and tools/documents as None.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=[_generation_tag(), "jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token)
         except jinja2.TemplateError as e:   # a broken template, or one that refuses the messages
             where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
