@@ -2,10 +2,14 @@
 // lane j holding value j. Shared by the stand-alone quantizer (q8_1_quantize.cu) and the layer
 // ops that emit their output in Q8_1 as well (layer_ops.cu), so that both write the same bytes:
 //
-//   amax = max |x_j|            d = amax / 127 (fp32 division)
+//   amax = max |x_j|            d = amax / 127 (fp32 division); a NaN x_j makes amax, d and
+//                               s NaN (q8_1_max; fmaxf alone would drop it, and Q8_0's dot, which
+//                               never reads s, would give a finite y -- llama.cpp's behaviour --
+//                               where the emulation, the fp16 paths and the README give NaN)
 //   q_j  = roundf(x_j / d)      (a true fp32 division -- q8_1_round takes it only near a tie;
 //                                 roundf takes halves away from zero; q = 0 for the whole
-//                                 block when amax == 0)
+//                                 block when amax == 0; q_j = 0 where x_j / d is NaN: a NaN
+//                                 block, or an inf x_j)
 //   s    = sum_j x_j            (the values, fp32)
 //
 // amax and s are xor-butterfly reductions (offsets 16, 8, 4, 2, 1). fp32 addition is
@@ -25,11 +29,22 @@
 // and roundf changes only at k + 1/2, so where r is farther than 3.1e-5 from one, roundf(r) is
 // roundf(fl(v / d)) -- bit-identical to the division. A fused layer op quantizing 8 values a
 // lane on one SM spent most of its extra time in the 8 IEEE divisions (~40 instructions each).
+// Not for fp32 x with amax below ~3.7e-37 (d < 2^-128, so 1 / d is inf): there the bytes may
+// differ from the codec's (a GPU test of such blocks failed in session 33 and was not run down;
+// fp16 x, all the runner makes, never gets near).
 __device__ __forceinline__ int q8_1_round(float v, float d, float inv_d) {
   float r = v * inv_d;
   const float a = fabsf(r);
   if (fabsf(a - truncf(a) - 0.5f) <= 3.1e-5f) r = v / d;   // near a tie: the true quotient
   return int(roundf(r));
+}
+
+// max(a, b) for the amax reductions, NaN if either is NaN (fmaxf returns the other one): PTX's
+// max.NaN (sm_80 and up), one instruction like fmaxf's.
+__device__ __forceinline__ float q8_1_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
 
 // Lane j's q_j; d and s in every lane. All 32 lanes must call it (full-warp shuffles).
@@ -38,7 +53,7 @@ __device__ __forceinline__ int q8_1_quantize_value(float v, float& d, float& sum
   sum = v;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    amax = q8_1_max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     sum += __shfl_xor_sync(0xffffffffu, sum, off);
   }
   d = amax / 127.0f;
@@ -82,9 +97,9 @@ __device__ __forceinline__ void q8_1_store8(uint4 chunk, bool ok, unsigned char*
   }
   float amax = 0.0f, a[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  for (int i = 0; i < 8; ++i) amax = q8_1_max(amax, fabsf(v[i]));
+  amax = q8_1_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = q8_1_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
 #pragma unroll
   for (int i = 0; i < 8; ++i) a[i] = v[i] + __shfl_xor_sync(0xffffffffu, v[i], 2);   // 16 apart
 #pragma unroll

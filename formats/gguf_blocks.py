@@ -228,10 +228,13 @@ def butterfly_sum(v: np.ndarray) -> np.ndarray:
 class Q8_1(GGUFBlockFormat, name="q8_1"):
     """Activation blocks as llama.cpp's CUDA quantize_q8_1 makes them.
 
-    d = amax / 127 (fp32), q = roundf(x / d) (a true fp32 division; q = 0 when amax = 0),
+    d = amax / 127 (fp32), q = roundf(x / d) (a true fp32 division; q = 0 when d = 0),
     s = sum of the original x over the block, summed in warp-butterfly order (butterfly_sum),
-    then d and s rounded to half. The legacy CPU block (fp32 d and d*sum(q), 40 bytes in
-    gguf-py's size table) is a different thing; the 36-byte size here is the CUDA one.
+    then d and s rounded to half. Non-finite x: a NaN makes the block's d and s NaN and its q 0;
+    an inf makes d inf and q 0 (every kernel then gives NaN), as cuda/q8_1.cuh does. (For fp32 x
+    with amax below ~3.7e-37 the kernel's bytes may differ: its header says why.) The legacy CPU
+    block (fp32 d and d*sum(q), 40 bytes in gguf-py's size table) is a different thing; the
+    36-byte size here is the CUDA one.
     """
 
     kind = "activation"
@@ -241,12 +244,15 @@ class Q8_1(GGUFBlockFormat, name="q8_1"):
 
     def quantize_fields(self, blocks):
         blocks = blocks.astype(np.float32)
-        amax = np.abs(blocks).max(axis=-1)
+        amax = np.abs(blocks).max(axis=-1)   # NaN if the block holds one (cuda/q8_1.cuh q8_1_max)
         d = amax / np.float32(127)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = blocks / d[..., None]  # fp32 division, correctly rounded like CUDA's '/'
-        q = np.where(amax[..., None] == 0, 0, roundf(ratio)).astype(np.int16)
-        return {"d": d, "m": butterfly_sum(blocks), "q": q}
+            # q = 0 for the whole block where d = 0 (amax = 0, or amax / 127 underflows), and
+            # where x / d is NaN (a NaN block, an inf element; CUDA's float-to-int gives 0)
+            r = np.where((d[..., None] == 0) | ~np.isfinite(ratio), 0, roundf(ratio))
+            s = butterfly_sum(blocks)
+        return {"d": d, "m": s, "q": r.astype(np.int16)}
 
     def values(self, f):
         return f["d"].astype(np.float32)[..., None] * f["q"].astype(np.float32)

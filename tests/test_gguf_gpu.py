@@ -187,6 +187,61 @@ def test_quantize_q8_1_split_layout(dtype, m, k):
     assert np.array_equal(got[32 * n:].reshape(n, 4), want[:, :4])
 
 
+def _q8_1_bytes_equal(got, want):
+    """Q8_1 rows equal byte for byte, except that a NaN d or s need only be NaN on both sides
+    (CUDA's __float2half_rn(NaN) is 0x7fff, numpy's 0x7e00)."""
+    g, w = got.reshape(-1, 36), want.reshape(-1, 36)
+    gh, wh = g[:, :4].copy().view(np.float16), w[:, :4].copy().view(np.float16)
+    same_h = (gh.view(np.uint16) == wh.view(np.uint16)) | (np.isnan(gh) & np.isnan(wh))
+    return bool(np.array_equal(g[:, 4:], w[:, 4:]) and same_h.all())
+
+
+def test_quantize_q8_1_non_finite_blocks():
+    """Blocks with a NaN (d, s NaN, q 0: fmaxf used to drop the NaN and keep a finite d, so Q8_0's
+    integer paths, which never read s, gave a finite y), an inf, +inf and -inf: the codec's bytes,
+    in both layouts. (fp16 x. An fp32 variant that also had blocks with amax < 3.7e-37 failed on
+    an H200 in session 33, cause not found: cuda/q8_1.cuh says so.)"""
+    x = RNG.standard_normal((2, 32 * 9)).astype(np.float32)
+    x[0, 3] = np.nan                                   # NaN among normal values
+    x[0, 32:64] = 0.0
+    x[0, 40] = np.nan                                  # NaN among zeros (amax 0 without it)
+    x[0, 70] = np.inf
+    x[0, 100], x[0, 101] = np.inf, -np.inf
+    x = x.astype(np.float16)
+    with np.errstate(all="ignore"):
+        want = qz.formats.get("q8_1").quantize_fields(x.astype(np.float32).reshape(2, 9, 32))
+        f = qz.formats.get("q8_1")
+        want = f.pack(want["d"].astype(np.float16), want["q"], want["m"].astype(np.float16))
+    got = G.quantize_q8_1(torch.from_numpy(x).to(DEV)).cpu().numpy()
+    assert _q8_1_bytes_equal(got, want), "Q8_1 bytes differ from the codec's"
+    n = x.size // 32
+    split = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV)).cpu().numpy()
+    inter = np.concatenate([split[32 * n:].reshape(n, 4), split[: 32 * n].reshape(n, 32)], axis=1)
+    assert _q8_1_bytes_equal(inter, want), "split layout differs from the codec's"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nan_activation_gives_nan_on_every_path(fmt):
+    """A NaN in x makes its row NaN on every path (README: NaN and inf propagate), as the
+    emulation says; the other rows are untouched. Q8_0's integer paths used to return finite
+    numbers (the NaN was dropped from the Q8_1 scale and Q8_0 does not read the block sum)."""
+    w, qt_cpu = _weight(fmt, 96, 256, RNG)
+    qt = qt_cpu.to(DEV)
+    x16 = RNG.standard_normal((3, 256)).astype(np.float16)
+    x16[0, 5] = np.nan
+    x16[1, 64:96] = 0
+    x16[1, 70] = np.nan                                # a NaN in an otherwise all-zero block
+    with np.errstate(all="ignore"):
+        ye = qt_cpu.fmt.emulate(x16.astype(np.float32), qt_cpu)
+    assert np.isnan(ye[:2]).all() and np.isfinite(ye[2]).all()
+    for m in (1, 3):
+        for path in _paths(m, qt):
+            y = _run(torch.from_numpy(x16[:m].copy()).to(DEV), qt, path)
+            assert np.isnan(y[: min(m, 2)]).all(), f"{fmt} {path} M={m}: a NaN in x gave finite outputs"
+            if m == 3:
+                assert np.isfinite(y[2]).all(), f"{fmt} {path}: a finite row gave non-finite outputs"
+
+
 # ---- dequantize kernel -----------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_bit_equal(fmt):

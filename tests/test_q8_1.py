@@ -1,5 +1,6 @@
 """Q8_1 activation blocks (CUDA convention) against a straightforward per-element computation."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -75,3 +76,23 @@ def test_butterfly_order_is_the_xor_tree():
 def test_activation_format_is_not_a_weight():
     with pytest.raises(TypeError, match="activation"):
         Q81.emulate(np.zeros((1, 32), np.float32), Q81.quantize(np.zeros((1, 32), np.float32)))
+
+
+def test_non_finite_and_underflowing_blocks():
+    """The emulation's Q8_1 of x it is handed as is (NaN/inf are not refused there): a NaN block
+    has d = s = NaN and q = 0, an inf block d = inf and q = 0 (as cuda/q8_1.cuh), a block whose
+    amax / 127 underflows d = 0 and q = 0, stated outright rather than left to numpy's
+    float-to-int cast of NaN/inf (undefined, and a RuntimeWarning)."""
+    x = np.linspace(-1, 1, 32 * 4, dtype=np.float32).reshape(1, 4, 32)
+    x[0, 0, 3] = np.nan
+    x[0, 1, 7] = np.inf
+    x[0, 2] *= np.float32(2e-45)                       # amax 2.8e-45: amax / 127 underflows to 0
+    x[0, 3] *= np.float32(1e-38)                       # 1 / d overflows; x / d is still exact
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f = Q81.quantize_fields(x)
+    assert np.isnan(f["d"][0, 0]) and np.isnan(f["m"][0, 0]) and not f["q"][0, 0].any()
+    assert f["d"][0, 1] == np.inf and not f["q"][0, 1].any()
+    assert f["d"][0, 2] == 0 and not f["q"][0, 2].any()
+    assert f["q"][0, 3].tolist() == [c_roundf(float(v / f["d"][0, 3])) for v in x[0, 3]]
+    assert np.abs(f["q"][0, 3]).max() == 127
