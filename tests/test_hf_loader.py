@@ -174,6 +174,12 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0, "layer_types": None},
      "sliding-window attention"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window attention"),
+    # found by fuzzing: a TypeError ('int' object is not iterable); a corrupt layer count that
+    # walked every layer's shapes (10**9 hung; 10**5 here ends, at an unrelated missing tensor);
+    # a string tie flag that bool() made true (the checkpoint's lm_head silently dropped)
+    ({"architectures": 3}, "architectures=3 is not supported"),
+    ({"num_hidden_layers": 10**5}, "num_hidden_layers=100000, but the checkpoint holds only"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
 ])
 def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     d = tmp_path / "cfg"
@@ -209,6 +215,22 @@ def _copy_and(src, dst, edit):
     (lambda d: (d / "tokenizer_config.json").write_text('{"chat_template": []}'),
      "chat_template is a list without {name, template} entries"),
     (lambda d: (d / "tokenizer_config.json").write_text('{"eos_token": 5}'), "eos_token=5 must be a token string"),
+    # found by fuzzing: RecursionError; Python's bare ValueError about a 5000-digit integer
+    # (no file named); a post_processor naming a token the vocabulary lacks made `tokenizers`
+    # panic (pyo3's PanicException, a BaseException even the CLI did not catch)
+    (lambda d: (d / "config.json").write_text("[" * 100000 + "]" * 100000),
+     "config.json: config.json is not valid JSON (RecursionError"),
+    (lambda d: (d / "generation_config.json").write_text('{"max_length": ' + "1" * 5000 + "}"),
+     "generation_config.json: generation_config.json is not valid JSON (ValueError: Exceeds the limit"),
+    (lambda d: (d / "tokenizer.json").write_text(json.dumps({
+        **json.loads((d / "tokenizer.json").read_text()),
+        "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}],
+                           "pair": [], "special_tokens": {}}})),
+     "tokenizer.json: the tokenizer fails to encode with its special tokens"),
+    # a raw UnicodeDecodeError; a bad special_tokens_map.json value blamed on tokenizer_config.json
+    (lambda d: (d / "chat_template.jinja").write_bytes(b"\xff{{ x }}"), "chat_template.jinja: not UTF-8 text"),
+    (lambda d: (d / "special_tokens_map.json").write_text('{"bos_token": 5}'),
+     "special_tokens_map.json: bos_token=5 must be a token string"),
 ])
 def test_bad_side_files_are_clear_errors(dirs, tmp_path, edit, needle):
     """config / generation config / tokenizer files of the wrong shape, and a tokenizer larger
@@ -310,6 +332,20 @@ def test_broken_chat_template_is_a_clear_error(dirs, tmp_path):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize("template,needle", [
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError: Range too big"),
+])
+def test_chat_template_runtime_errors_are_clear(dirs, tmp_path, template, needle):
+    """Found by fuzzing: errors of the template's own Python operations are no TemplateError and
+    passed through raw (a traceback from `quantzoo run model --chat`)."""
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    d = _copy_and(dirs["fp32"], tmp_path / "t", lambda d: (d / "chat_template.jinja").write_text(template))
+    with pytest.raises(ValueError, match=rf"the model's chat template fails: {needle}"):
+        load_tokenizer(d).encode_chat([{"role": "user", "content": "hi"}])
+
+
 def test_quantization_config_format_key_and_transformers_parses_ours(dirs):
     """transformers 5 writes the packing as "format"; and its AwqConfig reads what we write."""
     from transformers import AwqConfig
@@ -388,3 +424,39 @@ def test_special_tokens_map_json_gives_bos_and_eos(tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False) == "<|im_start|>hi<|im_end|>"
     assert (tok.bos_token_id, tok.eos_token_ids) == (hf.bos_token_id, [hf.eos_token_id])
+
+
+def test_ambiguous_or_escaping_shards_are_refused(dirs, tmp_path):
+    """Found by fuzzing. Without an index, a tensor stored in two files took the first file's
+    copy without a word; an index may not name files outside the model directory."""
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "two"
+    shutil.copytree(dirs["fp32"], d)
+    w = load_file(d / "model.safetensors")
+    save_file({"model.norm.weight": w["model.norm.weight"] * 2}, d / "zz-extra.safetensors")
+    with pytest.raises(ValueError, match=r"tensor 'model\.norm\.weight' is in both model\.safetensors and "
+                                         r"zz-extra\.safetensors \(and no model\.safetensors\.index\.json"):
+        load_hf(d, progress=False)
+    for target in (str(dirs["fp32"] / "model.safetensors"), "../fp32/model.safetensors"):
+        d = tmp_path / "esc"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(dirs["sharded"], d)
+        idx = json.loads((d / "model.safetensors.index.json").read_text())
+        idx["weight_map"]["model.norm.weight"] = target
+        (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+        with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: weight_map\['model\.norm\.weight'\]="
+                                             r".* is not a file name in"):
+            load_hf(d, progress=False)
+
+
+def test_awq_shape_error_names_the_config(dirs, tmp_path):
+    """A config.json whose dims do not fit AWQ: the message named the module but no file."""
+    d = tmp_path / "awqdim"
+    shutil.copytree(dirs["awq"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 100
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"awqdim/config\.json: model\.layers\.0\.mlp\.gate_proj: shape "
+                                         r"\(out=100, in=256\) does not fit AWQ group_size=128"):
+        load_hf(d, progress=False)

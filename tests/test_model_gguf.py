@@ -301,6 +301,8 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
      "tokenizer.ggml.add_bos_token asks for a BOS token, but tokenizer.ggml.bos_token_id=100000 is none"),
     ({"tokenizer.ggml.eos_token_id": "x"}, "tokenizer.ggml.eos_token_id='x' is not a token id"),
     ({**TOK_KV, "tokenizer.chat_template": 5}, "tokenizer.chat_template must be a string"),
+    # an array where a name is due had raised TypeError: unhashable type: 'list'
+    ({**TOK_KV, "tokenizer.ggml.pre": [1, 2]}, "tokenizer.ggml.pre=[1, 2] is not supported"),
 ])
 def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     """Metadata of the wrong type or value: one error naming the file and the key, never a raw
@@ -379,6 +381,41 @@ def test_bad_tensor_layout(tmp_path, good_file):
         bad.write_bytes(bytes(data))
         with pytest.raises(ValueError, match=rf"{what}\.gguf: tensor .*{needle}"):
             qz.load_model(bad, progress=False)
+
+
+def _patch_tensor_info(good_file, tmp_path, name_of, part, value, out):
+    """A copy of good_file with one tensor-info field (part -2: type, -1: offset) set to value;
+    name_of(reader) picks the tensor."""
+    r = gguf.GGUFReader(str(good_file))
+    t = {t.name: t for t in r.tensors}[name_of(r)]
+    p = t.field.parts[part]
+    at, dtype = p.ctypes.data - r.data.ctypes.data, p.dtype
+    del r, t, p
+    data = bytearray(good_file.read_bytes())
+    data[at:at + dtype.itemsize] = np.array([value], dtype).tobytes()
+    bad = tmp_path / out
+    bad.write_bytes(bytes(data))
+    return bad
+
+
+def test_corrupt_tensor_type_or_offset_is_refused(tmp_path, good_file):
+    """A tensor's type number corrupted to a smaller block type (Q8_0 -> Q4_0), or its offset
+    set to 2^64 - 32 (which wrapped around to 32 bytes before the data in uint64 arithmetic):
+    both had loaded, the weight read from the wrong bytes. llama.cpp (ggml's gguf.cpp) wants
+    every offset to be the padded sum of the sizes before it; so do we."""
+    def first_q8(r):
+        q8 = sorted((int(t.field.parts[-1][0]), t.name) for t in r.tensors if t.tensor_type.name == "Q8_0")
+        return q8[0][1]
+
+    bad = _patch_tensor_info(good_file, tmp_path, first_q8, -2, int(gguf.GGMLQuantizationType.Q4_0), "type.gguf")
+    with pytest.raises(ValueError, match=r"type\.gguf: tensor '[a-z_.0-9]+': data offset \d+, but tensor "
+                                         r"'[a-z_.0-9]+' before it \(Q4_0\[128, \d+\]\) ends at \d+") as e:
+        qz.load_model(bad, progress=False)
+    assert "\n" not in str(e.value)
+    first = lambda r: min(r.tensors, key=lambda t: int(t.field.parts[-1][0])).name   # noqa: E731
+    bad = _patch_tensor_info(good_file, tmp_path, first, -1, 2**64 - 32, "wrap.gguf")
+    with pytest.raises(ValueError, match=r"wrap\.gguf: tensor '[a-z_.0-9]+': its data .* runs past the end"):
+        qz.load_model(bad, progress=False)
 
 
 def test_not_a_model_path(tmp_path):

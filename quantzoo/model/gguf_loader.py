@@ -96,6 +96,8 @@ def _reader(path: str):
         def _build_tensors(self, start_offs, fields):
             size = len(self.data)
             spans = []
+            expect = 0   # ggml's rule: tensor data is laid out in info order, each padded to the alignment
+            order = []
             for field in fields:
                 _nl, name_data, _nd, dims, raw_dtype, off = field.parts
                 name = bytes(name_data).decode("utf-8", "replace")
@@ -112,17 +114,30 @@ def _reader(path: str):
                 if int(off[0]) % self.alignment:
                     raise TensorInfoError(f"tensor {name!r}: data offset {int(off[0])} is not a multiple of "
                                           f"the file's alignment ({self.alignment})")
-                a = int(start_offs + off[0])
+                a = int(start_offs) + int(off[0])   # Python ints: uint64 + int wraps around in numpy
                 b = a + n * ts // bs
                 if b > size:
                     raise TensorInfoError(f"tensor {name!r}: its data (bytes {a}..{b}) runs past the end "
                                           f"of the file ({size} bytes): truncated file?")
                 spans.append((a, b, name))
+                order.append((name, int(off[0]), f"{t.name}{[int(d) for d in dims]}", b - a))
             spans.sort()
             for (_a0, b0, n0), (a1, _b1, n1) in zip(spans, spans[1:]):
                 if a1 < b0:
                     raise TensorInfoError(f"tensor {n1!r}: its data (from byte {a1}) overlaps tensor {n0!r}'s "
                                           f"(to byte {b0})")
+            # llama.cpp (ggml gguf.cpp) refuses a file unless every tensor's offset is the padded sum
+            # of the sizes before it: a corrupt type or shape that shrinks a tensor (Q8_0 read as
+            # Q4_0, F32 as F16) otherwise reads part of its bytes as a different, wrong weight
+            prev = None
+            for name, off, what, nbytes in order:
+                if off != expect:
+                    after = (f"tensor {prev[0]!r} before it ({prev[1]}) ends at {expect}" if prev else
+                             "the first tensor's data starts at 0")
+                    raise TensorInfoError(f"tensor {name!r}: data offset {off}, but {after} (llama.cpp "
+                                          "wants the tensors back to back, padded): corrupt tensor info?")
+                expect += -(-nbytes // int(self.alignment)) * int(self.alignment)
+                prev = (name, what)
             return super()._build_tensors(start_offs, fields)
 
     return Reader(path)

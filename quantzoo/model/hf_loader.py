@@ -38,8 +38,9 @@ def _read_json(path: Path, what: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             v = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: {what} is not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError, an integer
+        # literal past Python's 4300-digit limit (a bare ValueError), nesting deeper than the stack
+        raise ValueError(f"{path}: {what} is not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(v, dict):
         raise ValueError(f"{path}: {what} must hold a JSON object, not a {type(v).__name__}")
     return v
@@ -114,7 +115,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     from .config import ModelConfig, positive, special_token_id
 
     archs = cfg.get("architectures") or []
-    arch = next((ARCHS[a] for a in archs if a in ARCHS), None)
+    arch = next((ARCHS[a] for a in archs if isinstance(a, str) and a in ARCHS), None) \
+        if isinstance(archs, list) else None
     if arch is None:
         raise ValueError(f"{where}: architectures={archs!r} is not supported; "
                          f"expected one of {sorted(ARCHS)}")
@@ -152,6 +154,9 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
                 num_layers=need("num_hidden_layers"), head_dim=need("head_dim", hidden // heads),
                 rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=_rope_theta(cfg, where),
                 max_position=need("max_position_embeddings", 4096))
+    tie = cfg.get("tie_word_embeddings", False)
+    if tie is not None and not isinstance(tie, bool):   # bool("false") is True: a silently tied lm_head
+        raise ValueError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
     gen = generation_config or {}
     eos_src = "generation_config.json" if "eos_token_id" in gen else where
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
@@ -161,7 +166,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
                            f"{where}: bos_token_id")
     try:
         config = ModelConfig(arch=arch, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
-                             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                             tie_word_embeddings=bool(tie),
                              qk_norm=(arch == "qwen3"), bos_token_id=bos, eos_token_ids=eos_ids, **dims)
     except ValueError as e:   # e.g. an odd head_dim
         raise ValueError(f"{where}: {e}") from None
@@ -200,6 +205,11 @@ class _Shards:
             wm = _read_json(index, "the shard index").get("weight_map")
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file name")
+            if not wm:
+                raise ValueError(f"{index}: weight_map is empty (it names no tensor)")
+            for name, f in wm.items():   # a shard is a file of this directory (no '/x' or '../x')
+                if Path(f).name != f or f in ("", ".", ".."):
+                    raise ValueError(f"{index}: weight_map[{name!r}]={f!r} is not a file name in {path}")
             files = sorted({path / f for f in wm.values()})
             for f in files:
                 if not f.exists():
@@ -218,8 +228,11 @@ class _Shards:
         self.present = {f: set(h.keys()) for f, h in self.handles.items()}
         if not self.where:
             for f, keys in self.present.items():
-                for k in keys:
-                    self.where.setdefault(k, f)
+                for k in sorted(keys):
+                    if k in self.where:   # no index to say which copy is meant: refuse to guess
+                        raise ValueError(f"{path}: tensor {k!r} is in both {self.where[k].name} and {f.name} "
+                                         "(and no model.safetensors.index.json says which to use)")
+                    self.where[k] = f
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -264,10 +277,15 @@ def load_tokenizer(path: Path):
         # saves): the special tokens of special_tokens_map.json, over the config's own
         for key, v in _read_json(stm, "special_tokens_map.json").items():
             if key in ("bos_token", "eos_token") and v is not None:
+                if not isinstance(v.get("content") if isinstance(v, dict) else v, str):
+                    raise ValueError(f"{stm}: {key}={v!r} must be a token string (or {{'content': str}})")
                 tc[key] = v
     jinja = path / "chat_template.jinja"
     if jinja.exists():   # as in transformers: the file wins over tokenizer_config.json's entry
-        tc["chat_template"] = jinja.read_text(encoding="utf-8")
+        try:
+            tc["chat_template"] = jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja}: not UTF-8 text ({e})") from None
     return Tokenizer.from_tokenizer_json(str(tj), tc)
 
 
@@ -284,6 +302,9 @@ def load_hf(path, progress: bool = True):
     gen = _read_json(gen_file, "generation_config.json") if gen_file.exists() else {}
     config, quant = parse_config(cfg, gen, where=str(cfg_file))
     shards = _Shards(path)
+    if config.num_layers > len(shards.where):   # before anything loops over the layers (a corrupt count)
+        raise ValueError(f"{cfg_file}: num_hidden_layers={config.num_layers}, but the checkpoint holds "
+                         f"only {len(shards.where)} tensors")
     bias = next((k for k in shards.where if k.endswith(".bias")), None)
     if bias is not None:   # dropping it would give wrong answers without a word
         raise ValueError(f"{shards.file_of(bias)}: tensor {bias!r}: the runner's linears have no biases")
@@ -301,7 +322,7 @@ def load_hf(path, progress: bool = True):
             for a in awq_names:
                 if not shards.has(a):
                     raise shards.missing(a)
-            _check_awq(shards, module, shape, quant["group_size"])
+            _check_awq(shards, module, shape, quant["group_size"], cfg_file)
             plan.append((name, "awq", awq_names))
         else:
             if not shards.has(name):
@@ -355,12 +376,12 @@ def _unused_ok(name: str, config) -> bool:
     return name.endswith(".rotary_emb.inv_freq") or (config.tie_word_embeddings and name.startswith("lm_head."))
 
 
-def _check_awq(shards: _Shards, module: str, shape, group_size: int) -> None:
+def _check_awq(shards: _Shards, module: str, shape, group_size: int, cfg_file="config.json") -> None:
     n, k = shape
     want = {"qweight": ((k, n // 8), "int32"), "qzeros": ((k // group_size, n // 8), "int32"),
             "scales": ((k // group_size, n), "float16")}
     if n % 8 or k % group_size:
-        raise ValueError(f"{module}: shape (out={n}, in={k}) does not fit AWQ group_size={group_size} "
+        raise ValueError(f"{cfg_file}: {module}: shape (out={n}, in={k}) does not fit AWQ group_size={group_size} "
                          "(in % group_size and out % 8 must be 0)")
     for s, (shp, dt) in want.items():
         got, dtype = shards.meta(f"{module}.{s}")

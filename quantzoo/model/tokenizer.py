@@ -101,6 +101,12 @@ def _generation_tag():
     return GenerationTag
 
 
+def _library_error(e: BaseException) -> bool:
+    """An error of the `tokenizers` package: an Exception, or a Rust panic, which pyo3 raises as
+    PanicException, a BaseException that no `except Exception` (nor the CLI) catches."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
 class Tokenizer:
     """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer`."""
 
@@ -171,6 +177,9 @@ class Tokenizer:
         except jinja2.TemplateError as e:   # a broken template, or one that refuses the messages
             where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise ValueError(f"the model's chat template{where}: {type(e).__name__}: {e}") from None
+        except Exception as e:   # what its Python operations raise: {{ 1/0 }}, the sandbox's
+            # OverflowError for a range past MAX_RANGE, a MemoryError for {{ 'x' * 10**10 }}, ...
+            raise ValueError(f"the model's chat template fails: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The ids of a rendered conversation: BOS in front unless the template renders one, and
@@ -187,7 +196,9 @@ class Tokenizer:
         is_file = os.path.exists(s)
         try:
             tok = HFTokenizer.from_file(s) if is_file else HFTokenizer.from_str(s)
-        except Exception as e:   # the tokenizers package raises a bare Exception
+        except BaseException as e:   # the tokenizers package raises a bare Exception (or panics)
+            if not _library_error(e):
+                raise
             raise ValueError(f"{s if is_file else 'tokenizer.json text'}: not a tokenizer the "
                              f"`tokenizers` package reads ({e})") from None
         cfg = tokenizer_config or {}
@@ -213,7 +224,14 @@ class Tokenizer:
             raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(tmpl).__name__}")
         add_bos, add_eos = cfg.get("add_bos_token"), cfg.get("add_eos_token")
         if add_bos is None or add_eos is None:   # e.g. Llama 3: tokenizer.json's post_processor adds BOS
-            with_special = tok.encode("a", add_special_tokens=True).ids
+            try:
+                with_special = tok.encode("a", add_special_tokens=True).ids
+            except BaseException as e:   # a post_processor naming a token the vocab lacks panics
+                if not _library_error(e):
+                    raise
+                raise ValueError(f"{s if is_file else 'tokenizer.json text'}: the tokenizer fails to "
+                                 f"encode with its special tokens ({type(e).__name__}: {e}); is its "
+                                 "post_processor consistent with its vocabulary?") from None
             if add_bos is None:
                 add_bos = bos_id is not None and with_special[:1] == [bos_id]
             if add_eos is None:
@@ -235,7 +253,7 @@ class Tokenizer:
             raise ValueError(f"{path}: tokenizer.ggml.model={model!r} is not supported yet "
                              "(only byte-level BPE, 'gpt2')")
         pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZERS:
+        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
             raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
                              f"{sorted(PRE_TOKENIZERS)}")
         make_pre, ignore_merges = PRE_TOKENIZERS[pre]
