@@ -11,7 +11,7 @@ import importlib
 
 import numpy as np
 
-from .formats import QuantizedTensor
+from .formats import QuantizedTensor, get_stored
 
 MODES = ("emulate", "dequant")
 
@@ -58,6 +58,7 @@ def matmul(x, qt, *, mode: str = "emulate"):
     if not (x.is_floating_point() if is_torch else x.dtype.kind in "biuf"):   # torch: y takes x's dtype
         raise ValueError(f"x: dtype {x.dtype}; expected a floating-point "
                          f"{'tensor (the result takes its dtype)' if is_torch else 'array'}")
+    get_stored(qt.format, "qt")   # q8_1 stores activations: a ValueError, as QuantLinear and CUDA give
     qt.fmt.check(qt)
     n, k = qt.shape
     shape = tuple(x.shape)
