@@ -77,3 +77,29 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="group_size=100"):
         AWQ.quantize(np.zeros((16, 200), np.float32), group_size=100)
     AWQ.quantize(np.zeros((16, 576), np.float32), group_size=64)   # 576 = 9 * 64 is fine
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_quantize_fields_follow_the_design_formula(group_size, rng):
+    """DESIGN.md §3, per group of G along K and per output column, in float64:
+    s = fp16(max(max - min, 1e-5) / 15), z = clip(round(-min / s), 0, 15),
+    q = clip(round(w / s) + z, 0, 15). Exact equality away from rounding ties (a value within
+    1e-4 of k + 1/2, where float32 and float64 arithmetic may round apart, is not compared; s
+    to half an fp16 ulp, then z and q from the stored s)."""
+    n, k = 24, 256
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    w[:, :group_size] += 0.01                       # groups off centre: z away from 8
+    f = AWQ.fields(AWQ.quantize(w, group_size=group_size))
+    g = w.T.astype(np.float64).reshape(k // group_size, group_size, n)
+    lo, hi = g.min(axis=1), g.max(axis=1)
+    s_exact = np.maximum(hi - lo, 1e-5) / 15
+    s = f["s"].astype(np.float64)   # fp16 nearest, give or take the float32 steps before it (2^-23)
+    assert np.all(np.abs(s - s_exact) <= 0.5 * np.spacing(f["s"]).astype(np.float64) * (1 + 1e-3))
+    zr = -lo / s
+    z = np.clip(np.round(zr), 0, 15)
+    sure = np.abs(zr - np.floor(zr) - 0.5) > 1e-4
+    assert sure.mean() > 0.99 and np.array_equal(f["z"][sure], z[sure])
+    qr = g / s[:, None, :]
+    q = np.clip(np.round(qr) + z[:, None, :], 0, 15).reshape(k, n)
+    sure = (np.abs(qr - np.floor(qr) - 0.5) > 1e-4).reshape(k, n) & np.repeat(sure, group_size, axis=0)
+    assert sure.mean() > 0.99 and np.array_equal(f["q"][sure], q[sure])

@@ -8,6 +8,23 @@ from quantzoo.formats import get, names
 GGUF = [n for n in names() if get(n).gguf_type and get(n).kind == "weight"]
 
 
+def _exact_halves(n, k):
+    """Blocks whose scaled values x / d land exactly on k + 0.5 (the scale d a power of two):
+    llama.cpp rounds those away from zero (Q8_0's roundf) or up (Q4_1/Q5_1's (int)(v + 0.5)),
+    where numpy's np.round would go to the even neighbour. One block kind per format family."""
+    h = np.arange(32, dtype=np.float32) + np.float32(0.5)
+    kinds = [
+        np.concatenate([[127.0], h[:31] - 15.0]),          # Q8_0: amax 127 -> d = 1; -14.5..15.5
+        np.concatenate([[0.0, 15.0], h[:15], h[:15]]),     # Q4_1: min 0, max 15 -> d = 1
+        np.concatenate([[0.0, 31.0], h[:30]]),             # Q5_1: min 0, max 31 -> d = 1
+        np.concatenate([[-8.0], h[:16] - 8.0, h[:15] - 8.0]),   # Q4_0: vmax -8 -> d = 1
+        np.concatenate([[-16.0], h[:31] - 16.0]),          # Q5_0: vmax -16 -> d = 1
+    ]
+    nb = k // 32
+    w = np.stack([np.concatenate([kinds[(r + b) % len(kinds)] for b in range(nb)]) for r in range(n)])
+    return (w * np.float32(2.0) ** (np.arange(n) - n // 2)[:, None]).astype(np.float32)   # exact scaling
+
+
 def _cases(rng):
     n, k = 12, 256
     t = rng.standard_t(3, (n, k)).astype(np.float32)
@@ -18,6 +35,7 @@ def _cases(rng):
     mixed[:, 32:64] = 1.5                                    # a constant block per row
     mixed[:, 64:96] = -0.25
     return {
+        "exact_halves": _exact_halves(n, k),
         "gaussian": (rng.standard_normal((n, k)) * 0.02).astype(np.float32),
         "student_t3": t,
         "zeros": np.zeros((n, k), np.float32),

@@ -418,6 +418,23 @@ def test_corrupt_tensor_type_or_offset_is_refused(tmp_path, good_file):
         qz.load_model(bad, progress=False)
 
 
+def test_optional_keys_take_llama_cpp_defaults():
+    """Keys llama.cpp treats as optional (llama-model.cpp / llama-hparams): head_count_kv =
+    head_count (no GQA), key_length = embedding_length / head_count, rope.freq_base = 10000."""
+    from quantzoo.model.gguf_loader import config_from_metadata
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": 256, "llama.feed_forward_length": 512,
+            "llama.block_count": 2, "llama.attention.head_count": 8, "llama.context_length": 128,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5}
+    c = config_from_metadata(meta, "x.gguf", vocab_size=100, tied=True)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta) == (8, 8, 32, 10000.0)
+    assert (c.rms_norm_eps, c.hidden_size, c.intermediate_size, c.max_position) == (1e-5, 256, 512, 128)
+    meta.update({"llama.attention.head_count_kv": 2, "llama.attention.key_length": 64,
+                 "llama.attention.value_length": 64, "llama.rope.freq_base": 5e5})
+    c = config_from_metadata(meta, "x.gguf", vocab_size=100, tied=True)
+    assert (c.num_kv_heads, c.head_dim, c.rope_theta) == (2, 64, 5e5)
+
+
 def test_not_a_model_path(tmp_path):
     p = tmp_path / "weights.txt"
     p.write_text("x")
@@ -456,6 +473,33 @@ def test_generate_sampling_and_stop(tmp_path):
                           eos_token_ids=[]) == greedy
     r = generate(model, ids, max_new_tokens=12, eos_token_ids=[greedy[3]])
     assert r.stop_reason == "eos" and r.tokens == greedy[:4]
+
+
+@pytest.mark.parametrize("logits,kw,want", [
+    # temperature: softmax(logits / T), above 1 as below
+    ([0.0, 1.0, 2.0, 3.0], dict(temperature=2.0), None),
+    ([0.0, 1.0, 2.0, 3.0], dict(temperature=0.5), None),
+    # top-k 2 at T = 1: the two largest, renormalised
+    ([0.0, 1.0, 2.0, 3.0], dict(temperature=1.0, top_k=2), {2: 1 / (1 + np.e), 3: np.e / (1 + np.e)}),
+    # top-p 0.5 over p = (.3, .3, .2, .2): the first two reach it, each drawn half the time
+    (np.log([0.3, 0.3, 0.2, 0.2]).tolist(), dict(temperature=1.0, top_p=0.5), {0: 0.5, 1: 0.5}),
+])
+def test_sampling_frequencies_follow_the_distribution(logits, kw, want):
+    """Seeded draws (fixed seed: deterministic) against float64 probabilities computed here:
+    the temperature divides the logits, top-k / top-p renormalise over the tokens they keep.
+    4000 draws: one standard error is <= 0.008, the tolerance 0.035."""
+    from quantzoo.model.generate import sample
+
+    lg = np.asarray(logits, dtype=np.float64)
+    if want is None:
+        p = np.exp(lg / kw["temperature"] - (lg / kw["temperature"]).max())
+        want = dict(enumerate(p / p.sum()))
+    g = torch.Generator().manual_seed(1234)
+    n = 4000
+    draws = np.bincount([sample(torch.tensor(logits, dtype=torch.float32), generator=g, **kw)
+                         for _ in range(n)], minlength=len(logits)) / n
+    for tok in range(len(logits)):
+        assert abs(draws[tok] - want.get(tok, 0.0)) < 0.035, (tok, draws, want)
 
 
 def test_emulate_mode_tracks_the_dequant_path(tmp_path):

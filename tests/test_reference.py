@@ -94,3 +94,70 @@ def test_nmse_detects_a_broken_codec(rng):
     blk[..., 2:] = (blk[..., 2:] << 1) | (blk[..., 2:] >> 7)             # corrupt the nibbles
     broken = fmt.from_bytes(blk.reshape(256, -1), (256, 1024))
     assert reference.nmse(fmt.emulate(x, broken), y_exact) > 10 * fmt.nmse_ceiling
+
+
+@pytest.mark.parametrize("name", ["awq", "fp16"])
+def test_fp16_emulation_rounds_x_and_w_to_fp16(name, rng):
+    """The fp16 kernels take fp16 x and an fp16 weight (AWQ: w16 = fp16((q - z) * s)) and form
+    exact products: the emulation is float64 x16 @ w16.T, computed here from numpy's own fp16
+    casts. An x or a weight left in float32 is off by up to 2^-11 relative, which the looser
+    check above allows."""
+    fmt = get(name)
+    m, n, k = 4, 32, 256
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 3
+    qt = fmt.quantize(w, group_size=64) if name == "awq" else fmt.quantize(w)
+    x16 = x.astype(np.float16).astype(np.float64)
+    w16 = fmt.dequantize(qt).astype(np.float16).astype(np.float64)
+    ref = (x16 @ w16.T).astype(np.float32)
+    y = fmt.emulate(x, qt)
+    # equal up to the float64 summation order (2^-40 relative, far below fp16's 2^-11)
+    assert np.all(np.abs(y.astype(np.float64) - ref) <= 2.0 ** -40 * (np.abs(x16) @ np.abs(w16).T)
+                  + np.spacing(np.abs(ref)))
+    assert not np.array_equal(x, x16.astype(np.float32))        # x itself was not fp16 already
+    if name == "awq":
+        assert not np.array_equal(fmt.dequantize(qt), w16.astype(np.float32))   # nor the weight
+
+
+@pytest.mark.parametrize("name", GGUF)
+def test_gguf_bound_covers_fp32_orders_and_sees_fp16_scale_products(name, rng):
+    """The bound the GPU tier checks kernels against, from the codec fields here:
+    - it is (n_blocks + 4) * 2^-24 * sum_b (|d_w| (|d_a sumi| + offset |s_a|) + |m_w s_a|);
+    - it covers the fp32 block terms summed in fp32 forwards and backwards (constant weight
+      blocks in half the rows: Q4_0/Q5_0 store q = 0 there, so sumi = 0 and the offset * s_a
+      piece is the whole term);
+    - it is tight enough to flag scale products formed in fp16 (llama.cpp's d_w * d_a and
+      m_w * s_a; ours are fp32, DESIGN.md §3) in most outputs of the ordinary rows."""
+    fmt = get(name)
+    m, n, k = 6, 48, 512
+    nb = k // 32
+    w = rng.standard_t(4, (n, k)).astype(np.float32) * 0.02
+    w[::2] = np.repeat(rng.standard_normal((n // 2, nb, 1)).astype(np.float32) * 0.02, 32, axis=2).reshape(n // 2, k)
+    x = (rng.standard_normal((m, k)) + 0.3).astype(np.float32)     # s_a away from 0
+    qt = fmt.quantize(w)
+    y, bound = fmt.emulate(x, qt, return_bound=True)
+    a = get("q8_1").unpack(get("q8_1").quantize(x).data)
+    f = fmt.unpack(qt.data)
+    sumi = np.einsum("mbj,nbj->mnb", a["q"].astype(np.int64), f["q"].astype(np.int64))
+    da, sa = (a[key].astype(np.float32)[:, None, :] for key in ("d", "m"))
+    dw = f["d"].astype(np.float32)[None]
+    mw = (f["m"].astype(np.float32) if f["m"] is not None else np.zeros_like(f["d"], np.float32))[None]
+    off = float(getattr(fmt, "offset", 0))
+    pieces = (np.abs(dw.astype(np.float64)) * (np.abs(da.astype(np.float64) * sumi) + off * np.abs(sa))
+              + np.abs(mw.astype(np.float64) * sa)).sum(-1)
+    assert np.allclose(bound, (nb + 4) * 2.0 ** -24 * pieces, rtol=1e-6, atol=0)
+    term = fmt.block_dot(sumi.astype(np.float32), dw, mw, da, sa).astype(np.float32)   # (M, N, nb)
+    for order in (slice(None), slice(None, None, -1)):
+        acc = np.zeros((m, n), np.float32)
+        for b in range(nb)[order]:
+            acc = acc + term[..., b]                                    # fp32 adds, one order
+        assert np.all(np.abs(acc.astype(np.float64) - y) <= bound)
+    if fmt.has_min or off:
+        h = lambda v: v.astype(np.float16).astype(np.float64)           # noqa: E731
+        dd = h(dw.astype(np.float64) * da)
+        if fmt.has_min:
+            t16 = dd * sumi + h(mw.astype(np.float64) * sa)
+        else:
+            t16 = dd * sumi - off * dw.astype(np.float64) * sa
+        y16 = t16.sum(-1)
+        assert (np.abs(y16 - y) > bound)[:, 1::2].mean() > 0.5     # the rows of ordinary weights

@@ -59,6 +59,38 @@ def test_positions_and_cache(model):
         model.logits([1] * 4097)
 
 
+def test_prefill_from_a_later_start_continues_the_sequence(model):
+    """prefill(ids, start=p) writes K/V at positions p.. and rotates by them: a prompt fed in two
+    pieces ends with the logits of the whole prompt fed at once (teacher forcing from 0)."""
+    ids = [5, 17, 300, 2, 999, 41, 7, 8]
+    full = model.logits(ids)
+    model.prefill(ids[:5])
+    last = model.prefill(ids[5:], start=5)
+    torch.testing.assert_close(last, full[-1], rtol=1e-4, atol=1e-4 * float(full[-1].abs().max()))
+    model.prefill(ids[:3])
+    step = model.decode_step(ids[3], 3)      # and one decode step after the pieces
+    torch.testing.assert_close(step, full[3], rtol=1e-4, atol=1e-4 * float(full[3].abs().max()))
+
+
+def test_rope_tables_past_fp16_integers():
+    """cos / sin of pos * theta^(-2i/hd) against float64, at positions where an fp16 (or
+    otherwise rounded) position would be off by one or more: 2049, 4097, 8191."""
+    from types import SimpleNamespace
+
+    from quantzoo.model.llm import rope_tables
+
+    cfg = SimpleNamespace(head_dim=64, rope_theta=1e4)
+    cos, sin = rope_tables(cfg, 8192, "cpu", torch.float32)
+    pos = np.array([0, 1, 2047, 2049, 4097, 8191], dtype=np.float64)
+    inv = 1.0 / 1e4 ** (np.arange(0, 64, 2, dtype=np.float64) / 64)
+    ang = np.concatenate([pos[:, None] * inv, pos[:, None] * inv], axis=1)       # (i, i + hd/2)
+    sign = np.concatenate([-np.ones(32), np.ones(32)])                             # signed sin
+    # float32 angles: |error| <= pos * 2^-23 (4097 * 1.2e-7 = 5e-4 rad at most)
+    tol = pos[:, None] * 2.0 ** -22 + 1e-6
+    assert np.all(np.abs(cos[pos.astype(int)].numpy() - np.cos(ang)) <= tol)
+    assert np.all(np.abs(sin[pos.astype(int)].numpy() - sign * np.sin(ang)) <= tol)
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(temperature="1"), "temperature='1' must be a finite number"),
     (dict(temperature=float("inf")), "temperature=inf must be a finite number"),

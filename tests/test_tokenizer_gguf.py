@@ -49,6 +49,18 @@ def test_llama_cpp_vectors(name):
         assert tok.decode(tok.encode(text, add_bos=False)) == text
 
 
+def test_add_bos_defaults_as_llama_cpp():
+    """None of the three vocab files says tokenizer.ggml.add_bos_token; llama.cpp's
+    llama-vocab.cpp then adds BOS for the llama3 pre-tokenizer family only (add_bos = true
+    beside ignore_merges), not for qwen2 or gpt-2. A missed BOS changes every Llama 3 logit."""
+    for name, want in (("llama-bpe", True), ("qwen2", False), ("gpt-2", False)):
+        path, tok = _load(name)
+        assert tok.add_bos is want, name
+        ids = tok.encode("Hello world")
+        assert (ids[0] == tok.bos_token_id) is want, (name, ids)
+        assert ids[int(want):] == tok.encode("Hello world", add_bos=False)
+
+
 def test_unknown_pre_tokenizer_is_an_error():
     from quantzoo.model.tokenizer import Tokenizer
 
