@@ -25,6 +25,7 @@ import numpy as np
 from .base import Format, as_float_matrix
 from .tensor import QuantizedTensor
 
+QUANTIZE_CHUNK = 1 << 22   # weights quantized at a time (whole rows)
 QK = 32  # elements per block, every format here
 
 
@@ -131,18 +132,26 @@ class GGUFBlockFormat(Format):
         if opts:
             raise TypeError(f"{self.name}.quantize: unexpected options {sorted(opts)}")
         w = as_float_matrix(w)
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported just below
-            f = self.quantize_fields(_split_blocks(w, f"{self.name}.quantize"))
-        for key in ("d", "m"):  # the half fields must hold the block's scale and minimum/sum
-            if f[key] is None:
-                continue
-            with np.errstate(over="ignore"):
-                bad = ~np.isfinite(f[key].astype(np.float16))
-            if bad.any():
-                r, b = (int(i) for i in np.argwhere(bad)[0])
-                raise ValueError(f"{self.name}.quantize: row {r}, block {b}: field {key}="
-                                 f"{float(f[key][r, b]):.6g} overflows fp16 (|value| > 65504)")
-        return QuantizedTensor(self.name, tuple(w.shape), self.pack(f["d"], f["q"], f["m"]))
+        blocks = _split_blocks(w, f"{self.name}.quantize")
+        # Rows are quantized on their own, so a chunk of rows at a time gives the same bytes with
+        # temporaries (float32/float64/int16 per element, ~30 bytes per weight) bounded by the
+        # chunk instead of the whole matrix (a 150k x 4096 lm_head: ~18 GB at once).
+        step = max(1, QUANTIZE_CHUNK // max(1, w.shape[1]))
+        out = np.empty((w.shape[0], w.shape[1] // QK * self.bytes_per_block), np.uint8)
+        for r0 in range(0, w.shape[0], step):
+            with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported just below
+                f = self.quantize_fields(blocks[r0:r0 + step])
+            for key in ("d", "m"):  # the half fields must hold the block's scale and minimum/sum
+                if f[key] is None:
+                    continue
+                with np.errstate(over="ignore"):
+                    bad = ~np.isfinite(f[key].astype(np.float16))
+                if bad.any():
+                    r, b = (int(i) for i in np.argwhere(bad)[0])
+                    raise ValueError(f"{self.name}.quantize: row {r0 + r}, block {b}: field {key}="
+                                     f"{float(f[key][r, b]):.6g} overflows fp16 (|value| > 65504)")
+            out[r0:r0 + step] = self.pack(f["d"], f["q"], f["m"])
+        return QuantizedTensor(self.name, tuple(w.shape), out)
 
     def storage(self, shape, params: dict) -> dict:
         n, k = shape

@@ -80,7 +80,7 @@ def read_source(src, progress: bool = True) -> Source:
     if src.is_dir():
         from .hf_loader import load_hf
 
-        config, weights, tok, gen = load_hf(src, progress=progress)
+        config, weights, tok, gen = load_hf(src, progress=progress, lazy=True)
         with open(src / "config.json", encoding="utf-8") as f:
             hf_cfg = json.load(f)
         return Source(src, config, weights, hf_config=hf_cfg, tokenizer=tok, generation_config=gen)
@@ -345,7 +345,8 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
             raise ValueError(f"{name}: in_features={shape[1]} is not a multiple of 32, the {fmt} block size")
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(dst), c.arch)
+    tmp = dst.with_name(dst.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), c.arch)
     w.add_name(src.path.stem if src.path.is_file() else src.path.name)
     w.add_context_length(c.max_position)
     w.add_embedding_length(c.hidden_size)
@@ -367,6 +368,36 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     elif src.hf_config is not None:
         add_hf_tokenizer(w, src)
 
+    # Streamed: every tensor's info first (shapes are known from the config), then header, kv and
+    # tensor infos, then each tensor as it is quantized (GGUFWriter.write_tensor_data), so at most
+    # one tensor is held; the bytes are those add_tensor + write_tensors_to_file would write.
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor_info(gguf_name(name), shape, np.dtype(np.float32), 4 * shape[0])
+        elif fmt == "fp16":
+            w.add_tensor_info(gguf_name(name), shape, np.dtype(np.float16), 2 * shape[0] * shape[1])
+        else:
+            bshape, bdtype = qfmt.storage(shape, {})["data"]
+            nbytes = int(np.prod(bshape)) * np.dtype(bdtype).itemsize
+            w.add_tensor_info(gguf_name(name), bshape, np.dtype(bdtype), nbytes, raw_dtype=qtype)
+    try:
+        _write_gguf_tensors(w, src, shapes, fmt, dst, progress)
+        w.close()
+        tmp.replace(dst)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return dst
+
+
+def _write_gguf_tensors(w, src: Source, shapes: dict, fmt: str, dst: Path, progress: bool) -> None:
+    from tqdm import tqdm
+
+    c = src.config
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
     for name in tqdm(list(shapes), desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
         heads = None
         if c.arch == "llama" and name.endswith("self_attn.q_proj.weight"):
@@ -374,21 +405,16 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
         elif c.arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             heads = c.num_kv_heads
         if len(shapes[name]) == 1:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(src.tensor(name), dtype=np.float32))
+            w.write_tensor_data(np.ascontiguousarray(src.tensor(name), dtype=np.float32))
         elif fmt == "fp16":
             t = src.tensor(name)
-            w.add_tensor(gguf_name(name), _fp16(t if heads is None else llama_permute(t, heads), name))
+            w.write_tensor_data(_fp16(t if heads is None else llama_permute(t, heads), name))
         else:
             # block formats quantize each row on its own: permuting rows commutes with quantizing
             data = np.asarray(src.quantized(name, fmt).data)
             if heads is not None:
                 data = llama_permute(data, heads)
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(data), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+            w.write_tensor_data(np.ascontiguousarray(data))
 
 
 # ---------------------------------------------------------------------------------------

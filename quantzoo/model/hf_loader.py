@@ -21,6 +21,7 @@ torch tensors in the dtype the file stores (fp16/bf16/fp32), the model casts the
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -289,8 +290,31 @@ def load_tokenizer(path: Path):
     return Tokenizer.from_tokenizer_json(str(tj), tc)
 
 
-def load_hf(path, progress: bool = True):
-    """HF directory -> (ModelConfig, weights, Tokenizer | None, generation_config dict)."""
+class LazyWeights(Mapping):
+    """name -> weight, read from the (memory-mapped) checkpoint each time it is asked for and not
+    kept: a consumer that converts or quantizes tensor by tensor never holds the whole source."""
+
+    def __init__(self, readers: dict):
+        self._readers = readers
+
+    def __getitem__(self, name):
+        return self._readers[name]()
+
+    def __contains__(self, name):   # Mapping's default would read the tensor
+        return name in self._readers
+
+    def __iter__(self):
+        return iter(self._readers)
+
+    def __len__(self):
+        return len(self._readers)
+
+
+def load_hf(path, progress: bool = True, lazy: bool = False):
+    """HF directory -> (ModelConfig, weights, Tokenizer | None, generation_config dict).
+
+    lazy=True: weights is a LazyWeights mapping that reads each tensor when it is looked up
+    (everything is still validated here, before any tensor is read)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory (an HF model directory has config.json)")
@@ -346,16 +370,19 @@ def load_hf(path, progress: bool = True):
     from quantzoo.formats import get
 
     awq = get("awq")
-    weights = {}
-    from tqdm import tqdm
-
-    for name, kind, extra in tqdm(plan, desc=f"loading {path.name}", unit="tensor",
-                                  disable=not progress, leave=False):
+    def reader(name, kind, extra):
         if kind == "awq":
-            qw, qz, sc = (shards.get(a).numpy() for a in extra)
-            weights[name] = awq.from_arrays(qw, qz, sc, quant["group_size"])
-        else:
-            weights[name] = shards.get(name)
+            return lambda: awq.from_arrays(*(shards.get(a).numpy() for a in extra), quant["group_size"])
+        return lambda: shards.get(name)
+
+    readers = {name: reader(name, kind, extra) for name, kind, extra in plan}
+    if lazy:
+        weights = LazyWeights(readers)
+    else:
+        from tqdm import tqdm
+
+        weights = {name: read() for name, read in tqdm(readers.items(), desc=f"loading {path.name}",
+                                                       unit="tensor", disable=not progress, leave=False)}
     tok = load_tokenizer(path)
     if tok is not None:
         # stop on every end id the checkpoint declares: tokenizer_config's eos_token and
