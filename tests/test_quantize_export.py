@@ -374,3 +374,33 @@ def test_export_streams_tensor_by_tensor(tmp_path, monkeypatch, fmt):
     size = out.stat().st_size
     assert peak < size / 3, (peak, size)
     assert not list(tmp_path.rglob("*.part"))
+
+
+@pytest.mark.parametrize("fmt", ["awq", "fp16"])
+def test_hf_export_shards_as_transformers_reads_them(src, tmp_path, monkeypatch, fmt):
+    """An HF export larger than SHARD_BYTES is written shard by shard (model-0000i-of-0000n and an
+    index, as transformers writes them), never held whole: transformers' own loader reads the
+    fp16 one back equal to the one-file export, and the runner's logits are the same for both."""
+    import quantzoo as qz
+    from quantzoo.model import export as E
+
+    one = E.export(src["dir"], tmp_path / "one", fmt, group_size=32, progress=False)
+    monkeypatch.setattr(E, "SHARD_BYTES", 20_000)
+    many = E.export(src["dir"], tmp_path / "many", fmt, group_size=32, progress=False)
+    files = sorted(f.name for f in many.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (many / "model.safetensors").exists() and not list(many.glob("*.part"))
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    t1, t2 = H.read_safetensors_dir(one), H.read_safetensors_dir(many)
+    assert t1.keys() == t2.keys() and all(np.array_equal(t1[k], t2[k]) for k in t1)
+    ids = [1, 5, 9, 3]
+    a, b = qz.load_model(str(one)).logits(ids), qz.load_model(str(many)).logits(ids)
+    assert torch.equal(a, b)
+    if fmt == "fp16":
+        from transformers import AutoModelForCausalLM
+
+        m1 = AutoModelForCausalLM.from_pretrained(one, torch_dtype=torch.float32)
+        m2 = AutoModelForCausalLM.from_pretrained(many, torch_dtype=torch.float32)
+        for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
+            assert n1 == n2 and torch.equal(p1, p2), n1

@@ -43,6 +43,8 @@ FORMATS = tuple(n for n in names() if get(n).kind != "activation")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
+SHARD_BYTES = 4 << 30   # an HF export's safetensors shard holds at most this much (one tensor more if it is larger)
+SHARD_INDEX = "model.safetensors.index.json"
 HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
 
 
@@ -208,17 +210,44 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
     if fmt == "awq":
         check_group_size(c, group_size, quantized)
     dst.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    (dst / "model.safetensors").unlink(missing_ok=True)   # an earlier export's (export refuses other weights)
+    # Shards of at most SHARD_BYTES, each written by save_file as it fills (model-0000i-of-0000n
+    # .safetensors + an index, as transformers shards; one file is plain model.safetensors): the
+    # output is never held whole, at most one shard of it.
+    shards, tensors, size = [], {}, 0
+
+    def flush():
+        nonlocal tensors, size
+        if tensors:
+            part = dst / f"shard-{len(shards)}.part"
+            save_file(tensors, str(part), metadata={"format": "pt"})
+            shards.append((part, list(tensors), size))
+            tensors, size = {}, 0
+
     names = list(c.expected_shapes())
     for name in tqdm(names, desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
         module = name[: -len(".weight")]
         if module in quantized:
             qt = src.quantized(name, "awq", group_size=group_size)
-            for key in ("qweight", "qzeros", "scales"):
-                tensors[f"{module}.{key}"] = np.ascontiguousarray(qt.data[key])
+            made = {f"{module}.{key}": np.ascontiguousarray(qt.data[key]) for key in ("qweight", "qzeros", "scales")}
         else:
-            tensors[name] = _fp16(src.tensor(name), name)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+            made = {name: _fp16(src.tensor(name), name)}
+        nbytes = sum(a.nbytes for a in made.values())
+        if tensors and size + nbytes > SHARD_BYTES:
+            flush()
+        tensors.update(made)
+        size += nbytes
+    flush()
+    if len(shards) == 1:
+        shards[0][0].replace(dst / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, (part, keys, _) in enumerate(shards, 1):
+            final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            part.replace(dst / final)
+            weight_map.update(dict.fromkeys(keys, final))
+        index = {"metadata": {"total_size": sum(n for _, _, n in shards)}, "weight_map": weight_map}
+        (dst / SHARD_INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
     cfg = hf_config_dict(src)
     if fmt == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
