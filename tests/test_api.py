@@ -55,7 +55,10 @@ def test_ops_matmul_numpy_and_torch(name, rng):
     y = qz.ops.matmul(x, qt)                                               # numpy in, numpy out
     assert isinstance(y, np.ndarray) and y.shape == (5, 48)
     ref = x.astype(np.float64) @ fmt.dequantize(qt).T.astype(np.float64)   # y = x @ W.T
-    assert np.linalg.norm(y - ref) <= 0.02 * np.linalg.norm(ref)
+    # the default mode emulates the kernels: GGUF formats quantize x to Q8_1, which moves y from
+    # x @ W.T by 1.2 % (median) to 2.2 % (max of 200 draws) at K = 128 for Q4/Q5 (their block
+    # term multiplies Q8_1's rounding by q in 0..15 or 0..31), 0.5 % for Q8_0; AWQ and fp16 0.03 %
+    assert np.linalg.norm(y - ref) <= 0.04 * np.linalg.norm(ref)
     yt = qz.ops.matmul(torch.from_numpy(x), qt)                            # torch in, torch out
     assert isinstance(yt, torch.Tensor) and yt.dtype == torch.float32 and torch.equal(yt, torch.from_numpy(y))
     layer = qz.QuantLinear(qt)
