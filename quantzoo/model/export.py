@@ -43,7 +43,7 @@ FORMATS = tuple(n for n in names() if get(n).kind != "activation")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
-SHARD_BYTES = 4 << 30   # an HF export's safetensors shard holds at most this much (one tensor more if it is larger)
+SHARD_BYTES = 4 << 30   # an HF export's safetensors shards hold at most this (or one larger tensor)
 SHARD_INDEX = "model.safetensors.index.json"
 HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
 
@@ -225,19 +225,25 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
             tensors, size = {}, 0
 
     names = list(c.expected_shapes())
-    for name in tqdm(names, desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
-        module = name[: -len(".weight")]
-        if module in quantized:
-            qt = src.quantized(name, "awq", group_size=group_size)
-            made = {f"{module}.{key}": np.ascontiguousarray(qt.data[key]) for key in ("qweight", "qzeros", "scales")}
-        else:
-            made = {name: _fp16(src.tensor(name), name)}
-        nbytes = sum(a.nbytes for a in made.values())
-        if tensors and size + nbytes > SHARD_BYTES:
-            flush()
-        tensors.update(made)
-        size += nbytes
-    flush()
+    try:
+        for name in tqdm(names, desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
+            module = name[: -len(".weight")]
+            if module in quantized:
+                qt = src.quantized(name, "awq", group_size=group_size)
+                made = {f"{module}.{key}": np.ascontiguousarray(qt.data[key])
+                        for key in ("qweight", "qzeros", "scales")}
+            else:
+                made = {name: _fp16(src.tensor(name), name)}
+            nbytes = sum(a.nbytes for a in made.values())
+            if tensors and size + nbytes > SHARD_BYTES:
+                flush()
+            tensors.update(made)
+            size += nbytes
+        flush()
+    except BaseException:   # no half-written export left behind
+        for part, _, _ in shards:
+            part.unlink(missing_ok=True)
+        raise
     if len(shards) == 1:
         shards[0][0].replace(dst / "model.safetensors")
     else:
