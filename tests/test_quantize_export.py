@@ -404,3 +404,48 @@ def test_hf_export_shards_as_transformers_reads_them(src, tmp_path, monkeypatch,
         m2 = AutoModelForCausalLM.from_pretrained(many, torch_dtype=torch.float32)
         for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
             assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+def test_hf_export_failing_mid_shard_leaves_no_part(src, tmp_path, monkeypatch):
+    """A shard whose save_file fails part-way (a full disk) is removed with the finished ones:
+    the failed export leaves no shard-*.part behind (it could be gigabytes on a full disk)."""
+    import safetensors.numpy as sn
+
+    from quantzoo.model import export as E
+
+    monkeypatch.setattr(E, "SHARD_BYTES", 20_000)
+    real, calls = sn.save_file, []
+
+    def failing(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 3:
+            with open(filename, "wb") as f:
+                f.write(b"partial")
+            raise OSError(28, "No space left on device")
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(sn, "save_file", failing)
+    with pytest.raises(OSError, match="No space"):
+        E.export(src["dir"], tmp_path / "out", "fp16", progress=False)
+    assert len(calls) == 3
+    assert not list((tmp_path / "out").glob("*.part")), sorted(p.name for p in (tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("fmt,dst", [("q4_0", "m.gguf"), ("awq", "awq")])
+def test_export_reads_each_source_tensor_once(src, tmp_path, monkeypatch, fmt, dst):
+    """The lazy HF source is read once per tensor: Source.quantized quantizes the tensor it has
+    looked up instead of looking it up (reading it from the checkpoint) a second time."""
+    import collections
+
+    from quantzoo.model import export as E
+    from quantzoo.model import hf_loader as L
+
+    reads, get = collections.Counter(), L._Shards.get
+
+    def counting(self, name):
+        reads[name] += 1
+        return get(self, name)
+
+    monkeypatch.setattr(L._Shards, "get", counting)
+    E.export(src["dir"], tmp_path / dst, fmt, group_size=32, progress=False)
+    assert reads and max(reads.values()) == 1, {k: v for k, v in reads.items() if v > 1}

@@ -71,8 +71,12 @@ class Source:
         if isinstance(w, QuantizedTensor) and w.format == fmt and all(
                 w.params.get(k) == v for k, v in params.items()):
             return w.numpy()
+        # w itself (self.tensor(name) would read a lazy source's tensor a second time), and not
+        # held while it is quantized
+        x = to_numpy_float(w)
+        del w
         try:
-            return get(fmt).quantize(self.tensor(name), **params)
+            return get(fmt).quantize(x, **params)
         except ValueError as e:   # e.g. a NaN in the checkpoint: say which tensor of which file
             raise ValueError(f"{self.path}: tensor {name!r}: {e}") from None
 
@@ -243,6 +247,8 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
     except BaseException:   # no half-written export left behind
         for part, _, _ in shards:
             part.unlink(missing_ok=True)
+        # and the part save_file was writing when it failed (a full disk: up to SHARD_BYTES)
+        (dst / f"shard-{len(shards)}.part").unlink(missing_ok=True)
         raise
     if len(shards) == 1:
         shards[0][0].replace(dst / "model.safetensors")
