@@ -257,11 +257,11 @@ class Q8_1(GGUFBlockFormat, name="q8_1"):
         d = amax / np.float32(127)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = blocks / d[..., None]  # fp32 division, correctly rounded like CUDA's '/'
-            # q = 0 for the whole block where d = 0 (amax = 0, or amax / 127 underflows), and
-            # where x / d is NaN (a NaN block, an inf element; CUDA's float-to-int gives 0)
-            r = np.where((d[..., None] == 0) | ~np.isfinite(ratio), 0, roundf(ratio))
+            # q = 0 wherever x / d is not finite: the whole block where d = 0 (amax = 0, or
+            # amax / 127 underflows), a NaN block, an inf element (CUDA's float-to-int gives 0)
+            q = _cast_q(roundf(ratio))
             s = butterfly_sum(blocks)
-        return {"d": d, "m": s, "q": r.astype(np.int16)}
+        return {"d": d, "m": s, "q": q.astype(np.int16)}
 
     def values(self, f):
         return f["d"].astype(np.float32)[..., None] * f["q"].astype(np.float32)

@@ -56,7 +56,8 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     microseconds of Python per call). Never inside a CUDA graph capture, whose workspaces are
     the graph's own; a workspace (re)allocation or release (cuda_launch.workspaces_changed)
     drops every plan, and the next call records anew. The weight must have passed checked_once,
-    which holds the plans (cuda_launch.PlanCache)."""
+    which holds the plans (cuda_launch.PlanCache). y must not overlap x (the callers refuse a
+    given out that does, check_out_overlap; a plan could not tell their pointers apart)."""
     import torch
 
     from quantzoo import cuda_launch as cl
@@ -65,7 +66,6 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     if not PLANS or memo is None or torch._C._cuda_isCurrentStreamCapturing():
         queue()
         return
-    check_out_overlap(x, y)   # (the callers check a given out; a plan also needs x apart from y)
     xp, xb, yp, yb = x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(), y.numel() * y.element_size()
     if (xp | yp) % 16:
         # a plan replays launch choices made for the recorded addresses (gguf's split-K reduce
