@@ -98,7 +98,9 @@ def test_quantize_fields_follow_the_design_formula(group_size, rng):
     zr = -lo / s
     z = np.clip(np.round(zr), 0, 15)
     sure = np.abs(zr - np.floor(zr) - 0.5) > 1e-4
-    assert sure.mean() > 0.99 and np.array_equal(f["z"][sure], z[sure])
+    # (only 48 zero points at G = 128: one near-tie in them is 2 %, so the guard that the
+    # comparison is not vacuous asks for 90 % here; the equality itself is exact)
+    assert sure.mean() > 0.9 and np.array_equal(f["z"][sure], z[sure])
     qr = g / s[:, None, :]
     q = np.clip(np.round(qr) + z[:, None, :], 0, 15).reshape(k, n)
     sure = (np.abs(qr - np.floor(qr) - 0.5) > 1e-4).reshape(k, n) & np.repeat(sure, group_size, axis=0)
