@@ -32,6 +32,7 @@ from .tensor import QuantizedTensor
 ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
 REVERSE = np.array([0, 4, 1, 5, 2, 6, 3, 7])
 GROUP_SIZES = (32, 64, 128)
+QUANTIZE_CHUNK = 1 << 22   # weights quantized at a time (whole output rows, a multiple of 8)
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -83,8 +84,25 @@ class AWQ(Format, name="awq"):
         n, k = w.shape
         check_shape(n, k, group_size, "awq.quantize")
         group_size = int(group_size)
-        g = w.T.reshape(k // group_size, group_size, n)           # [groups, G, N]
-        lo, hi = g.min(axis=1), g.max(axis=1)                     # [groups, N]
+        qweight = np.empty((k, n // 8), np.int32)
+        qzeros = np.empty((k // group_size, n // 8), np.int32)
+        scales = np.empty((k // group_size, n), np.float16)
+        # Output rows are quantized on their own, so 8-row slices give the same bytes with the
+        # float32 temporaries (~10 bytes a weight) bounded by the slice, not the whole matrix.
+        step = 8 * max(1, QUANTIZE_CHUNK // (8 * k))
+        for r0 in range(0, n, step):
+            q, z, s16 = self._quantize_rows(w[r0:r0 + step], group_size)
+            c = slice(r0 // 8, (r0 + step) // 8)
+            qweight[:, c], qzeros[:, c], scales[:, r0:r0 + step] = pack_int4(q), pack_int4(z), s16
+        return QuantizedTensor("awq", (n, k), {"qweight": qweight, "qzeros": qzeros, "scales": scales},
+                               {"group_size": group_size})
+
+    @staticmethod
+    def _quantize_rows(w, group_size):
+        """w float32 [n, K] -> q [K, n], z [K/G, n] (0..15) and fp16 s [K/G, n]."""
+        n, k = w.shape
+        g = w.T.reshape(k // group_size, group_size, n)           # [groups, G, n]
+        lo, hi = g.min(axis=1), g.max(axis=1)                     # [groups, n]
         s = np.maximum(hi - lo, np.float32(1e-5)) / np.float32(15)
         with np.errstate(over="ignore"):
             s16 = s.astype(np.float16)
@@ -97,9 +115,7 @@ class AWQ(Format, name="awq"):
         big = float(np.abs((q - z[:, None, :]) * s[:, None, :]).max())
         if big > 65504:   # the dequant (and the kernels' fp16 weight) would be inf
             raise ValueError(f"awq.quantize: a dequantized weight reaches {big:.6g}, beyond fp16's +-65504")
-        q = q.reshape(k, n)
-        data = {"qweight": pack_int4(q), "qzeros": pack_int4(z), "scales": np.ascontiguousarray(s16)}
-        return QuantizedTensor("awq", (n, k), data, {"group_size": group_size})
+        return q.reshape(k, n), z, s16
 
     def storage(self, shape, params: dict) -> dict:
         n, k = shape

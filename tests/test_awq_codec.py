@@ -105,3 +105,27 @@ def test_quantize_fields_follow_the_design_formula(group_size, rng):
     q = np.clip(np.round(qr) + z[:, None, :], 0, 15).reshape(k, n)
     sure = (np.abs(qr - np.floor(qr) - 0.5) > 1e-4).reshape(k, n) & np.repeat(sure, group_size, axis=0)
     assert sure.mean() > 0.99 and np.array_equal(f["q"][sure], q[sure])
+
+
+def test_quantize_in_row_slices_is_the_whole_matrix_bytes(monkeypatch, rng):
+    """quantize works on slices of output rows (a multiple of 8) so its float32 temporaries are
+    bounded by QUANTIZE_CHUNK, not by the matrix (a 152k x 4096 lm_head: ~6 GB at once): the
+    bytes equal those of one whole-matrix pass (slices of 8 rows and a last partial slice), and
+    numpy's traced peak (40-row slices) stays under w's own size."""
+    import tracemalloc
+
+    import quantzoo.formats.awq as A
+
+    w = (rng.standard_normal((8 * 37, 512)) * 0.02).astype(np.float32)
+    whole = AWQ.quantize(w, group_size=64)
+    for chunk in (1, 5 * 8 * 512):                     # 8 rows at a time; 40 rows (37 = 4 * 9 + 1)
+        monkeypatch.setattr(A, "QUANTIZE_CHUNK", chunk)
+        sliced = AWQ.quantize(w, group_size=64)
+        assert all(np.array_equal(whole.data[k], sliced.data[k]) for k in whole.data)
+    tracemalloc.start()
+    try:
+        AWQ.quantize(w, group_size=64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < w.nbytes, (peak, w.nbytes)          # 0.75x here; one whole-matrix pass: 3.1x
