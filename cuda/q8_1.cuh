@@ -6,9 +6,11 @@
 //                               s NaN (q8_1_max; fmaxf alone would drop it, and Q8_0's dot, which
 //                               never reads s, would give a finite y -- llama.cpp's behaviour --
 //                               where the emulation, the fp16 paths and the README give NaN)
-//   q_j  = roundf(x_j / d)      (a true fp32 division -- q8_1_round takes it only near a tie;
+//   q_j  = roundf(x_j / d)      (a true fp32 division -- q8_1_round takes it only near a tie
+//                                 or where fp32 1 / d overflows;
 //                                 roundf takes halves away from zero; q = 0 for the whole
-//                                 block when amax == 0; q_j = 0 where x_j / d is NaN: a NaN
+//                                 block when d == 0 (amax == 0, or an fp32 amax / 127 that
+//                                 underflows); q_j = 0 where x_j / d is NaN: a NaN
 //                                 block, or an inf x_j)
 //   s    = sum_j x_j            (the values, fp32)
 //
@@ -29,13 +31,12 @@
 // and roundf changes only at k + 1/2, so where r is farther than 3.1e-5 from one, roundf(r) is
 // roundf(fl(v / d)) -- bit-identical to the division. A fused layer op quantizing 8 values a
 // lane on one SM spent most of its extra time in the 8 IEEE divisions (~40 instructions each).
-// Not for fp32 x with amax below ~3.7e-37 (d < 2^-128, so 1 / d is inf): there the bytes may
-// differ from the codec's (a GPU test of such blocks failed in session 33 and was not run down;
-// fp16 x, all the runner makes, never gets near).
+// fp32 x with amax below ~3.7e-37 makes d < 2^-128, so 1 / d is inf and r inf or NaN: those
+// (|r| > 128 or NaN, never otherwise) take the division too. fp16 x never gets near.
 __device__ __forceinline__ int q8_1_round(float v, float d, float inv_d) {
   float r = v * inv_d;
   const float a = fabsf(r);
-  if (fabsf(a - truncf(a) - 0.5f) <= 3.1e-5f) r = v / d;   // near a tie: the true quotient
+  if (!(a <= 128.0f) || fabsf(a - truncf(a) - 0.5f) <= 3.1e-5f) r = v / d;   // the true quotient
   return int(roundf(r));
 }
 
@@ -57,7 +58,7 @@ __device__ __forceinline__ int q8_1_quantize_value(float v, float& d, float& sum
     sum += __shfl_xor_sync(0xffffffffu, sum, off);
   }
   d = amax / 127.0f;
-  return amax == 0.0f ? 0 : q8_1_round(v, d, 1.0f / d);
+  return d == 0.0f ? 0 : q8_1_round(v, d, 1.0f / d);   // d = 0: amax = 0, or fp32 amax / 127 underflows
 }
 
 // Where block blk of n_blocks keeps its 32 qs bytes and its half2 (d, s), in either layout.
@@ -110,7 +111,7 @@ __device__ __forceinline__ void q8_1_store8(uint4 chunk, bool ok, unsigned char*
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int q = amax == 0.0f ? 0 : q8_1_round(v[i], d, inv_d);
+    const int q = d == 0.0f ? 0 : q8_1_round(v[i], d, inv_d);
     w[i / 4] |= unsigned((unsigned char)(signed char)q) << (8 * (i % 4));
   }
   if (!ok) return;

@@ -240,8 +240,7 @@ class Q8_1(GGUFBlockFormat, name="q8_1"):
     d = amax / 127 (fp32), q = roundf(x / d) (a true fp32 division; q = 0 when d = 0),
     s = sum of the original x over the block, summed in warp-butterfly order (butterfly_sum),
     then d and s rounded to half. Non-finite x: a NaN makes the block's d and s NaN and its q 0;
-    an inf makes d inf and q 0 (every kernel then gives NaN), as cuda/q8_1.cuh does. (For fp32 x
-    with amax below ~3.7e-37 the kernel's bytes may differ: its header says why.) The legacy CPU
+    an inf makes d inf and q 0 (every kernel then gives NaN), as cuda/q8_1.cuh does. The legacy CPU
     block (fp32 d and d*sum(q), 40 bytes in gguf-py's size table) is a different thing; the
     36-byte size here is the CUDA one.
     """

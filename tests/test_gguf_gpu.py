@@ -138,6 +138,30 @@ def test_quantize_q8_1_bit_equal(dtype, m, k):
     assert diff.size == 0, f"first differing (row, byte): {diff[:5].tolist()}"
 
 
+@pytest.mark.parametrize("amax", [1e-36, 3e-37, 1e-38, 1e-40, 1e-44])
+def test_quantize_q8_1_fp32_tiny_blocks(amax):
+    """fp32 blocks whose d = amax / 127 is below 2^-128 (1 / d is inf in fp32) or subnormal, x
+    itself subnormal (1e-40), and d underflowing to 0 (1e-44): q = roundf(x / d) by true division
+    (q = 0 where d = 0), as the codec; d and s round to half 0. (q8_1.cuh's reciprocal shortcut
+    gave inf there, and int(inf) saturates to a wrong byte.)"""
+    rng = np.random.default_rng()
+    x = rng.uniform(-1, 1, (2, 32 * 8)).astype(np.float32)
+    x[:, ::32] = 1.0                                   # amax exactly at the block's first element
+    x = (x * np.float32(amax)).astype(np.float32)
+    x[1, 32:64] = 0.0
+    want = qz.formats.get("q8_1").quantize(x).data
+    for split in (False, True):
+        fn = G.quantize_q8_1_split if split else G.quantize_q8_1
+        got = fn(torch.from_numpy(x).to(DEV)).cpu().numpy()
+        n = x.size // 32
+        if split:
+            got = np.concatenate([got[32 * n:].reshape(n, 4), got[: 32 * n].reshape(n, 32)], axis=1)
+        g, w = got.reshape(-1, 36), want.reshape(-1, 36)
+        bad = np.argwhere(g != w)
+        assert bad.size == 0, (f"split={split}: (block, byte) {bad[:4].tolist()}; x {x.reshape(-1, 32)[bad[0][0]][:4]} "
+                               f"kernel {g[bad[0][0]][4:12].view(np.int8)} codec {w[bad[0][0]][4:12].view(np.int8)}")
+
+
 def _near_tie_blocks(rng, n_blocks=64):
     """fp16 Q8_1 blocks whose values x have fl(x / d) at or within 3.1e-5 of a half-integer --
     where q8_1.cuh's q8_1_round falls back from x * (1 / d) to the division: exact ties (d a
@@ -199,8 +223,7 @@ def _q8_1_bytes_equal(got, want):
 def test_quantize_q8_1_non_finite_blocks():
     """Blocks with a NaN (d, s NaN, q 0: fmaxf used to drop the NaN and keep a finite d, so Q8_0's
     integer paths, which never read s, gave a finite y), an inf, +inf and -inf: the codec's bytes,
-    in both layouts. (fp16 x. An fp32 variant that also had blocks with amax < 3.7e-37 failed on
-    an H200 in session 33, cause not found: cuda/q8_1.cuh says so.)"""
+    in both layouts (fp16 x; fp32 blocks of tiny amax: test_quantize_q8_1_fp32_tiny_blocks)."""
     x = RNG.standard_normal((2, 32 * 9)).astype(np.float32)
     x[0, 3] = np.nan                                   # NaN among normal values
     x[0, 32:64] = 0.0
