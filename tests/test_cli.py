@@ -74,6 +74,7 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
                          (["--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 0"),
                          (["--seed", str(2**70)], "sampling: seed=1180591620717411303424 must be an integer"),
                          (["--system", "be brief"], "--system: a system message goes into the chat template"),
+                         (["--chat-template", "tool_use"], "--chat-template: it names the template --chat uses"),
                          (["--stop", ""], "--stop: an empty stop string")):
         assert main(["run", "model", "--model", nope, *args]) == 2
         err = capsys.readouterr().err

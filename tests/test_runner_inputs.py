@@ -3,6 +3,8 @@ model options, tokenizer arguments -- one clear ValueError naming what is wrong,
 crash deep in torch, a wrapped-around id or a NaN sample."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -279,6 +281,65 @@ def test_chat_template_renders_as_transformers_does(template):
         for agp in (True, False):
             assert tok.apply_chat_template(msgs, add_generation_prompt=agp) == \
                 hf.apply_chat_template(msgs, add_generation_prompt=agp, tokenize=False), (msgs, agp)
+
+
+_NAMED = [{"name": "default", "template": "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"},
+          {"name": "tool_use", "template": "{% for m in messages %}<tool>{{ m.content }}{% endfor %}"}]
+
+
+def test_named_chat_templates_as_transformers_and_llama_cpp_store_them(tmp_path):
+    """tokenizer_config.json's list of {name, template}: the default renders as transformers
+    renders it, a named one by name (--chat-template); a list with no "default" needs a name, as
+    transformers says (it rendered the first one silently); a GGUF keeps them as gguf-py's
+    add_chat_template writes them (tokenizer.chat_template[.NAME], tokenizer.chat_templates)."""
+    from types import SimpleNamespace
+
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+
+    from quantzoo.model.export import _write_tokenizer_files
+    from quantzoo.model.gguf_loader import read_metadata
+
+    raw = H.build_tokenizer(300)
+    msgs = [{"role": "user", "content": "hi"}]
+    for named in (_NAMED, _NAMED[1:]):
+        tok = Tokenizer.from_tokenizer_json(raw.to_str(), {"chat_template": named})
+        hf = PreTrainedTokenizerFast(tokenizer_object=raw, chat_template={t["name"]: t["template"] for t in named})
+        assert tok.apply_chat_template(msgs, template="tool_use") == \
+            hf.apply_chat_template(msgs, chat_template="tool_use", tokenize=False) == "<tool>hi"
+        if len(named) == 2:
+            assert tok.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False) == "[user] hi"
+        else:
+            with pytest.raises(ValueError, match="no default"):
+                hf.apply_chat_template(msgs, tokenize=False)
+            with pytest.raises(ValueError, match=r"several chat templates \['tool_use'\] and no default"):
+                tok.apply_chat_template(msgs)
+        with pytest.raises(ValueError, match=r"chat template 'chatml': this model has the named templates"):
+            tok.apply_chat_template(msgs, template="chatml")
+        w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+        w.add_chat_template(named)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        meta = read_metadata(gguf.GGUFReader(tmp_path / "t.gguf"), "t.gguf", prefix="tokenizer.")
+        g = Tokenizer.from_gguf_fields({**_gguf_vocab(), **meta}, "t.gguf")
+        assert g.chat_templates == tok.chat_templates and g.chat_template == tok.chat_template
+        out = tmp_path / f"hf{len(named)}"   # a GGUF's named templates exported to an HF dir
+        out.mkdir()
+        _write_tokenizer_files(SimpleNamespace(hf_config=None, path=tmp_path, tokenizer=tok), out)
+        tc = json.loads((out / "tokenizer_config.json").read_text())
+        back = Tokenizer.from_tokenizer_json(str(out / "tokenizer.json"), tc)
+        assert back.chat_templates == tok.chat_templates and back.chat_template == tok.chat_template
+    plain = Tokenizer.from_tokenizer_json(raw.to_str(), {"chat_template": H.CHATML})
+    assert plain.apply_chat_template(msgs, template="default") == plain.apply_chat_template(msgs)
+    with pytest.raises(ValueError, match="no named templates"):
+        Tokenizer.from_tokenizer_json(raw.to_str(), {}).apply_chat_template(msgs, template="x")
+
+
+def _gguf_vocab():
+    toks = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": toks,
+            "tokenizer.ggml.token_type": [1] * len(toks), "tokenizer.ggml.merges": []}
 
 
 def test_warm_up_prefills_again_when_a_workspace_grew():

@@ -17,6 +17,8 @@ def register(sub) -> None:
     m.add_argument("--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     m.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     m.add_argument("--system", default=None, help="system message for --chat")
+    m.add_argument("--chat-template", default=None, metavar="NAME",
+                   help="for --chat: which of the model's named chat templates (default: its default one)")
     m.add_argument("--max-new-tokens", type=int, default=64)
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -57,6 +59,8 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     if args.system is not None and not args.chat:
         raise ValueError("--system: a system message goes into the chat template; add --chat")
+    if args.chat_template is not None and not args.chat:
+        raise ValueError("--chat-template: it names the template --chat uses; add --chat")
     if any(not s for s in args.stop or []):
         raise ValueError("--stop: an empty stop string would stop at once")
     opts = {"cuda_graph": not args.no_cuda_graph}
@@ -72,7 +76,7 @@ def run(args) -> int:
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
                [{"role": "user", "content": text}]
-        ids = tok.encode_chat(msgs, add_generation_prompt=True)
+        ids = tok.encode_chat(msgs, add_generation_prompt=True, template=args.chat_template)
     else:
         ids = tok.encode(text)
     from ..model.generate import generate, prepare, warm_up

@@ -193,7 +193,9 @@ def _write_tokenizer_files(src: Source, dst: Path) -> None:
     tc = {"bos_token": tok.bos_token or None, "eos_token": tok.eos_token or None,
           "add_bos_token": bool(tok.add_bos),
           "add_eos_token": bool(tok.add_eos), "clean_up_tokenization_spaces": False}
-    if tok.chat_template:
+    if set(tok.chat_templates) - {"default"}:   # named templates: transformers' list form
+        tc["chat_template"] = [{"name": n, "template": t} for n, t in tok.chat_templates.items()]
+    elif tok.chat_template:
         tc["chat_template"] = tok.chat_template
     (dst / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False), encoding="utf-8")
     gen = {"eos_token_id": tok.eos_token_ids or None, "bos_token_id": tok.bos_token_id}

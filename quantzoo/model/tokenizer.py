@@ -111,13 +111,15 @@ class Tokenizer:
     """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer`."""
 
     def __init__(self, tok: HFTokenizer, *, bos_token_id=None, eos_token_ids=(), add_bos=False,
-                 add_eos=False, chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
+                 add_eos=False, chat_template: str | None = None, bos_token: str = "", eos_token: str = "",
+                 chat_templates: dict | None = None):
         self.tok = tok
         self.bos_token_id = bos_token_id
         self.eos_token_ids = [int(i) for i in eos_token_ids]
         self.add_bos = bool(add_bos)
         self.add_eos = bool(add_eos) and bool(self.eos_token_ids)   # appends eos_token_ids[0]
-        self.chat_template = chat_template
+        self.chat_template = chat_template                   # the default one, or None
+        self.chat_templates = dict(chat_templates or {})     # every named one (name -> template)
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @property
@@ -148,8 +150,24 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(token_ids([i], 2**32, "id")[0])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        """The conversation rendered by the model's chat template: the default one, or the named
+        one `template` (a model may ship several: tokenizer_config.json's list of {name, template},
+        a GGUF's tokenizer.chat_template.<name>). Like transformers, a model whose templates are
+        all named and none "default" needs a name."""
+        names = sorted(self.chat_templates)
+        if template is not None:
+            if template not in self.chat_templates:
+                raise ValueError(f"chat template {template!r}: this model has "
+                                 + (f"the named templates {names}" if names else "no named templates"))
+            source = self.chat_templates[template]
+        elif self.chat_template:
+            source = self.chat_template
+        elif names:
+            raise ValueError(f"this model has several chat templates {names} and no default: name one "
+                             "(--chat-template NAME)")
+        else:
             raise ValueError("this model has no chat template (tokenizer.chat_template / "
                              "tokenizer_config.json chat_template): prompt it without --chat")
         if not isinstance(messages, list) or not all(
@@ -171,7 +189,7 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
         try:
-            return env.from_string(self.chat_template).render(
+            return env.from_string(source).render(
                 messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token)
         except jinja2.TemplateError as e:   # a broken template, or one that refuses the messages
@@ -181,10 +199,11 @@ class Tokenizer:
             # OverflowError for a range past MAX_RANGE, a MemoryError for {{ 'x' * 10**10 }}, ...
             raise ValueError(f"the model's chat template fails: {type(e).__name__}: {e}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template: str | None = None) -> list[int]:
         """The ids of a rendered conversation: BOS in front unless the template renders one, and
         no EOS behind it whatever add_eos says (the model is to continue it)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, template)
         renders_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_bos=False if renders_bos else None, add_eos=False)
 
@@ -213,13 +232,16 @@ class Tokenizer:
         bos, eos = tok_str("bos_token"), tok_str("eos_token")
         bos_id = tok.token_to_id(bos) if bos else None
         eos_ids = [tok.token_to_id(eos)] if eos and tok.token_to_id(eos) is not None else []
-        tmpl = cfg.get("chat_template")
+        tmpl, named = cfg.get("chat_template"), {}
         if isinstance(tmpl, list):  # [{name, template}, ...]
-            named = [t for t in tmpl if isinstance(t, dict) and isinstance(t.get("template"), str)]
+            named = {t["name"]: t["template"] for t in tmpl if isinstance(t, dict)
+                     and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
             if not named:
                 raise ValueError("tokenizer_config.json: chat_template is a list without "
                                  "{name, template} entries")
-            tmpl = next((t["template"] for t in named if t.get("name") == "default"), named[0]["template"])
+            tmpl = named.get("default")
+        if isinstance(tmpl, str):
+            named.setdefault("default", tmpl)
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(tmpl).__name__}")
         add_bos, add_eos = cfg.get("add_bos_token"), cfg.get("add_eos_token")
@@ -238,7 +260,7 @@ class Tokenizer:
                 add_eos = bool(eos_ids) and with_special[-1:] == eos_ids
         return cls(tok, bos_token_id=bos_id, eos_token_ids=eos_ids,
                    add_bos=bool(add_bos) and bos_id is not None, add_eos=bool(add_eos) and bool(eos_ids),
-                   chat_template=tmpl, bos_token=bos or "", eos_token=eos or "")
+                   chat_template=tmpl, bos_token=bos or "", eos_token=eos or "", chat_templates=named)
 
     @classmethod
     def from_gguf_fields(cls, meta: dict, path: str = "<gguf>") -> "Tokenizer":
@@ -344,6 +366,18 @@ class Tokenizer:
         tmpl = meta.get("tokenizer.chat_template")
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"{path}: tokenizer.chat_template must be a string, got {type(tmpl).__name__}")
+        named = {}   # llama.cpp's named templates: tokenizer.chat_templates lists the names
+        names = meta.get("tokenizer.chat_templates") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{path}: tokenizer.chat_templates must be an array of names")
+        for name in names:
+            t = meta.get(f"tokenizer.chat_template.{name}")
+            if not isinstance(t, str):
+                raise ValueError(f"{path}: tokenizer.chat_templates names {name!r}, but "
+                                 f"tokenizer.chat_template.{name} is {'missing' if t is None else 'not a string'}")
+            named[name] = t
+        if tmpl is not None:
+            named.setdefault("default", tmpl)
         return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=bool(add_bos) and bos is not None,
                    add_eos=add_eos, chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
-                   eos_token="" if eos is None else tokens[eos])
+                   eos_token="" if eos is None else tokens[eos], chat_templates=named)
