@@ -7,11 +7,14 @@ A kernel sums in fp32 (CUDA-core FMAs or tensor-core MMA, any order) and rounds 
 (the fp32-order bound of the reference, half an fp16 ulp of y, half the smallest fp16 subnormal).
 For small cases that bound comes from qt.fmt.emulate(x, qt, return_bound=True) itself; large
 ones evaluate the same formula in float64 on the GPU (checked equal to the numpy one below).
-Outputs are poisoned with NaN before every run; inputs are fresh per case.
+Outputs are poisoned with NaN before every run; inputs, weights included, are fresh per case:
+each case draws a seed (case_seed, printed and named in check()'s messages; replay one with
+QUANTZOO_SEED=<seed>, conftest's rng convention) from which weight() and case_rng() derive.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -34,17 +37,41 @@ def awq_mod():
     return awq
 
 
+_CASE = {"seed": 0}   # the running case's seed (case_seed): a dict, so importers see it change
 _WEIGHTS: dict = {}
 
 
+@pytest.fixture(autouse=True)
+def case_seed():
+    """A fresh seed per case (os.urandom's entropy through SeedSequence, or QUANTZOO_SEED to replay
+    one, as conftest's rng fixture), from which the case's weights (weight()) and inputs
+    (case_rng()) are drawn; printed, and named in check()'s and assert_nmse's messages.
+    tests/test_awq_small_gpu.py imports it, so its cases draw fresh weights too."""
+    seed = int(os.environ.get("QUANTZOO_SEED", np.random.SeedSequence().entropy % 2**32))
+    _CASE["seed"] = seed
+    print(f"seed={seed} (replay with QUANTZOO_SEED={seed})")
+    return seed
+
+
+def case_rng():
+    """The running case's generator of inputs (x, ad-hoc weights): seeded by case_seed, so a failing
+    case replays with QUANTZOO_SEED. Call it once per case (a second call repeats the stream)."""
+    return np.random.default_rng([_CASE["seed"], 1])
+
+
+def seed_note():
+    return f"(seed {_CASE['seed']}: replay with QUANTZOO_SEED={_CASE['seed']})"
+
+
 def weight(k, n, g, seed=0, sigma=0.02):
-    """(w float32 (N, K), qt on CPU, qt on CUDA, w16 fp16 (N, K)); cached per shape (x is fresh)."""
-    key = (k, n, g, seed, sigma)
+    """(w float32 (N, K), qt on CPU, qt on CUDA, w16 fp16 (N, K)), drawn from the running case's
+    seed (case_seed) and `seed` (distinct weights of one shape in a case); cached within the case."""
+    key = (_CASE["seed"], k, n, g, seed, sigma)
     if key not in _WEIGHTS:
-        if len(_WEIGHTS) > 6:
-            _WEIGHTS.clear()
-        rng = np.random.default_rng(1000 + seed + 7 * k + 13 * n + g)
-        w = (rng.standard_normal((n, k)) * sigma).astype(np.float32)
+        if len(_WEIGHTS) > 6 or any(key0[0] != key[0] for key0 in _WEIGHTS):
+            _WEIGHTS.clear()   # one case's weights at a time (another case has another seed)
+        rng = np.random.default_rng([_CASE["seed"], 2, seed, k, n, g])
+        w = rng.standard_normal((n, k), dtype=np.float32) * np.float32(sigma)
         qt = FMT.quantize(w, group_size=g)
         _WEIGHTS[key] = (w, qt, qt.to("cuda"), awq_fp16.dequantize_fp16(qt))
     return _WEIGHTS[key]
@@ -94,7 +121,7 @@ def check(y, x16, qt, w16, path=""):
     own emulation."""
     m, k = x16.shape
     assert y.shape == (m, qt.shape[0]) and y.dtype == torch.float16
-    assert not torch.isnan(y).any(), f"{path}: NaN left in the output (unwritten or NaN math)"
+    assert not torch.isnan(y).any(), f"{path}: NaN left in the output (unwritten or NaN math) {seed_note()}"
     small = effective_path(path, m, qt) in ("small", "gemv")   # the group-scaled kernels
     if m * k * qt.shape[0] <= 2e8:
         emul = awq_fp16.emulate_group_scaled if small else qt.fmt.emulate
@@ -105,11 +132,11 @@ def check(y, x16, qt, w16, path=""):
     else:
         ref, bound = emulate_gpu(x16, w16)
     over = ref.abs() >= 65520          # rounds to +-inf in fp16: the kernel must give that inf
-    assert torch.equal(y[over].double(), torch.sign(ref[over]) * float("inf")), f"{path}: overflow"
+    assert torch.equal(y[over].double(), torch.sign(ref[over]) * float("inf")), f"{path}: overflow {seed_note()}"
     ok = ~over
     err = (y.double() - ref).abs()[ok]
     excess = (err - bound[ok] - 2.0 ** -25).max().item() if ok.any() else 0.0
-    assert excess <= 0, f"{path}: |y - emul| exceeds the fp32 bound by {excess:.3g}"
+    assert excess <= 0, f"{path}: |y - emul| exceeds the fp32 bound by {excess:.3g} {seed_note()}"
     return ref
 
 
@@ -146,9 +173,9 @@ def assert_nmse(y, ref, exact, what):
     den = (exact ** 2).sum()
     nmse = (((y.double() - exact) ** 2).sum() / den).item()
     nmse_ref = (((ref - exact) ** 2).sum() / den).item()
-    assert nmse <= nmse_ref * 1.02 + 1e-7, f"{what}: NMSE {nmse:.4%}, the emulation's {nmse_ref:.4%}"
+    assert nmse <= nmse_ref * 1.02 + 1e-7, f"{what}: NMSE {nmse:.4%}, the emulation's {nmse_ref:.4%} {seed_note()}"
     if y.numel() >= NMSE_MIN_OUTPUTS:
-        assert nmse < 0.012, f"{what}: NMSE {nmse:.4%}"
+        assert nmse < 0.012, f"{what}: NMSE {nmse:.4%} {seed_note()}"
 
 
 def check_paths_and_nmse(x16, w, qt, qtc, w16, label=""):
@@ -178,7 +205,7 @@ def test_dequant_bit_exact(k, n, g):
 
 def test_dequant_extremes_small():
     """Tiny (subnormal products) and huge scales, all-zero and constant groups: still bit-exact."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n, g = 128, 64, 32
     w = (rng.standard_normal((n, k)) * 1e-6).astype(np.float32)      # scales ~1e-7: subnormal fp16
     w[:8] = 0.0                                                       # constant (zero) groups
@@ -195,7 +222,7 @@ def test_dequant_extremes_small():
 @pytest.mark.parametrize("m", MS)
 def test_tail_shape_all_paths(m, g):
     """N = 72*8, K = 9*64: neither is a multiple of a tile (K not of the 128-row stage)."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 9 * 64, 72 * 8
     _, qt, qtc, w16 = weight(k, n, g, seed=m)
     x16 = rand_x(rng, m, k)
@@ -209,7 +236,7 @@ def test_tail_shape_all_paths(m, g):
                          ids=lambda v: str(v))
 def test_small_shapes_all_paths(m, k, n, g):
     """N/8 not a multiple of 4 (4-byte copy fallback), N = 8, K = one group."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     qt = FMT.quantize(w, group_size=g)
     w16 = awq_fp16.dequantize_fp16(qt)
@@ -219,7 +246,7 @@ def test_small_shapes_all_paths(m, k, n, g):
 
 
 def test_small_magnitudes_and_zeros():
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n, g = 256, 136, 64
     for scale_x, scale_w in ((3e2, 1.0), (1e3, 1.0), (1e-3, 1e-4), (0.0, 0.02)):
         w = (rng.standard_normal((n, k)) * scale_w).astype(np.float32)
@@ -238,7 +265,7 @@ def test_small_magnitudes_and_zeros():
 @pytest.mark.parametrize("m", MS)
 def test_qwen_kproj_every_m(m):
     """4096 -> 1024, g128, every M of the issue, every path; NMSE vs float64 under 1.2 %."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 4096, 1024
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
@@ -249,7 +276,7 @@ def test_qwen_kproj_every_m(m):
 @pytest.mark.parametrize("m", [1, 2, 7, 16, 100, 1000])
 @pytest.mark.parametrize("k,n", QWEN, ids=lambda v: str(v))
 def test_qwen_shapes(k, n, m):
-    rng = np.random.default_rng()
+    rng = case_rng()
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
     # above M = 16: the forced tensor-core paths and dispatch (None: whichever path it picks)
@@ -260,7 +287,7 @@ def test_qwen_shapes(k, n, m):
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 8, 33, 256])
 def test_group_sizes(g, m):
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 4096, 1024
     w, qt, qtc, w16 = weight(k, n, g)
     check_paths_and_nmse(rand_x(rng, m, k), w, qt, qtc, w16, f" g{g}")
@@ -268,7 +295,7 @@ def test_group_sizes(g, m):
 
 def test_emulate_gpu_matches_numpy():
     """The float64 GPU oracles used for large cases are the numpy references' formulas."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     _, qt, _, w16 = weight(256, 136, 64)
     x16 = rand_x(rng, 5, 256)
     y, b = emulate_gpu(x16, w16)
@@ -283,7 +310,7 @@ def test_emulate_gpu_matches_numpy():
 
 # ---------------------------------------------------------------- API, dispatch, errors, graphs
 def test_ops_entry_points_and_batch_dims():
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n, g = 576, 576, 64
     _, qt, qtc, w16 = weight(k, n, g, seed=5)
     x16 = rand_x(rng, 6, k)
@@ -367,27 +394,65 @@ def test_dequant_cublas_slabs(k, n, g, m, monkeypatch):
     awq = awq_mod()
     monkeypatch.setattr(awq, "SLAB_BYTES", 1)
     assert awq.slab_columns(m, k, n) == 256
-    rng = np.random.default_rng()
+    rng = case_rng()
     _, qt, qtc, w16 = weight(k, n, g)
     x16 = rand_x(rng, m, k)
     check(run(x16, qtc, "dequant+cublas"), x16, qt, w16, "slabs")
 
 
-@pytest.mark.parametrize("cfg", [(2, 128, 5), (2, 64, 6), (2, 32, 6), (1, 128, 6), (2, 256, 4), (2, 16, 16),
-                                 (2, 32, 12)], ids=str)
+MMA_CFGS = ((1, 1, 1), (1, 2, 1), (1, 2, 4), (2, 1, 1), (2, 2, 1), (4, 1, 1))   # every awq.MMA_CFGS (asserted)
+
+
+@pytest.mark.parametrize("cfg", MMA_CFGS, ids=str)
+@pytest.mark.parametrize("k,n,g,m", [(1024, 2048, 64, 20), (608, 1160, 32, 37), (4096, 4096, 128, 32)], ids=str)
+def test_mma_every_config(k, n, g, m, cfg):
+    """Every compiled mma instance against the emulation's bound, forced (awq._mma's cfg), twice
+    (tile counters back at zero, workspace reused). Dispatch picks only some of them at the M the
+    other tests use: (2, 2, 1) is its choice for M = 17-32 on 2048 <= N < 8192 (mma_config), and
+    (1, 2, 4) (OCC = 4: 3 stages) is never picked. Shapes: 1024 -> 2048 at M = 20, where dispatch
+    itself takes mma (2, 2, 1) (N * K under WGMMA_MID_MIN_NK, so not wgmma on Hopper either;
+    asserted, and its unforced call equals the forced one bit for bit), K split across blocks;
+    608 -> 1160 at M = 37 (K = 4.75 stages of 128 rows, N/8 = 145 words: partial column tiles and
+    the 4-byte copy fallback, M tails of every tile height); 4096 -> 4096 at M = 32, g128."""
+    awq = awq_mod()
+    assert set(awq.MMA_CFGS) == set(MMA_CFGS), "an mma config this test does not run"
+    rng = case_rng()
+    _, qt, qtc, w16 = weight(k, n, g)
+    x16 = rand_x(rng, m, k)
+    x = torch.from_numpy(x16).cuda()
+    d = qtc.data
+    for _ in range(2):
+        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        awq._mma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, g, cfg=cfg)
+        torch.cuda.synchronize()
+        check(y, x16, qt, w16, f"mma {cfg} M={m}")
+    if (k, n, m) == (1024, 2048, 20):
+        assert awq.mma_config(m, n, k) == (2, 2, 1) and awq.choose_path(m, qtc) == "mma", "dispatch moved"
+        if cfg == (2, 2, 1):
+            assert torch.equal(run(x16, qtc), y), f"dispatch's mma (2, 2, 1) differs from the forced one {seed_note()}"
+
+
+SPLIT_K_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (2, 64, 6), (2, 32, 6), (1, 128, 6), (2, 256, 4), (2, 256, 5),
+                (2, 16, 16), (2, 32, 12))   # every awq.WGMMA_CFGS (asserted)
+
+
+@pytest.mark.parametrize("cfg", SPLIT_K_CFGS, ids=str)
 @pytest.mark.parametrize("k,n,g,m,splits,dp", [(608, 576, 32, 100, 2, 0), (608, 576, 32, 33, 10, 0),
                                                 (4096, 1024, 128, 130, 3, 0), (1024, 224, 64, 7, 16, 0),
                                                 (12288, 256, 128, 300, 5, 0), (12288, 256, 128, 300, 5, 1),
-                                                (608, 1120, 32, 520, 3, 2)], ids=str)
+                                                (608, 1120, 32, 520, 3, 2), (608, 1120, 32, 520, 2, 5)], ids=str)
 def test_wgmma_split_k(k, n, g, m, splits, dp, cfg):
     """Split K across blocks (fp32 partials, summed by the tile's last block at 2 splits, by the
     wgmma_reduce launch above): uneven splits, K not a multiple of the 64-row stage (608 = 9.5
     stages), one stage per split, M and N tails; and the schedule with the first dp tiles whole
-    and only the rest split."""
+    and only the rest split, by the reduce (3 splits) and by the hand-over (2 splits). Every
+    non-GLU instance against the emulation's bound, (2, 256, 5) included: dispatch's T = 256
+    config, whose 2-split hand-over the GLU test only compares with the same kernel."""
     awq = awq_mod()
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
-    rng = np.random.default_rng()
+    assert {tuple(c) for c in awq.WGMMA_CFGS} <= set(SPLIT_K_CFGS), "a wgmma config this test does not run"
+    rng = case_rng()
     _, qt, qtc, w16 = weight(k, n, g, seed=splits)
     x16 = rand_x(rng, m, k)
     x = torch.from_numpy(x16).cuda()
@@ -405,7 +470,7 @@ def test_wgmma_refuses_n_not_multiple_of_32():
     awq = awq_mod()
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 4096, 6152
     _, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, 64, k)
@@ -419,7 +484,7 @@ def test_wgmma_refuses_n_not_multiple_of_32():
 def test_cuda_graph_replay(m, monkeypatch):
     """A captured call replays correctly with new data in the static input (every path)."""
     awq = awq_mod()
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 4096, 1024
     _, qt, qtc, w16 = weight(k, n, 64)
     for path in paths_for(m, n) + (["slab"] if m > 16 else []):
@@ -485,20 +550,29 @@ def test_wgmma_glu_epilogue(k, n, g):
     reads up's words there, their scales and zeros read zeros, and none is stored), G = 32 (two
     groups a stage), F = 4352 at
     M = 300 (whole and split tiles in one launch); K split 2 ways (the hand-over) and 3-5 ways
-    (wgmma_reduce's GLU), every token tile width."""
+    (wgmma_reduce's GLU), every token tile width: M = 7 (2, 16, 16), 20 (2, 32, 12: dispatch's
+    config for M = 17-32), 33 (2, 64, 6), 130 and 300 (2, 256, 5) / (2, 128, 5). Where dispatch
+    itself takes wgmma (2048 x 8704 from M = 17; the others are under WGMMA_MID_MIN_NK), the
+    unforced matmul(glu=True) is the same launch, bit for bit -- at M = 20 that is the runner's
+    <2, 32, 12, true> instance."""
     from quantzoo.cuda_launch import sm_count
     from quantzoo.kernels import layer_ops, wgmma_tiles
 
     awq = awq_mod()
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
-    rng = np.random.default_rng()
+    rng = case_rng()
     _, _, qtc, _ = weight(k, n, g, seed=5)
     d = qtc.data
     f = n // 2
     sms = sm_count(torch.device("cuda"))
-    for m in (7, 33, 130, 300):
+    for m in (7, 20, 33, 130, 300):
         cfg = awq.wgmma_config(m, n, k, sms)
+        if m == 20:
+            assert cfg == (2, 32, 12), f"M = 20 should take the (2, 32, 12) GLU instance, got {cfg}"
+        dispatched = awq.choose_path(m, qtc) == "wgmma"
+        if (k, n) == (2048, 8704) and m > 16:
+            assert dispatched, f"{k}x{n} M={m}: dispatch moved off wgmma, pick a shape it sends there"
         fr = wgmma_tiles.columns(cfg[0], cfg[1]) // 2
         blocked = _glu_blocked(qtc, fr)
         nb = blocked[1].shape[1]
@@ -512,12 +586,15 @@ def test_wgmma_glu_epilogue(k, n, g):
             gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
             want = layer_ops.silu_mul(gu)
             torch.cuda.synchronize()
-            what = f"{k}x{n} g{g} M={m} {cfg} splits={splits}"
+            what = f"{k}x{n} g{g} M={m} {cfg} splits={splits} {seed_note()}"
             assert torch.isfinite(y).all(), f"{what}: unwritten outputs"
             assert torch.equal(y, want), (f"{what}: GLU epilogue differs from silu_mul of the products, "
                                           f"worst {float((y.float() - want.float()).abs().max()):.3g}")
             if splits is None:   # the public entry, forced onto wgmma: the same launch
                 assert torch.equal(awq.matmul(x, qtc, path="wgmma", glu=True), y), what
+                if dispatched:   # and dispatch's own choice (a planned call, the same cfg and schedule)
+                    for _ in range(2):
+                        assert torch.equal(awq.matmul(x, qtc, glu=True), y), f"{what}: dispatch"
 
 
 def test_glu_other_paths_plans_and_graph():
@@ -528,7 +605,7 @@ def test_glu_other_paths_plans_and_graph():
     from quantzoo.kernels import layer_ops
 
     awq = awq_mod()
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 4096, 1024
     _, _, qtc, _ = weight(k, n, 128)
     for m, path in ((1, "small"), (80, "mma"), (130, "dequant+cublas")):

@@ -166,6 +166,28 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     assert picks <= set(awq.WGMMA_GLU_CFGS) <= set(awq.WGMMA_CFGS)
 
 
+def test_gpu_tier_reaches_its_kernels(monkeypatch):
+    """The dispatch facts GPU tests rely on to reach a kernel, pinned on the CPU (a Hopper
+    device faked) so that a threshold change shows here first: test_awq_gpu's mma test runs
+    1024 -> 2048 at M = 20 as dispatch's mma (2, 2, 1) (M = 17-32, 2048 <= N < 8192; too small a
+    weight for wgmma); its GLU test's 2048 -> 8704 at M = 20 is dispatch's wgmma with the
+    (2, 32, 12) GLU instance; test_pdl_gpu's decode MLP at M = 1 sends gate/up (2F >= 16384
+    columns) to the GEMV and down to awq_small."""
+    shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
+    assert {awq.mma_config(m, n, k) for m in range(17, 33) for n in range(2048, 8192, 8) for k in (1024, 4096)} \
+        == {(2, 2, 1)}
+    assert awq.choose_path(20, shape(2048, 1024), cuda) == "mma" == awq.choose_path(20, shape(2048, 1024))
+    assert awq.choose_path(20, shape(8704, 2048), cuda) == "wgmma"
+    assert awq.wgmma_config(20, 8704, 2048, 132) == (2, 32, 12) and (2, 32, 12) in awq.WGMMA_GLU_CFGS
+    for d, f in ((1024, 8192), (4096, 12288)):
+        assert awq.choose_path(1, shape(2 * f, d), cuda) == "gemv" == awq.choose_path(1, shape(2 * f, d))
+        assert awq.choose_path(1, shape(d, f), cuda) == "small"
+    assert awq.choose_path(1, shape(1024, 1024), cuda) == "small"   # test_pdl_gpu's square chain
+    assert awq.gemv_config(24576, 4096) == ((4, 4, 4), 4)
+
+
 def test_wgmma_token_tile_choice():
     """Above M = 128 wgmma_tiles.config takes T = 128 or 256 by its cost model; on the H100
     (132 SMs) it must pick the faster of the two measured (GGUF q4_0, us, bench/NOTES.md session

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 
 from quantzoo.formats import get  # noqa: E402
 
-from test_awq_gpu import assert_nmse, check, emulate_small_gpu, rand_x, weight  # noqa: E402
+# case_seed (autouse): a fresh seed per case for weight() and case_rng(), printed; replay with QUANTZOO_SEED
+from test_awq_gpu import assert_nmse, case_rng, case_seed, check, emulate_small_gpu, rand_x, weight  # noqa: E402,F401
 
 FMT = get("awq")
 MS = (1, 2, 3, 7, 8, 9, 16)
@@ -56,7 +57,7 @@ def cfgs_for(m):
 def test_every_config_tail_shape(m, g):
     """N = 72*8 (72 column words: a partial last tile for the 16- and 64-word block tiles),
     K = 9*64."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 9 * 64, 72 * 8
     _, qt, qtc, w16 = weight(k, n, g, seed=m)
     x16 = rand_x(rng, m, k)
@@ -69,7 +70,7 @@ def test_every_config_tail_shape(m, g):
                                    (96, 8 * 17, 32)], ids=lambda v: str(v))
 def test_every_config_small_shapes(m, k, n, g):
     """N/8 odd (4-byte loads), N = 8, K = one group, fewer k-steps than warps."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     qt = FMT.quantize(w, group_size=g)
     qtc = qt.to("cuda")
@@ -83,7 +84,7 @@ def test_every_config_small_shapes(m, k, n, g):
 def test_forced_splits(m, splits):
     """The split-K workspace path for any split count (64 at K = 4096: 4 k-steps per block, so
     0 to 2 per warp)."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 4096, 1024
     _, qt, qtc, w16 = weight(k, n, 64)
     x16 = rand_x(rng, m, k)
@@ -96,7 +97,7 @@ def test_forced_splits(m, splits):
                          ids=lambda v: str(v))
 def test_qwen_shapes_vs_float64(k, n, m):
     """Dispatch configs on the Qwen3-8B shapes, g128: emulation bound and NMSE (assert_nmse)."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     w, qt, qtc, w16 = weight(k, n, 128)
     x16 = rand_x(rng, m, k)
     exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
@@ -109,7 +110,7 @@ def test_gemv_dispatched_on_wide_weight():
     """M = 1 on a wide weight (the runner's fused gate/up, 4096 -> 24576, g128) goes to the GEMV
     with its tuned config and K splits: emulation bound and NMSE (assert_nmse)."""
     awq = awq_mod()
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n = 4096, 24576
     w, qt, qtc, w16 = weight(k, n, 128)
     assert awq.choose_path(1, qtc) == "gemv" and (k, n) in awq.GEMV_TUNED
@@ -122,7 +123,7 @@ def test_gemv_dispatched_on_wide_weight():
 
 def test_magnitudes_and_zeros_every_config():
     """Subnormal fp16 x, tiny and huge weights, x = 0 (y must be exactly 0), constant groups."""
-    rng = np.random.default_rng()
+    rng = case_rng()
     k, n, g = 256, 136, 64
     for scale_x, scale_w in ((1e-6, 0.02), (3e2, 1.0), (1e3, 1.0), (1e-3, 1e-4), (0.0, 0.02)):
         w = (rng.standard_normal((n, k)) * scale_w).astype(np.float32)
@@ -142,7 +143,7 @@ def test_more_accurate_than_fp16_weights():
     """No fp16 weight rounding: against float64 of the same quantized weight the small kernel's
     error is below the fp16-weight kernel's (mma) on a 4096 -> 1024 g128 product."""
     awq = awq_mod()
-    rng = np.random.default_rng()
+    rng = case_rng()
     _, qt, qtc, w16 = weight(4096, 1024, 128)
     x16 = rand_x(rng, 8, 4096)
     x = torch.from_numpy(x16).cuda()

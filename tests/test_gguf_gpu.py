@@ -14,6 +14,10 @@ Oracles:
   The weights themselves, read back bit for bit through x = I (test_fp16_paths_weights_bit_exact):
   dequant's are fmt.dequantize (float32) rounded to half; wgmma's the correctly rounded half of
   the exact value -- the same except for Q4_1 / Q5_1 blocks whose float32 sum q d + m rounds.
+* wgmma, tightly: vs float64 on its own fp16 weights (_wgmma_w16, the exact value rounded once to
+  half, as the kernel forms them) within the fp32-summation bound K 2^-24 sum |x||w| plus the fp16
+  output rounding (_check_fp32_sum) -- the bound the AWQ wgmma kernel meets on the same
+  instructions (tests/test_awq_gpu.py), 2^14 / K times tighter than 2^-10 sum |x||w|.
 * every path vs float64 with the unquantized weights: NMSE under fmt.nmse_ceiling (seed 004).
 Outputs are NaN-poisoned before each launch; data are fresh random draws per run.
 """
@@ -530,18 +534,28 @@ def _glu_blocked(qt_cpu, fr):
 
 
 @pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
-def test_wgmma_glu_epilogue(fmt):
+def test_wgmma_glu_epilogue(fmt, monkeypatch):
     """matmul(glu=True) on the wgmma path equals layer_ops.silu_mul of the gate and up products,
     bit for bit, those products taken from an unfused wgmma launch on the same rows in the same
-    tile places (_glu_blocked). Shapes: F = 100 and 36 (gate tiles that run past F, reading up
-    rows that are not stored), K split 5-8 ways (uneven: 44 stages in 5; the split tiles' GLU in
-    wgmma_reduce, 1-wide at F = 100 and 36 ... 4-wide at F = 4352), more tiles than an H100 holds
-    (F = 4352 at M = 130 / 300: whole and split tiles in one launch), every token tile width."""
+    tile places (_glu_blocked). Shapes: F = 100, 102 and 36 (gate tiles that run past F, reading
+    up rows that are not stored), K split 5-8 ways (uneven: 44 stages in 5; the split tiles' GLU
+    in wgmma_reduce: 4-wide where F % 4 == 0, i.e. F = 100, 36, 4352; 1-wide,
+    wgmma_reduce<1, true>, only at F = 102; the launches asked for are recorded to prove it), more
+    tiles than an H100 holds (F = 4352 at M = 130 / 300), every token tile width."""
     from quantzoo.cuda_launch import sm_count
     from quantzoo.kernels import layer_ops, wgmma_tiles
 
+    names = []
+    real_kernel = G._kernel
+
+    def spy(source, name):
+        names.append(name)
+        return real_kernel(source, name)
+
+    monkeypatch.setattr(G, "_kernel", spy)
+    reduces = set()
     rng = np.random.default_rng(RNG.integers(1 << 32))
-    for n, k in ((200, 4096), (8704, 2048), (72, 2816)):
+    for n, k in ((200, 4096), (204, 4096), (8704, 2048), (72, 2816)):
         _, qt_cpu = _weight(fmt, n, k, rng)
         qt = qt_cpu.to(DEV)
         if not G.wgmma_ok(qt):
@@ -554,7 +568,11 @@ def test_wgmma_glu_epilogue(fmt):
             assert wgmma_tiles.config(m, blocked.shape[0], k, sm_count(torch.device(DEV))) == cfg
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).to(DEV)
             y = _poisoned((m, f))
+            names.clear()
             G.matmul(x, qt, out=y, path="wgmma", glu=True)
+            red = [s for s in names if s.startswith("wgmma_reduce")]
+            assert red in ([], [f"wgmma_reduce<{4 if f % 4 == 0 else 1}, true>"]), (n, k, m, names)
+            reduces.update(red)
             yb = G.matmul(x, blocked, path="wgmma").view(m, -1, 2, fr)
             gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
             want = layer_ops.silu_mul(gu)
@@ -562,6 +580,9 @@ def test_wgmma_glu_epilogue(fmt):
             assert torch.isfinite(y).all(), f"{fmt} {n}x{k} M={m}: unwritten outputs"
             assert torch.equal(y, want), (f"{fmt} {n}x{k} M={m}: GLU epilogue differs from silu_mul of the "
                                           f"products, worst {float((y.float() - want.float()).abs().max()):.3g}")
+    # F = 102 splits K 8 ways at every M here (a few tiles, 64 stages; checked on the CPU with
+    # 1 or 2 blocks an SM on 114 or 132 SMs): its outputs came through the 1-wide GLU reduce
+    assert reduces == {"wgmma_reduce<1, true>", "wgmma_reduce<4, true>"}, reduces
     # the other paths (M = 3: mmvq, 40: mma, 130: dequant + cuBLAS, whose torch step writes the
     # workspace) run the product into a workspace, then silu_mul; the default dispatch replays its
     # recorded launches (the second call) and is graph-capturable
@@ -579,6 +600,157 @@ def test_wgmma_glu_epilogue(fmt):
     assert torch.equal(y, want), "graph replay of the GLU matmul differs from an eager call"
     with pytest.raises(ValueError, match="glu"):
         G.matmul(x, qz.formats.get(fmt).quantize(np.zeros((6, k), np.float32)).to(DEV), glu=True)
+
+
+# ---- wgmma against its own fp16 weights, in the fp32 bound; whole and split tiles in one launch ----
+def _wgmma_w16(qt_cpu):
+    """The wgmma kernel's own fp16 weights as float64 (N, K), by numpy from the block fields: the
+    exact value (q - offset) d, or q d + m for Q4_1 / Q5_1 (float64 holds it exactly), rounded
+    once to half (numpy rounds float64 -> float16 directly, to nearest even). That is the
+    kernel's arithmetic (cuda/gguf_wgmma.cu, read for this): q - offset is formed exactly in fp16
+    (the 1024 + q magic and one hsub2 / hfma2 by powers of two), then one __hmul2_rn by d (Q4_0 /
+    Q5_0 / Q8_0) or one __hfma2 by d plus m (Q4_1 / Q5_1) -- one fp16 rounding of the exact
+    value, no fp32 step. For Q4_0 / Q5_0 / Q8_0 it equals fmt.dequantize (float32, exact there:
+    8 + 11 significant bits) rounded to half; for Q4_1 / Q5_1 the two can differ where the float32
+    q d + m rounds (test_fp16_paths_weights_bit_exact reads these weights back bit for bit)."""
+    f = qt_cpu.fmt
+    n, k = qt_cpu.shape
+    fields = f.unpack(qt_cpu.data)
+    d = fields["d"].astype(np.float64)[..., None]
+    q = fields["q"].astype(np.float64)
+    exact = d * q + fields["m"].astype(np.float64)[..., None] if f.has_min else d * (q - f.offset)
+    w16 = exact.reshape(n, k).astype(np.float16)
+    if not f.has_min:
+        assert np.array_equal(w16, f.dequantize(qt_cpu).astype(np.float16)), f"{f.name}: float32 (q - offset) d inexact?"
+    return w16.astype(np.float64)
+
+
+def _check_fp32_sum(y, x16, w16, what):
+    """y (fp16; numpy or CUDA) against ref = x16 @ w16.T in float64 (w16: the kernel's own fp16
+    weights, float64 CUDA (N, K)) within the bound the AWQ wgmma test holds that kernel to on the
+    same wgmma instructions (tests/test_awq_gpu.py, emulate_gpu / check):
+        |y - ref| <= K 2^-24 sum_k |x_k w_k| (1 + 2^-11) + 2^-11 |ref| + 2^-25.
+    fp16 x fp16 products are exact in fp32 (11 + 11 significant bits); a sum of K of them in fp32,
+    in any order -- the tensor cores' k-steps, split-K partials and wgmma_reduce's sum over the
+    splits -- errs by at most (K - 1) 2^-24 sum |x w| (to first order; K 2^-24 covers the rest);
+    rounding that fp32 value to fp16 adds half its ulp: 2^-11 of it (the (1 + 2^-11) factor and
+    2^-11 |ref|), or 2^-25 among subnormals. _check_fp16's 2^-10 sum |x w| (room for cuBLAS's
+    fp16 partials) is 2^14 / K times looser: 4x at K = 4096, 32x at K = 512. The tensor cores add
+    several aligned products at once with truncation rather than one at a time rounded to nearest
+    (more error per add, but fewer adds than K - 1); the AWQ kernel meets this bound on the same
+    instructions, and random data sit far inside it (the worst ratio is in the failure message)."""
+    x = torch.from_numpy(np.ascontiguousarray(x16)).to(DEV).double()
+    yt = torch.as_tensor(y).to(DEV).double()
+    ref = x @ w16.T
+    tol = x.shape[1] * 2.0 ** -24 * (x.abs() @ w16.abs().T) * (1 + 2.0 ** -11) + ref.abs() * 2.0 ** -11 + 2.0 ** -25
+    assert yt.shape == ref.shape, f"{what}: shape {tuple(yt.shape)}"
+    assert torch.isfinite(yt).all(), f"{what}: non-finite outputs (unwritten NaN poison?)"
+    ratio = ((yt - ref).abs() / tol).max().item()
+    assert ratio <= 1.0, f"{what}: |y - x @ w16.T| reaches {ratio:.3g} x the fp32 bound"
+    return ratio
+
+
+@pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
+def test_wgmma_fp32_accumulation_bound(fmt):
+    """The wgmma path against float64 on its own fp16 weights (_wgmma_w16) in the fp32-summation
+    bound (_check_fp32_sum), 4-32x tighter than the cuBLAS-style bound the other wgmma tests
+    take: every token tile (M = 1, 7: T = 32; 33: 64; 65, 100: 128; 130, 200: 256; 300: 128 or
+    256), all tiles split (8 ways at 202 x 4096 -- the 1-wide reduce --, 3 at 8704 x 2048 while
+    M <= 128, 5 uneven at 72 x 2816: 44 stages in 5), whole-K tiles only (8704 x 2048 above
+    M = 128, 1000 x 512: K = 512, 32x tighter), M and N tails; x rows scaled 2^-6 .. 2^4."""
+    from quantzoo.cuda_launch import sm_count
+    from quantzoo.kernels import wgmma_tiles
+
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    sms = sm_count(torch.device(DEV))
+    schedules = set()
+    for n, k in ((202, 4096), (8704, 2048), (72, 2816), (1000, 512)):
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        if not G.wgmma_ok(qt):
+            pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+        w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
+        worst = 0.0
+        for m in (1, 7, 33, 65, 100, 130, 200, 300):
+            cfg = wgmma_tiles.config(m, n, k, sms)
+            dp, splits, _ = wgmma_tiles.schedule(m, n, k, sms, cfg)   # 1 block an SM (shared memory)
+            schedules.add((dp > 0, splits > 1))
+            scale = 2.0 ** rng.uniform(-6, 4, (m, 1))
+            x16 = (rng.standard_normal((m, k)) * scale).astype(np.float16)
+            y = _run(torch.from_numpy(x16).to(DEV), qt, "wgmma")
+            worst = max(worst, _check_fp32_sum(y, x16, w16, f"{fmt} wgmma {n}x{k} M={m} T={cfg[1]} "
+                                                             f"whole tiles={dp} splits={splits}"))
+        print(f"{fmt} {n}x{k}: worst |y - ref| / fp32 bound {worst:.3g}")
+    assert {(False, True), (True, False)} <= schedules   # split-only and whole-only launches ran
+
+
+@pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
+def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
+    """Whole tiles and split tiles in one launch, plain and GLU, the split tiles holding the row
+    tail (the shapes of test_wgmma_tails_splits_graph / _glu_epilogue get no such launch):
+    (N, K) = (16904, 1024) at M = 129: T = 256, 133 tiles of 128 rows on 132 SMs -- 132 walk all
+    of K, the last (8 rows of N; 4 of F = 8452 gate rows with glu) is split two ways, 8 of the 16
+    stages each, and summed by wgmma_reduce<4>; prefill's gate/up launch takes this schedule from
+    M = 129 up. (11272, 2048) at M = 257 and 300: T = 128, 3 token tiles (the last shifted back to
+    end at M) x 45 row tiles = 135: 132 whole, the last 3 split four ways. The schedule is read
+    from the launch itself (launch_tma's arguments), not recomputed. The plain product is held
+    to the fp32 bound on the kernel's own weights (_check_fp32_sum), and a second call is equal;
+    glu=True equals silu_mul of the products of an unfused launch on the same rows in the same
+    tile places (_glu_blocked, the same schedule), those products held to the same bound."""
+    from quantzoo.cuda_launch import sm_count
+    from quantzoo.kernels import layer_ops, wgmma_tiles
+
+    seen = []   # (grid, (M, N, nb, tiles_m, dp_tiles, splits, sps)) of each wgmma launch
+    real = G.launch_tma
+
+    def spy(kern, grid, block, args, shared_mem=0):
+        seen.append((tuple(grid), tuple(int(a) for a in args[4:11])))
+        return real(kern, grid, block, args, shared_mem)
+
+    monkeypatch.setattr(G, "launch_tma", spy)
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    sms = sm_count(torch.device(DEV))
+    for n, k, ms in ((16904, 1024, (129,)), (11272, 2048, (257, 300))):
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        if not G.wgmma_ok(qt):
+            pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+        w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
+        f = n // 2
+        for m in ms:
+            cfg = wgmma_tiles.config(m, n, k, sms)
+            rows = wgmma_tiles.columns(cfg[0], cfg[1])
+            tiles_m, tiles_n = wgmma_tiles.grid(m, n, cfg)
+            tiles = tiles_m * tiles_n
+            what = f"{fmt} wgmma {n}x{k} M={m} T={cfg[1]}"
+            x16 = rng.standard_normal((m, k)).astype(np.float16)
+            x = torch.from_numpy(x16).to(DEV)
+            seen.clear()
+            y = _run(x, qt, "wgmma")
+            (grid, (_, _, _, tm, dp, splits, sps)), = seen
+            assert tm == tiles_m and 0 < dp < tiles and splits > 1, f"{what}: schedule {dp, splits, sps}, {tiles} tiles"
+            assert grid == (dp + (tiles - dp) * splits,) and (splits - 1) * sps < k // 64 <= splits * sps
+            assert n % rows and f % (rows // 2), "the last (split) tile holds a row tail, plain and GLU"
+            if sms == 132:   # H100 SXM / H200: the counts the docstring names
+                assert (tiles, dp, splits) == ((133, 132, 2) if n == 16904 else (135, 132, 4))
+            _check_fp32_sum(y, x16, w16, f"{what} whole tiles={dp} splits={splits}")
+            assert np.array_equal(y, _run(x, qt, "wgmma")), f"{what}: a second call differs"
+            # glu=True: the GLU launch and the unfused one on the blocked rows, one schedule
+            fr = rows // 2
+            blocked = _glu_blocked(qt_cpu, fr).to(DEV)
+            seen.clear()
+            yg = _poisoned((m, f))
+            G.matmul(x, qt, out=yg, path="wgmma", glu=True)
+            yb = G.matmul(x, blocked, path="wgmma").view(m, -1, 2, fr)
+            assert len(seen) == 2 and seen[0][0] == seen[1][0] == grid \
+                and seen[0][1][3:] == seen[1][1][3:] == (tm, dp, splits, sps), f"{what} glu: schedules {seen}"
+            gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
+            _check_fp32_sum(gu, x16, w16, f"{what} blocked [gate | up] products")
+            want = layer_ops.silu_mul(gu)
+            torch.cuda.synchronize()
+            assert torch.isfinite(yg).all(), f"{what} glu: unwritten outputs"
+            assert torch.equal(yg, want), (f"{what} glu: differs from silu_mul of the products, worst "
+                                           f"{float((yg.float() - want.float()).abs().max()):.3g}")
 
 
 # ---- CUDA graph capture -------------------------------------------------------------------------
@@ -706,6 +878,55 @@ def test_mmvq_long_k_and_unaligned_weight(fmt):
                     G.matmul(x_t, qt, out=out, path="mmvq", mmvq_rows=rows, mmvq_kernel=kern)
                     _check_emulated(out.float().cpu().numpy(), x16, qt_cpu,
                                     f"{fmt} mmvq {kern} R={rows} M={m} N={n} K={k} offset {pad}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mmvq16_long_k_pipeline_n_tails(fmt, monkeypatch):
+    """The vector-load mmvq at M = 1 on long rows (nb >= MMVQ1_LONG_NB = 256) with N tails: there
+    Q4_0 (R = 1) and Q8_0 (R = 2) take the pipeline depth U = 2 (MMVQ1_LONG; the only U = 2
+    instances compiled -- the other formats' vector kernel runs U = 1 there, tested the same way).
+    N = 38, K = 9600 (nb = 300 = 4 x 64 + 44: the ring's second slot live for 12 lanes in the last
+    pass): 38 rows in CTAs of 4 (R = 1) or 8 (R = 2) leave whole warps past N (they return);
+    N = 37, K = 9472 (nb = 296): at R = 2 the last live warp's second row is past N (computed on
+    row N - 1, not stored). Both weights' sizes are multiples of 16 bytes (mmvq16_ok) in every
+    format. M = 1 forced and by the default dispatch (the planned launch; Q4_0 / Q8_0 pick vec
+    there), and M = 9 forced to vec: a chunk of 8 then a 1-row chunk at U = 2, its Q8_1 and y
+    offsets past the first chunk's. The U of each launch is read from the launch itself."""
+    launched = []   # (m, R, U) of each vector-load launch
+    real = G.launch_mmvq16
+
+    def spy(*args, **kwargs):
+        launched.append((args[7], args[8], kwargs.get("u")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(G, "launch_mmvq16", spy)
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    r1, u1 = G.mmvq_plan(fmt, "vec", 1, G.MMVQ1_LONG_NB)
+    assert u1 == (2 if fmt in G.MMVQ1_LONG else 1)
+    for n, k in ((38, 9600), (37, 9472)):
+        nb = k // 32
+        assert nb >= G.MMVQ1_LONG_NB and G.mmvq_plan(fmt, "vec", 1, nb) == (r1, u1)
+        assert n % (G.MMVQ16_WARPS * r1), "the last CTA has warps past N"
+        _, qt_cpu = _weight(fmt, n, k, rng)
+        qt = qt_cpu.to(DEV)
+        assert G.mmvq16_ok(qt)
+        for m in (1, 9):
+            x16 = rng.standard_normal((m, k)).astype(np.float16)
+            x_t = torch.from_numpy(x16).to(DEV)
+            what = f"{fmt} mmvq vec M={m} N={n} K={k} (R, U) = {(r1, u1)} at the 1-row launch"
+            launched.clear()
+            out = _poisoned((m, n))
+            G.matmul(x_t, qt, out=out, path="mmvq", mmvq_kernel="vec")
+            assert launched[-1] == (1, r1, u1) and len(launched) == -(-m // G.MMVQ_COLS), f"{what}: {launched}"
+            y = out.float().cpu().numpy()
+            _check_emulated(y, x16, qt_cpu, what)
+            if m == 1:   # the default dispatch (a planned launch), the same kernel where it picks vec
+                yd = G.matmul(x_t, qt)
+                torch.cuda.synchronize()
+                if G.mmvq_choice(fmt, 1)[0] == "vec":
+                    assert np.array_equal(yd.float().cpu().numpy(), y), f"{what}: default dispatch differs"
+                else:
+                    _check_emulated(yd.float().cpu().numpy(), x16, qt_cpu, f"{what}, default (scalar)")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

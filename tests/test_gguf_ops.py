@@ -68,6 +68,36 @@ def test_wgmma_dispatch(monkeypatch):
     assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight
 
 
+def test_gpu_tier_shapes_reach_their_paths():
+    """The shapes tests/test_gguf_gpu.py picks to reach a code path, checked here on every CPU run
+    so that a dispatch or schedule change that moves them off it shows before the next GPU run:
+    test_wgmma_whole_and_split_tiles_one_launch -- whole and split tiles in one launch, the row
+    tail in a split tile (plain and GLU: the blocked weight of _glu_blocked has the same
+    schedule), on 132 SMs at one block an SM (T = 128 / 256 take over 113 KB of shared memory);
+    test_mmvq16_long_k_pipeline_n_tails -- the U = 2 vector mmvq (Q4_0, Q8_0) with CTAs past N."""
+    from quantzoo.kernels import wgmma_tiles as wt
+
+    slots = 132
+    assert all((227 * 1024) // (G.wgmma_smem_bytes(f, *c) + 1024) == 1 for f in G.WGMMA_FORMATS for c in G.WGMMA_CFGS
+               if c[1] >= 128)
+    for m, n, k, want in [(129, 16904, 1024, (256, 133, 132, 2, 8)), (257, 11272, 2048, (128, 135, 132, 4, 8)),
+                          (300, 11272, 2048, (128, 135, 132, 4, 8))]:
+        cfg = wt.config(m, n, k, slots)
+        tm, tn = wt.grid(m, n, cfg)
+        rows = wt.columns(cfg[0], cfg[1])
+        assert (cfg[1], tm * tn) + wt.schedule(m, n, k, slots, cfg) == want, (m, n, k)
+        assert n % rows and n // 2 % (rows // 2)   # a row tail in the last (split) tile, plain and GLU
+        fr = rows // 2
+        nb = 2 * fr * -(-(n // 2) // fr)   # _glu_blocked's rows
+        assert wt.config(m, nb, k, slots) == cfg and wt.schedule(m, nb, k, slots, cfg) == want[2:]
+    for fmt in G.BLOCKS:
+        for n, k in ((38, 9600), (37, 9472)):
+            r, u = G.mmvq_plan(fmt, "vec", 1, k // 32)
+            assert u == (2 if fmt in ("q4_0", "q8_0") else 1) and n % (G.MMVQ16_WARPS * r)
+            assert n * (k // 32) * G.BYTES[fmt] % G.MMVQ16_LW == 0   # mmvq16_ok's size condition
+            assert G.mmvq16_name(fmt, 1, r, u=u) in G.SOURCES["gguf_mmvq16.cu"]
+
+
 def test_mma_plan():
     """BM is the smallest tile holding M (<= 64); K splits fill ~2 CTAs per SM, each split a
     multiple of the 4-block step, and the splits cover all nb blocks with none empty."""
@@ -168,7 +198,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     monkeypatch.setattr(G, "tensor_map_2d", lambda ptr, rows, cols, box_rows, box_cols, swizzle=128, dtype="f16":
                         ("tmap", ptr, rows, cols, box_rows, box_cols, swizzle, dtype))
     k = 2048
-    for n, m in [(70, m) for m in (1, 5, 8, 13, 24, 100, 300)] + [(72, 13)]:   # N % 4 == 0: 4-wide reduce
+    for n, m in [(70, m) for m in (1, 5, 8, 13, 24, 100, 300)] + [(72, 13)]:   # 70: the 1-wide reduce; 72: 4-wide, and glu
         qt = _cpu_qt(fmt, n, k)
         x = torch.zeros((m, k), dtype=torch.float16)
         for path in G.PATHS:

@@ -72,6 +72,74 @@ def test_pdl_graph_equals_plain_launches(fmt, M, rng):
     assert torch.equal(out_e, ref)
 
 
+def _mlp_chain(h0, h, gate_up, down, norm_w, steps):
+    """h <- h0; then `steps` times the runner's decode MLP (model/llm.py): x = rms_norm(h +=
+    delta); delta = down(silu(x @ gate.T) * (x @ up.T)), the SwiGLU by matmul(glu=True)."""
+    from quantzoo.kernels import awq
+
+    h.copy_(h0)
+    delta = None
+    for _ in range(steps):
+        x = layer_ops.add_rms_norm(h, delta, norm_w, 1e-6)
+        delta = ops.matmul(awq.matmul(x, gate_up, glu=True), down)
+    return layer_ops.add_rms_norm(h, delta, norm_w, 1e-6)
+
+
+@pytest.mark.parametrize("D,F", [(1024, 8192), (4096, 12288)], ids=str)
+def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
+    """The AWQ GEMV (cuda/awq_gemv.cu) in a PDL chain. The square chain above never reaches it:
+    M = 1 takes the GEMV only where N >= GEMV_MIN_N (16384), and D = 1024 takes awq_small. Here
+    the runner's decode MLP at M = 1: gate/up has 2F >= 16384 columns, so dispatch sends it to the
+    GEMV (into the GLU workspace, then silu_mul), and down to awq_small; both asserted from the
+    shapes alone (choose_path, no device needed at M = 1), and the GEMV seen called. (1024, 8192):
+    the default (2, 8, 4) GEMV with gemv_plan's K splits; (4096, 12288), Qwen3-8B's: the tuned
+    (4, 4, 4) with 4 splits (GEMV_TUNED), the runner's own decode launch."""
+    from quantzoo.kernels import awq
+
+    seed = int(rng.integers(2**31))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gate_up = random_weight("awq", 2 * F, D, "cuda", gen, std=0.01)
+    down = random_weight("awq", D, F, "cuda", gen, std=0.01)
+    assert awq.choose_path(1, awq._Shape(2 * F, D)) == "gemv" == awq.choose_path(1, gate_up)
+    assert awq.choose_path(1, awq._Shape(D, F)) == "small" == awq.choose_path(1, down)
+    gemv_calls = []
+    real_gemv = awq._PATHS["gemv"]
+
+    def counted_gemv(*args, **kwargs):
+        gemv_calls.append(args[5:8])   # (m, k, n): _PATHS' (x2, qweight, scales, qzeros, y, m, k, n, g)
+        return real_gemv(*args, **kwargs)
+
+    monkeypatch.setitem(awq._PATHS, "gemv", counted_gemv)
+    h0 = torch.randn(1, D, device="cuda", generator=gen).half()
+    norm_w = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).half()
+    h = torch.empty_like(h0)
+    ref = _mlp_chain(h0, h, gate_up, down, norm_w, 6).clone()   # plain launches, eager
+    ref_h = h.clone()
+    assert torch.isfinite(ref).all() and torch.isfinite(ref_h).all(), f"seed {seed}"
+    assert gemv_calls and gemv_calls[0] == (1, D, 2 * F), f"the GEMV was not called: {gemv_calls}"
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _mlp_chain(h0, h, gate_up, down, norm_w, 6)   # warm-up: workspaces, compiles
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), programmatic_launches():
+        out = _mlp_chain(h0, h, gate_up, down, norm_w, 6)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        h.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), f"awq D={D} F={F}: PDL graph differs from plain launches (seed {seed})"
+        assert torch.equal(h, ref_h), f"seed {seed}"
+
+    with programmatic_launches():                      # eager PDL launches (planned replays) too
+        out_e = _mlp_chain(h0, h, gate_up, down, norm_w, 6)
+    torch.cuda.synchronize()
+    assert torch.equal(out_e, ref), f"awq D={D} F={F}: eager PDL launches differ (seed {seed})"
+
+
 def test_programmatic_launches_nests_and_restores():
     from quantzoo import cuda_launch
 
