@@ -9,8 +9,10 @@
 //   q_j  = roundf(x_j / d)      (a true fp32 division -- q8_1_round takes it only near a tie
 //                                 or where fp32 1 / d overflows;
 //                                 roundf takes halves away from zero; q = 0 for the whole
-//                                 block when d == 0 (amax == 0, or an fp32 amax / 127 that
-//                                 underflows); q_j = 0 where x_j / d is NaN: a NaN
+//                                 block when d == 0 (amax == 0, or fp32 x whose amax / 127 is
+//                                 below 2^-126: -ftz=true, which CuPy always passes, flushes
+//                                 fp32 subnormal inputs and results -- x_j, d, the partial
+//                                 sums -- to zero); q_j = 0 where x_j / d is NaN: a NaN
 //                                 block, or an inf x_j)
 //   s    = sum_j x_j            (the values, fp32)
 //
@@ -31,8 +33,10 @@
 // and roundf changes only at k + 1/2, so where r is farther than 3.1e-5 from one, roundf(r) is
 // roundf(fl(v / d)) -- bit-identical to the division. A fused layer op quantizing 8 values a
 // lane on one SM spent most of its extra time in the 8 IEEE divisions (~40 instructions each).
-// fp32 x with amax below ~3.7e-37 makes d < 2^-128, so 1 / d is inf and r inf or NaN: those
-// (|r| > 128 or NaN, never otherwise) take the division too. fp16 x never gets near.
+// CuPy compiles every kernel with -ftz=true (it appends the flag to any options), so a d below
+// 2^-126 is already 0 (q8_1_quantize_value's d == 0 case) and 1 / d <= 2^126 is finite. Built
+// without FTZ, a d below 2^-128 makes 1 / d inf and r inf or NaN: those (|r| > 128 or NaN, never
+// otherwise) take the division too. fp16 x never gets near either.
 __device__ __forceinline__ int q8_1_round(float v, float d, float inv_d) {
   float r = v * inv_d;
   const float a = fabsf(r);

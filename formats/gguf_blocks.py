@@ -219,17 +219,28 @@ class Q8_0(GGUFBlockFormat, name="q8_0"):
     bits, bytes_per_block, gguf_type, nmse_ceiling = 8, 34, "Q8_0", 0.0002
 
 
+def flush_subnormals(v: np.ndarray) -> np.ndarray:
+    """fp32 values below 2^-126 in magnitude -> zero of the same sign, as every fp32 instruction
+    of a kernel compiled with -ftz=true does to its inputs and results. CuPy compiles with
+    -ftz=true whatever the options say (cupy/cuda/compiler.py appends it; cupy issue 9576), so
+    the Q8_1 kernel of fp32 x flushes. fp16 data never meet it: every fp16 value, and every sum
+    of them, is 0 or at least 2^-24."""
+    v = np.asarray(v, np.float32)
+    return np.where(np.abs(v) < np.float32(2.0 ** -126), np.copysign(np.float32(0), v), v).astype(np.float32)
+
+
 def butterfly_sum(v: np.ndarray) -> np.ndarray:
-    """Sum over the last axis (32) in the order of a warp's xor-shuffle reduction, in fp32.
+    """Sum over the last axis (32) in the order of a warp's xor-shuffle reduction, in fp32 with
+    subnormal results flushed (flush_subnormals: the kernels' -ftz=true).
 
     Step `off` adds lane i and lane i^off (16, 8, 4, 2, 1); fp32 addition is commutative, so
     every lane ends with the same value and a CUDA warp reduction gives this sum bit for bit.
     """
-    v = v.astype(np.float32)
+    v = flush_subnormals(v)
     lanes = np.arange(v.shape[-1])
     off = v.shape[-1] // 2
     while off:
-        v = v + v[..., lanes ^ off]
+        v = flush_subnormals(v + v[..., lanes ^ off])
         off //= 2
     return v[..., 0]
 
@@ -239,7 +250,9 @@ class Q8_1(GGUFBlockFormat, name="q8_1"):
 
     d = amax / 127 (fp32), q = roundf(x / d) (a true fp32 division; q = 0 when d = 0),
     s = sum of the original x over the block, summed in warp-butterfly order (butterfly_sum),
-    then d and s rounded to half. Non-finite x: a NaN makes the block's d and s NaN and its q 0;
+    then d and s rounded to half. fp32 subnormals (x, d, partial sums) are flushed to zero as the
+    kernel's -ftz=true does (flush_subnormals): a block of fp32 x with amax < 127 * 2^-126 gets
+    d = 0 and q = 0; fp16 x never comes near. Non-finite x: a NaN makes the block's d and s NaN and its q 0;
     an inf makes d inf and q 0 (every kernel then gives NaN), as cuda/q8_1.cuh does. The legacy CPU
     block (fp32 d and d*sum(q), 40 bytes in gguf-py's size table) is a different thing; the
     36-byte size here is the CUDA one.
@@ -251,13 +264,13 @@ class Q8_1(GGUFBlockFormat, name="q8_1"):
     gguf_type = None  # never stored in a .gguf file
 
     def quantize_fields(self, blocks):
-        blocks = blocks.astype(np.float32)
+        blocks = flush_subnormals(blocks)
         amax = np.abs(blocks).max(axis=-1)   # NaN if the block holds one (cuda/q8_1.cuh q8_1_max)
-        d = amax / np.float32(127)
+        d = flush_subnormals(amax / np.float32(127))
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = blocks / d[..., None]  # fp32 division, correctly rounded like CUDA's '/'
             # q = 0 wherever x / d is not finite: the whole block where d = 0 (amax = 0, or
-            # amax / 127 underflows), a NaN block, an inf element (CUDA's float-to-int gives 0)
+            # amax / 127 below 2^-126), a NaN block, an inf element (CUDA's float-to-int gives 0)
             q = _cast_q(roundf(ratio))
             s = butterfly_sum(blocks)
         return {"d": d, "m": s, "q": q.astype(np.int16)}

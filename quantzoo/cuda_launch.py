@@ -51,6 +51,10 @@ def import_cupy():
 def _module(source: str, name_expressions: tuple, options: tuple, arch: str):
     cupy = import_cupy()
 
+    # CuPy appends -ftz=true to NVRTC's options (cupy/cuda/compiler.py; a -ftz=false here would
+    # lose to it): every kernel flushes fp32 subnormals to zero. fp16 values, their products and
+    # sums never are one; the Q8_1 quantizer of fp32 x can meet them (gguf_blocks.flush_subnormals
+    # models it), and the attention's exp() of scores ~87 below the maximum (weights < 2^-126).
     opts = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{source_dir()}") + options
     return cupy.RawModule(code=read_source(source), options=opts, name_expressions=name_expressions)
 

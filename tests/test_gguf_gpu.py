@@ -142,12 +142,13 @@ def test_quantize_q8_1_bit_equal(dtype, m, k):
     assert diff.size == 0, f"first differing (row, byte): {diff[:5].tolist()}"
 
 
-@pytest.mark.parametrize("amax", [1e-36, 3e-37, 1e-38, 1e-40, 1e-44])
+@pytest.mark.parametrize("amax", [127 * 2.0 ** -126, 1e-36, 3e-37, 1e-38, 1e-40, 1e-44])
 def test_quantize_q8_1_fp32_tiny_blocks(amax):
-    """fp32 blocks whose d = amax / 127 is below 2^-128 (1 / d is inf in fp32) or subnormal, x
-    itself subnormal (1e-40), and d underflowing to 0 (1e-44): q = roundf(x / d) by true division
-    (q = 0 where d = 0), as the codec; d and s round to half 0. (q8_1.cuh's reciprocal shortcut
-    gave inf there, and int(inf) saturates to a wrong byte.)"""
+    """fp32 blocks of tiny amax: d = 2^-126, the smallest normal (q as usual); d = amax / 127
+    subnormal (1e-36, 3e-37); x itself subnormal (1e-38, 1e-40, 1e-44). CuPy compiles with
+    -ftz=true, so the kernel flushes fp32 subnormals -- x, d, the partial sums of s -- to zero and
+    gives d = 0, q = 0; the codec models that (gguf_blocks.flush_subnormals). Before, its
+    amax == 0 test missed a d flushed to 0, and roundf(x * inf) saturated to a wrong byte."""
     rng = np.random.default_rng()
     x = rng.uniform(-1, 1, (2, 32 * 8)).astype(np.float32)
     x[:, ::32] = 1.0                                   # amax exactly at the block's first element

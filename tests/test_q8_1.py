@@ -80,19 +80,24 @@ def test_activation_format_is_not_a_weight():
 
 def test_non_finite_and_underflowing_blocks():
     """The emulation's Q8_1 of x it is handed as is (NaN/inf are not refused there): a NaN block
-    has d = s = NaN and q = 0, an inf block d = inf and q = 0 (as cuda/q8_1.cuh), a block whose
-    amax / 127 underflows d = 0 and q = 0, stated outright rather than left to numpy's
-    float-to-int cast of NaN/inf (undefined, and a RuntimeWarning)."""
-    x = np.linspace(-1, 1, 32 * 4, dtype=np.float32).reshape(1, 4, 32)
+    has d = s = NaN and q = 0, an inf block d = inf and q = 0 (as cuda/q8_1.cuh), a block of
+    subnormal x, or whose amax / 127 is subnormal, d = 0 and q = 0 (the kernel's -ftz=true:
+    flush_subnormals), stated outright rather than left to numpy's float-to-int cast of NaN/inf
+    (undefined, and a RuntimeWarning); the smallest amax whose d is normal keeps its q."""
+    x = np.linspace(-1, 1, 32 * 5, dtype=np.float32).reshape(1, 5, 32)
     x[0, 0, 3] = np.nan
     x[0, 1, 7] = np.inf
-    x[0, 2] *= np.float32(2e-45)                       # amax 2.8e-45: amax / 127 underflows to 0
-    x[0, 3] *= np.float32(1e-38)                       # 1 / d overflows; x / d is still exact
+    x[0, 2] *= np.float32(2e-45)                       # subnormal x: flushed, s = 0 too
+    x[0, 3] *= np.float32(1e-36)                       # normal x, d = amax / 127 subnormal: flushed
+    x[0, 4] *= np.float32(127 * 2.0 ** -126)           # d = 2^-126 exactly, the smallest normal
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         f = Q81.quantize_fields(x)
     assert np.isnan(f["d"][0, 0]) and np.isnan(f["m"][0, 0]) and not f["q"][0, 0].any()
     assert f["d"][0, 1] == np.inf and not f["q"][0, 1].any()
-    assert f["d"][0, 2] == 0 and not f["q"][0, 2].any()
-    assert f["q"][0, 3].tolist() == [c_roundf(float(v / f["d"][0, 3])) for v in x[0, 3]]
-    assert np.abs(f["q"][0, 3]).max() == 127
+    for b in (2, 3):
+        assert f["d"][0, b] == 0 and not f["q"][0, b].any()
+    assert f["m"][0, 2] == 0 and f["m"][0, 3] != 0
+    assert f["d"][0, 4] == np.float32(2.0 ** -126)
+    assert f["q"][0, 4].tolist() == [c_roundf(float(v / f["d"][0, 4])) for v in x[0, 4]]
+    assert np.abs(f["q"][0, 4]).max() == 127
