@@ -19,7 +19,21 @@ def source_dir():
 
 
 def read_source(name: str) -> str:
-    return (source_dir() / name).read_text()
+    """The text NVRTC compiles: the file, plus a comment naming a hash of every header in cuda/.
+    CuPy's on-disk kernel cache (~/.cupy/kernel_cache) keys a module by this text and the options
+    only, not by what it #includes: without the hash, a changed header (an upgrade, an edit)
+    silently reused the binary built from the old one."""
+    return (source_dir() / name).read_text() + f"\n// quantzoo headers {_headers_hash()}\n"
+
+
+@lru_cache(maxsize=None)
+def _headers_hash() -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((p for p in source_dir().iterdir() if p.name.endswith(".cuh")), key=lambda p: p.name):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def import_cupy():

@@ -131,3 +131,27 @@ def test_misaligned_x_or_y_runs_unplanned(monkeypatch):
     for y in (big[1:33].view(4, 8), big[4:36].view(4, 8)):   # 2 and 8 bytes past a 16-byte boundary
         run_planned(qt, 4, x, y, lambda: calls.append(1))
     assert len(calls) == 2 and not plans
+
+
+def test_compiled_text_changes_with_any_header(tmp_path, monkeypatch):
+    """CuPy caches a compiled module on disk by its source text and options, not by the headers
+    it #includes: read_source's text names a hash of cuda/*.cuh, so an edited header (or an
+    upgrade) recompiles instead of reusing the old binary -- which it did (session 34: an A/B of
+    q8_1.cuh on the lent GPU ran the first variant twice)."""
+    from quantzoo import cuda_launch as cl
+
+    (tmp_path / "k.cu").write_text('#include "a.cuh"\n__global__ void k() {}\n')
+    (tmp_path / "a.cuh").write_text("#define A 1\n")
+    monkeypatch.setattr(cl, "source_dir", lambda: tmp_path)
+    try:
+        cl._headers_hash.cache_clear()
+        first = cl.read_source("k.cu")
+        assert first.startswith((tmp_path / "k.cu").read_text())
+        (tmp_path / "a.cuh").write_text("#define A 2\n")
+        cl._headers_hash.cache_clear()
+        assert cl.read_source("k.cu") != first
+        (tmp_path / "a.cuh").write_text("#define A 1\n")
+        cl._headers_hash.cache_clear()
+        assert cl.read_source("k.cu") == first
+    finally:
+        cl._headers_hash.cache_clear()   # the real cuda/ next
