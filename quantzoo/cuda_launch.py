@@ -62,7 +62,10 @@ def import_cupy():
 
 
 @lru_cache(maxsize=None)
-def _module(source: str, name_expressions: tuple, options: tuple, arch: str):
+def _module(source: str, name_expressions: tuple, options: tuple, arch: str, device: int):
+    """The module compiled for arch and loaded into `device`'s context (a CUDA module, and every
+    function handle from it, belongs to one device: launched with another device's stream it
+    fails with an invalid handle)."""
     cupy = import_cupy()
 
     # CuPy appends -ftz=true to NVRTC's options (cupy/cuda/compiler.py; a -ftz=false here would
@@ -70,7 +73,10 @@ def _module(source: str, name_expressions: tuple, options: tuple, arch: str):
     # sums never are one; the Q8_1 quantizer of fp32 x can meet them (gguf_blocks.flush_subnormals
     # models it), and the attention's exp() of scores ~87 below the maximum (weights < 2^-126).
     opts = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{source_dir()}") + options
-    return cupy.RawModule(code=read_source(source), options=opts, name_expressions=name_expressions)
+    with cupy.cuda.Device(device):
+        mod = cupy.RawModule(code=read_source(source), options=opts, name_expressions=name_expressions)
+        mod.get_function(name_expressions[0])   # load it here, in this device's context
+    return mod
 
 
 _KERNELS: dict = {}
@@ -80,21 +86,52 @@ def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tu
                arch_specific: bool = False):
     """The compiled kernel `name` (a name expression for templates) from cuda/<source>.
 
-    Compiled for the current device's architecture on first use; later calls are one dict
-    lookup (a prefill launches hundreds of kernels, and each microsecond of Python here is paid
-    per launch). One process is assumed to use GPUs of one architecture. arch_specific asks for
-    the architecture-specific target (sm_90a: wgmma) instead of the portable one.
+    Compiled for torch's current device (its architecture, loaded into its context: the
+    public entry points make the tensors' device current, on_tensor_device) on first use there;
+    later calls are one dict lookup (a prefill launches hundreds of kernels, and each
+    microsecond of Python here is paid per launch). arch_specific asks for the
+    architecture-specific target (sm_90a: wgmma) instead of the portable one.
     """
-    key = (source, name, options)
+    dev = current_device()
+    key = (dev, source, name, options)
     fn = _KERNELS.get(key)
     if fn is None:
         import torch
 
-        major, minor = torch.cuda.get_device_capability()
+        major, minor = torch.cuda.get_device_capability(dev)
         arch = f"sm_{major}{minor}" + ("a" if arch_specific else "")
-        mod = _module(source, tuple(name_expressions) or (name,), tuple(options), arch)
+        mod = _module(source, tuple(name_expressions) or (name,), tuple(options), arch, dev)
         fn = _KERNELS[key] = mod.get_function(name)
     return fn
+
+
+def current_device() -> int:
+    """torch's current CUDA device index (its C binding: the public call costs a few us)."""
+    import torch
+
+    dev = getattr(torch._C, "_cuda_getDevice", None)
+    return dev() if dev is not None else torch.cuda.current_device()
+
+
+def on_tensor_device(fn):
+    """Run fn(x, ...) with x's CUDA device current, as torch's own ops do whatever the current
+    device is: the kernels, their streams and workspaces all follow the current device, and a
+    launch from another device's context onto x's memory fails (an invalid handle) or reads it
+    across the bus. Free when x's device is current already (one index comparison)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        dev = getattr(x, "device", None)   # a tensor's torch.device, a QuantizedTensor's str
+        if dev is not None and (dev.startswith("cuda:") if isinstance(dev, str) else dev.type == "cuda"):
+            idx = int(dev[5:]) if isinstance(dev, str) else dev.index
+            if idx != current_device():
+                import torch
+
+                with torch.cuda.device(idx):
+                    return fn(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+    return wrapper
 
 
 @lru_cache(maxsize=None)
@@ -186,9 +223,8 @@ def current_stream_ptr() -> int:
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    dev = getattr(torch._C, "_cuda_getDevice", None)
-    if raw is not None and dev is not None:
-        return raw(dev())
+    if raw is not None:
+        return raw(current_device())
     return torch.cuda.current_stream().cuda_stream
 
 

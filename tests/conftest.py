@@ -27,6 +27,11 @@ def _gpu_tier_needs_a_gpu(request):
     module-scoped fixture's setup elsewhere is not held back). Readers/writer
     locks: every GPU test holds "lock" shared; gpu_alone takes it exclusively, first taking the
     "gate" so that no new test starts while it waits."""
+    if request.node.get_closest_marker("multi_gpu") is not None:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            pytest.fail(f"this test needs two GPUs (-m multi_gpu); {torch.cuda.device_count()} visible")
     if request.node.get_closest_marker("gpu") is None:
         yield
         return

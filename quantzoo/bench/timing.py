@@ -110,7 +110,7 @@ def capture_graph(fn: Callable[[int], object], inner: int):
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):   # (torch's default capture stream may be another GPU's)
         for i in range(inner):
             fn(i)
     torch.cuda.synchronize()

@@ -43,7 +43,8 @@ import torch
 from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
-from quantzoo.cuda_launch import workspaces_changed, launch_tma, tensor_map_2d, tensor_map_halves, torch_step
+from quantzoo.cuda_launch import launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
+from quantzoo.cuda_launch import workspaces_changed
 from quantzoo.cuda_launch import wgmma_available
 from quantzoo.kernels import check_out_overlap, checked_once, run_planned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
@@ -364,6 +365,7 @@ def dequantize_into(qweight, scales, qzeros, out, k, n, g, c0=0, nw=None):
     return out
 
 
+@on_tensor_device
 def awq_dequantize(qweight, scales, qzeros, group_size=None):
     """fp16 [K, N] = (q - z) * s, bit-identical to the numpy reference (transposed)."""
     k, n, g = check_weights(qweight, scales, qzeros, group_size)
@@ -371,6 +373,7 @@ def awq_dequantize(qweight, scales, qzeros, group_size=None):
     return dequantize_into(qweight, scales, qzeros, out, k, n, g)
 
 
+@on_tensor_device
 def dequantize(qt) -> torch.Tensor:
     """fp16 [K, N] from a CUDA AWQ QuantizedTensor."""
     qweight, scales, qzeros, k, n, g = _unpack_qt(qt)
@@ -621,6 +624,7 @@ _PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small"
           "wgmma": _wgmma}
 
 
+@on_tensor_device
 def gemm(x, qweight, scales, qzeros, group_size=None, *, out=None, path=None):
     """y = x @ W for HF-layout AWQ tensors; x fp16 [.., K] -> fp16 [.., N]."""
     k, n, g = check_weights(qweight, scales, qzeros, group_size)
@@ -678,6 +682,7 @@ def _queue(path, x2, qweight, scales, qzeros, y, m, k, n, g, glu) -> None:
 GLU_MATMUL = True   # matmul(..., glu=True): the decoder MLP's silu(gate) * up (the runner asks)
 
 
+@on_tensor_device
 def matmul(x, qt, *, out=None, path=None, glu=False):
     """x fp16 CUDA [.., K] -> fp16 [.., N] through the path chosen by M (choose_path); without a
     forced path, repeated calls replay the launches recorded for that M (kernels.run_planned).

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from quantzoo.cuda_launch import get_kernel, launch
+from quantzoo.cuda_launch import get_kernel, launch, on_tensor_device
 
 GEMV_MAX_M = 4
 GEMV_ROWS_PER_CTA = 16     # GEMV_WARPS (8) x GEMV_R (2) in cuda/fp16_gemv.cu
@@ -41,6 +41,7 @@ def gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
+@on_tensor_device
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (..., K) fp16 with at most GEMV_MAX_M rows, w (N, K) fp16 -> (..., N), fp32 accumulation."""
     if not gemv_ok(x, w):

@@ -49,7 +49,7 @@ import math
 
 import numpy as np
 
-from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, launch_tma, workspaces_changed
+from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, launch_tma, on_tensor_device, workspaces_changed
 from quantzoo.cuda_launch import resident_blocks
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
@@ -326,6 +326,7 @@ def release_buffers():
 
 
 # ---- public entry points ----------------------------------------------------------------------
+@on_tensor_device
 def quantize_q8_1(x, out=None):
     """x fp16/fp32 CUDA (..., K), contiguous, K % 32 == 0 -> uint8 (M, K/32*36) Q8_1 blocks."""
     import torch
@@ -341,6 +342,7 @@ def quantize_q8_1(x, out=None):
     return out
 
 
+@on_tensor_device
 def quantize_q8_1_split(x, out=None):
     """Like quantize_q8_1, in the split layout the vector-load mmvq reads: a flat uint8 buffer of
     n = M*K/32 blocks, qs of block i at bytes [32 i, 32 i + 32), half2 (d, s) of block i at
@@ -370,6 +372,7 @@ def _launch_quantize(x, out, n_blocks: int, split: bool = False):
            (x.data_ptr(), out.data_ptr(), np.int64(n_blocks)))
 
 
+@on_tensor_device
 def dequantize(qt, out=None):
     """qt (GGUF block format on CUDA) -> fp16 (N, K), equal to fmt.dequantize(qt) rounded to half."""
     import torch
@@ -508,6 +511,7 @@ def mma_plan(m: int, n: int, nb: int, sms: int = 132, split: int | None = None):
 MMVQ_KERNELS = ("vec", "scalar")
 
 
+@on_tensor_device
 def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = None,
            mmvq_kernel: str | None = None, mma_split: int | None = None, glu: bool = False):
     """y = x @ W.T: x fp16 CUDA (..., K) contiguous, qt on the same device -> fp16 (..., N).
@@ -647,6 +651,7 @@ def q8_1_layout(qt, m: int) -> str | None:
     return "split" if _vec_default(fmt, m, qt) else "interleaved"
 
 
+@on_tensor_device
 def matmul_q8_1(xq, qt, m: int, layout: str, out=None):
     """y = x @ W.T from x already quantized to Q8_1: xq uint8 CUDA, M * K/32 blocks of 36 bytes in
     `layout`, which must be q8_1_layout(qt, m); fp16 (M, N) out. The same kernels and result as

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from quantzoo.cuda_launch import get_kernel, launch
+from quantzoo.cuda_launch import get_kernel, launch, on_tensor_device
 
 HEAD_DIMS = {64: 2, 128: 4}      # head_dim -> elements per lane (E)
 MAX_GROUP = 8                    # query heads per KV head served by attn_decode
@@ -95,6 +95,7 @@ def norm_shape(D: int) -> tuple[int, int]:
     return V, -(-D // (8 * V * 32)) * 32
 
 
+@on_tensor_device
 def add_rms_norm(h, delta, w, eps: float, q8_1=None, layout: str = "split"):
     """h (T, D) fp16 (updated in place to h + delta when delta is not None) -> fp16 (T, D).
     With q8_1 (uint8, T * D / 32 * 36 bytes; D % 32 == 0) the output is also written there as
@@ -124,6 +125,7 @@ def add_rms_norm(h, delta, w, eps: float, q8_1=None, layout: str = "split"):
     return out
 
 
+@on_tensor_device
 def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int, eps: float):
     """qkv (T, (H + 2 KV) hd); norm_w (H + KV, hd) or None; cos/sin (S, hd); pos (T,) int64;
     k_cache/v_cache (KV, S, hd) of one layer. Returns q (T, H, hd); k and v land in the caches."""
@@ -157,6 +159,7 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     return q
 
 
+@on_tensor_device
 def silu_mul(gu, q8_1=None, layout: str = "split", out=None):
     """gu (T, 2F) fp16 = [gate | up] -> silu(gate) * up (T, F) fp16 (into `out` if given); with
     q8_1 (uint8, T * F / 32 * 36 bytes; F % 32 == 0) also as Q8_1 blocks in `layout` (as
@@ -206,6 +209,7 @@ class DecodeWork:
         self.count = torch.zeros(kv_heads, dtype=torch.int32, device=device)  # finished CTAs
 
 
+@on_tensor_device
 def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     """q (1, H, hd) one token; k_cache/v_cache (KV, S, hd); pos (1,) int64 -> (1, H*hd) fp16:
     softmax(q k^T / sqrt(hd)) v over cache rows 0..pos (GQA: head h reads KV head h // G)."""

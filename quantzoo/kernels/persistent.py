@@ -162,11 +162,16 @@ class PersistentDecode:
     def run(self, h, pos, trace=None) -> None:
         """One decode step's decoder layers over h (1, D) fp16 in place, at position pos (1,) int64.
         trace: None, or an int64 tensor of trace_size() that receives every CTA's barrier times
-        (phase_times reads it)."""
+        (phase_times reads it). Runs on the model's GPU whichever device is current."""
         import torch
+
+        from quantzoo.cuda_launch import current_device
 
         m = self.model
         dev = self.table.device
+        if dev.type == "cuda" and dev.index != current_device():
+            with torch.cuda.device(dev):
+                return self.run(h, pos, trace)
         if (not isinstance(h, torch.Tensor) or h.dtype != torch.float16 or h.device != dev
                 or not h.is_contiguous() or h.numel() != self.D):
             got = (f"{h.dtype} {tuple(h.shape)} on {h.device}" if isinstance(h, torch.Tensor)

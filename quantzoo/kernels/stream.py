@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from quantzoo.cuda_launch import get_kernel, launch, sm_count
+from quantzoo.cuda_launch import get_kernel, launch, on_tensor_device, sm_count
 
 THREADS = 512
 # (blocks per SM, 16-byte loads in flight per thread): best_read_us times each. On the H100 the
@@ -24,6 +24,7 @@ FOLD_WORDS = MAX_BLOCKS * THREADS // 32   # a fold buffer: one word per warp
 SOURCES = {"stream_read.cu": tuple(f"stream_read<{u}>" for u in sorted({u for _, u in CONFIGS}))}
 
 
+@on_tensor_device
 def read(src: torch.Tensor, out: torch.Tensor | None = None, fold: torch.Tensor | None = None,
          config: tuple[int, int] = DEFAULT) -> int:
     """Read every byte of src (a contiguous CUDA tensor, 16-byte aligned, nbytes % 16 == 0) in one

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..cuda_launch import programmatic_launches
+from ..cuda_launch import current_device, programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
 from .config import ModelConfig, token_ids
@@ -274,6 +274,22 @@ def check_device(device) -> str:
     return device
 
 
+def _on_model_device(method):
+    """Run a Model method with the model's GPU current (torch.cuda.device), whatever device the
+    caller has current: the decode graph's capture stream, its replay and every kernel launch
+    follow the current device. Free when it is current already."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        idx = self._cuda_index
+        if idx is not None and idx != current_device():
+            with torch.cuda.device(idx):
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
 class Model:
     """What load_model returns: config, tokenizer, logits(), generate()."""
 
@@ -288,6 +304,7 @@ class Model:
             device = f"cuda:{torch.cuda.current_device()}"
         self.config, self.tokenizer, self.device = config, tokenizer, device
         self.is_cuda = device.startswith("cuda")
+        self._cuda_index = torch.device(device).index if self.is_cuda else None
         native = torch.float16 if self.is_cuda else torch.float32
         if dtype is not None and dtype != native:
             raise ValueError(f"dtype={dtype!r}: the runner computes in {native} on {device} "
@@ -338,6 +355,7 @@ class Model:
         self.q8_1_fusion = True
 
     # ---- bookkeeping ----------------------------------------------------------------------
+    @_on_model_device
     def use_persistent(self, on: bool) -> None:
         """Decode one-token steps through the persistent kernel (True) or one launch per op
         (False). Raises ValueError naming what the model lacks for it (kernels.persistent)."""
@@ -391,6 +409,7 @@ class Model:
         return n
 
     # ---- KV cache ---------------------------------------------------------------------------
+    @_on_model_device
     def setup_cache(self, max_seq: int | None = None):
         """(Re)allocate the KV cache for max_seq positions (drops a captured graph)."""
         cfg = self.config
@@ -553,6 +572,7 @@ class Model:
         h = h[0] if all_logits else h[0, -1:]
         return self.lm_head(rms_norm(h, self.norm, cfg.rms_norm_eps))
 
+    @_on_model_device
     @torch.inference_mode()
     def prefill(self, ids, start: int = 0) -> torch.Tensor:
         """Run tokens at positions start.. through the model (one batched pass); last logits."""
@@ -571,6 +591,7 @@ class Model:
         pos = torch.arange(start, start + len(ids), device=self.device)
         return self._forward(ids, pos, all_logits=False, from_start=start == 0)[-1]
 
+    @_on_model_device
     @torch.inference_mode()
     def decode_step(self, token: int | torch.Tensor, pos: int) -> torch.Tensor:
         """One token at position pos -> its next-token logits (V,). Replays a CUDA graph on GPU."""
@@ -593,6 +614,7 @@ class Model:
         self._graph.replay()
         return self._g_out[-1]
 
+    @_on_model_device
     def ensure_graph(self):
         """Capture the decode graph if needed; if capture fails (a kernel that cannot be
         captured), decode eagerly from then on and say so in `fallbacks`."""
@@ -620,10 +642,15 @@ class Model:
                 self._forward(self._g_tok, self._g_pos, False)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g), programmatic_launches(self.pdl):
+        # captured on s, a stream of this model's device: torch.cuda.graph's default capture
+        # stream is made once per process, on whichever device was current then, and entering it
+        # makes that device current -- a second model's kernels then left the capture (on
+        # another GPU: an empty graph, a decode of zeros)
+        with torch.cuda.graph(g, stream=s), programmatic_launches(self.pdl):
             self._g_out = self._forward(self._g_tok, self._g_pos, False)
         self._graph = g
 
+    @_on_model_device
     def logits(self, ids) -> torch.Tensor:
         """Teacher-forced next-token logits for every position: (len(ids), vocab) float32 CPU."""
         ids = token_ids(ids, self.config.vocab_size)
@@ -639,6 +666,7 @@ class Model:
         # token) and autograd, and on CPU .float().cpu() would hand back that very tensor
         return out.to(device="cpu", dtype=torch.float32, copy=True)
 
+    @_on_model_device
     def generate(self, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop=None, stream=None, **kw) -> list[int]:
         from .generate import generate
