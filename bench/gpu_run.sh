@@ -15,7 +15,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 rc=0
 if [ -n "${1:-}" ]; then
-  python3 -m pytest -p no:cacheprovider -q $1 2>&1 | tee "$OUT/pytest.log"; rc=${PIPESTATUS[0]}
+  # eval: the pytest arguments may quote, e.g. "-m gpu tests/ -k 'q8_1 or norm'"
+  eval "python3 -m pytest -p no:cacheprovider -q $1" 2>&1 | tee "$OUT/pytest.log"; rc=${PIPESTATUS[0]}
 fi
 shift || true
 for cmd in "$@"; do
