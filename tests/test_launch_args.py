@@ -155,3 +155,85 @@ def test_compiled_text_changes_with_any_header(tmp_path, monkeypatch):
         assert cl.read_source("k.cu") == first
     finally:
         cl._headers_hash.cache_clear()   # the real cuda/ next
+
+
+class _FakeCuda:
+    """What on_tensor_device reads of a CUDA tensor on device `index` (CPU-only torch has none)."""
+    is_cuda = True
+
+    def __init__(self, index):
+        self.index = index
+
+    def get_device(self):
+        return self.index
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cuda", self.index)
+
+
+@pytest.fixture
+def fake_devices(monkeypatch):
+    """torch.cuda.device and cuda_launch.current_device over a list holding the current index."""
+    import torch
+
+    from quantzoo import cuda_launch as cl
+
+    current = [0]
+
+    class Device:
+        def __init__(self, i):
+            self.i = i
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.i
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(cl, "current_device", lambda: current[0])
+    return current
+
+
+def test_on_tensor_device_takes_x_by_name_too(fake_devices):
+    """The first parameter may come by keyword, as the undecorated function took it (the wrapper
+    was `wrapper(x, *args, **kwargs)`: read(src=t) was a TypeError, 'missing x')."""
+    import torch
+
+    from quantzoo.cuda_launch import on_tensor_device
+    from quantzoo.kernels import layer_ops, stream
+
+    seen = []
+    f = on_tensor_device(lambda src, out=None: seen.append(fake_devices[0]))
+    f(_FakeCuda(1))
+    f(src=_FakeCuda(1), out=None)
+    f(out=None, src=_FakeCuda(0))
+    assert seen == [1, 1, 0] and fake_devices[0] == 0
+    with pytest.raises(ValueError, match="src must be a contiguous CUDA tensor"):
+        stream.read(src=torch.zeros(4))
+    with pytest.raises(ValueError, match="h: expected a CUDA tensor"):
+        layer_ops.add_rms_norm(h=torch.zeros(1, 8), delta=None, w=torch.zeros(8), eps=1e-6)
+
+
+def test_every_public_launching_entry_point_runs_on_its_tensors_device(fake_devices, monkeypatch):
+    """fp16.linear (the runner's fp16 linears, the GEMV at M <= 4) and awq.dequantize_into launch
+    kernels too: with cuda:0 current, an x on cuda:1 launched on cuda:0's context and stream."""
+    from quantzoo.kernels import awq, fp16
+
+    seen = []
+    monkeypatch.setattr(fp16, "gemv_ok", lambda x, w: True)
+    monkeypatch.setattr(fp16, "_launch_gemv", lambda x, w: seen.append(("gemv", fake_devices[0])))
+    fp16.linear(_FakeCuda(1), None)
+    monkeypatch.setattr(awq, "_kernel", lambda *a: None)
+    monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(awq, "_launch", lambda *a, **k: seen.append(("dequant", fake_devices[0])))
+
+    class W(_FakeCuda):
+        def data_ptr(self):
+            return 0
+
+    awq.dequantize_into(W(1), W(1), W(1), W(1), 64, 64, 32)
+    assert seen == [("gemv", 1), ("dequant", 1)] and fake_devices[0] == 0

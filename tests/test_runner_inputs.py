@@ -336,6 +336,41 @@ def test_named_chat_templates_as_transformers_and_llama_cpp_store_them(tmp_path)
         Tokenizer.from_tokenizer_json(raw.to_str(), {}).apply_chat_template(msgs, template="x")
 
 
+
+def test_named_chat_templates_saved_as_files_as_transformers_does(tmp_path):
+    """transformers' save_pretrained writes several templates as files, not in
+    tokenizer_config.json: the default in chat_template.jinja, the others in
+    additional_chat_templates/NAME.jinja; from_pretrained reads both. The loader read only the
+    first (--chat-template tool_use: "this model has the named templates ['default']"), and an
+    export of such a directory dropped the others."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from quantzoo.model.export import _write_tokenizer_files
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    raw = H.build_tokenizer(300)
+    msgs = [{"role": "user", "content": "hi"}]
+    for named in (_NAMED, _NAMED[1:]):
+        src, out = tmp_path / f"src{len(named)}", tmp_path / f"out{len(named)}"
+        PreTrainedTokenizerFast(tokenizer_object=raw, chat_template={t["name"]: t["template"] for t in named}
+                                ).save_pretrained(src)
+        assert (src / "additional_chat_templates" / "tool_use.jinja").exists()
+        hf = AutoTokenizer.from_pretrained(src)
+        out.mkdir()
+        _write_tokenizer_files(SimpleNamespace(hf_config={}, path=src, tokenizer=None), out)
+        for d in (src, out):
+            tok = load_tokenizer(d)
+            assert tok.chat_templates == {t["name"]: t["template"] for t in named}, d
+            assert tok.apply_chat_template(msgs, template="tool_use") == \
+                hf.apply_chat_template(msgs, chat_template="tool_use", tokenize=False) == "<tool>hi"
+            if len(named) == 2:
+                assert tok.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False)
+            else:
+                with pytest.raises(ValueError, match="no default"):
+                    tok.apply_chat_template(msgs)
+
 def _gguf_vocab():
     toks = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": toks,

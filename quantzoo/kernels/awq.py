@@ -352,6 +352,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
     return "mma" if m <= limit else "dequant+cublas"
 
 
+@on_tensor_device
 def dequantize_into(qweight, scales, qzeros, out, k, n, g, c0=0, nw=None):
     """Column words [c0, c0 + nw) of the fp16 weight into out (fp16 [K, 8 * nw], contiguous)."""
     nw = n // 8 if nw is None else nw

@@ -60,6 +60,9 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@on_tensor_device
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for the runner: gemv at decode-sized M, cuBLAS otherwise."""
+    """F.linear(x, w) for the runner: gemv at decode-sized M, cuBLAS otherwise; on x's device
+    whatever device is current (F.linear follows its tensors itself; the gemv launch follows the
+    current device, which on_tensor_device makes x's)."""
     return _launch_gemv(x, w) if gemv_ok(x, w) else torch.nn.functional.linear(x, w)

@@ -36,7 +36,7 @@ import numpy as np
 from quantzoo.formats import get, names
 
 from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
-from .hf_loader import LINEARS, not_converted, parse_quantization_config, to_numpy_float
+from .hf_loader import CHAT_TEMPLATE_DIR, LINEARS, not_converted, parse_quantization_config, to_numpy_float
 
 # Every stored (non-activation) format of the registry can be exported.
 FORMATS = tuple(n for n in names() if get(n).kind != "activation")
@@ -181,10 +181,13 @@ def hf_config_dict(src: Source, dtype: str = "float16") -> dict:
 def _write_tokenizer_files(src: Source, dst: Path) -> None:
     for name in TOKENIZER_FILES:   # an earlier export's files must not outlive this one's
         (dst / name).unlink(missing_ok=True)
+    shutil.rmtree(dst / CHAT_TEMPLATE_DIR, ignore_errors=True)
     if src.hf_config is not None:
         for name in TOKENIZER_FILES:
             if (src.path / name).exists():
                 shutil.copyfile(src.path / name, dst / name)
+        if (src.path / CHAT_TEMPLATE_DIR).is_dir():   # transformers' named templates, NAME.jinja each
+            shutil.copytree(src.path / CHAT_TEMPLATE_DIR, dst / CHAT_TEMPLATE_DIR)
         return
     tok = src.tokenizer
     if tok is None:

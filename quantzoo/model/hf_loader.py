@@ -263,8 +263,12 @@ class _Shards:
 # ---------------------------------------------------------------------------------------
 # the loader
 # ---------------------------------------------------------------------------------------
+CHAT_TEMPLATE_DIR = "additional_chat_templates"   # transformers' named templates, NAME.jinja each
+
+
 def load_tokenizer(path: Path):
-    """tokenizer.json + tokenizer_config.json (+ special_tokens_map.json, chat_template.jinja) -> Tokenizer, or None."""
+    """tokenizer.json + tokenizer_config.json (+ special_tokens_map.json, chat_template.jinja,
+    additional_chat_templates/*.jinja) -> Tokenizer, or None."""
     tj = path / "tokenizer.json"
     if not tj.exists():
         return None
@@ -281,12 +285,26 @@ def load_tokenizer(path: Path):
                 if not isinstance(v.get("content") if isinstance(v, dict) else v, str):
                     raise ValueError(f"{stm}: {key}={v!r} must be a token string (or {{'content': str}})")
                 tc[key] = v
+    # as in transformers: template files win over tokenizer_config.json's entry -- the default in
+    # chat_template.jinja, named ones in additional_chat_templates/NAME.jinja (how
+    # save_pretrained writes several templates)
+    files = {}
     jinja = path / "chat_template.jinja"
-    if jinja.exists():   # as in transformers: the file wins over tokenizer_config.json's entry
+    if jinja.exists():
+        files["default"] = jinja
+    extra = path / CHAT_TEMPLATE_DIR
+    if extra.is_dir():
+        files.update((f.name.removesuffix(".jinja"), f) for f in sorted(extra.glob("*.jinja")))
+    texts = {}
+    for name, f in files.items():
         try:
-            tc["chat_template"] = jinja.read_text(encoding="utf-8")
+            texts[name] = f.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{jinja}: not UTF-8 text ({e})") from None
+            raise ValueError(f"{f}: not UTF-8 text ({e})") from None
+    if list(texts) == ["default"]:
+        tc["chat_template"] = texts["default"]
+    elif texts:
+        tc["chat_template"] = [{"name": n, "template": t} for n, t in texts.items()]
     return Tokenizer.from_tokenizer_json(str(tj), tc)
 
 
