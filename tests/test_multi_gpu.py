@@ -40,6 +40,27 @@ def test_matmul_runs_on_its_tensors_device(fmt, rng):
                            qz.ops.awq_dequantize(*(q0.data[a] for a in ("qweight", "scales", "qzeros"))).cpu())
 
 
+def test_fp16_gemv_and_layer_ops_on_their_tensors_device(rng):
+    """The runner's fp16 linear (its own GEMV at M <= 4) and a fused layer op on cuda:1 with
+    cuda:0 current: equal to cuda:0's."""
+    from quantzoo.kernels import fp16, layer_ops
+
+    torch.cuda.set_device(0)
+    w = torch.from_numpy((rng.standard_normal((256, 1024)) * 0.02).astype(np.float16))
+    x = torch.from_numpy(rng.standard_normal((1, 1024)).astype(np.float16))
+    y1, y0 = fp16.linear(x.to("cuda:1"), w.to("cuda:1")), fp16.linear(x.to("cuda:0"), w.to("cuda:0"))
+    assert y1.device == torch.device("cuda:1") and torch.equal(y1.cpu(), y0.cpu())
+    h = torch.from_numpy(rng.standard_normal((3, 1024)).astype(np.float16))
+    nw = torch.from_numpy((1 + 0.1 * rng.standard_normal(1024)).astype(np.float16))
+    outs = []
+    for dev in ("cuda:1", "cuda:0"):
+        hh = h.to(dev)
+        r = layer_ops.add_rms_norm(hh, hh.clone(), nw.to(dev), 1e-6)
+        outs.append([t.cpu() for t in (r if isinstance(r, tuple) else (r,))] + [hh.cpu()])
+    assert torch.cuda.current_device() == 0
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_model_generates_on_its_device(tmp_path):
     """A synthetic GGUF model (q4_1 linears, q8_0 embedding: fused layer ops, a PDL decode graph)
     loaded on cuda:1 while cuda:0 is current generates what the same model on cuda:0 does, its
