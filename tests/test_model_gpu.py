@@ -26,9 +26,9 @@ def _need_cuda():
         pytest.skip("needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module")
-def synthetic_path(tmp_path_factory):
-    _need_cuda()
+def write_slice_gguf(path) -> str:
+    """A random 4-layer llama shaped like a slice of SmolLM2, in SmolLM2's formats (every linear
+    q4_1, the tied embedding q8_0), written as a GGUF at path."""
     from test_model_gguf import write_gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -38,10 +38,14 @@ def synthetic_path(tmp_path_factory):
                                      num_key_value_heads=3, max_position_embeddings=512,
                                      rms_norm_eps=1e-5, tie_word_embeddings=True,
                                      initializer_range=0.02)).eval()
-    path = tmp_path_factory.mktemp("gpu") / "slice.gguf"
-    # SmolLM2's formats: every linear q4_1, the tied embedding q8_0
     write_gguf(path, m, "llama", "q4_1", embed_fmt="q8_0")
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def synthetic_path(tmp_path_factory):
+    _need_cuda()
+    return write_slice_gguf(tmp_path_factory.mktemp("gpu") / "slice.gguf")
 
 
 def test_synthetic_gpu_equals_cpu(synthetic_path):

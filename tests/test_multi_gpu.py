@@ -65,18 +65,10 @@ def test_model_generates_on_its_device(tmp_path):
     """A synthetic GGUF model (q4_1 linears, q8_0 embedding: fused layer ops, a PDL decode graph)
     loaded on cuda:1 while cuda:0 is current generates what the same model on cuda:0 does, its
     logits equal, and none of its memory lands on cuda:0."""
-    from test_model_gguf import write_gguf
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_model_gpu import write_slice_gguf
 
     torch.cuda.set_device(0)
-    torch.manual_seed(11)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536,
-                                     num_hidden_layers=4, num_attention_heads=9,
-                                     num_key_value_heads=3, max_position_embeddings=512,
-                                     rms_norm_eps=1e-5, tie_word_embeddings=True,
-                                     initializer_range=0.02)).eval()
-    path = tmp_path / "slice.gguf"
-    write_gguf(path, m, "llama", "q4_1", embed_fmt="q8_0")
+    path = write_slice_gguf(tmp_path / "slice.gguf")
     before0 = torch.cuda.memory_allocated(0)
     g1 = qz.load_model(str(path), device="cuda:1", progress=False)
     ids = [(37 * i + 5) % 512 for i in range(24)]

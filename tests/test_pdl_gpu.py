@@ -34,6 +34,34 @@ def _chain(h0, h, ws, norm_w, steps):
     return layer_ops.add_rms_norm(h, delta, norm_w, 1e-6)
 
 
+def _pdl_equals_plain(run, h, what):
+    """run() -> the chain's output, h its running state: plain eager launches are the reference;
+    a PDL graph of run() replayed three times over NaN-poisoned out and h, and eager PDL launches
+    (the ctypes path, planned replays), must give the same bits."""
+    ref = run().clone()
+    ref_h = h.clone()
+    assert torch.isfinite(ref).all() and torch.isfinite(ref_h).all(), what
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()                                          # warm-up: workspaces, compiles
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s), programmatic_launches():
+        out = run()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        h.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), f"{what}: PDL graph differs from plain launches"
+        assert torch.equal(h, ref_h), what
+    with programmatic_launches():
+        out_e = run()
+    torch.cuda.synchronize()
+    assert torch.equal(out_e, ref), f"{what}: eager PDL launches differ"
+
+
 @pytest.mark.parametrize("M", [1, 3, 16])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pdl_graph_equals_plain_launches(fmt, M, rng):
@@ -46,30 +74,7 @@ def test_pdl_graph_equals_plain_launches(fmt, M, rng):
     h0 = torch.randn(M, D, device="cuda", generator=gen).half()
     norm_w = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).half()
     h = torch.empty_like(h0)
-    ref = _chain(h0, h, ws, norm_w, 6).clone()       # plain launches, eager
-    ref_h = h.clone()
-    assert torch.isfinite(ref).all()
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _chain(h0, h, ws, norm_w, 6)                   # warm-up: workspaces, compiles
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), programmatic_launches():
-        out = _chain(h0, h, ws, norm_w, 6)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        h.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref), f"{fmt} M={M}: PDL graph differs from plain launches (seed {seed})"
-        assert torch.equal(h, ref_h)
-
-    with programmatic_launches():                      # eager PDL launches (ctypes path) too
-        out_e = _chain(h0, h, ws, norm_w, 6)
-    torch.cuda.synchronize()
-    assert torch.equal(out_e, ref)
+    _pdl_equals_plain(lambda: _chain(h0, h, ws, norm_w, 6), h, f"{fmt} M={M} (seed {seed})")
 
 
 def _mlp_chain(h0, h, gate_up, down, norm_w, steps):
@@ -113,31 +118,8 @@ def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
     h0 = torch.randn(1, D, device="cuda", generator=gen).half()
     norm_w = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).half()
     h = torch.empty_like(h0)
-    ref = _mlp_chain(h0, h, gate_up, down, norm_w, 6).clone()   # plain launches, eager
-    ref_h = h.clone()
-    assert torch.isfinite(ref).all() and torch.isfinite(ref_h).all(), f"seed {seed}"
+    _pdl_equals_plain(lambda: _mlp_chain(h0, h, gate_up, down, norm_w, 6), h, f"awq D={D} F={F} (seed {seed})")
     assert gemv_calls and gemv_calls[0] == (1, D, 2 * F), f"the GEMV was not called: {gemv_calls}"
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _mlp_chain(h0, h, gate_up, down, norm_w, 6)   # warm-up: workspaces, compiles
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), programmatic_launches():
-        out = _mlp_chain(h0, h, gate_up, down, norm_w, 6)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        h.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref), f"awq D={D} F={F}: PDL graph differs from plain launches (seed {seed})"
-        assert torch.equal(h, ref_h), f"seed {seed}"
-
-    with programmatic_launches():                      # eager PDL launches (planned replays) too
-        out_e = _mlp_chain(h0, h, gate_up, down, norm_w, 6)
-    torch.cuda.synchronize()
-    assert torch.equal(out_e, ref), f"awq D={D} F={F}: eager PDL launches differ (seed {seed})"
 
 
 def test_programmatic_launches_nests_and_restores():
