@@ -62,7 +62,7 @@ __device__ __forceinline__ int q8_1_quantize_value(float v, float& d, float& sum
     sum += __shfl_xor_sync(0xffffffffu, sum, off);
   }
   d = amax / 127.0f;
-  return d == 0.0f ? 0 : q8_1_round(v, d, 1.0f / d);   // d = 0: amax = 0, or fp32 amax / 127 underflows
+  return d == 0.0f ? 0 : q8_1_round(v, d, 1.0f / d);   // d = 0: amax = 0, or fp32 amax / 127 < 2^-126
 }
 
 // Where block blk of n_blocks keeps its 32 qs bytes and its half2 (d, s), in either layout.

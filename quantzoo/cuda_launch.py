@@ -63,9 +63,8 @@ def import_cupy():
 
 @lru_cache(maxsize=None)
 def _module(source: str, name_expressions: tuple, options: tuple, arch: str, device: int):
-    """The module compiled for arch and loaded into `device`'s context (a CUDA module, and every
-    function handle from it, belongs to one device: launched with another device's stream it
-    fails with an invalid handle)."""
+    """The module compiled for arch and loaded into `device`'s context: each device gets its own
+    (a CUDA module and its function handles belong to the context they were loaded into)."""
     cupy = import_cupy()
 
     # CuPy appends -ftz=true to NVRTC's options (cupy/cuda/compiler.py; a -ftz=false here would
@@ -123,10 +122,10 @@ def current_device() -> int:
 def on_tensor_device(fn):
     """Run fn(x, ...) with x's CUDA device current, as torch's own ops do whatever the current
     device is: the kernels, their streams and workspaces all follow the current device, and a
-    launch from another device's context onto x's memory fails (an invalid handle) or reads it
-    across the bus. x is fn's first parameter, given by position or by name. Where x's device is
-    current already it costs a few hundred ns (is_cuda, get_device() and the current device;
-    not torch.device.type, ~0.6 us by itself)."""
+    launch on another device's stream with x's addresses is an illegal memory access (seen on
+    two H100s, tests/test_multi_gpu.py). x is fn's first parameter, by position or by name.
+    Where x's device is current already it costs a few hundred ns (is_cuda, get_device() and
+    the current device; not torch.device.type, ~0.6 us by itself)."""
     import functools
     import inspect
 

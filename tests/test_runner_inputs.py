@@ -312,7 +312,7 @@ def test_named_chat_templates_as_transformers_and_llama_cpp_store_them(tmp_path)
         else:
             with pytest.raises(ValueError, match="no default"):
                 hf.apply_chat_template(msgs, tokenize=False)
-            with pytest.raises(ValueError, match=r"several chat templates \['tool_use'\] and no default"):
+            with pytest.raises(ValueError, match=r"the named chat templates \['tool_use'\] and no default"):
                 tok.apply_chat_template(msgs)
         with pytest.raises(ValueError, match=r"chat template 'chatml': this model has the named templates"):
             tok.apply_chat_template(msgs, template="chatml")

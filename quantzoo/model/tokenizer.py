@@ -165,8 +165,8 @@ class Tokenizer:
         elif self.chat_template:
             source = self.chat_template
         elif names:
-            raise ValueError(f"this model has several chat templates {names} and no default: name one "
-                             "(--chat-template NAME)")
+            raise ValueError(f"this model has the named chat templates {names} and no default: name "
+                             "one (--chat-template NAME)")
         else:
             raise ValueError("this model has no chat template (tokenizer.chat_template / "
                              "tokenizer_config.json chat_template): prompt it without --chat")
