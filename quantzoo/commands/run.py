@@ -20,7 +20,7 @@ def register(sub) -> None:
     m.add_argument("--chat-template", default=None, metavar="NAME",
                    help="for --chat: which of the model's named chat templates (default: its default one)")
     m.add_argument("--max-new-tokens", type=int, default=64)
-    m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    m.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     m.add_argument("--top-k", type=int, default=0)
     m.add_argument("--top-p", type=float, default=1.0)
