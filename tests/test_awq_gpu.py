@@ -624,3 +624,26 @@ def test_glu_other_paths_plans_and_graph():
     _, _, odd, _ = weight(128, 72, 64)
     with pytest.raises(ValueError, match="glu"):
         awq.matmul(x[:, :128].contiguous(), odd, glu=True)
+
+
+# ---------------------------------------------------------------- outputs past 2^31 elements
+def test_outputs_past_2_31_elements():
+    """y of M * N > 2^31 elements -- an AWQ lm_head (N = 151936) at M = 2^31 // N + 2 = 14136, as
+    Model.logits of a long text runs it; refused up to now (M * max(K, N) < 2^31; awq.MAX_M) --
+    on every path that takes this M (wgmma on Hopper): the first rows and the last 48 (row M - 2
+    crosses element 2^31 at column 20224, row M - 1 lies wholly past it) within the fp32 bound
+    of the emulation. K = 128 (one group) keeps a case to milliseconds of GPU time; memory ~4.5 GB
+    (y 4.3 GB, NaN-poisoned, freed between paths)."""
+    awq = awq_mod()
+    k, n, g = 128, 151936, 128
+    m = 2**31 // n + 2
+    assert (m - 1) * n > 2**31 > (m - 2) * n
+    _, qt, qtc, w16 = weight(k, n, g)
+    x16 = rand_x(case_rng(), m, k)
+    rows = np.r_[0:4, m - 48:m]
+    paths = ["mma", "dequant+cublas"] + (["wgmma"] if awq.wgmma_available(torch.device("cuda")) else [])
+    for path in paths:
+        y = run(x16, qtc, path)
+        check(y[torch.as_tensor(rows, device="cuda")], x16[rows], qt, w16, f"{path} M={m} N={n}")
+        del y
+        torch.cuda.empty_cache()

@@ -234,3 +234,46 @@ def test_wgmma_schedule():
     assert wt.schedule(512, 12288, 4096, slots, cfg) == (132, 2, 32)   # 192 tiles: 60 split in two
     assert wt.schedule(512, 24576, 4096, slots, cfg) == (384, 1, 64)   # 384 tiles: 3 whole waves
     assert wt.schedule(512, 12288, 4096, slots, cfg, splits=3, dp_tiles=5) == (5, 3, 22)
+
+
+def test_rows_past_2_31_outputs_dry_run(monkeypatch):
+    """M * N past 2^31 (a quantized lm_head, N = 151936, over 14136 tokens: Model.logits of a 16k
+    text) is taken by every path that serves that M -- the kernels form element offsets in 64
+    bits; only M itself is an int parameter -- and M = 2^31 is refused before any launch. Meta
+    tensors (no memory) with the kernels, launches and device queries stubbed."""
+    calls = []
+    monkeypatch.setattr(awq, "_WS", {})   # the meta workspaces stay out of the real cache
+    monkeypatch.setattr(awq, "_kernel", lambda src, name: name)
+    monkeypatch.setattr(awq, "_launch", lambda kern, grid, block, args, smem=0: calls.append((kern, grid, args)))
+    monkeypatch.setattr(awq, "launch_tma", lambda kern, grid, block, args, smem=0: calls.append((kern, grid, args)))
+    monkeypatch.setattr(awq, "tensor_map_2d", lambda *a: ("tmap",) + a)
+    monkeypatch.setattr(awq, "tensor_map_halves", lambda *a: ("tmap",) + a)
+    monkeypatch.setattr(awq, "_set_smem", lambda kern, nbytes: None)
+    monkeypatch.setattr(awq, "_blocks_per_sm", lambda kern, smem, threads=128: 1)
+    monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
+    k, n, g = 4096, 151936, 128
+    m = 2**31 // n + 2   # row m - 1 holds elements past 2^31
+    meta = dict(device="meta")
+    qw = torch.empty((k, n // 8), dtype=torch.int32, **meta)
+    sc = torch.empty((k // g, n), dtype=torch.float16, **meta)
+    qz = torch.empty((k // g, n // 8), dtype=torch.int32, **meta)
+    x = torch.empty((m, k), dtype=torch.float16, **meta)
+    assert m * n > 2**31
+    for path in (None, "mma", "wgmma", "dequant+cublas"):
+        calls.clear()
+        y = awq._gemm(x, qw, sc, qz, k, n, g, None, path)
+        assert y.shape == (m, n) and calls, path
+        for kern, grid, args in calls:
+            assert all(0 < d < 2**31 for d in grid) and all(d <= 65535 for d in grid[1:]), (path, kern, grid)
+            assert all(not isinstance(a, np.int32) or a >= 0 for a in args), (path, kern)
+        if path == "mma":
+            assert int(calls[0][2][7]) == m and int(calls[0][2][9]) == n
+    # M itself must fit the kernels' int: refused with the argument named, before a launch
+    xw = torch.empty((2**31, 32), dtype=torch.float16, **meta)
+    qw32 = torch.empty((32, 8), dtype=torch.int32, **meta)
+    calls.clear()
+    with pytest.raises(ValueError, match=r"x: M=2147483648 rows; the kernels take at most 2147483647"):
+        awq._gemm(xw, qw32, torch.empty((1, 64), dtype=torch.float16, **meta),
+                  torch.empty((1, 8), dtype=torch.int32, **meta), 32, 64, 32, None, "mma")
+    assert not calls

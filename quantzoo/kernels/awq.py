@@ -152,6 +152,11 @@ SMALL_M1 = (1, 2, 8, 1, 0, 4)   # config for M <= 8 on untuned shapes ...
 SMALL_M2 = (2, 1, 4, 1, 0, 8)   # ... and for 8 < M <= 16
 SMALL_BLOCKS_PER_SM = 2  # small_plan: target blocks per SM
 SMALL_MIN_STEPS = 4      # small_plan: fewest k-steps (16 rows) per warp
+# Rows of x a call takes: M is an int kernel parameter. Every element offset is formed in 64 bits
+# ((size_t) row * N for y and the split-K partials, (size_t) row * K for x, x by TMA on Hopper), so
+# M * N and M * K may pass 2^31: the limit was M * max(K, N) < 2^31, which refused a quantized
+# lm_head (N = 151936) past 14134 rows -- Model.logits over a 16k-token text.
+MAX_M = 2**31 - 1
 # (K, N, MB) -> (config, K splits): the fastest measured per Qwen3-8B shape (bench run 10,
 # bench/notes-awq.md; MB = 2 also serves M <= 8 where it won)
 SMALL_TUNED = {
@@ -651,8 +656,8 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
         raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
     if m == 0:
         return out
-    if m > 2**31 // max(k, n):
-        raise ValueError(f"x: M={m} is too large for 32-bit row indexing")
+    if m > MAX_M:
+        raise ValueError(f"x: M={m} rows; the kernels take at most {MAX_M} (their row count is a 32-bit int)")
     if path == "small" and m > SMALL_MAX_M:
         raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
     if path is None and qt is not None:
