@@ -107,13 +107,23 @@ def test_quantize_fields_follow_the_design_formula(group_size, rng):
     assert sure.mean() > 0.99 and np.array_equal(f["q"][sure], q[sure])
 
 
+def _traced_peak(fn) -> int:
+    """numpy's (tracemalloc's) peak bytes while fn() runs."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_quantize_in_row_slices_is_the_whole_matrix_bytes(monkeypatch, rng):
     """quantize works on slices of output rows (a multiple of 8) so its float32 temporaries are
     bounded by QUANTIZE_CHUNK, not by the matrix (a 152k x 4096 lm_head: ~6 GB at once): the
     bytes equal those of one whole-matrix pass (slices of 8 rows and a last partial slice), and
     numpy's traced peak (40-row slices) stays under w's own size."""
-    import tracemalloc
-
     import quantzoo.formats.awq as A
 
     w = (rng.standard_normal((8 * 37, 512)) * 0.02).astype(np.float32)
@@ -122,10 +132,17 @@ def test_quantize_in_row_slices_is_the_whole_matrix_bytes(monkeypatch, rng):
         monkeypatch.setattr(A, "QUANTIZE_CHUNK", chunk)
         sliced = AWQ.quantize(w, group_size=64)
         assert all(np.array_equal(whole.data[k], sliced.data[k]) for k in whole.data)
-    tracemalloc.start()
-    try:
-        AWQ.quantize(w, group_size=64)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = _traced_peak(lambda: AWQ.quantize(w, group_size=64))
     assert peak < w.nbytes, (peak, w.nbytes)          # 0.75x here; one whole-matrix pass: 3.1x
+
+
+def test_quantize_peak_memory_is_bounded_at_the_default_chunk(rng):
+    """At the default QUANTIZE_CHUNK a matrix past it (16.8M weights, 4x the chunk) is quantized
+    with numpy's traced peak near w's own size (the slice temporaries plus the outputs), not the
+    ~3x of one whole-matrix pass."""
+    import quantzoo.formats.awq as A
+
+    w = (rng.standard_normal((2048, 8192)) * 0.02).astype(np.float32)
+    assert w.size >= 4 * A.QUANTIZE_CHUNK
+    peak = _traced_peak(lambda: AWQ.quantize(w, group_size=128))
+    assert peak < 1.3 * w.nbytes, (peak, w.nbytes)    # 1.14x; in one pass: 3.2x

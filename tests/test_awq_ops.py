@@ -277,3 +277,7 @@ def test_rows_past_2_31_outputs_dry_run(monkeypatch):
         awq._gemm(xw, qw32, torch.empty((1, 64), dtype=torch.float16, **meta),
                   torch.empty((1, 8), dtype=torch.int32, **meta), 32, 64, 32, None, "mma")
     assert not calls
+    # ... and M = 2^31 - 1, the largest int, is taken
+    y = awq._gemm(xw[1:], qw32, torch.empty((1, 64), dtype=torch.float16, **meta),
+                  torch.empty((1, 8), dtype=torch.int32, **meta), 32, 64, 32, None, "mma")
+    assert y.shape == (2**31 - 1, 64) and int(calls[0][2][7]) == 2**31 - 1

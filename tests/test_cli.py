@@ -75,6 +75,7 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
                          (["--seed", str(2**70)], "sampling: seed=1180591620717411303424 must be an integer"),
                          (["--system", "be brief"], "--system: a system message goes into the chat template"),
                          (["--chat-template", "tool_use"], "--chat-template: it names the template --chat uses"),
+                         (["--chat-template", ""], "--chat-template: it names the template --chat uses"),
                          (["--stop", ""], "--stop: an empty stop string")):
         assert main(["run", "model", "--model", nope, *args]) == 2
         err = capsys.readouterr().err

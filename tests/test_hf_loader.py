@@ -229,6 +229,12 @@ def _copy_and(src, dst, edit):
      "tokenizer.json: the tokenizer fails to encode with its special tokens"),
     # a raw UnicodeDecodeError; a bad special_tokens_map.json value blamed on tokenizer_config.json
     (lambda d: (d / "chat_template.jinja").write_bytes(b"\xff{{ x }}"), "chat_template.jinja: not UTF-8 text"),
+    # a named template file is named, not chat_template.jinja; an entry of the list without a
+    # name is the list's error (transformers: a KeyError 'name'), not a KeyError
+    (lambda d: ((d / "additional_chat_templates").mkdir(), (d / "additional_chat_templates" / "bad.jinja")
+                .write_bytes(b"\xff{{ x }}")), "additional_chat_templates/bad.jinja: not UTF-8 text"),
+    (lambda d: (d / "tokenizer_config.json").write_text('{"chat_template": [{"template": "x"}]}'),
+     "chat_template is a list without {name, template} entries"),
     (lambda d: (d / "special_tokens_map.json").write_text('{"bos_token": 5}'),
      "special_tokens_map.json: bos_token=5 must be a token string"),
 ])

@@ -153,6 +153,9 @@ def test_compiled_text_changes_with_any_header(tmp_path, monkeypatch):
         (tmp_path / "a.cuh").write_text("#define A 1\n")
         cl._headers_hash.cache_clear()
         assert cl.read_source("k.cu") == first
+        (tmp_path / "a.cuh").rename(tmp_path / "b.cuh")   # the names count too: another #include graph
+        cl._headers_hash.cache_clear()
+        assert cl.read_source("k.cu") != first
     finally:
         cl._headers_hash.cache_clear()   # the real cuda/ next
 
@@ -237,3 +240,69 @@ def test_every_public_launching_entry_point_runs_on_its_tensors_device(fake_devi
 
     awq.dequantize_into(W(1), W(1), W(1), W(1), 64, 64, 32)
     assert seen == [("gemv", 1), ("dequant", 1)] and fake_devices[0] == 0
+
+
+def test_on_tensor_device_follows_a_quantized_tensors_device(fake_devices, monkeypatch):
+    """A QuantizedTensor first argument (awq.dequantize(qt)) has no is_cuda: its device string
+    "cuda:N" picks the device; a CPU one runs where it is."""
+    from quantzoo.cuda_launch import on_tensor_device
+    from quantzoo.formats.tensor import QuantizedTensor
+    from quantzoo.kernels import awq
+
+    def qt(i):
+        return QuantizedTensor("awq", (64, 64), {"qweight": _FakeCuda(i), "qzeros": _FakeCuda(i),
+                                                 "scales": _FakeCuda(i)}, {"group_size": 32})
+
+    assert qt(1).device == "cuda:1"
+    seen = []
+    f = on_tensor_device(lambda q: seen.append(fake_devices[0]))
+    f(qt(1))
+    fake_devices[0] = 1
+    f(qt(0))
+    f(QuantizedTensor("q8_0", (1, 32), np.zeros((1, 34), np.uint8), {}))   # CPU: left as it is
+    fake_devices[0] = 0
+    assert seen == [1, 0, 1]
+
+    class Seen(Exception):
+        pass
+
+    def unpack(q):
+        seen.append(("unpack", fake_devices[0]))
+        raise Seen
+
+    monkeypatch.setattr(awq, "_unpack_qt", unpack)
+    with pytest.raises(Seen):
+        awq.dequantize(qt(1))
+    assert seen[-1] == ("unpack", 1) and fake_devices[0] == 0
+
+
+def test_get_kernel_compiles_and_caches_per_device(fake_devices, monkeypatch):
+    """A module and its function handles belong to the context they were loaded into: each
+    device gets its own, built for its own architecture, and a cached handle is not handed to
+    another device."""
+    import torch
+
+    from quantzoo import cuda_launch as cl
+
+    built = []
+
+    class Mod:
+        def __init__(self, arch, dev):
+            self.arch, self.dev = arch, dev
+
+        def get_function(self, name):
+            return (name, self.arch, self.dev)
+
+    def module(source, name_expressions, options, arch, device):
+        built.append((arch, device))
+        return Mod(arch, device)
+
+    monkeypatch.setattr(cl, "_KERNELS", {})
+    monkeypatch.setattr(cl, "_module", module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: {0: (9, 0), 1: (8, 0)}[dev])
+    assert cl.get_kernel("k.cu", "k") == ("k", "sm_90", 0)
+    fake_devices[0] = 1
+    assert cl.get_kernel("k.cu", "k") == ("k", "sm_80", 1)
+    fake_devices[0] = 0
+    assert cl.get_kernel("k.cu", "k") == ("k", "sm_90", 0)
+    assert built == [("sm_90", 0), ("sm_80", 1)]

@@ -101,3 +101,73 @@ def test_non_finite_and_underflowing_blocks():
     assert f["d"][0, 4] == np.float32(2.0 ** -126)
     assert f["q"][0, 4].tolist() == [c_roundf(float(v / f["d"][0, 4])) for v in x[0, 4]]
     assert np.abs(f["q"][0, 4]).max() == 127
+
+
+TINY = np.finfo(np.float32).smallest_normal          # 2^-126: numpy's own float32 limit
+
+
+def ftz(v) -> np.float32:
+    """One fp32 value as an -ftz=true instruction leaves it: |v| < 2^-126 -> a zero of v's sign."""
+    v = np.float32(v)
+    return np.float32(math.copysign(0.0, float(v))) if abs(v) < TINY else v
+
+
+def ftz_tree(block) -> np.float32:
+    """The xor-shuffle warp sum written out, every input and every partial sum flushed."""
+    cur = [ftz(v) for v in block]
+    for off in (16, 8, 4, 2, 1):
+        cur = [ftz(np.float32(cur[i] + cur[i ^ off])) for i in range(32)]
+    return cur[0]
+
+
+def test_flush_subnormals_is_float32s_normal_limit_and_keeps_the_sign():
+    """The largest subnormal (np.nextafter below numpy's smallest_normal) and 0.75 * 2^-126 are
+    flushed, the smallest normal is not; a flushed negative is -0 (CUDA's FTZ keeps the sign, and
+    a block of negative subnormals then stores s = -0: fp16 bits 0x8000)."""
+    from quantzoo.formats.gguf_blocks import flush_subnormals
+
+    sub = np.nextafter(TINY, np.float32(0))
+    v = np.array([TINY, -TINY, sub, -sub, 0.75 * TINY, -0.75 * TINY, 2e-45, -2e-45, 1.0, -0.0, np.inf], np.float32)
+    got = flush_subnormals(v)
+    assert got.dtype == np.float32
+    assert np.array_equal(got, [TINY, -TINY, 0, 0, 0, 0, 0, 0, 1.0, 0, np.inf])
+    assert np.array_equal(np.signbit(got), np.signbit(v))
+    assert np.isnan(flush_subnormals(np.float32(np.nan)))
+    f = Q81.quantize_fields(np.full((1, 1, 32), -0.5 * TINY, np.float32))
+    assert f["m"][0, 0] == 0 and np.signbit(f["m"][0, 0])
+    assert np.signbit(Q81.unpack(Q81.quantize(np.full((1, 32), -0.5 * TINY, np.float32)).data)["m"][0, 0])
+
+
+def test_butterfly_sum_flushes_inputs_and_partial_sums():
+    """Two subnormal inputs whose sum would be normal give 0 (the inputs are flushed first); a
+    partial sum that cancels into the subnormal range is flushed before the next level."""
+    a = np.zeros((3, 32), np.float32)
+    a[0, 0] = a[0, 16] = 0.75 * TINY                 # unflushed: 1.5 * 2^-126, a normal sum
+    a[1, 0], a[1, 16] = 1.5 * TINY, -1.25 * TINY      # lane 0 + lane 16 = 0.25 * 2^-126
+    a[2] = -0.5 * TINY                                # all negative subnormals: -0
+    got = butterfly_sum(a)
+    for r in range(3):
+        assert got[r] == ftz_tree(a[r]) == 0 and np.signbit(got[r]) == np.signbit(ftz_tree(a[r])), r
+    assert np.float32(a[0, 0] + a[0, 16]) >= TINY     # the sums flushing avoids
+    assert np.signbit(got[2])
+
+
+def test_q8_1_sum_is_the_butterfly_and_inputs_are_flushed(rng):
+    """s is the warp-order fp32 sum, not numpy's (pairwise) one: bit for bit with the written-out
+    tree, which differs from np.sum under cancellation; and a subnormal x in a block with a
+    normal d is flushed before x / d (its q is 0, not roundf(0.75) = 1)."""
+    x = (rng.standard_normal((64, 32)) * 1e4).astype(np.float32)
+    x -= x.mean(axis=1, keepdims=True)                # cancellation: the order shows
+    f = Q81.quantize_fields(x[None])
+    tree = np.array([ftz_tree(b) for b in x], np.float32)
+    assert np.array_equal(f["m"][0], tree)
+    assert (x.sum(axis=1, dtype=np.float32) != tree).any()      # the check is not vacuous
+    assert np.array_equal(Q81.unpack(Q81.quantize(x.reshape(2, 1024)).data)["m"].reshape(-1),
+                          tree.astype(np.float16))
+    b = np.zeros((1, 1, 32), np.float32)
+    b[0, 0, 0] = 127 * TINY                           # d = 2^-126, normal
+    b[0, 0, 1] = 0.75 * TINY                          # subnormal: flushed -> q = 0
+    b[0, 0, 2] = TINY                                 # normal: q = 1
+    f = Q81.quantize_fields(b)
+    assert f["d"][0, 0] == TINY
+    assert f["q"][0, 0, :3].tolist() == [127, 0, 1]

@@ -291,6 +291,8 @@ def test_reused_destination_keeps_no_earlier_tokenizer_files(src, tmp_path):
     out = tmp_path / "out"
     assert cli(["quantize", str(src["dir"]), str(out), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
     (out / "chat_template.jinja").write_text("STALE")
+    (out / "additional_chat_templates").mkdir()
+    (out / "additional_chat_templates" / "stale.jinja").write_text("STALE")
     bare = tmp_path / "bare"
     bare.mkdir()
     for f in src["dir"].iterdir():
@@ -298,6 +300,7 @@ def test_reused_destination_keeps_no_earlier_tokenizer_files(src, tmp_path):
             (bare / f.name).write_bytes(f.read_bytes())
     assert cli(["quantize", str(bare), str(out), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
     assert not (out / "chat_template.jinja").exists() and not (out / "generation_config.json").exists()
+    assert not (out / "additional_chat_templates").exists()
     assert (out / "tokenizer.json").read_bytes() == (src["dir"] / "tokenizer.json").read_bytes()
 
 

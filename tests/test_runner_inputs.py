@@ -371,6 +371,83 @@ def test_named_chat_templates_saved_as_files_as_transformers_does(tmp_path):
                 with pytest.raises(ValueError, match="no default"):
                     tok.apply_chat_template(msgs)
 
+def test_named_chat_template_reaches_the_ids(tmp_path, monkeypatch, capsys):
+    """encode_chat(template=NAME) and `run model --chat --chat-template NAME` tokenize the named
+    template's text -- the ids transformers gives for chat_template=NAME -- not the default's."""
+    from types import SimpleNamespace
+
+    from transformers import PreTrainedTokenizerFast
+
+    import quantzoo.model
+    import quantzoo.model.generate as gen
+    from quantzoo.cli import main
+
+    raw = H.build_tokenizer(300)
+    tok = Tokenizer.from_tokenizer_json(raw.to_str(), {"chat_template": _NAMED})
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, chat_template={t["name"]: t["template"] for t in _NAMED})
+    msgs = [{"role": "user", "content": "hi"}]
+    want = hf.apply_chat_template(msgs, chat_template="tool_use", tokenize=True)["input_ids"]
+    assert tok.encode_chat(msgs, template="tool_use") == want
+    assert tok.encode_chat(msgs) == hf.apply_chat_template(msgs, tokenize=True)["input_ids"] != want
+    seen = []
+
+    def warm_up(m, ids, *a):
+        seen.append(list(ids))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(quantzoo.model, "load_model", lambda *a, **k: SimpleNamespace(is_cuda=False, tokenizer=tok))
+    monkeypatch.setattr(gen, "prepare", lambda *a: None)
+    monkeypatch.setattr(gen, "warm_up", warm_up)
+    for extra, ids in ((["--chat-template", "tool_use"], want), ([], tok.encode_chat(msgs))):
+        assert main(["run", "model", "--model", str(tmp_path), "--device", "cpu", "--chat", "--prompt", "hi",
+                     *extra]) == 2
+        assert "stop here" in capsys.readouterr().err and seen[-1] == ids, extra
+
+
+@pytest.mark.parametrize("kv,needle", [
+    ({"tokenizer.chat_templates": ["tool_use"]}, "names 'tool_use', but tokenizer.chat_template.tool_use is missing"),
+    ({"tokenizer.chat_templates": ["tool_use"], "tokenizer.chat_template.tool_use": 5},
+     "tokenizer.chat_template.tool_use is not a string"),
+    ({"tokenizer.chat_templates": "tool_use", "tokenizer.chat_template.tool_use": "x"},
+     "tokenizer.chat_templates must be an array of names"),
+    ({"tokenizer.chat_templates": [5]}, "tokenizer.chat_templates must be an array of names"),
+])
+def test_gguf_named_chat_template_keys_of_the_wrong_shape(kv, needle):
+    """gguf-py's add_chat_template writes tokenizer.chat_templates as an array of names, each
+    with its tokenizer.chat_template.NAME string: any other shape is one clear error."""
+    with pytest.raises(ValueError, match=needle):
+        Tokenizer.from_gguf_fields({**_gguf_vocab(), **kv}, "t.gguf")
+
+
+def test_a_single_gguf_chat_template_exported_as_transformers_writes_it(tmp_path):
+    """A GGUF's one template, exported to an HF directory: tokenizer_config.json's chat_template
+    is the string (what transformers writes for one template; the list is for named ones), and
+    transformers' from_pretrained renders it as the runner does."""
+    from types import SimpleNamespace
+
+    import gguf
+    from transformers import AutoTokenizer
+
+    from quantzoo.model.export import _write_tokenizer_files
+    from quantzoo.model.gguf_loader import read_metadata
+
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_chat_template(H.CHATML)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    meta = read_metadata(gguf.GGUFReader(tmp_path / "t.gguf"), "t.gguf", prefix="tokenizer.")
+    tok = Tokenizer.from_gguf_fields({**_gguf_vocab(), **meta}, "t.gguf")
+    assert tok.chat_templates == {"default": H.CHATML}
+    out = tmp_path / "hf"
+    out.mkdir()
+    _write_tokenizer_files(SimpleNamespace(hf_config=None, path=tmp_path, tokenizer=tok), out)
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == H.CHATML
+    msgs = [{"role": "user", "content": "hi"}]
+    assert AutoTokenizer.from_pretrained(out).apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) \
+        == tok.apply_chat_template(msgs)
+
+
 def _gguf_vocab():
     toks = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": toks,
