@@ -254,9 +254,8 @@ class Q8_1(GGUFBlockFormat, name="q8_1"):
     kernel's -ftz=true does (flush_subnormals): a block of fp32 x with amax < 127 * 2^-126 gets
     d = 0 and q = 0; fp16 x never comes near. Non-finite x: a NaN makes the block's d and s NaN
     and its q 0; an inf makes d inf and q 0 (every kernel then gives NaN), as cuda/q8_1.cuh does.
-    The legacy CPU
-    block (fp32 d and d*sum(q), 40 bytes in gguf-py's size table) is a different thing; the
-    36-byte size here is the CUDA one.
+    The legacy CPU block (fp32 d and d*sum(q), 40 bytes in gguf-py's size table) is a different
+    thing; the 36-byte size here is the CUDA one.
     """
 
     kind = "activation"

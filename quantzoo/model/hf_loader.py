@@ -301,9 +301,7 @@ def load_tokenizer(path: Path):
             texts[name] = f.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{f}: not UTF-8 text ({e})") from None
-    if list(texts) == ["default"]:
-        tc["chat_template"] = texts["default"]
-    elif texts:
+    if texts:
         tc["chat_template"] = [{"name": n, "template": t} for n, t in texts.items()]
     return Tokenizer.from_tokenizer_json(str(tj), tc)
 

@@ -118,9 +118,22 @@ class Tokenizer:
         self.eos_token_ids = [int(i) for i in eos_token_ids]
         self.add_bos = bool(add_bos)
         self.add_eos = bool(add_eos) and bool(self.eos_token_ids)   # appends eos_token_ids[0]
-        self.chat_template = chat_template                   # the default one, or None
         self.chat_templates = dict(chat_templates or {})     # every named one (name -> template)
+        if chat_template is not None:
+            self.chat_templates.setdefault("default", chat_template)
         self.bos_token, self.eos_token = bos_token, eos_token
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template (chat_templates["default"]), or None."""
+        return self.chat_templates.get("default")
+
+    @chat_template.setter
+    def chat_template(self, text: str | None) -> None:
+        if text is None:
+            self.chat_templates.pop("default", None)
+        else:
+            self.chat_templates["default"] = text
 
     @property
     def vocab_size(self) -> int:
@@ -240,8 +253,6 @@ class Tokenizer:
                 raise ValueError("tokenizer_config.json: chat_template is a list without "
                                  "{name, template} entries")
             tmpl = named.get("default")
-        if isinstance(tmpl, str):
-            named.setdefault("default", tmpl)
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(tmpl).__name__}")
         add_bos, add_eos = cfg.get("add_bos_token"), cfg.get("add_eos_token")
@@ -376,8 +387,6 @@ class Tokenizer:
                 raise ValueError(f"{path}: tokenizer.chat_templates names {name!r}, but "
                                  f"tokenizer.chat_template.{name} is {'missing' if t is None else 'not a string'}")
             named[name] = t
-        if tmpl is not None:
-            named.setdefault("default", tmpl)
         return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=bool(add_bos) and bos is not None,
                    add_eos=add_eos, chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
                    eos_token="" if eos is None else tokens[eos], chat_templates=named)
