@@ -82,7 +82,8 @@
 //   columns' words (two TMA boxes of half rows), their scales and zeros one box each
 //   (cuda_launch.tensor_map_halves), so warpgroup 0 computes the gate tile and warpgroup 1 the up
 //   tile with the unchanged K loop; the twins then meet in shared memory (the epilogue says how).
-//   Past 2 splits the partials go to the fused columns and wgmma_reduce<4, true> applies the GLU.
+//   Past 2 splits the gate and up partials go to the workspace (wg::SplitParts) and
+//   wgmma_reduce<4, true> applies the GLU.
 //   Against the product + silu_mul launches (us, 4096->24576, rotated weights, back to back,
 //   bench/NOTES.md, session 24): M = 16 31.0-31.5 vs 32.6, M = 128 57-58.5 vs 58-59.5, M = 512
 //   175-185 vs 190-194, M = 1024 353-355 vs 382-397. In the runner's 512-token prefill (kernel
@@ -173,7 +174,7 @@ __device__ __forceinline__ Fragment fragment_of(int tid) {
 // at G = 32, else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. Split tiles, with counters
 // (one zeroed unsigned per tile, left zeroed) and splits == 2: the first half's partial goes to ws
 // in fragment order, T x 8 WORDS floats per split tile; with counters null (any splits): each
-// split's partial to ws [splits][M][N] for wgmma_reduce.
+// split's partial to ws for wgmma_reduce (wg::SplitParts: [splits][M][the split columns]).
 template <int NWG, int T, int D, bool GLU = false>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,
@@ -413,7 +414,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         return;
       }
     }
-    const int cg = yw + up * ny8;   // the weight's (the partials') column word
+    const wg::SplitParts parts(8 * ny8, 8 * FW, dp_tiles, tiles_m, GLU);
     if (yw < ny8) {
 #pragma unroll
       for (int i = 0; i < T / 8; ++i)
@@ -423,18 +424,18 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
           if (m >= m_tile && m < M) {   // not another tile's row, nor past M
             const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
             if constexpr (JN == 1) {   // columns 8c + 4h + 2j0 + r
-              const size_t o = (size_t)m * N + 8 * cg + 4 * e_h + 2 * e_j0;
+              const size_t o = (size_t)m * N + 8 * yw + 4 * e_h + 2 * e_j0;   // y (not GLU here)
               if (to_y) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
-              else *reinterpret_cast<float2*>(ws + (size_t)e_split * M * N + o) = make_float2(v0, v1);
+              else *reinterpret_cast<float2*>(ws + parts.at(e_split, M, m, 8 * yw + 4 * e_h + 2 * e_j0, up)) =
+                  make_float2(v0, v1);
               continue;
             }
             const float v2 = acc[JN - 1][4 * i + e], v3 = acc[JN - 1][4 * i + 2 + e];
             if (to_y) {
               const half2 p0 = __floats2half2_rn(v0, v1), p1 = __floats2half2_rn(v2, v3);
-              *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * cg + 4 * e_h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
+              *reinterpret_cast<uint2*>(y + (size_t)m * N + 8 * yw + 4 * e_h) = make_uint2(awq::as_u32(p0), awq::as_u32(p1));
             } else {
-              *reinterpret_cast<float4*>(ws + ((size_t)e_split * M + m) * N + 8 * cg + 4 * e_h) =
-                  make_float4(v0, v1, v2, v3);
+              *reinterpret_cast<float4*>(ws + parts.at(e_split, M, m, 8 * yw + 4 * e_h, up)) = make_float4(v0, v1, v2, v3);
             }
           }
         }

@@ -67,7 +67,7 @@
 //   block's two weight boxes a stage are its FR = ROWS / 2 gate rows and the FR matching up rows,
 //   so warpgroup 0 computes a gate tile and warpgroup 1 the up tile of the same outputs with the
 //   unchanged K loop; the two tiles meet in shared memory (wg::glu_store). Split tiles leave
-//   their partials at the fused row numbers and wgmma_reduce<V, true> applies the GLU. Against
+//   their gate and up partials (wg::SplitParts) and wgmma_reduce<V, true> applies the GLU. Against
 //   the product + silu_mul launch (CUPTI, q4_0 4096->24576, bench/NOTES.md, session 21): M = 128
 //   55.8 vs 54.2 + 5.3 us, M = 512 153.8 vs 152.4 + 18.0, M = 2048 635 vs 606 + 66.
 //
@@ -127,8 +127,8 @@ struct Cfg {
 // threads. Tensor maps (host, kernels/gguf.py): x fp16 [M, K] box 64 x x_rows (x_rows =
 // min(T, M): wg::x_box_row), 128-byte swizzle; W bytes [N, nb BYTES] box SLOT x ROWS, swizzle
 // ggw::Cfg::SWIZZLE (rows 16-byte multiples: nb % 8 == 0). With
-// splits > 1 the split tiles' fp32 partials go to part [splits][M][N], which wgmma_reduce
-// (below, the next launch) sums.
+// splits > 1 the split tiles' fp32 partials go to part (wg::SplitParts: [splits][M][the split
+// columns]), which wgmma_reduce (the next launch) sums.
 template <class F, int NWG, int T, int D, bool GLU = false>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
 gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg::TmaDesc xmap,
@@ -295,6 +295,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
       return;
     }
   }
+  const wg::SplitParts parts(ny, FR, dp_tiles, tiles_m, GLU);
 #pragma unroll
   for (int j = 0; j < JN; ++j)
 #pragma unroll
@@ -302,7 +303,6 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
       const int lr = rr(j) + 8 * r8;
       const int n = n0 + lr - (GLU ? FR * wg : 0);   // y's column
       if (n >= ny) continue;
-      const int pn = GLU && wg ? ny + n : n;         // the weight row, the partials' column
 #pragma unroll
       for (int i = 0; i < T / 8; ++i)
 #pragma unroll
@@ -310,7 +310,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
           const int m = m0 + 8 * i + 2 * t + e;
           if (m < m_tile || m >= M) continue;   // another tile's row, or past M
           const float v = acc[j][4 * i + 2 * r8 + e];
-          if (n_split > 1) part[((size_t)split * M + m) * N + pn] = v;
+          if (n_split > 1) part[parts.at(split, M, m, n, GLU && wg)] = v;
           else y[(size_t)m * N + n] = __float2half_rn(v);
         }
     }

@@ -17,6 +17,23 @@ namespace wg {
 // __grid_constant__ kernel parameter. Declared for every target so that the kernels' signatures
 // compile everywhere.
 struct alignas(64) TmaDesc { unsigned long long v[16]; };
+
+// Where the split tiles' partials for wgmma_reduce go: part [splits][M][pitch] fp32, the
+// columns [first, ny) of y's ny -- tiles are numbered token tile fastest, so the split tiles
+// dp_tiles .. are the column tiles from dp_tiles / tiles_m on, of `cols` columns each (GLU: y's
+// columns a tile; the gate partials, then at + w the up partials: pitch 2 w). Rows of the
+// columns every tile shares keep [splits][M][N]'s spread of addresses: a layout of contiguous
+// [T][cols] slots, one per split tile, made the GGUF launches 20-40 % slower (blocks' slots a
+// power-of-two stride apart; bench/NOTES.md, session 35), while [splits][M][N] for every
+// column was 1.6 GB at a 1408-token lm_head.
+struct SplitParts {
+  int first, w, pitch;
+  __device__ __forceinline__ SplitParts(int ny, int cols, int dp_tiles, int tiles_m, bool glu)
+      : first(dp_tiles / tiles_m * cols), w(ny - first), pitch(glu ? 2 * w : w) {}
+  __device__ __forceinline__ size_t at(int split, int M, int m, int n, bool up = false) const {
+    return ((size_t)split * M + m) * pitch + (up ? w : 0) + (n - first);
+  }
+};
 }  // namespace wg
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -371,11 +388,11 @@ __device__ __forceinline__ void sum_splits(float (&s)[V], const float* __restric
 // partials in split order, one thread V consecutive columns
 // (V = 4 when N % 4 == 0 and y is 8-byte aligned: 16-byte partial loads; else 1): the elements
 // of tiles dp_tiles .. tiles - 1 (count = their number x T rows x `rows` columns), numbered tile
-// by tile, token-major inside a tile. Partials: part [splits][M][N] fp32, each split tile's rows
-// [m_tile, min(m_tile + T, M)) written by its blocks. GLU (the kernels' fused gate/up
-// epilogue): y [M, N] = swiglu(gate, up) (swiglu.cuh) of partials [splits][M][2N], gate in
-// column n, up in column N + n, each sum rounded to fp16 first as y would hold it; `rows` counts
-// y's columns per tile. Why a launch of its own over the whole GPU:
+// by tile, token-major inside a tile. Partials: wg::SplitParts [splits][M][pitch] fp32, each
+// split tile's rows [m_tile, min(m_tile + T, M)) written by its blocks. GLU (the kernels' fused
+// gate/up epilogue): y [M, N] = swiglu(gate, up) (swiglu.cuh) of the gate and up partials, each
+// sum rounded to fp16 first as y would hold it; `rows` counts y's columns per tile. Why a
+// launch of its own over the whole GPU:
 // summed inside the kernel by each tile's last block, the few blocks doing it made GGUF's split
 // launches 2x slower with scalar loads (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us, session 16) and
 // 5-12 % slower with coalesced fragment-order partials (session 17, bench/NOTES.md). The AWQ
@@ -391,13 +408,13 @@ __global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ 
   const int tile = dp_tiles + (int)(i / per), r = (int)(i % per);
   const int m = (tile % tiles_m) * T + r / rows, n = (tile / tiles_m) * rows + r % rows;
   if (m >= M || n >= N) return;   // V = 4: N % 4 == 0, so n + 3 < N too
-  const int pn = GLU ? 2 * N : N;   // the partials' columns
-  const size_t o = (size_t)m * pn + n, stride = (size_t)M * pn;
+  const wg::SplitParts parts(N, rows, dp_tiles, tiles_m, GLU);
+  const size_t o = parts.at(0, M, m, n), stride = (size_t)M * parts.pitch;
   float v[V];
   sum_splits<V>(v, part, o, stride, splits);
   if constexpr (GLU) {
     float u[V];
-    sum_splits<V>(u, part, o + N, stride, splits);
+    sum_splits<V>(u, part, o + parts.w, stride, splits);
 #pragma unroll
     for (int e = 0; e < V; ++e)
       v[e] = swiglu(__half2float(__float2half_rn(v[e])), __half2float(__float2half_rn(u[e])));

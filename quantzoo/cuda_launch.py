@@ -135,19 +135,23 @@ def on_tensor_device(fn):
     def wrapper(*args, **kwargs):
         x = args[0] if args else kwargs.get(first)
         if getattr(x, "is_cuda", False):          # a CUDA tensor
-            idx = x.get_device()
-        else:
-            dev = getattr(x, "device", None)      # a QuantizedTensor's str, "cuda:N"
-            if not (isinstance(dev, str) and dev.startswith("cuda:")):
-                return fn(*args, **kwargs)
-            idx = int(dev[5:])
-        if idx != current_device():
-            import torch
-
-            with torch.cuda.device(idx):
-                return fn(*args, **kwargs)
+            return call_on_device(x.get_device(), fn, *args, **kwargs)
+        dev = getattr(x, "device", None)          # a QuantizedTensor's str, "cuda:N"
+        if isinstance(dev, str) and dev.startswith("cuda:"):
+            return call_on_device(int(dev[5:]), fn, *args, **kwargs)
         return fn(*args, **kwargs)
     return wrapper
+
+
+def call_on_device(idx: int | None, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with CUDA device idx current (None: as it is); the switch and back
+    only where idx is not current already."""
+    if idx is None or idx == current_device():
+        return fn(*args, **kwargs)
+    import torch
+
+    with torch.cuda.device(idx):
+        return fn(*args, **kwargs)
 
 
 @lru_cache(maxsize=None)

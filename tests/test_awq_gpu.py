@@ -441,27 +441,50 @@ SPLIT_K_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (2, 64, 6), (2, 32, 6), (
                                                 (4096, 1024, 128, 130, 3, 0), (1024, 224, 64, 7, 16, 0),
                                                 (12288, 256, 128, 300, 5, 0), (12288, 256, 128, 300, 5, 1),
                                                 (608, 1120, 32, 520, 3, 2), (608, 1120, 32, 520, 2, 5)], ids=str)
-def test_wgmma_split_k(k, n, g, m, splits, dp, cfg):
+def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
     """Split K across blocks (fp32 partials, summed by the tile's last block at 2 splits, by the
     wgmma_reduce launch above): uneven splits, K not a multiple of the 64-row stage (608 = 9.5
     stages), one stage per split, M and N tails; and the schedule with the first dp tiles whole
     and only the rest split, by the reduce (3 splits) and by the hand-over (2 splits). Every
     non-GLU instance against the emulation's bound, (2, 256, 5) included: dispatch's T = 256
-    config, whose 2-split hand-over the GLU test only compares with the same kernel."""
+    config, whose 2-split hand-over the GLU test only compares with the same kernel. The second
+    call's workspace is exactly the size the host asks for (the first half's T x columns a split
+    tile at 2 splits; past 2, splits x M x the split tiles' columns, wg::SplitParts), with a
+    sentinel guard after it that must stay untouched."""
     awq = awq_mod()
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
     assert {tuple(c) for c in awq.WGMMA_CFGS} <= set(SPLIT_K_CFGS), "a wgmma config this test does not run"
+    from quantzoo.cuda_launch import workspaces_changed
+    from quantzoo.kernels import wgmma_tiles
+
+    seen = []   # (tiles_m, dp_tiles, splits) of each launch
+    real = awq.launch_tma
+    monkeypatch.setattr(awq, "launch_tma", lambda kern, grid, block, args, smem=0: (
+        seen.append(tuple(int(a) for a in args[11:14])), real(kern, grid, block, args, smem))[1])
     rng = case_rng()
     _, qt, qtc, w16 = weight(k, n, g, seed=splits)
     x16 = rand_x(rng, m, k)
     x = torch.from_numpy(x16).cuda()
     d = qtc.data
-    for _ in range(2):   # counters back at zero, workspace reused: a second call is as good as the first
+    guard = None
+    for call in range(2):   # counters back at zero, workspace reused: a second call is as good as the first
         y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
         awq._wgmma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, g, cfg=cfg, splits=splits, dp_tiles=dp)
         torch.cuda.synchronize()
         check(y, x16, qt, w16, f"wgmma {cfg} splits={splits} whole tiles={dp}")
+        tiles_m, dp_run, splits_run = seen[-1]
+        tiles = tiles_m * wgmma_tiles.grid(m, n, cfg)[1]
+        cols = wgmma_tiles.columns(*cfg[:2])   # a tile's; the split tiles are column tiles dp / tiles_m on
+        need = (tiles - dp_run) * cfg[1] * cols if splits_run == 2 else splits_run * m * (n - dp_run // tiles_m * cols)
+        if call == 0:   # the cached workspace, replaced by one of exactly `need` floats and a guard
+            assert splits_run > 1 and awq._WS["cuda:0"]["ws"].numel() >= need
+            guard = torch.full((need + 4096,), 1234.5, dtype=torch.float32, device="cuda")
+            awq._WS["cuda:0"]["ws"] = guard[:need]
+            workspaces_changed()   # as _buffer does on a new buffer
+        else:
+            assert awq._WS["cuda:0"]["ws"].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
+            assert bool((guard[need:] == 1234.5).all()), f"wgmma {cfg}: partials written past the workspace"
 
 
 def test_wgmma_refuses_n_not_multiple_of_32():

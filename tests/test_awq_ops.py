@@ -236,6 +236,24 @@ def test_wgmma_schedule():
     assert wt.schedule(512, 12288, 4096, slots, cfg, splits=3, dp_tiles=5) == (5, 3, 22)
 
 
+def test_split_parts_workspace():
+    """The split tiles' partials (wg::SplitParts, both wgmma kernels) cover M rows of the columns
+    from the first split tile's column tile on, not all N: a 1408-token lm_head (151936 x 4096,
+    its last wave's 66 tiles split two ways) needs 15.9 MB where [splits][M][N] took 1.71 GB;
+    with glu, y's columns of the gate half and of the up half (the same count of floats)."""
+    from quantzoo.kernels import wgmma_tiles as wt
+
+    m, n, k = 1408, 151936, 4096
+    cfg = wt.config(m, n, k, 132)
+    dp, splits, _ = wt.schedule(m, n, k, 132, cfg)
+    tiles_m, tiles_n = wt.grid(m, n, cfg)
+    assert (cfg[1], tiles_m * tiles_n - dp, splits) == (128, 66, 2)
+    cols = wt.columns(*cfg[:2])
+    assert wt.parts_numel(m, n, cfg, dp, splits) == splits * m * (n - dp // tiles_m * cols) == 3_964_928
+    assert wt.parts_numel(m, n // 2, cfg, dp, splits, glu=True) == wt.parts_numel(m, n, cfg, dp, splits)
+    assert wt.parts_numel(m, n, cfg, 0, splits) == splits * m * n   # every tile split: every column
+
+
 def test_rows_past_2_31_outputs_dry_run(monkeypatch):
     """M * N past 2^31 (a quantized lm_head, N = 151936, over 14136 tokens: Model.logits of a 16k
     text) is taken by every path that serves that M -- the kernels form element offsets in 64

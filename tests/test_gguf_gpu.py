@@ -697,8 +697,11 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
     from the launch itself (launch_tma's arguments), not recomputed. The plain product is held
     to the fp32 bound on the kernel's own weights (_check_fp32_sum), and a second call is equal;
     glu=True equals silu_mul of the products of an unfused launch on the same rows in the same
-    tile places (_glu_blocked, the same schedule), those products held to the same bound."""
-    from quantzoo.cuda_launch import sm_count
+    tile places (_glu_blocked, the same schedule), those products held to the same bound. The
+    split tiles' partials keep to a workspace of splits x M x the split tiles' columns: the
+    second plain call and the GLU call get one of exactly that size, a sentinel guard after it
+    untouched."""
+    from quantzoo.cuda_launch import current_stream_ptr, sm_count, workspaces_changed
     from quantzoo.kernels import layer_ops, wgmma_tiles
 
     seen = []   # (grid, (M, N, nb, tiles_m, dp_tiles, splits, sps)) of each wgmma launch
@@ -735,6 +738,16 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
             if sms == 132:   # H100 SXM / H200: the counts the docstring names
                 assert (tiles, dp, splits) == ((133, 132, 2) if n == 16904 else (135, 132, 4))
             _check_fp32_sum(y, x16, w16, f"{what} whole tiles={dp} splits={splits}")
+            # the partials' workspace: exactly the M x (the split tiles' columns) of each split
+            # (wg::SplitParts; the GLU call below needs the same), a sentinel guard after it
+            # untouched by this call and the GLU call
+            need = splits * m * (n - dp // tiles_m * rows) * 4
+            assert need < splits * m * n * 4 // 10
+            key, = [key for key in G._WORKSPACES if key[0] == "wgmma_part" and key[2] == current_stream_ptr()]
+            assert G._WORKSPACES[key].numel() >= need
+            guard = torch.full((need + 16384,), 0xA5, dtype=torch.uint8, device=DEV)
+            G._WORKSPACES[key] = guard[:need]
+            workspaces_changed()   # as _workspace does on a new buffer
             assert np.array_equal(y, _run(x, qt, "wgmma")), f"{what}: a second call differs"
             # glu=True: the GLU launch and the unfused one on the blocked rows, one schedule
             fr = rows // 2
@@ -742,6 +755,8 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
             seen.clear()
             yg = _poisoned((m, f))
             G.matmul(x, qt, out=yg, path="wgmma", glu=True)
+            assert G._WORKSPACES[key].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
+            assert bool((guard[need:] == 0xA5).all()), f"{what}: partials written past the workspace"
             yb = G.matmul(x, blocked, path="wgmma").view(m, -1, 2, fr)
             assert len(seen) == 2 and seen[0][0] == seen[1][0] == grid \
                 and seen[0][1][3:] == seen[1][1][3:] == (tm, dp, splits, sps), f"{what} glu: schedules {seen}"

@@ -603,8 +603,9 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     # 17.1; 4096->6144 M = 1536 (5 splits) 141 -> 131).
     reduce = splits > 2
     words = wgmma_tiles.columns(nwg, t) // 8
-    ws = _buffer(dev, "ws", 1 if splits == 1 else splits * m * n if reduce else (tiles - dp) * t * 8 * words,
-                 torch.float32)
+    # past 2 splits the split tiles' columns (wg::SplitParts); at 2 the first half's T x columns a tile
+    ws = _buffer(dev, "ws", 1 if splits == 1 else (tiles - dp) * t * 8 * words if not reduce
+                 else wgmma_tiles.parts_numel(m, n // 2 if glu else n, (nwg, t, d), dp, splits, glu), torch.float32)
     ctr = None if reduce else _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
     gps = 2 if g == 32 else 1   # groups a 64-row stage spans
     xr = wgmma_tiles.x_rows(m, t)

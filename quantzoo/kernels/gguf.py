@@ -454,8 +454,8 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False):
     slots = resident_blocks(kern, smem, threads) * _sm_count(y2.device)
     dp, splits, sps = wgmma_tiles.schedule(m, n, 32 * nb, slots, cfg)   # sps: 64-k stages a split
     part = None   # held until both launches are queued (a fresh tensor during graph capture)
-    if splits > 1:
-        part = _workspace("wgmma_part", splits * m * n * 4, y2.device)
+    if splits > 1:   # the split tiles' partials: their columns only (wg::SplitParts)
+        part = _workspace("wgmma_part", 4 * wgmma_tiles.parts_numel(m, y2.shape[1], cfg, dp, splits, glu), y2.device)
     # the weight as bytes [N, nb BYTES], a stage's box ROWS rows x SLOT bytes; x tiles of T
     # tokens (M when M < T) x 64 k in the 128-byte swizzle
     slot = _wgmma_slot(fmt)   # 64-byte rows (Q5_0) in the 64-byte swizzle (ggw::Cfg::SWIZZLE)

@@ -63,6 +63,16 @@ def grid(m: int, n: int, cfg) -> tuple[int, int]:
     return -(-m // t), -(-n // columns(nwg, t))
 
 
+def parts_numel(m: int, ny: int, cfg, dp_tiles: int, splits: int, glu: bool = False) -> int:
+    """fp32 elements of the split tiles' partials (wg::SplitParts in cuda/wgmma_sm90.cuh): splits
+    x M rows x y's columns from the first split tile's on (tiles are numbered token tile
+    fastest), twice that with glu (gate and up)."""
+    nwg, t, _ = cfg
+    cols = columns(nwg, t) // (2 if glu else 1)   # y's columns a tile
+    first = dp_tiles // -(-m // t) * cols
+    return splits * m * (ny - first) * (2 if glu else 1)
+
+
 def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int, splits: int, v: int,
                   glu: bool = False):
     """(grid, block, args) of the wgmma_reduce<v[, true]> launch (cuda/wgmma_sm90.cuh) after a

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..cuda_launch import current_device, programmatic_launches
+from ..cuda_launch import call_on_device, programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
 from .config import ModelConfig, token_ids
@@ -282,11 +282,7 @@ def _on_model_device(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        idx = self._cuda_index
-        if idx is not None and idx != current_device():
-            with torch.cuda.device(idx):
-                return method(self, *args, **kwargs)
-        return method(self, *args, **kwargs)
+        return call_on_device(self._cuda_index, method, self, *args, **kwargs)
     return wrapper
 
 
