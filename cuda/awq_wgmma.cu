@@ -424,7 +424,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
           if (m >= m_tile && m < M) {   // not another tile's row, nor past M
             const float v0 = acc[0][4 * i + e], v1 = acc[0][4 * i + 2 + e];
             if constexpr (JN == 1) {   // columns 8c + 4h + 2j0 + r
-              const size_t o = (size_t)m * N + 8 * yw + 4 * e_h + 2 * e_j0;   // y (not GLU here)
+              const size_t o = (size_t)m * N + 8 * yw + 4 * e_h + 2 * e_j0;   // in y (to_y: not GLU)
               if (to_y) *reinterpret_cast<half2*>(y + o) = __floats2half2_rn(v0, v1);
               else *reinterpret_cast<float2*>(ws + parts.at(e_split, M, m, 8 * yw + 4 * e_h + 2 * e_j0, up)) =
                   make_float2(v0, v1);

@@ -21,11 +21,10 @@ struct alignas(64) TmaDesc { unsigned long long v[16]; };
 // Where the split tiles' partials for wgmma_reduce go: part [splits][M][pitch] fp32, the
 // columns [first, ny) of y's ny -- tiles are numbered token tile fastest, so the split tiles
 // dp_tiles .. are the column tiles from dp_tiles / tiles_m on, of `cols` columns each (GLU: y's
-// columns a tile; the gate partials, then at + w the up partials: pitch 2 w). Rows of the
-// columns every tile shares keep [splits][M][N]'s spread of addresses: a layout of contiguous
-// [T][cols] slots, one per split tile, made the GGUF launches 20-40 % slower (blocks' slots a
-// power-of-two stride apart; bench/NOTES.md, session 35), while [splits][M][N] for every
-// column was 1.6 GB at a 1408-token lm_head.
+// columns a tile; the gate partials, then at + w the up partials: pitch 2 w). Whole rows of
+// those columns keep [splits][M][N]'s spread of addresses: contiguous [T][cols] slots, one per
+// split tile, made the GGUF launches 20-40 % slower (the slots a power of two apart;
+// bench/NOTES.md, session 35), and [splits][M][N] itself was 1.7 GB at a 1408-token lm_head.
 struct SplitParts {
   int first, w, pitch;
   __device__ __forceinline__ SplitParts(int ny, int cols, int dp_tiles, int tiles_m, bool glu)
