@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, OSError, KeyError, NotImplementedError) as e:
+    except (ValueError, OSError, KeyError, NotImplementedError, MemoryError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"quantzoo {args.command}: error: {msg}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ from ..cuda_launch import call_on_device, programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
 from .config import ModelConfig, token_ids
+from .host_memory import check_cpu_placement
 
 MATMUL_MODES = ("cached", "dequant", "emulate")
 
@@ -322,6 +323,10 @@ class Model:
         if missing:
             raise ValueError(f"weights: missing {missing[0]!r}" +
                              (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        if device == "cpu":   # float32 there: refuse what cannot fit before the OOM killer does
+            emb = "model.embed_tokens.weight"
+            check_cpu_placement([(weights[n], n == emb) for n in cfg.expected_shapes()]
+                                + ([(weights[emb], False)] if cfg.tie_word_embeddings else []), matmul_mode)
         self.embed = Embedding(weights["model.embed_tokens.weight"], device, self.dtype)
         it = range(cfg.num_layers)
         if progress:
