@@ -143,7 +143,7 @@ def on_tensor_device(fn):
     return wrapper
 
 
-def call_on_device(idx: int | None, fn, *args, **kwargs):
+def call_on_device(idx: int | None, fn, /, *args, **kwargs):
     """fn(*args, **kwargs) with CUDA device idx current (None: as it is); the switch and back
     only where idx is not current already."""
     if idx is None or idx == current_device():

@@ -252,6 +252,8 @@ def test_split_parts_workspace():
     assert wt.parts_numel(m, n, cfg, dp, splits) == splits * m * (n - dp // tiles_m * cols) == 3_964_928
     assert wt.parts_numel(m, n // 2, cfg, dp, splits, glu=True) == wt.parts_numel(m, n, cfg, dp, splits)
     assert wt.parts_numel(m, n, cfg, 0, splits) == splits * m * n   # every tile split: every column
+    with pytest.raises(ValueError, match="dp_tiles=6534: no tile left to split"):
+        wt.parts_numel(m, n, cfg, tiles_m * tiles_n, splits)
 
 
 def test_rows_past_2_31_outputs_dry_run(monkeypatch):

@@ -1,101 +1,135 @@
 """The CPU runner's float32 placement, counted before it happens (quantzoo/model/host_memory.py):
-the count against what a placed model actually allocated, and a one-line refusal where it would
-not fit, from the API and the CLI."""
+the count against what a placed model actually holds, the cgroup reader on v1 / v2 trees, and a
+one-line refusal where a model would not fit, from the API and the CLI."""
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 import helpers_models as H
-from quantzoo.bench.model import make_config, synthetic_weights
+from quantzoo.bench.model import make_config, random_weight, synthetic_weights
 from quantzoo.formats import QuantizedTensor
 from quantzoo.model import build_model, host_memory
+from quantzoo.model.llm import _placement
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _pairs(cfg, w):
-    emb = "model.embed_tokens.weight"
-    return [(w[n], n == emb) for n in cfg.expected_shapes()] + ([(w[emb], False)] if cfg.tie_word_embeddings else [])
+def _arrays(t):
+    data = t.data if isinstance(t, QuantizedTensor) else t
+    return [torch.as_tensor(d) for d in (data.values() if isinstance(data, dict) else [data])]
 
 
-def _source_ptrs(w) -> set:
-    ptrs = set()
-    for t in w.values():
-        data = t.data if isinstance(t, QuantizedTensor) else t
-        for d in (data.values() if isinstance(data, dict) else [data]):
-            ptrs.add(torch.as_tensor(d).data_ptr())
-    return ptrs
-
-
-def _allocated(m, w) -> int:
-    """Bytes of the placed model's float tensors (linears, embedding table) that are not the
-    source's own memory: what placing it allocated."""
-    src = _source_ptrs(w)
-    held = [ln.w for ln in m._all_linears() if ln.w is not None]
-    held += [m.embed.table] if m.embed.table is not None else []
+def _held(m, w) -> int:
+    """Bytes of every tensor the placed model holds -- linears (float or packed), the embedding
+    table, every norm -- that are not its source weights' own memory: what placing allocated."""
+    src = {a.data_ptr() for t in w.values() for a in _arrays(t)}
+    held = [m.embed.table, m.norm] + (_arrays(m.embed.qt) if m.embed.qt is not None else [])
+    for ln in m._all_linears():
+        held += [ln.w] if ln.w is not None else _arrays(ln.qt)
+    for layer in m.layers:
+        held += [t for t in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm) if t is not None]
     seen, total = set(), 0
-    for t in held:
+    for t in (torch.as_tensor(t) for t in held if t is not None):
         if t.data_ptr() not in src and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.nbytes
     return total
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "awq", "fp16"])
-@pytest.mark.parametrize("mode", ["cached", "dequant"])
-def test_counted_bytes_are_what_placing_allocates(fmt, mode):
-    """cpu_placement_bytes equals the float32 bytes a placed model holds outside its source
-    weights: every quantized linear's copy in "cached" mode (awq: its fp16 lm_head too), none in
-    "dequant" (the floats here are float32 already); the q4_0 embedding stays packed."""
+def _model(fmt, mode, fuse=False, fp16_floats=False, tied_q8_table=False):
     cfg = make_config(2, tiny=True)
+    if tied_q8_table:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     w = synthetic_weights(fmt, cfg, "cpu")
-    m = build_model(cfg, w, None, device="cpu", matmul_mode=mode)
-    counted = host_memory.cpu_placement_bytes(_pairs(cfg, w), mode)
-    assert counted == _allocated(m, w)
-    assert (counted > 0) == (mode == "cached")
+    if tied_q8_table:   # a block-format table: looked up packed, and a dequantized head beside it
+        del w["lm_head.weight"]
+        w["model.embed_tokens.weight"] = random_weight("q8_0", cfg.vocab_size, cfg.hidden_size, "cpu",
+                                                       torch.Generator().manual_seed(1))
+    if fp16_floats:   # as a GGUF's F16 norms / an fp16 HF checkpoint: numpy fp16, copied to float32
+        w = {n: t.numpy().astype(np.float16) if torch.is_tensor(t) else t for n, t in w.items()}
+    m = build_model(cfg, w, None, device="cpu", matmul_mode=mode, fuse=fuse)
+    return cfg, w, m
 
 
-def test_fp16_floats_and_a_tied_head_are_counted():
-    """fp16 float tensors are copied to float32, and a tied lm_head over a quantized table is a
-    second, dequantized copy: both counted, as the placed model holds them."""
-    from quantzoo.bench.model import random_weight
+CASES = [("q4_0", "cached", {}), ("q4_0", "dequant", {}), ("awq", "cached", {}), ("awq", "dequant", {}),
+         ("fp16", "cached", {}), ("q8_0", "cached", {"fp16_floats": True}),
+         ("q4_0", "cached", {"tied_q8_table": True}), ("q4_0", "dequant", {"tied_q8_table": True}),
+         ("q4_0", "dequant", {"fuse": True}), ("fp16", "cached", {"fuse": True}),
+         ("q4_1", "emulate", {"fuse": True, "fp16_floats": True})]
 
-    cfg = make_config(1, tiny=True)
-    cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-    w = synthetic_weights("q8_0", cfg, "cpu")
-    del w["lm_head.weight"]
-    w["model.embed_tokens.weight"] = random_weight("q8_0", cfg.vocab_size, cfg.hidden_size, "cpu",
-                                                   torch.Generator().manual_seed(1))
-    for n in [n for n in w if n.endswith("norm.weight")]:
-        w[n] = w[n].half()
-    m = build_model(cfg, w, None, device="cpu")
-    counted = host_memory.cpu_placement_bytes(_pairs(cfg, w), "cached")
-    norms = sum(4 * t.numel() for n, t in w.items() if n.endswith("norm.weight"))
-    assert counted == _allocated(m, w) + norms
-    assert counted >= 4 * cfg.vocab_size * cfg.hidden_size   # the tied head's copy
+
+@pytest.mark.parametrize("fmt,mode,kw", CASES, ids=str)
+def test_held_bytes_are_what_placing_allocates(fmt, mode, kw):
+    """cpu_placement_bytes' held count equals what the placed model holds outside its source's
+    memory, measured on the model: float32 copies of quantized linears ("cached"; awq's fp16
+    lm_head too), none in "dequant" / "emulate", float32 copies of fp16 floats, the packed
+    block table left as it is and its tied head dequantized, fused q/k/v and gate/up as new
+    tensors (packed where the linear keeps them packed)."""
+    cfg, w, m = _model(fmt, mode, **kw)
+    held, transient = host_memory.cpu_placement_bytes(_placement(cfg, w, kw.get("fuse", False)), mode)
+    assert held == _held(m, w)
+    assert transient > 0   # every case dequantizes some weight, at load or per call
+
+
+def _tree(root, proc_cgroup, files):
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(proc_cgroup)
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return str(root)
+
+
+def test_cgroup_headroom_reads_v1_and_v2_trees(tmp_path):
+    """The smallest limit - (usage - inactive file pages) over every level of the process's
+    memory cgroup, v2 (nested, no cgroup namespace: the root's memory.max absent) and v1;
+    unlimited levels ("max", v1's 2^63 - 4096) skipped; None with no limit or no file."""
+    v2 = _tree(tmp_path / "v2", "0::/user.slice/job.scope\n", {
+        "sys/fs/cgroup/user.slice/memory.max": "max\n",
+        "sys/fs/cgroup/user.slice/memory.current": "5000000000\n",
+        "sys/fs/cgroup/user.slice/job.scope/memory.max": "8000000000\n",
+        "sys/fs/cgroup/user.slice/job.scope/memory.current": "3000000000\n",
+        "sys/fs/cgroup/user.slice/job.scope/memory.stat": "anon 1000000000\ninactive_file 1500000000\nfile 2000000000\n",
+    })
+    assert host_memory.cgroup_headroom(v2) == 8_000_000_000 - (3_000_000_000 - 1_500_000_000)
+    v1 = _tree(tmp_path / "v1", "12:pids:/x\n11:memory:/jobs/7\n1:name=systemd:/x\n", {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": str(2**63 - 4096),
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": "9000000000",
+        "sys/fs/cgroup/memory/jobs/memory.limit_in_bytes": "6000000000",
+        "sys/fs/cgroup/memory/jobs/memory.usage_in_bytes": "5000000000",
+        "sys/fs/cgroup/memory/jobs/7/memory.limit_in_bytes": "4000000000",
+        "sys/fs/cgroup/memory/jobs/7/memory.usage_in_bytes": "1000000000",
+        "sys/fs/cgroup/memory/jobs/7/memory.stat": "cache 5\ntotal_inactive_file 400000000\n",
+    })
+    assert host_memory.cgroup_headroom(v1) == min(6_000_000_000 - 5_000_000_000, 4_000_000_000 - 600_000_000)
+    assert host_memory.cgroup_headroom(_tree(tmp_path / "none", "0::/\n", {
+        "sys/fs/cgroup/memory.max": "max\n", "sys/fs/cgroup/memory.current": "7\n"})) is None
+    assert host_memory.cgroup_headroom(str(tmp_path / "missing")) is None
 
 
 def test_available_bytes_reads_this_machine():
-    avail = host_memory.available_bytes()
-    with open("/proc/meminfo") as f:
-        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    assert avail is not None and 0 < avail <= total
+    if host_memory._read("/proc/meminfo") is None:
+        pytest.skip("no /proc/meminfo (not Linux): the check is skipped there")
+    total = host_memory._stat("/proc/meminfo", "MemTotal:") * 1024
+    assert host_memory.available_bytes() <= total
 
 
 def test_a_model_past_the_memory_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
-    """Placing more than is available raises MemoryError naming both sizes and the mode that
-    needs less -- before any float32 copy is made -- and `run model` prints it as one line
-    (exit 2); matmul_mode="dequant" then fits."""
+    """Placing more than is available raises MemoryError naming the sizes and the mode that needs
+    less -- before any float32 copy is made -- and `run model` prints it as one line (exit 2);
+    matmul_mode="dequant" then fits."""
     cfg = make_config(1, tiny=True)
     w = synthetic_weights("q4_0", cfg, "cpu")
-    need = host_memory.cpu_placement_bytes(_pairs(cfg, w), "cached")
-    monkeypatch.setattr(host_memory, "available_bytes", lambda: need - 1)
-    mib = f"{need / 2**20:.1f} MiB"
-    with pytest.raises(MemoryError, match=rf"the model takes {mib} of float32 on the CPU \(matmul_mode='cached'\), "
-                                          rf"{mib} of memory is available; use matmul_mode='dequant'"):
+    held, transient = host_memory.cpu_placement_bytes(_placement(cfg, w, False), "cached")
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: held + transient - 1)
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    with pytest.raises(MemoryError, match=rf"the model takes {mib(held)} of float32 on the CPU \(matmul_mode='cached'\) "
+                                          rf"and {mib(transient)} more while dequantizing its largest weight; "
+                                          rf"{mib(held + transient - 1)} of memory is available; use matmul_mode='dequant'"):
         build_model(cfg, w, None, device="cpu")
     build_model(cfg, w, None, device="cpu", matmul_mode="dequant")
 
@@ -107,3 +141,4 @@ def test_a_model_past_the_memory_is_refused_in_one_line(monkeypatch, tmp_path, c
     assert main(["run", "model", "--model", str(path), "--device", "cpu", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err.rsplit("\r", 1)[-1].strip()   # after the cleared load progress bar
     assert err.startswith("quantzoo run: error: the model takes") and "\n" not in err, err
+    assert err.endswith("use a GPU"), err   # an fp16 checkpoint: its float32 copies whatever the mode

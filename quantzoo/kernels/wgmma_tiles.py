@@ -69,16 +69,19 @@ def parts_numel(m: int, ny: int, cfg, dp_tiles: int, splits: int, glu: bool = Fa
     fastest), twice that with glu (gate and up)."""
     nwg, t, _ = cfg
     cols = columns(nwg, t) // (2 if glu else 1)   # y's columns a tile
-    first = dp_tiles // -(-m // t) * cols
+    tiles_m = -(-m // t)
+    if splits > 1 and dp_tiles >= tiles_m * -(-ny // cols):
+        raise ValueError(f"dp_tiles={dp_tiles}: no tile left to split ({tiles_m * -(-ny // cols)} tiles)")
+    first = dp_tiles // tiles_m * cols
     return splits * m * (ny - first) * (2 if glu else 1)
 
 
 def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int, splits: int, v: int,
                   glu: bool = False):
     """(grid, block, args) of the wgmma_reduce<v[, true]> launch (cuda/wgmma_sm90.cuh) after a
-    split launch of either kernel: the partials at part_ptr of the tiles past dp_tiles summed into
-    y (n columns), v columns a thread; glu: y = swiglu of partials of 2n columns [gate | up], a
-    tile holding half its columns' worth of y."""
+    split launch of either kernel: the partials at part_ptr (parts_numel's layout) of the tiles
+    past dp_tiles summed into y (n columns), v columns a thread; glu: y = swiglu of the gate and
+    up partials, a tile holding half its columns' worth of y."""
     nwg, t, _ = cfg
     rows = columns(nwg, t) // (2 if glu else 1)   # y's columns per tile
     tiles_m, tiles_n = -(-m // t), -(-n // rows)

@@ -275,6 +275,15 @@ def check_device(device) -> str:
     return device
 
 
+def _placement(cfg: ModelConfig, weights: dict, fuse: bool) -> list:
+    """(weight, role) of every tensor Model places (host_memory.cpu_placement_bytes' pairs)."""
+    emb = "model.embed_tokens.weight"
+    fused = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+    role = lambda n: "lookup" if n == emb else "fused" if fuse and n.endswith(fused) else "linear"  # noqa: E731
+    return ([(weights[n], role(n)) for n in cfg.expected_shapes()]
+            + ([(weights[emb], "linear")] if cfg.tie_word_embeddings else []))
+
+
 def _on_model_device(method):
     """Run a Model method with the model's GPU current (torch.cuda.device), whatever device the
     caller has current: the decode graph's capture stream, its replay and every kernel launch
@@ -323,16 +332,14 @@ class Model:
         if missing:
             raise ValueError(f"weights: missing {missing[0]!r}" +
                              (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        fuse = self.is_cuda if fuse is None else fuse
         if device == "cpu":   # float32 there: refuse what cannot fit before the OOM killer does
-            emb = "model.embed_tokens.weight"
-            check_cpu_placement([(weights[n], n == emb) for n in cfg.expected_shapes()]
-                                + ([(weights[emb], False)] if cfg.tie_word_embeddings else []), matmul_mode)
+            check_cpu_placement(_placement(cfg, weights, fuse), matmul_mode)
         self.embed = Embedding(weights["model.embed_tokens.weight"], device, self.dtype)
         it = range(cfg.num_layers)
         if progress:
             from tqdm import tqdm
             it = tqdm(it, desc=f"placing layers on {device}", unit="layer", leave=False)
-        fuse = self.is_cuda if fuse is None else fuse
         self.layers = [Layer(cfg, weights, i, device, self.dtype, matmul_mode, fuse) for i in it]
         self.norm = torch.as_tensor(weights["model.norm.weight"]).to(device=device, dtype=self.dtype)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
