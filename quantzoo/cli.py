@@ -29,6 +29,13 @@ def main(argv=None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"quantzoo {args.command}: error: {msg}", file=sys.stderr)
         return 2
+    except RuntimeError as e:   # torch.OutOfMemoryError (a GPU too small for the model), by name:
+        if type(e).__name__ != "OutOfMemoryError":   # no torch import for the commands without it
+            raise
+        first = str(e).split(". If reserved")[0].splitlines()[0] if str(e) else "out of memory"
+        print(f"quantzoo {args.command}: error: {first}; a smaller model or format, another GPU "
+              "(--device cuda:N) or --device cpu", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

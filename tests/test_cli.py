@@ -3,6 +3,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from quantzoo.formats import get, names
 
 
@@ -80,3 +82,33 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
         assert main(["run", "model", "--model", nope, *args]) == 2
         err = capsys.readouterr().err
         assert needle in err and "temperature" not in err.replace("--temperature", ""), err
+
+
+def test_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
+    """torch's CUDA OutOfMemoryError (a model larger than the GPU's free memory) ends a command
+    with one line naming it, not a traceback; other RuntimeErrors still propagate."""
+    import torch
+
+    import quantzoo.model
+    from quantzoo.cli import main
+
+    text = ("CUDA out of memory. Tried to allocate 2.32 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+            "1.02 GiB is free. Of the allocated memory 77.6 GiB is allocated by PyTorch. If reserved but "
+            "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+
+    def load(*a, **k):
+        raise torch.OutOfMemoryError(text)
+
+    monkeypatch.setattr(quantzoo.model, "load_model", load)
+    assert main(["run", "model", "--model", "x.gguf", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("quantzoo run: error: CUDA out of memory. Tried to allocate 2.32 GiB. GPU 0 has a total "
+                   "capacity of 79.19 GiB of which 1.02 GiB is free. Of the allocated memory 77.6 GiB is "
+                   "allocated by PyTorch; a smaller model or format, another GPU (--device cuda:N) or --device cpu")
+
+    def other(*a, **k):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(quantzoo.model, "load_model", other)
+    with pytest.raises(RuntimeError, match="something else"):
+        main(["run", "model", "--model", "x.gguf", "--device", "cpu"])
