@@ -19,8 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _arrays(t):
-    data = t.data if isinstance(t, QuantizedTensor) else t
-    return [torch.as_tensor(d) for d in (data.values() if isinstance(data, dict) else [data])]
+    return [torch.as_tensor(a) for a in (t.arrays().values() if isinstance(t, QuantizedTensor) else [t])]
 
 
 def _held(m, w) -> int:

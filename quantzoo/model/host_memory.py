@@ -100,7 +100,7 @@ def cpu_placement_bytes(tensors, matmul_mode: str) -> tuple[int, int]:
             else:   # packed; dequantized per call
                 largest = max(largest, f32)
                 if role == "fused":
-                    held += sum(int(a.nbytes) for a in (w.data.values() if dict_data else [w.data]))
+                    held += w.nbytes
         elif role == "fused" or str(getattr(w, "dtype", "float32")).rsplit(".", 1)[-1] != "float32":
             held += f32
     transient = int((DEQUANT_PEAK - 1) * largest) if matmul_mode == "cached" else int(DEQUANT_PEAK * largest)
