@@ -91,16 +91,13 @@ def cpu_placement_bytes(tensors, matmul_mode: str) -> tuple[int, int]:
     for w, role in tensors:
         f32 = 4 * int(np.prod(w.shape))
         if isinstance(w, QuantizedTensor):
-            dict_data = isinstance(w.data, dict)
-            if role == "lookup" and not dict_data:
+            if role == "lookup" and not isinstance(w.data, dict):   # a block table: rows read packed
                 continue
+            largest = max(largest, f32)
             if role == "lookup" or matmul_mode == "cached":
                 held += f32
-                largest = max(largest, f32)
-            else:   # packed; dequantized per call
-                largest = max(largest, f32)
-                if role == "fused":
-                    held += w.nbytes
+            elif role == "fused":   # the concatenation, kept packed (dequantized per call)
+                held += w.nbytes
         elif role == "fused" or str(getattr(w, "dtype", "float32")).rsplit(".", 1)[-1] != "float32":
             held += f32
     transient = int((DEQUANT_PEAK - 1) * largest) if matmul_mode == "cached" else int(DEQUANT_PEAK * largest)
