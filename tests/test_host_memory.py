@@ -111,9 +111,10 @@ def test_cgroup_headroom_reads_v1_and_v2_trees(tmp_path):
 
 
 def test_available_bytes_reads_this_machine():
-    if host_memory._read("/proc/meminfo") is None:
+    total = host_memory._stat("/proc/meminfo", "MemTotal:")
+    if total is None:
         pytest.skip("no /proc/meminfo (not Linux): the check is skipped there")
-    total = host_memory._stat("/proc/meminfo", "MemTotal:") * 1024
+    total *= 1024
     assert host_memory.available_bytes() <= total
 
 

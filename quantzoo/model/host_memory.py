@@ -33,12 +33,13 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _stat(path: str, key: str) -> int:
+def _stat(path: str, key: str) -> int | None:
+    """The number after `key` in a file of "key value" lines, or None (no file, no such key)."""
     for line in (_read(path) or "").splitlines():
         fields = line.split()   # "inactive_file 123" (memory.stat), "MemAvailable:  123 kB" (meminfo)
         if len(fields) >= 2 and fields[0] == key:
             return int(fields[1])
-    return 0
+    return None
 
 
 def cgroup_headroom(root: str = "/") -> int | None:
@@ -65,7 +66,7 @@ def cgroup_headroom(root: str = "/") -> int | None:
                 continue
             if limit >= 2**60:   # v1's "no limit"
                 continue
-            head = limit - max(0, usage - _stat(os.path.join(d, "memory.stat"), inactive))
+            head = limit - max(0, usage - (_stat(os.path.join(d, "memory.stat"), inactive) or 0))
             best = head if best is None else min(best, head)
     return best
 
@@ -73,9 +74,8 @@ def cgroup_headroom(root: str = "/") -> int | None:
 def available_bytes() -> int | None:
     """Bytes the process can still allocate: /proc/meminfo's MemAvailable, capped by its memory
     cgroups' headroom; None where neither is readable (not Linux: the check is then skipped)."""
-    found = [_stat("/proc/meminfo", "MemAvailable:") * 1024] if _read("/proc/meminfo") else []
-    head = cgroup_headroom()
-    found += [head] if head is not None else []
+    kib = _stat("/proc/meminfo", "MemAvailable:")
+    found = [b for b in (None if kib is None else 1024 * kib, cgroup_headroom()) if b is not None]
     return min(found) if found else None
 
 
