@@ -211,6 +211,9 @@ def _kind(w) -> str:
     return {torch.float16: "f16", torch.bfloat16: "bf16"}.get(getattr(w, "dtype", None), "f32")
 
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # one linear each where fused
+
+
 class Layer:
     """One decoder block's weights. On CUDA q/k/v and gate/up are fused into one linear each
     (fewer launches in the decode graph); on CPU every projection stays its own linear."""
@@ -225,8 +228,7 @@ class Layer:
         self.kinds = {n: _kind(t) for n, t in src.items()}
         self.split_qkv = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         self.qkv = self.gate_up = None
-        fq = fuse_weights([src["q_proj"], src["k_proj"], src["v_proj"]]) if fuse else None
-        fg = fuse_weights([src["gate_proj"], src["up_proj"]]) if fuse else None
+        fq, fg = (fuse_weights([src[n] for n in group]) if fuse else None for group in FUSED)
         if fq is not None:
             self.qkv = L(fq)
         else:
@@ -278,7 +280,7 @@ def check_device(device) -> str:
 def _placement(cfg: ModelConfig, weights: dict, fuse: bool) -> list:
     """(weight, role) of every tensor Model places (host_memory.cpu_placement_bytes' pairs)."""
     emb = "model.embed_tokens.weight"
-    fused = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+    fused = tuple(f"{n}.weight" for group in FUSED for n in group)
     role = lambda n: "lookup" if n == emb else "fused" if fuse and n.endswith(fused) else "linear"  # noqa: E731
     return ([(weights[n], role(n)) for n in cfg.expected_shapes()]
             + ([(weights[emb], "linear")] if cfg.tie_word_embeddings else []))
