@@ -47,6 +47,8 @@ def test_positions_and_cache(model):
     fresh = synthetic_model("q4_0", make_config(1, tiny=True), "cpu")
     with pytest.raises(ValueError, match="no KV cache yet; run prefill first"):
         fresh.decode_step(5, 0)
+    with pytest.raises(ValueError, match="start=3 continues a sequence, but there is no KV cache yet"):
+        fresh.prefill([1, 2], start=3)        # (ran on a zero cache)
     model.prefill([1] * 10)
     big = model.prefill([1] * 300)          # a longer prompt from 0 grows the cache (was an error)
     assert big.shape == (1024,) and model.k_cache.shape[3] >= 300
@@ -55,6 +57,15 @@ def test_positions_and_cache(model):
             model.decode_step(5, pos)
     with pytest.raises(ValueError, match="token id 5000 is not a row"):
         model.decode_step(5000, 3)
+    # a CPU tensor is checked as an id (-1 read the last embedding row); a GPU one, e.g. generate's
+    # argmax, is taken as it is (checking it would wait for the GPU)
+    for tok, needle in ((torch.tensor(-1), "token id -1 is not a row"), (torch.tensor(2.5), "2.5 is not a token id"),
+                        (torch.tensor([1, 2]), "a tensor of 2 elements; one token id is needed")):
+        with pytest.raises(ValueError, match=needle):
+            model.decode_step(tok, 3)
+    # numpy integers are positions too (they were refused as "not in the KV cache")
+    assert torch.equal(model.decode_step(torch.tensor(5), np.int64(3)), model.decode_step(5, 3))
+    assert model.prefill([4], start=np.int64(3)).shape == (1024,)
     with pytest.raises(ValueError, match="start=-3"):
         model.prefill([1], start=-3)
     with pytest.raises(ValueError, match="exceed the model's max_seq 4096"):
@@ -101,6 +112,10 @@ def test_rope_tables_past_fp16_integers():
     (dict(seed=2**70, temperature=1.0), "seed=1180591620717411303424 must be an integer"),
     (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
     (dict(eos_token_ids=["x"]), "eos_token_ids: 'x' is not a token id"),
+    (dict(look_ahead="yes"), "look_ahead='yes' must be True, False or None"),
+    (dict(eos_token_ids=5.0), "eos_token_ids=5.0: expected a token id or a sequence of them"),
+    (dict(eos_token_ids=[3, -1]), r"eos_token_ids: -1 is not a token id \(ids are >= 0\)"),
+    (dict(look_ahead=True, temperature=0.7), r"look_ahead=True needs greedy decoding \(temperature 0\)"),
 ])
 def test_bad_generation_settings(model, kw, needle):
     with pytest.raises(ValueError, match=needle):
@@ -124,6 +139,7 @@ class _Scripted:
         self.tokenizer, self.script, self.i = tok, list(script), 0
         self.config = SimpleNamespace(vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
         self.k_cache, self.max_seq, self.is_cuda = None, 4096, False
+        self.steps = 0   # decode steps run
 
     def setup_cache(self, n):
         self.k_cache = torch.zeros(1, 1, 1, n)
@@ -142,7 +158,37 @@ class _Scripted:
         return self._logits()
 
     def decode_step(self, tok, pos):
+        assert 0 <= pos < self.k_cache.shape[3]
+        self.steps += 1
         return self._logits()
+
+
+@pytest.mark.parametrize("max_new", [0, 1, 2, 3, 9, 60])
+@pytest.mark.parametrize("end", ["eos", "stop", "length"])
+def test_look_ahead_gives_what_step_by_step_gives(max_new, end):
+    """Greedy steps queued ahead of the host (generate's look_ahead, on by default on CUDA; here
+    forced on the CPU) give the same tokens, text, streamed pieces and stop reason as one step at
+    a time, and run at most AHEAD steps past what the generation uses. The script's multi-byte
+    characters stream split across byte tokens."""
+    from quantzoo.model.generate import AHEAD, generate
+
+    tok = Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(), {})
+    eos = tok.encode("<|im_end|>")
+    assert len(eos) == 1
+    script = tok.encode("Zürich 😀 ist groß.\nUser: und Köln?") + eos + tok.encode(" mehr")
+    kw = dict(max_new_tokens=max_new, eos_token_ids=eos if end == "eos" else [],
+              stop=["User:"] if end == "stop" else None)
+    runs = []
+    for look_ahead in (False, True):
+        m, chunks = _Scripted(tok, script), []
+        g = generate(m, [1], look_ahead=look_ahead, stream=chunks.append, **kw)
+        runs.append((g.tokens, g.text, "".join(chunks), g.stop_reason, g.decode_tokens))
+        assert g.text == "".join(chunks)
+        assert g.decode_tokens == max(len(g.tokens) - 1, 0)
+        assert g.decode_tokens + (AHEAD if look_ahead else 0) >= m.steps >= g.decode_tokens, m.steps
+    assert runs[0] == runs[1]
+    if max_new == 60:
+        assert runs[0][3] == end
 
 
 def test_stop_strings_cut_at_the_earliest_whatever_their_order():
@@ -481,6 +527,21 @@ def test_warm_up_prefills_again_when_a_workspace_grew():
     m.is_cuda = False
     warm_up(m, [1, 2])
     assert calls == []
+
+
+def test_steps_queued_past_a_stop_leave_the_sequence_intact(model):
+    """Greedy look-ahead queues steps past the token that ends a generation; they write the KV
+    cache past the sequence. A continuation from the sequence's end (prefill with start) must
+    still equal the whole sequence's logits, and the next generation a fresh model's."""
+    ids = [5, 9, 2, 7]
+    greedy = model.generate(ids, max_new_tokens=12, eos_token_ids=[], look_ahead=False)
+    for k in (0, 3, 8):
+        got = model.generate(ids, max_new_tokens=12, eos_token_ids=[greedy[k]], look_ahead=True)
+        assert got == greedy[:k + 1]
+        seq = ids + got
+        tail = model.prefill(seq[-1:] + [11, 12], start=len(seq) - 1)
+        torch.testing.assert_close(tail.float(), model.logits(seq + [11, 12])[-1], rtol=1e-5, atol=1e-5)
+    assert model.generate(ids, max_new_tokens=12, eos_token_ids=[], look_ahead=True) == greedy
 
 
 def test_logits_are_an_ordinary_tensor_and_numpy_seeds_work(model):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
@@ -134,3 +135,69 @@ def test_add_eos_token_from_the_file():
     assert Tokenizer.from_gguf_fields(meta, "x.gguf").encode("ab") == [2, 0, 1]
     del meta["tokenizer.ggml.eos_token_id"]   # nothing to add
     assert Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.add_eos_token": True}, "x.gguf").encode("ab") == [2, 0, 1]
+
+
+def _check_text_so_far(decode, ids, context=()):
+    """Each step's text against decoding the context and the ids so far whole, less the text of
+    the context up to its last whole character."""
+    from quantzoo.model.tokenizer import TextSoFar
+
+    context = list(context)
+    cut = len(context)
+    while cut and decode(context[:cut]).endswith("\ufffd"):
+        cut -= 1
+    before = decode(context[:cut])
+    t = TextSoFar(decode, context)
+    for n, i in enumerate(ids, 1):
+        whole = decode(context + ids[:n])
+        assert whole.startswith(before)
+        assert t.add(i) == whole[len(before):], (context, ids[:n], t.text)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_text_so_far_equals_decoding_the_whole_list(name):
+    """generate()'s incremental detokenizer (model/tokenizer.py TextSoFar) against decoding every
+    prefix whole: llama.cpp's test texts (multi-byte characters, emoji, CJK, mixed whitespace) and
+    random ids, whose byte tokens split and break UTF-8 characters anywhere."""
+    path, tok = _load(name)
+    texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    ids = tok.encode("".join(texts), add_bos=False)
+    _check_text_so_far(tok.decode, ids)
+    rng = np.random.default_rng()
+    byte_ids = [tok.tok.token_to_id(c) for c in "Ã¤ðŁĺĢ"]   # one-byte tokens: lead and continuation bytes
+    assert None not in byte_ids
+    emoji = tok.encode("ab😀🎉 c", add_bos=False)
+    for _ in range(20):
+        ids = rng.integers(0, tok.vocab_size, 60).tolist()
+        ids[::3] = rng.choice(byte_ids, len(ids[::3])).tolist()
+        _check_text_so_far(tok.decode, ids)
+        k = int(rng.integers(1, len(emoji)))   # a prompt that may end inside a character
+        _check_text_so_far(tok.decode, emoji[k:] + ids[:10], context=ids[10:20] + emoji[:k])
+
+
+def test_text_so_far_with_other_decoders():
+    """A decoder that strips the text's first space (SentencePiece-style: the window must start
+    one commit early to strip the same one), one whose later pieces rewrite earlier text (a
+    replacement spanning pieces: the whole list is decoded again), and UTF-8 bytes."""
+    pieces = ["▁a", "b", "▁c", "é", "▁", "d", "a"]
+
+    def metaspace(ids):
+        text = "".join(pieces[i] for i in ids).replace("▁", " ")
+        return text[1:] if text.startswith(" ") else text
+
+    def utf8(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    rng = np.random.default_rng()
+    for _ in range(30):
+        _check_text_so_far(lambda ids: metaspace(ids).replace("ab", "X"), rng.integers(0, len(pieces), 25).tolist())
+        _check_text_so_far(metaspace, rng.integers(0, len(pieces), 25).tolist(),
+                           context=rng.integers(0, len(pieces), int(rng.integers(0, 12))).tolist())
+        prompt = "".join(rng.choice(list("aé€😀 "), 6)).encode()   # cut anywhere, inside a character too
+        _check_text_so_far(utf8, rng.integers(0x7f, 0x100, 25).tolist(),
+                           context=list(prompt[:int(rng.integers(0, len(prompt) + 1))]))
+    text = list("añ€😀".encode())
+    _check_text_so_far(utf8, text + [0xff] + text[::-1] + text)
+    for k in range(len(text)):   # a context that ends inside a character: the text starts with it, whole
+        _check_text_so_far(utf8, text[k:] + text, context=[0x41] + text[:k])
+        _check_text_so_far(utf8, text[k:] + text, context=text[:k])

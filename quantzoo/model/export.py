@@ -379,7 +379,6 @@ def add_gguf_tokenizer(writer, src: Source) -> None:
 
 def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     import gguf
-    from tqdm import tqdm
 
     c = src.config
     qfmt = get(fmt)

@@ -8,16 +8,25 @@ on the CPU, so a seed gives the same text on CPU and GPU up to the logits themse
 Stopping: an end-of-generation id (tokenizer.eos_token_ids, or `eos_token_ids=`) or a stop
 string in the decoded text. Streaming: `stream(text)` receives the new text as it becomes
 final: bytes of an unfinished UTF-8 character, and any tail that could still grow into a stop
-string, are held back until they resolve.
+string, are held back until they resolve. The text is decoded incrementally (tokenizer.py
+TextSoFar), so a token costs the same host time at 10 tokens and at 4,000.
+
+Greedy decoding on CUDA queues the next steps on the GPU, fed the previous step's argmax there,
+before the host reads their tokens (`look_ahead`): the host's work per token then overlaps the
+GPU's (the loop below says what that costs).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from .config import is_int, is_real, token_ids
+from .tokenizer import TextSoFar
+
+AHEAD = 2   # greedy decode steps queued on the GPU ahead of the host (look_ahead)
 
 
 @dataclass
@@ -88,6 +97,35 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     return j if order is None else int(order[j])
 
 
+class HostTokens:
+    """Token ids copied from the GPU to the host without waiting for the work queued after them:
+    int(tensor) would wait for the whole stream, the steps queued ahead included. Each id goes
+    through a pinned slot and an event; `slots` ids may be in flight. Ids of a CPU tensor are
+    read at once."""
+
+    def __init__(self, slots: int):
+        self.slots, self.n, self.buf, self.events = slots, 0, None, None
+
+    def put(self, t: torch.Tensor):
+        """Start copying the one-element tensor t to the host; returns a function that returns
+        its value once it is there."""
+        if t.device.type != "cuda":
+            value = int(t)
+            return lambda: value
+        if self.buf is None:
+            self.buf = torch.empty(self.slots, dtype=torch.int64, pin_memory=True)
+            self.events = [torch.cuda.Event() for _ in range(self.slots)]
+        k = self.n % self.slots
+        self.n += 1
+        self.buf[k].copy_(t, non_blocking=True)
+        self.events[k].record(torch.cuda.current_stream(t.device))
+
+        def get() -> int:
+            self.events[k].synchronize()
+            return int(self.buf[k])
+        return get
+
+
 def warm_up(model, ids, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, tries: int = 3) -> None:
     """generate()'s timed region once, untimed (CUDA; after prepare): the kernels load (CUDA loads
     each lazily, on first use: up to tens of ms) and the prefill's launch plans are recorded. A
@@ -130,17 +168,32 @@ def prepare(model, prompt_tokens: int, max_new_tokens: int) -> None:
 
 def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop=None, stream=None,
-             eos_token_ids=None) -> Generation:
+             eos_token_ids=None, look_ahead: bool | None = None) -> Generation:
+    """Prefill ids, then decode up to max_new_tokens new ones (the module docstring says how
+    they are sampled and when generation stops). look_ahead: queue greedy decode steps on the GPU
+    ahead of the host (below); None = on for greedy decoding on CUDA."""
     ids = token_ids(ids, model.config.vocab_size)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     check_sampling(temperature, top_k, top_p, seed)
+    if look_ahead is None:
+        look_ahead = temperature == 0 and model.is_cuda
+    elif look_ahead is not True and look_ahead is not False:
+        raise ValueError(f"look_ahead={look_ahead!r} must be True, False or None")
+    elif look_ahead and temperature != 0:
+        raise ValueError("look_ahead=True needs greedy decoding (temperature 0): a sampled token is "
+                         "drawn on the host, so no step can be queued before it")
     tok = model.tokenizer
     if eos_token_ids is None:
         eos_token_ids = list(tok.eos_token_ids) if tok is not None else list(model.config.eos_token_ids)
-    elif is_int(eos_token_ids):
-        eos_token_ids = [eos_token_ids]
-    # any integer may be a stop id (one past the vocabulary never comes)
+    elif is_int(eos_token_ids) or getattr(eos_token_ids, "ndim", None) == 0:   # one id (a 0-d array too)
+        eos_token_ids = [eos_token_ids.item() if hasattr(eos_token_ids, "item") else eos_token_ids]
+    elif not hasattr(eos_token_ids, "__len__") or isinstance(eos_token_ids, (str, bytes)):
+        raise ValueError(f"eos_token_ids={eos_token_ids!r}: expected a token id or a sequence of them")
+    # any integer >= 0 may be a stop id (one past the vocabulary never comes)
+    neg = [i for i in list(eos_token_ids) if is_int(i) and i < 0]
+    if neg:
+        raise ValueError(f"eos_token_ids: {neg[0]} is not a token id (ids are >= 0)")
     eos = set(token_ids(eos_token_ids, 2**63, "eos_token_ids")) if len(eos_token_ids) else set()
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stops):
@@ -154,13 +207,14 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
 
     out = Generation(tokens=[], prompt_tokens=len(ids))
     emitted = 0  # characters of text already streamed
+    text_so_far = TextSoFar(tok.decode, context=ids) if tok is not None else None
 
     def flush(final: bool) -> bool:
         """Decode, cut at a stop string, stream what is final; True when a stop string hit."""
         nonlocal emitted
         if tok is None:
             return False
-        text = tok.decode([t for t in out.tokens if t not in eos])
+        text = text_so_far.text
         # cut at the earliest stop string, whatever the order of `stops` (cutting at each in turn
         # let the front of an earlier, overlapping one through)
         cuts = [j for j in (text.find(s) for s in stops) if j >= 0]
@@ -174,7 +228,7 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
                 safe = len(text.rstrip("\ufffd"))
             for s in stops:                       # a tail that may become a stop string
                 for n in range(min(len(s) - 1, safe), 0, -1):
-                    if text[:safe].endswith(s[:n]):
+                    if text.endswith(s[:n], 0, safe):
                         safe -= n
                         break
         if stream is not None and safe > emitted:
@@ -187,35 +241,50 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     _sync(model)
     t0 = time.perf_counter()
     logits = model.prefill(ids)
-    nxt = sample(logits, temperature, top_k, top_p, gen)
+    dev = torch.argmax(logits) if look_ahead else None   # the token on the device, for the steps queued ahead
+    nxt = int(dev) if look_ahead else sample(logits, temperature, top_k, top_p, gen)
     _sync(model)
     out.prefill_s = time.perf_counter() - t0
     # (after the clock: a first isfinite on the GPU loads its kernels, which took ~45 ms on the H100)
     if not bool(torch.isfinite(logits).all()):   # sampling NaNs would emit garbage without a word
         raise ValueError("the prompt's next-token logits are not finite (NaN/inf): the model's weights hold "
                          "non-finite values, or its activations overflowed")
+    # Look-ahead (greedy): up to AHEAD decode steps are queued on the GPU, each fed the previous
+    # one's argmax there, before the host reads their tokens; the host's per-token work (stop
+    # checks, detokenizing, streaming, the launch itself) then overlaps the GPU's instead of
+    # leaving it idle between steps. A stop leaves up to AHEAD steps wasted; what they wrote to
+    # the KV cache lies past the sequence, where the next prefill or step overwrites it before
+    # any attention reads it.
+    reader = HostTokens(AHEAD)
+    queued = deque()
+    launched = 0   # decode steps queued ahead so far
     pos = len(ids)
-    t1 = None
+    t1 = time.perf_counter()   # decode timing starts once the first new token is on the host
     while True:
+        while look_ahead and len(queued) < AHEAD and launched < max_new_tokens - 1:
+            dev = torch.argmax(model.decode_step(dev, len(ids) + launched))
+            queued.append(reader.put(dev))
+            launched += 1
         out.tokens.append(nxt)
         if nxt in eos:
             out.stop_reason = "eos"
             break
+        if text_so_far is not None:
+            text_so_far.add(nxt)
         if flush(final=False):
             out.stop_reason = "stop"
             break
         if len(out.tokens) >= max_new_tokens:
             break
-        if t1 is None:
-            _sync(model)
-            t1 = time.perf_counter()   # decode timing starts after the first new token
-        logits = model.decode_step(nxt, pos)
-        nxt = sample(logits, temperature, top_k, top_p, gen)
+        if look_ahead:
+            nxt = queued.popleft()()
+        else:
+            nxt = sample(model.decode_step(nxt, pos), temperature, top_k, top_p, gen)
         pos += 1
         out.decode_tokens += 1
-    if t1 is not None:
-        _sync(model)
-        out.decode_s = time.perf_counter() - t1
+    if out.decode_tokens:
+        out.decode_s = time.perf_counter() - t1   # (sampling read every token on the host, so did `reader`)
+    _sync(model)   # (steps queued past a stop finish here, outside the timing)
     if out.stop_reason != "stop":
         flush(final=True)
     return out

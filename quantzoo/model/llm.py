@@ -37,7 +37,7 @@ from .. import ops
 from ..cuda_launch import call_on_device, programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
-from .config import ModelConfig, token_ids
+from .config import ModelConfig, is_int, token_ids
 from .host_memory import check_cpu_placement
 
 MATMUL_MODES = ("cached", "dequant", "emulate")
@@ -317,7 +317,7 @@ class Model:
         if dtype is not None and dtype != native:
             raise ValueError(f"dtype={dtype!r}: the runner computes in {native} on {device} "
                              "(float32 on CPU, float16 on CUDA: the kernels' precision)")
-        if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq <= 0):
+        if max_seq is not None and (not is_int(max_seq) or max_seq <= 0):
             raise ValueError(f"max_seq={max_seq!r}: a positive number of positions, or None for the config's")
         self.dtype = native
         self.matmul_mode = matmul_mode
@@ -587,8 +587,12 @@ class Model:
     def prefill(self, ids, start: int = 0) -> torch.Tensor:
         """Run tokens at positions start.. through the model (one batched pass); last logits."""
         ids = token_ids(ids, self.config.vocab_size)
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        if not is_int(start) or start < 0:
             raise ValueError(f"start={start!r}: a position >= 0")
+        if start and self.k_cache is None:
+            raise ValueError(f"prefill: start={start} continues a sequence, but there is no KV cache yet; "
+                             "prefill from start=0 first")
+        start = int(start)
         end = start + len(ids)
         if end > self.max_seq:
             raise ValueError(f"{end} positions exceed the model's max_seq {self.max_seq}")
@@ -607,10 +611,15 @@ class Model:
         """One token at position pos -> its next-token logits (V,). Replays a CUDA graph on GPU."""
         if self.k_cache is None:
             raise ValueError("decode_step: no KV cache yet; run prefill first")
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.k_cache.shape[3]:
+        if not is_int(pos) or not 0 <= pos < self.k_cache.shape[3]:
             raise ValueError(f"position {pos!r} is not in the KV cache (0..{self.k_cache.shape[3] - 1})")
-        if not torch.is_tensor(token):   # (a device tensor, e.g. an argmax, is taken as it is)
-            token = token_ids([token], self.config.vocab_size, "token")[0]
+        pos = int(pos)
+        if torch.is_tensor(token) and token.numel() != 1:
+            raise ValueError(f"token: a tensor of {token.numel()} elements; one token id is needed")
+        # A GPU tensor (an argmax, as generate's look-ahead feeds) is taken as it is: checking its
+        # value would wait for the GPU. Anything else is checked as an id.
+        if not (torch.is_tensor(token) and token.device.type == "cuda"):
+            token = token_ids([token.item() if torch.is_tensor(token) else token], self.config.vocab_size, "token")[0]
         if not self.use_graph:
             ids = (token.reshape(1).to(self.device) if torch.is_tensor(token) else
                    torch.as_tensor([int(token)], dtype=torch.int64, device=self.device))

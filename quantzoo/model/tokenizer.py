@@ -390,3 +390,48 @@ class Tokenizer:
         return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=bool(add_bos) and bos is not None,
                    add_eos=add_eos, chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
                    eos_token="" if eos is None else tokens[eos], chat_templates=named)
+
+
+class TextSoFar:
+    """The text of a growing list of ids, kept current at a cost that does not grow with the list
+    (decoding the whole list again for every new token took 0.4 ms at 2,000 tokens and 0.8 ms at
+    4,000 on this project's CPU host: as long as a decode step of the default model on the H100,
+    so a long generation became host-bound).
+
+    The text of ids[:c] is kept once it ends on a whole character (no U+FFFD at its end: bytes of
+    an unfinished UTF-8 character decode to one). A new id then decodes only the window ids[p:],
+    p the commit point before c, and the new text is that window's text past the text of
+    ids[p:c]. Starting the window one commit early gives a decoder that treats the first token
+    specially (a SentencePiece-style leading space) the same first token in both decodes. For
+    decoders that concatenate at a whole character (byte-level BPE, SentencePiece-style) the text
+    is decode(context + ids) past the context's text; should a window's text not begin with
+    ids[p:c]'s, the whole list is decoded (correct, only slower).
+
+    context: the ids before the text (a prompt). The text begins after the context's last whole
+    character: context ids that leave a character unfinished (up to 8) belong to the text, which
+    then starts with the character the new ids finish, not with U+FFFD; the context id before
+    them starts the first window (so a first-token rule applies to it, not to the text)."""
+
+    def __init__(self, decode, context=()):
+        ctx = [int(i) for i in list(context)[-9:]]
+        cut = len(ctx)
+        while cut and decode(ctx[:cut]).endswith("\ufffd"):
+            cut -= 1
+        self.decode, self.ids, self.text = decode, ctx[max(cut - 1, 0):], ""
+        self._p, self._c = 0, min(cut, 1)
+        self._done, self._head = "", decode(self.ids[:self._c])
+        self._context_text = self._head
+
+    def add(self, i: int) -> str:
+        """Append one id; the whole text so far."""
+        self.ids.append(i)
+        window = self.decode(self.ids[self._p:])
+        if window.startswith(self._head):
+            self.text = self._done + window[len(self._head):]
+        else:
+            whole = self.decode(self.ids)
+            self.text = whole[len(self._context_text):] if whole.startswith(self._context_text) else whole
+        if not self.text.endswith("\ufffd"):   # a whole character at the end: commit
+            self._done, self._p, self._c = self.text, self._c, len(self.ids)
+            self._head = self.decode(self.ids[self._p:self._c])
+        return self.text
