@@ -84,6 +84,23 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
         assert needle in err and "temperature" not in err.replace("--temperature", ""), err
 
 
+def test_run_takes_a_cpu_index_as_the_cpu(monkeypatch, capsys):
+    """--device cpu:1 is the CPU (torch has one): the model gets "cpu" and --matmul-mode (they
+    were dropped for any name but "cpu", leaving every linear on the numpy emulation)."""
+    import quantzoo.model
+    from quantzoo.cli import main
+
+    seen = []
+
+    def load(path, device, **opts):
+        seen.append((device, opts.get("matmul_mode")))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(quantzoo.model, "load_model", load)
+    assert main(["run", "model", "--model", "x.gguf", "--device", "cpu:1", "--matmul-mode", "dequant"]) == 2
+    assert "stop here" in capsys.readouterr().err and seen == [("cpu", "dequant")]
+
+
 def test_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
     """torch's CUDA OutOfMemoryError (a model larger than the GPU's free memory) ends a command
     with one line naming it, not a traceback; other RuntimeErrors still propagate."""

@@ -131,6 +131,8 @@ def test_a_model_past_the_memory_is_refused_in_one_line(monkeypatch, tmp_path, c
                                           rf"and {mib(transient)} more while dequantizing its largest weight; "
                                           rf"{mib(held + transient - 1)} of memory is available; use matmul_mode='dequant'"):
         build_model(cfg, w, None, device="cpu")
+    with pytest.raises(MemoryError, match="the model takes"):   # a cpu index is the CPU (it skipped the check)
+        build_model(cfg, w, None, device="cpu:1")
     build_model(cfg, w, None, device="cpu", matmul_mode="dequant")
 
     from quantzoo.cli import main

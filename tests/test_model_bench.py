@@ -105,3 +105,18 @@ def test_bench_model_json_keeps_finished_formats(tmp_path, monkeypatch):
               "--prompt-lens", "", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["partial"] is True and doc["results"] == [{"format": "q4_0", "decode_tok_s_eager": 12.5}]
+
+
+def test_bench_model_takes_a_cpu_index_as_the_cpu(tmp_path, monkeypatch):
+    """--device cpu:1 benches on the CPU as "cpu" (its random weights were built as for a GPU,
+    in float16 torch tensors, with the CPU paths skipped)."""
+    from quantzoo.bench import model as bm
+    from quantzoo.cli import main
+
+    seen = []
+    monkeypatch.setattr(bm, "bench_format", lambda fmt, cfg, args, device, bw: seen.append(device) or {"format": fmt})
+    monkeypatch.setattr(bm, "render", lambda out, args: "")
+    out = tmp_path / "b.json"
+    assert main(["bench", "model", "--tiny", "--device", "cpu:1", "--formats", "q4_0", "--prompt-lens", "",
+                 "--json", str(out)]) == 0
+    assert seen == ["cpu"] and json.loads(out.read_text())["device"] == "cpu"

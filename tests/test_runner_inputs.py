@@ -231,6 +231,24 @@ def test_model_options():
         build_model(cfg, {}, None, device="gpu")   # the device is checked before the weights
 
 
+@pytest.mark.parametrize("mode", ["cached", "dequant"])
+def test_a_cpu_index_is_the_cpu(mode):
+    """torch takes "cpu:1" as the one CPU; the runner's CPU branches tested device == "cpu", so
+    it ran every linear through the numpy emulation whatever matmul_mode said."""
+    from quantzoo.bench.model import synthetic_weights
+    from quantzoo.model import build_model
+
+    cfg = make_config(1, tiny=True)
+    w = synthetic_weights("q4_0", cfg, "cpu")
+    want = build_model(cfg, w, None, device="cpu", matmul_mode=mode).logits([1, 2, 3])
+    for dev in ("cpu:1", torch.device("cpu", 0)):
+        m = build_model(cfg, w, None, device=dev, matmul_mode=mode)
+        down = m.layers[0].down
+        assert m.device == "cpu" and not m.is_cuda and m.matmul_mode == mode, dev
+        assert (down.w is not None) == (mode == "cached") and (down.qt is None or down.mode == mode), dev
+        assert torch.equal(m.logits([1, 2, 3]), want), dev
+
+
 def test_bos_from_the_post_processor_when_the_config_does_not_say():
     """Llama 3's tokenizer_config.json has no add_bos_token: its BOS comes from tokenizer.json's
     post-processor, and transformers' encoding starts with it. An explicit add_bos_token wins."""

@@ -267,14 +267,20 @@ class Layer:
 
 
 def check_device(device) -> str:
-    """The device name torch gives `device`, or a clear error (unknown name, no CUDA GPU)."""
+    """The name torch gives `device` (a name or a torch.device), or a clear error: not a torch
+    device, no CUDA GPU.
+
+    A cpu index ("cpu:1") names the one CPU torch has, so it becomes "cpu": the CPU branches
+    (matmul modes, the memory guard) test `device == "cpu"`."""
     try:
-        device = str(torch.device(device))
+        d = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device={device!r}: not a torch device (cpu, cuda, cuda:N)") from None
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if d.type == "cpu":
+        return "cpu"
+    if d.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: torch sees no CUDA GPU here")
-    return device
+    return str(d)
 
 
 def _placement(cfg: ModelConfig, weights: dict, fuse: bool) -> list:
