@@ -72,6 +72,11 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
 
     nope = str(tmp_path / "nope.gguf")
     for args, needle in ((["--device", "gpu"], "device='gpu': not a torch device"),
+                         # torch device types the runner has no path for (they loaded the whole
+                         # model, then failed in it), and an empty one (it meant the default)
+                         (["--device", "meta"], "device='meta': the runner runs on cpu, cuda or cuda:N, not on meta"),
+                         (["--device", "mps"], "device='mps': the runner runs on cpu, cuda or cuda:N, not on mps"),
+                         (["--device", ""], "device='': not a torch device (cpu, cuda, cuda:N)"),
                          (["--temperature", "0.7", "--top-p", "0"], "sampling: top_p=0.0 must be in (0, 1]"),
                          (["--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 0"),
                          (["--seed", str(2**70)], "sampling: seed=1180591620717411303424 must be an integer"),

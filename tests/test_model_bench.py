@@ -77,6 +77,18 @@ def test_bench_model_eager_tokens_fit_the_cache(tmp_path, capsys):
     assert "--decode-tokens 5000" in err and "--long-context" not in err
 
 
+def test_bench_model_refuses_a_device_it_has_no_path_for(monkeypatch, capsys):
+    from quantzoo.bench import model as bm
+    from quantzoo.cli import main
+
+    monkeypatch.setattr(bm, "bench_format", lambda *a: pytest.fail("benched on a refused device"))
+    for dev, needle in (("meta", "device='meta': the runner runs on cpu, cuda or cuda:N, not on meta"),
+                        ("", "device='': not a torch device (cpu, cuda, cuda:N)")):
+        assert main(["bench", "model", "--tiny", "--device", dev]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("quantzoo bench: error: --device: ") and needle in err and "\n" not in err, err
+
+
 def test_bench_model_refuses_an_activation_format(capsys):
     from quantzoo.cli import main
 

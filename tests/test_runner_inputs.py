@@ -229,6 +229,9 @@ def test_model_options():
 
     with pytest.raises(ValueError, match="device='gpu': not a torch device"):
         build_model(cfg, {}, None, device="gpu")   # the device is checked before the weights
+    for dev in ("meta", "mps", torch.device("meta")):   # torch devices, but no runner path
+        with pytest.raises(ValueError, match="the runner runs on cpu, cuda or cuda:N, not on"):
+            build_model(cfg, {}, None, device=dev)
 
 
 @pytest.mark.parametrize("mode", ["cached", "dequant"])

@@ -53,7 +53,9 @@ def run(args) -> int:
     if args.what != "model":
         raise ValueError(f"quantzoo run {args.what}: unknown target")
     # the arguments first: a mistake should not cost a model load
-    device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # (only an absent --device means the default: --device "" is refused like any bad name)
+    device = check_device(args.device if args.device is not None else
+                          "cuda" if torch.cuda.is_available() else "cpu")
     check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")

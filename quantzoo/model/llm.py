@@ -267,8 +267,8 @@ class Layer:
 
 
 def check_device(device) -> str:
-    """The name torch gives `device` (a name or a torch.device), or a clear error: not a torch
-    device, no CUDA GPU.
+    """"cpu", "cuda" or "cuda:N" for `device` (a name or a torch.device), or a clear error: not
+    a torch device, a device type the runner has no path for (meta, mps, ...), no CUDA GPU.
 
     A cpu index ("cpu:1") names the one CPU torch has, so it becomes "cpu": the CPU branches
     (matmul modes, the memory guard) test `device == "cpu"`."""
@@ -278,7 +278,9 @@ def check_device(device) -> str:
         raise ValueError(f"device={device!r}: not a torch device (cpu, cuda, cuda:N)") from None
     if d.type == "cpu":
         return "cpu"
-    if d.type == "cuda" and not torch.cuda.is_available():
+    if d.type != "cuda":   # torch knows it, but every tensor here is placed for cpu or cuda
+        raise ValueError(f"device={device!r}: the runner runs on cpu, cuda or cuda:N, not on {d.type}")
+    if not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: torch sees no CUDA GPU here")
     return str(d)
 
