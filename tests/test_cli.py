@@ -1,4 +1,5 @@
 """The CLI entry point and what `quantzoo formats` prints."""
+import os
 import re
 import subprocess
 import sys
@@ -134,3 +135,64 @@ def test_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(quantzoo.model, "load_model", other)
     with pytest.raises(RuntimeError, match="something else"):
         main(["run", "model", "--model", "x.gguf", "--device", "cpu"])
+
+
+def test_output_locations_are_checked_before_the_work(tmp_path, monkeypatch, capsys):
+    """A --json, --out or DST that cannot be written was found only after the benchmark, report
+    or conversion had run (a bare '[Errno 2] No such file or directory', or '[Errno 17] File
+    exists' for DST under a file): now one line naming the argument, before any of the work.
+    Missing folders are still made where the command makes them (bench kernels, report, quantize)."""
+    import quantzoo.report
+    from quantzoo.bench import kernels
+    from quantzoo.bench import model as bm
+    from quantzoo.cli import main
+    from quantzoo.model import export
+
+    def work(*a, **k):
+        raise ValueError("the work ran")
+
+    for mod, name in ((bm, "bench_format"), (kernels, "run_bench"), (quantzoo.report, "build"),
+                      (export, "read_source")):
+        monkeypatch.setattr(mod, name, work)
+    afile, adir, nope, src = tmp_path / "afile", tmp_path / "adir", tmp_path / "nope", str(tmp_path / "src")
+    afile.write_text("")
+    (adir / "report.json").mkdir(parents=True)
+    json_ = ["bench", "model", "--tiny", "--device", "cpu", "--prompt-lens", "", "--json"]
+    report = ["report", "--no-bench", "--no-accuracy", "--no-plots", "--out"]
+    for argv, needle in (
+            (json_ + [f"{nope}/x.json"], f"--json {nope}/x.json: directory {nope} does not exist"),
+            (json_ + [f"{afile}/x.json"], f"--json {afile}/x.json: {afile} is not a directory"),
+            (json_ + [str(adir)], f"--json {adir}: is a directory; give the file to write"),
+            (json_ + [""], "--json: an empty path"),
+            (["bench", "kernels", "--out", str(afile)], f"--out {afile}: {afile} is not a directory"),
+            (["bench", "kernels", "--out", f"{afile}/sub"], f"--out {afile}/sub: {afile} is not a directory"),
+            (["bench", "kernels", "--out", f"{nope}/sub"], "the work ran"),   # made as before
+            (report + [f"{afile}/r.md"], f"--out {afile}/r.md (the rest of the report goes in {afile}/r): "
+                                         f"{afile} is not a directory"),
+            (report + [f"{afile}.md"], f"--out {afile}.md (the rest of the report goes in {afile}): "
+                                       f"{afile} is not a directory"),
+            (report + [str(adir)], f"--out {adir}: {adir}/report.json is a directory, where the report.json "
+                                   "file goes"),
+            (report + [f"{nope}/r"], "the work ran"),
+            (["quantize", src, f"{afile}/out.gguf", "--format", "q4_0"], f"DST={afile}/out.gguf: {afile} is not a directory"),
+            (["quantize", src, f"{afile}/m.bin", "--format", "awq"], f"DST={afile}/m.bin: {afile} is not a directory"),
+            (["quantize", src, f"{afile}/hf", "--format", "awq"], f"DST={afile}/hf: {afile} is not a directory"),
+            (["quantize", src, f"{nope}/a/out.gguf", "--format", "q4_0"], "the work ran")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(needle) and "\n" not in err, (argv, err)
+    assert not nope.exists()   # (nothing made before the work)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes to any directory")
+def test_an_output_directory_without_write_permission_is_named(tmp_path, capsys):
+    from quantzoo.cli import main
+
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    for argv, needle in ((["bench", "model", "--tiny", "--device", "cpu", "--json", f"{ro}/x.json"],
+                          f"--json {ro}/x.json: directory {ro} is not writable"),
+                         (["bench", "kernels", "--out", f"{ro}/new"], f"--out {ro}/new: directory {ro} is not writable")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(needle) and "\n" not in err, (argv, err)

@@ -347,7 +347,10 @@ def one_launch_read(nbytes: int, cache: dict, target_s: float) -> dict:
     return cache[nbytes]
 
 
-def write_outputs(res: dict, out_dir: str, stem: str = "bench-kernels") -> tuple[str, str]:
+OUT_STEM = "bench-kernels"   # write_outputs' file names: OUT_STEM.json and OUT_STEM.csv
+
+
+def write_outputs(res: dict, out_dir: str, stem: str = OUT_STEM) -> tuple[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     jpath = os.path.join(out_dir, f"{stem}.json")
     cpath = os.path.join(out_dir, f"{stem}.csv")
@@ -434,6 +437,9 @@ def run(args) -> int:
     target = (args.target_ms or (10.0 if args.quick else 30.0)) * 1e-3
     if not args.power_s >= 0:
         raise ValueError(f"--power-s: seconds must be >= 0, got {args.power_s}")
+    from quantzoo.paths import check_out_dir
+
+    check_out_dir(args.out, f"--out {args.out}", files=(f"{OUT_STEM}.json", f"{OUT_STEM}.csv"))
 
     def log(s):
         print(s, flush=True)

@@ -540,6 +540,7 @@ def run(args) -> int:
 
     from .. import formats as registry
     from ..model.llm import check_device
+    from ..paths import check_out_file
 
     fmts = [f for f in args.formats.split(",") if f]
     if not fmts:
@@ -570,6 +571,8 @@ def run(args) -> int:
     from ..formats.awq import check_shape
 
     check_shape(8, 128, args.awq_group_size, "--awq-group-size")
+    if args.json is not None:   # (written after the first format, minutes in; its folder is not made)
+        check_out_file(args.json, f"--json {args.json}")
     try:
         device = check_device(args.device)
     except ValueError as e:
@@ -605,7 +608,7 @@ def run(args) -> int:
         print(f"== {f}: " + ("ERROR" if "error" in r else ", ".join(
             f"{k} {v:,.0f}" for k, v in r.items() if k.startswith(("decode_tok_s", "prefill_tok_s"))
             and isinstance(v, float) and math.isfinite(v))), file=sys.stderr, flush=True)
-        if args.json:   # the formats so far, should a long run be cut short
+        if args.json is not None:   # the formats so far, should a long run be cut short
             _write_json(args.json, dict(out, partial=True))
     ok = [r["format"] for r in results if "error" not in r]
     if lens and len(ok) > 1:
@@ -615,7 +618,7 @@ def run(args) -> int:
         except Exception as e:   # noqa: BLE001 - never lose the per-format numbers for it
             out["prefill_side_by_side"] = {"skipped": f"{type(e).__name__}: {e}"}
     print(render(out, args))
-    if args.json:
+    if args.json is not None:
         _write_json(args.json, out)
     if not ok:
         print("bench model: every format failed (tracebacks above)", file=sys.stderr)

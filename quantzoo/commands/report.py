@@ -58,6 +58,8 @@ def run(args) -> int:
             formats.get_stored(n, "--accuracy-formats")
     if args.model is not None and not args.no_accuracy and not os.path.exists(args.model):
         raise FileNotFoundError(f"--model {args.model!r}: no such file or directory")
+    if args.out is not None:
+        report.check_out(args.out, f"--out {args.out}")
     # (every argument is checked above, before a minute of GPU bench below)
     bench = speed.load_bench(args.bench) if args.bench else None
     if bench is None and not args.no_bench:
@@ -76,7 +78,7 @@ def run(args) -> int:
     rep = report.build(bench, model_bench, accuracy=not args.no_accuracy, accuracy_formats=acc_formats,
                        accuracy_tokens=args.accuracy_tokens, model_path=args.model, command=command,
                        log=log)
-    if args.out:
+    if args.out is not None:
         files = report.write(rep, args.out, plots=not args.no_plots)
         log(f"wrote {files['md']} and {len(files['plots'])} plots"
             + (f" ({rep['plots_skipped']})" if rep.get("plots_skipped") else ""))

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from quantzoo.formats import get, names
+from quantzoo.paths import check_out_dir, check_out_file
 
 from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
 from .hf_loader import CHAT_TEMPLATE_DIR, LINEARS, not_converted, parse_quantization_config, to_numpy_float
@@ -489,6 +490,11 @@ def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> 
         if stale:
             raise ValueError(f"DST={dst} already holds other checkpoint files ({', '.join(sorted(stale)[:3])}"
                              f"{', ...' if len(stale) > 3 else ''}); write to an empty directory")
+    # where DST goes must take it (its folders are made as needed): checked before the source is read
+    if kind == "dir":
+        check_out_dir(dst, f"DST={dst}")
+    else:   # (a .gguf is written beside DST and renamed over it)
+        check_out_file(dst, f"DST={dst}", make_parent=True, replaced=kind == "gguf")
     src_m = read_source(src, progress=progress)
     if kind == "gguf":
         return write_gguf(src_m, dst, fmt, progress=progress)

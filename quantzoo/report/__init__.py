@@ -535,15 +535,35 @@ def _write_csv(path, rows: list[dict]) -> None:
                         for k, v in r.items()})
 
 
+# what write() puts in its folder beside the markdown (those of them the report has)
+OUT_FILES = ("report.json", "formats.csv", "speed.csv", "accuracy.csv", "bench-kernels.json",
+             "bench-kernels.csv", "nmse.png", "roofline.png", "speedup.png")
+
+
+def out_paths(out: str) -> tuple[str, str]:
+    """(markdown path, folder for the rest) for write()'s `out`."""
+    if out.endswith(".md"):
+        return out, out[:-3]
+    return os.path.join(out, "report.md"), out
+
+
+def check_out(out: str, what: str) -> None:
+    """That write(rep, out) can write its files (quantzoo.paths: one ValueError naming `what`),
+    checked before the report's accuracy runs and bench."""
+    from ..paths import check_out_dir, check_out_file
+
+    md_path, out_dir = out_paths(out)
+    check_out_dir(out_dir, what if out_dir == out else f"{what} (the rest of the report goes in {out_dir})",
+                  files=OUT_FILES)
+    check_out_file(md_path, what, make_parent=True)
+
+
 def write(rep: dict, out: str, *, plots: bool = True) -> dict:
     """report.md + report.json + formats/speed/accuracy CSVs (+ bench JSON/CSV) + PNGs.
 
     `out` is a folder (everything goes in it, the markdown as report.md) or a path ending in
     .md (the markdown there; everything else in the folder of the same name beside it)."""
-    if out.endswith(".md"):
-        md_path, out_dir = out, out[:-3]
-    else:
-        md_path, out_dir = os.path.join(out, "report.md"), out
+    md_path, out_dir = out_paths(out)
     from . import plots as P
 
     os.makedirs(out_dir, exist_ok=True)
@@ -582,4 +602,4 @@ def write(rep: dict, out: str, *, plots: bool = True) -> dict:
     return files
 
 
-__all__ = ["build", "render", "write", "format_rows", "speed_rows", "sizes", "speed"]
+__all__ = ["build", "render", "write", "check_out", "format_rows", "speed_rows", "sizes", "speed"]
