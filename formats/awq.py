@@ -64,6 +64,7 @@ def check_shape(n: int, k: int, group_size: int, what: str = "awq") -> None:
 
 class AWQ(Format, name="awq"):
     block_size = 128          # default group size
+    param_names = ("group_size",)
     kernels = "awq"
     nmse_ceiling = 0.012      # g128 on the standard workload (issue: under 1.2 %)
 
@@ -77,6 +78,7 @@ class AWQ(Format, name="awq"):
 
     def nbytes(self, shape, group_size: int = 128) -> int:
         n, k = shape
+        check_shape(n, k, group_size, "awq.nbytes")
         return n * k // 2 + (k // group_size) * (2 * n + n // 2)
 
     def quantize(self, w, group_size: int = 128) -> QuantizedTensor:

@@ -7,6 +7,8 @@ registry; nothing else keeps a list of formats.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 _REGISTRY: dict[str, "Format"] = {}
@@ -20,6 +22,7 @@ class Format:
     kernels: str | None = None    # module under quantzoo.kernels with the CUDA entry points
     nmse_ceiling: float = 0.0     # NMSE bound of the kernel's result on the standard workload
     gguf_type: str | None = None  # gguf.GGMLQuantizationType name when a .gguf can store it
+    param_names: tuple = ()       # the keys a weight's params may hold (AWQ: group_size)
 
     def __init_subclass__(cls, *, name: str | None = None, **kw):
         super().__init_subclass__(**kw)
@@ -60,18 +63,29 @@ class Format:
             raise ValueError(f"{self.name} weight: got a {getattr(qt, 'format', type(qt).__name__)!r} weight")
         shape = getattr(qt, "shape", None)
         if not (isinstance(shape, tuple) and len(shape) == 2
-                and all(isinstance(d, (int, np.integer)) and d > 0 for d in shape)):
+                and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape)):
             raise ValueError(f"{self.name} weight: shape {shape!r} is not (out_features, in_features) > 0")
-        want = self.storage(shape, qt.params)
+        params = getattr(qt, "params", None)
+        if not isinstance(params, dict):
+            raise ValueError(f"{self.name} weight {shape}: params is a {type(params).__name__}, expected a dict")
+        unknown = sorted(map(repr, set(params) - set(self.param_names)))
+        if unknown:
+            takes = f"takes only {list(self.param_names)}" if self.param_names else "takes none"
+            raise ValueError(f"{self.name} weight {shape}: unknown params {', '.join(unknown)} "
+                             f"({self.name} {takes})")
+        want = self.storage(shape, params)
         have = qt.arrays()
-        if sorted(have) != sorted(want):
-            raise ValueError(f"{self.name} weight: storage arrays {sorted(have)}, expected {sorted(want)}")
+        if sorted(map(str, have)) != sorted(want):
+            raise ValueError(f"{self.name} weight: storage arrays {sorted(map(str, have))}, expected {sorted(want)}")
         for key, (wshape, wdtype) in want.items():
             a = have[key]
+            expect = f"{np.dtype(wdtype).name}{list(wshape)}"
+            if not is_array(a):   # None, a list, ...: no shape or dtype to compare
+                raise ValueError(f"{self.name} weight {shape}: {key} is {type(a).__name__}, expected {expect}")
             got = (tuple(a.shape), str(a.dtype).replace("torch.", ""))
             if got != (tuple(wshape), np.dtype(wdtype).name):
                 raise ValueError(f"{self.name} weight {shape}: {key} is {got[1]}{list(got[0])}, "
-                                 f"expected {np.dtype(wdtype).name}{list(wshape)}")
+                                 f"expected {expect}")
 
     # --- reference: what the kernel computes, bit for bit where it can be ----------------
     def emulate(self, x: np.ndarray, qt, return_bound: bool = False):
@@ -80,6 +94,14 @@ class Format:
 
     def __repr__(self) -> str:
         return f"<format {self.name}: {self.kind}, {self.bits_per_weight:g} bits/weight>"
+
+
+def is_array(a) -> bool:
+    """A numpy array or a torch tensor: what a QuantizedTensor's storage holds."""
+    if isinstance(a, np.ndarray):
+        return True
+    torch = sys.modules.get("torch")   # (a torch tensor exists only if torch was imported)
+    return torch is not None and isinstance(a, torch.Tensor)
 
 
 def names() -> list[str]:

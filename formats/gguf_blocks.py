@@ -20,6 +20,8 @@ because the kernels' reference needs the integer fields (q, d, m), which gguf-py
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from .base import Format, as_float_matrix
@@ -160,14 +162,24 @@ class GGUFBlockFormat(Format):
         return {"data": ((n, k // QK * self.bytes_per_block), np.uint8)}
 
     def from_bytes(self, data: np.ndarray, shape) -> QuantizedTensor:
-        """Wrap raw GGUF block bytes (e.g. a tensor read by gguf.GGUFReader) without copying."""
-        if len(shape) != 2 or min(int(s) for s in shape) <= 0:
-            raise ValueError(f"{self.name}: shape {tuple(shape)} is not (out_features, in_features) > 0")
-        n, k = (int(s) for s in shape)
+        """Wrap raw GGUF block bytes (e.g. a tensor read by gguf.GGUFReader) without copying: a
+        flat uint8 array of the tensor's size, or one already (N, K/32 * bytes)."""
+        try:
+            dims = tuple(shape)
+        except TypeError:   # not a sequence
+            dims = None
+        if not (dims and len(dims) == 2 and all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                                                and s > 0 for s in dims)):
+            raise ValueError(f"{self.name}: shape {shape!r} is not (out_features, in_features), "
+                             "two positive integers")
+        n, k = (int(s) for s in dims)
         (want, _), = self.storage((n, k), {}).values()
         data = np.asarray(data)
         if data.dtype != np.uint8:
             raise ValueError(f"{self.name}: block bytes must be a uint8 array, got {data.dtype}")
+        if data.ndim != 1 and data.shape != want:   # rows of another length: not this tensor's rows
+            raise ValueError(f"{self.name}: block bytes of shape {data.shape}; a ({n}, {k}) tensor is "
+                             f"{want} (or flat, {want[0] * want[1]} bytes)")
         if data.size != want[0] * want[1]:
             raise ValueError(f"{self.name}: {data.size} bytes given, a ({n}, {k}) tensor needs {want[0] * want[1]}")
         return QuantizedTensor(self.name, (n, k), data.reshape(want))

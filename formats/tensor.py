@@ -8,9 +8,11 @@ from typing import Any
 import numpy as np
 
 
-def _move(arr: Any, device: str) -> Any:
+def _move(arr: Any, device: str, key: str) -> Any:
     import torch
 
+    if not isinstance(arr, (np.ndarray, torch.Tensor)):
+        raise ValueError(f"storage entry {key} is {type(arr).__name__}, not an array")
     if device == "cpu":
         if isinstance(arr, torch.Tensor):
             return arr.detach().cpu().numpy()
@@ -51,23 +53,31 @@ class QuantizedTensor:
 
     @property
     def device(self) -> str:
-        arr = next(iter(self.arrays().values()))
+        arr = next(iter(self.arrays().values()), None)
         dev = getattr(arr, "device", None)
         return "cpu" if dev is None else str(dev)
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) if hasattr(a, "nbytes") else a.numel() * a.element_size()
-                   for a in self.arrays().values())
+        total = 0
+        for key, a in self.arrays().items():
+            if isinstance(a, np.ndarray):
+                total += int(a.nbytes)
+            elif hasattr(a, "numel") and hasattr(a, "element_size"):   # a torch tensor
+                total += a.numel() * a.element_size()
+            else:
+                raise ValueError(f"{self.format} weight {self.shape}: storage entry {key} is "
+                                 f"{type(a).__name__}, not an array")
+        return total
 
     def to(self, device) -> "QuantizedTensor":
         device = str(device)
         try:
             if isinstance(self.data, dict):
-                data = {k: _move(v, device) for k, v in self.data.items()}
+                data = {k: _move(v, device, k) for k, v in self.data.items()}
             else:
-                data = _move(self.data, device)
-        except (AssertionError, RuntimeError) as e:   # torch: no CUDA build / device, a bad name
+                data = _move(self.data, device, "data")
+        except (AssertionError, RuntimeError, ValueError) as e:   # torch: no CUDA build / device, a bad name
             raise ValueError(f"QuantizedTensor.to({device!r}): {e}") from None
         return replace(self, data=data)
 
@@ -78,5 +88,13 @@ class QuantizedTensor:
         return self.fmt.dequantize(self)
 
     def __repr__(self) -> str:
-        return (f"QuantizedTensor(format={self.format!r}, shape={self.shape}, "
-                f"params={self.params}, device={self.device!r}, nbytes={self.nbytes})")
+        # never raises, whatever a hand-built tensor holds (a repr is what one prints to debug it)
+        def attempt(get):
+            try:
+                return get()
+            except Exception:   # noqa: BLE001  (a broken storage entry: shown as '?')
+                return "?"
+
+        return (f"QuantizedTensor(format={self.format!r}, shape={self.shape!r}, "
+                f"params={self.params!r}, device={attempt(lambda: self.device)!r}, "
+                f"nbytes={attempt(lambda: self.nbytes)})")

@@ -9,12 +9,19 @@ from . import ops
 from .formats import QuantizedTensor, get, get_stored
 
 
+def _check_weight(qt, what: str) -> None:
+    """The constructor's (and load_state_dict's) checks of the weight, ops.matmul's errors:
+    a QuantizedTensor of a stored format (not the q8_1 activation format) whose shape, params
+    and storage agree (Format.check)."""
+    if not isinstance(qt, QuantizedTensor):
+        raise ValueError(f"{what}: expected a QuantizedTensor, got {type(qt).__name__}")
+    get_stored(qt.format, what).check(qt)   # (an unknown format: the registry's KeyError)
+
+
 class QuantLinear(torch.nn.Module):
     def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None = None, mode: str = "emulate"):
         super().__init__()
-        if not isinstance(qt, QuantizedTensor):
-            raise ValueError(f"qt: expected a QuantizedTensor, got {type(qt).__name__}")
-        get_stored(qt.format, "qt")
+        _check_weight(qt, "qt")
         if mode not in ops.MODES:
             raise ValueError(f"mode={mode!r}: choose one of {ops.MODES}")
         self.qt = qt
@@ -50,9 +57,12 @@ class QuantLinear(torch.nn.Module):
             arrays = {k: v.detach().cpu().numpy() for k, v in state["arrays"].items()}
             qt = QuantizedTensor(state["format"], tuple(state["shape"]),
                                  arrays["data"] if list(arrays) == ["data"] else arrays, dict(state["params"]))
-            get(qt.format).check(qt)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"QuantLinear state: not a quantized weight this module saved ({e})") from None
+        try:   # what the constructor refuses is refused here too (q8_1: at load, not at forward)
+            _check_weight(qt, "QuantLinear state")
+        except KeyError as e:
+            raise ValueError(f"QuantLinear state: {e.args[0]}") from None
         if qt.shape != (self.out_features, self.in_features):
             raise ValueError(f"QuantLinear state: weight shape {qt.shape}, this module is "
                              f"{(self.out_features, self.in_features)}")

@@ -67,6 +67,7 @@ EXTRA_TERMS = 80
 
 def group_scaled_terms(qt):
     """(W float64 (K, N) = (q - z) * s exact, Q|s| float64 (K, N), z|s| float64 (K/G, N), G)."""
+    qt.fmt.check(qt)
     f = qt.fmt.fields(qt)
     g = qt.group_size
     q = f["q"].astype(np.float64)

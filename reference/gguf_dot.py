@@ -41,6 +41,7 @@ def quantize_activations(x: np.ndarray) -> dict:
 
 def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24):
     fmt = qt.fmt
+    fmt.check(qt)
     x = np.asarray(x, dtype=np.float32)
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])

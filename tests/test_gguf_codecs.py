@@ -1,4 +1,6 @@
 """GGUF block codecs against the outside oracle gguf-py: identical bytes, identical floats."""
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -100,3 +102,21 @@ def test_errors_name_the_problem(name):
         w = np.zeros((2, 64), np.float32)
         w[1, 40], w[1, 41] = 3e38, -3e38
         fmt.quantize(w)
+
+
+@pytest.mark.parametrize("name", GGUF)
+def test_from_bytes_refuses_what_it_would_misread(name):
+    """A shape that is not two positive integers (16.7 was truncated to 16) and 2-D bytes whose
+    rows are not the tensor's rows (a (16, 72) array read as a (32, 64) tensor) are refused."""
+    fmt = get(name)
+    n, k = 16, 128
+    row = k // 32 * fmt.bytes_per_block
+    data = np.zeros((n, row), np.uint8)
+    assert fmt.from_bytes(data, (n, k)).shape == (n, k)
+    assert fmt.from_bytes(data.reshape(-1), [np.int64(n), k]).data.shape == (n, row)   # flat bytes, any ints
+    for shape in ((16.7, 128), (16.0, 128), (True, 128), (16, 128, 1), (16, -128), 16, None):
+        with pytest.raises(ValueError, match=r"shape .* is not \(out_features, in_features\), two positive integers"):
+            fmt.from_bytes(data, shape)
+    with pytest.raises(ValueError, match=re.escape(f"block bytes of shape {(n, row)}; a (32, 64) tensor is "
+                                                   f"{(32, 2 * fmt.bytes_per_block)}")):
+        fmt.from_bytes(data, (32, 64))

@@ -142,6 +142,9 @@ def test_weight_checks():
         G.check_weight(QuantizedTensor("q4_0", (8, 48), qt.data))
     with pytest.raises(ValueError, match="qt: format"):
         G.check_weight(QuantizedTensor("awq", (8, 64), qt.data))
+    for params in ({"group_size": 7}, None):   # as Format.check on the CPU: GGUF takes no params
+        with pytest.raises(ValueError, match=r"qt: params .*; the GGUF block formats take none"):
+            G.check_weight(QuantizedTensor("q4_0", (8, 64), qt.data, params))
     with pytest.raises(ValueError, match="qt"):
         G.dequantize(qt)
     with pytest.raises(ValueError, match="qt"):

@@ -1,4 +1,5 @@
 """quantzoo.ops.matmul and QuantLinear on CPU: they run the reference, numpy or torch in/out."""
+import re
 import warnings
 
 import numpy as np
@@ -161,3 +162,44 @@ def test_weight_checked_once_until_storage_changes(rng):
         checked_once(qt, bad)
     with pytest.raises(ValueError, match="qt: bad"):
         checked_once(qt, bad)
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_quant_linear_refuses_what_matmul_refuses(name, rng):
+    """QuantLinear checks the weight before unpacking its shape: a 3-D or None shape gave 'too many
+    values to unpack' / TypeError; now the same ValueError as ops.matmul."""
+    from dataclasses import replace
+
+    qt = get(name).quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
+    for shape in ((16, 128, 1), None, (16,), (16.0, 128), (0, 128)):
+        bad = replace(qt, shape=shape)
+        with pytest.raises(ValueError) as from_matmul:
+            qz.ops.matmul(np.ones((1, 128), np.float32), bad)
+        with pytest.raises(ValueError) as from_module:
+            qz.QuantLinear(bad)
+        assert str(from_module.value) == str(from_matmul.value) == \
+            f"{name} weight: shape {shape!r} is not (out_features, in_features) > 0"
+
+
+def test_load_state_dict_refuses_what_the_constructor_refuses(rng):
+    """A saved state of a q8_1 (activation format) weight, or one whose shape or storage is wrong,
+    is refused by load_state_dict with the constructor's error, not at the first forward."""
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    good = qz.QuantLinear(get("q8_0").quantize(w)).state_dict()
+    q81 = get("q8_1").quantize(w)   # activation blocks: storage that Format.check would accept
+    states = {
+        "q8_1": ({"format": "q8_1", "shape": (16, 128), "params": {},
+                  "arrays": {"data": torch.from_numpy(q81.data)}},
+                 "QuantLinear state: 'q8_1' is an activation format, not a weight format"),
+        "3-D shape": ({**good["_extra_state"], "shape": (16, 128, 1)},
+                      "q8_0 weight: shape (16, 128, 1) is not (out_features, in_features) > 0"),
+        "unknown format": ({**good["_extra_state"], "format": "q3_k"}, "QuantLinear state: unknown format 'q3_k'"),
+        "junk params": ({**good["_extra_state"], "params": {"group_size": 7}}, "unknown params 'group_size'"),
+        "rows cut": ({**good["_extra_state"], "arrays": {"data": good["_extra_state"]["arrays"]["data"][:8]}},
+                     "q8_0 weight (16, 128): data is uint8[8, 136], expected uint8[16, 136]"),
+    }
+    for case, (state, needle) in states.items():
+        ql = qz.QuantLinear(get("q8_0").quantize(np.zeros_like(w)))
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            ql.load_state_dict({**good, "_extra_state": state})
+        assert ql.qt.format == "q8_0" and not ql.qt.data.any(), case   # left as it was

@@ -125,3 +125,56 @@ def test_to_cpu_round_trip_keeps_storage(name, rng):
     assert back.device == "cpu"
     for key, arr in qt.arrays().items():
         assert np.array_equal(arr, back.arrays()[key])
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_storage_entry_that_is_not_an_array_is_refused(name, rng):
+    """A storage entry replaced by None or a list: one clear ValueError naming the entry and what
+    it should be, from dequantize, matmul, QuantLinear and .to() (an AttributeError from the
+    shape check before); repr never raises."""
+    from dataclasses import replace
+
+    qt = get(name).quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
+    x = np.ones((1, 128), np.float32)
+    for key, arr in qt.arrays().items():
+        expect = f"{arr.dtype.name}{list(arr.shape)}"
+        for junk in (None, arr.tolist(), "bytes"):
+            data = {**qt.data, key: junk} if isinstance(qt.data, dict) else junk
+            bad = replace(qt, data=data)
+            needle = re.escape(f"{name} weight (16, 128): {key} is {type(junk).__name__}, expected {expect}")
+            for call in (bad.dequantize, lambda: qz.ops.matmul(x, bad), lambda: qz.QuantLinear(bad),
+                         lambda: qz.reference.emulate(x, bad)):
+                with pytest.raises(ValueError, match=f"^{needle}$"):
+                    call()
+            with pytest.raises(ValueError, match=re.escape(f"storage entry {key} is {type(junk).__name__}, not an array")):
+                bad.to("cpu")
+            assert repr(bad).startswith(f"QuantizedTensor(format='{name}', shape=(16, 128)") and "nbytes=?" in repr(bad)
+    assert "nbytes=?" not in repr(qt)
+    assert repr(replace(qt, data={}))   # no arrays at all: still a repr
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_params_the_format_does_not_take_are_refused(name, rng):
+    """params are checked as the storage is: a GGUF or fp16 weight takes none (a {"group_size": 7}
+    was accepted and ignored), AWQ only group_size; and params must be a dict."""
+    from dataclasses import replace
+
+    qt = get(name).quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
+    takes = "takes only ['group_size']" if name == "awq" else "takes none"
+    for junk in ({"group_sizes": 128}, {"bits": 4}) + (() if name == "awq" else ({"group_size": 7},)):
+        bad = replace(qt, params={**qt.params, **junk})
+        needle = re.escape(f"{name} weight (16, 128): unknown params {next(iter(junk))!r} ({name} {takes})")
+        with pytest.raises(ValueError, match=needle):
+            bad.dequantize()
+        with pytest.raises(ValueError, match=needle):
+            qz.ops.matmul(np.ones((1, 128), np.float32), bad)
+    with pytest.raises(ValueError, match=re.escape(f"{name} weight (16, 128): params is a NoneType, expected a dict")):
+        replace(qt, params=None).dequantize()
+
+
+def test_awq_nbytes_checks_its_group_size():
+    assert get("awq").nbytes((16, 128), group_size=64) == get("awq").quantize(
+        np.zeros((16, 128), np.float32), group_size=64).nbytes
+    for g in (0, 7, 128.0):
+        with pytest.raises(ValueError, match=rf"awq\.nbytes: group_size={g!r} is not supported"):
+            get("awq").nbytes((16, 128), group_size=g)

@@ -239,6 +239,9 @@ def check_weight(qt, arg: str = "qt"):
     shape = getattr(qt, "shape", None)
     if not (isinstance(shape, tuple) and len(shape) == 2):
         raise ValueError(f"{arg}: shape {shape!r} is not (out_features, in_features)")
+    params = getattr(qt, "params", None)
+    if not isinstance(params, dict) or params:   # as Format.check says on the CPU
+        raise ValueError(f"{arg}: params {params!r}; the GGUF block formats take none")
     n, k = (int(s) for s in shape)
     if n <= 0 or k <= 0 or k % QK:
         raise ValueError(f"{arg}: shape {shape}: K={k} must be a positive multiple of {QK} (and N={n} > 0)")
