@@ -8,6 +8,7 @@ registry; nothing else keeps a list of formats.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import numpy as np
 
@@ -102,6 +103,32 @@ def is_array(a) -> bool:
         return True
     torch = sys.modules.get("torch")   # (a torch tensor exists only if torch was imported)
     return torch is not None and isinstance(a, torch.Tensor)
+
+
+def warn(message: str, category=RuntimeWarning) -> None:
+    """warnings.warn attributed to the first caller outside quantzoo (the user's line)."""
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] == "quantzoo":
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def cast_warn(x, dtype, consequence: str) -> np.ndarray:
+    """np.asarray(x).astype(dtype) with a RuntimeWarning naming the first element of x that is
+    finite but past dtype's range (the cast makes it inf), by row and column of x as (M, K);
+    `consequence` ends the message. NaN and inf already in x are not reported: they propagate."""
+    x = np.asarray(x)
+    with np.errstate(over="ignore"):
+        y = x.astype(dtype, copy=False)
+    if y is not x and y.dtype.kind == "f" and np.isinf(y).any():
+        over = np.isinf(y) & np.isfinite(x)
+        if over.any():
+            k = x.shape[-1] if x.ndim else 1
+            r, c = divmod(int(np.flatnonzero(over)[0]), k)
+            v = float(x.reshape(-1)[r * k + c])
+            warn(f"x: row {r}, column {c}: {v:.6g} overflows {np.dtype(dtype).name} "
+                 f"(|x| > {float(np.finfo(dtype).max):.6g}); {consequence}")
+    return y
 
 
 def names() -> list[str]:

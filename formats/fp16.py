@@ -31,4 +31,4 @@ class FP16(Format, name="fp16"):
     def emulate(self, x, qt, return_bound=False):
         from quantzoo.reference import awq_fp16
 
-        return awq_fp16.fp16_matmul(x, self.dequantize(qt), return_bound=return_bound)
+        return awq_fp16.fp16_matmul(x, self.dequantize(qt), return_bound=return_bound, what="fp16's kernels")

@@ -12,6 +12,7 @@ import importlib
 import numpy as np
 
 from .formats import QuantizedTensor, get_stored
+from .formats.base import cast_warn
 
 MODES = ("emulate", "dequant")
 
@@ -71,11 +72,21 @@ def matmul(x, qt, *, mode: str = "emulate"):
                          "move one with qt.to(device) or x.to(device)")
     if xdev != "cpu":   # a non-CUDA torch device (meta, ...) with the weight there too
         return kernels_for(qt.fmt).matmul(x, qt)
-    xn = x.detach().float().numpy() if is_torch else np.asarray(x, dtype=np.float32)
+    # The CPU computes in float32 at most (the kernels take fp16 or fp32 x): a finite x past
+    # float32's range (float64 in) becomes inf, said by row and column as GGUF's Q8_1 overflow is
+    if is_torch:
+        x64 = x.element_size() > 4   # float64; float16/bfloat16 always fit in float32
+        xn = x.detach().numpy() if x64 else x.detach().float().numpy()
+    else:
+        xn = x
+    xn = cast_warn(xn, np.float32, "the CPU reference computes in float32 (the GPU kernels take fp16 or "
+                   "fp32 x), so the result there is inf/NaN")
     if mode == "emulate":
         y = qt.fmt.emulate(xn, qt)
     else:
-        y = (xn.reshape(-1, k) @ qt.fmt.dequantize(qt).T).reshape(*shape[:-1], n)
+        w = qt.fmt.dequantize(qt)
+        with np.errstate(invalid="ignore", over="ignore"):   # inf x (said above, or given): inf/NaN y
+            y = (xn.reshape(-1, k) @ w.T).reshape(*shape[:-1], n)
     if is_torch:
         import torch
 

@@ -25,25 +25,36 @@ def dequantize_fp16(qt) -> np.ndarray:
     return qt.fmt.dequantize(qt).astype(np.float16)
 
 
-def fp16_matmul(x, w16, return_bound: bool = False):
+def to_fp16(x, what: str = "the fp16 kernels") -> np.ndarray:
+    """x (M, K) rounded to fp16, as the kernels take it (x.half()): a finite x past +-65504
+    becomes inf there, and so here, with a RuntimeWarning naming its row and column (the
+    kernels, and this emulation, then give inf/NaN: inf * 0 and inf - inf in the sums)."""
+    from quantzoo.formats.base import cast_warn
+
+    return cast_warn(x, np.float16, f"{what} take fp16 activations, so they (on x.half()) and this "
+                     "emulation give inf/NaN there (mode='dequant' does not)")
+
+
+def fp16_matmul(x, w16, return_bound: bool = False, what: str = "the fp16 kernels"):
     """y = fp16(x) @ w16.T with exact products, summed in float64; w16 (N, K)."""
     x = np.asarray(x)
     lead = x.shape[:-1]
-    x16 = x.reshape(-1, x.shape[-1]).astype(np.float16).astype(np.float64)
+    x16 = to_fp16(x.reshape(-1, x.shape[-1]), what).astype(np.float64)
     w = np.asarray(w16, dtype=np.float16).astype(np.float64)
     if x16.shape[1] != w.shape[1]:
         raise ValueError(f"x has {x16.shape[1]} features, the weight expects K={w.shape[1]}")
-    y = x16 @ w.T
-    out = y.astype(np.float32).reshape(*lead, w.shape[0])
-    if not return_bound:
-        return out
-    k = w.shape[1]
-    bound = k * EPS32 * (np.abs(x16) @ np.abs(w).T) + np.abs(y) * 2.0 ** -11
+    with np.errstate(invalid="ignore", over="ignore"):   # inf x (said above, or given): inf/NaN y
+        y = x16 @ w.T
+        out = y.astype(np.float32).reshape(*lead, w.shape[0])
+        if not return_bound:
+            return out
+        k = w.shape[1]
+        bound = k * EPS32 * (np.abs(x16) @ np.abs(w).T) + np.abs(y) * 2.0 ** -11
     return out, bound.reshape(*lead, w.shape[0])
 
 
 def emulate_matmul(x, qt, return_bound: bool = False):
-    return fp16_matmul(x, dequantize_fp16(qt), return_bound=return_bound)
+    return fp16_matmul(x, dequantize_fp16(qt), return_bound=return_bound, what=f"{qt.format}'s kernels")
 
 
 # ---- the small-M kernel (cuda/awq_small.cu) and the GEMV (cuda/awq_gemv.cu): no fp16 weight,
@@ -91,13 +102,14 @@ def emulate_group_scaled(x, qt, return_bound: bool = False):
     (before fp16)."""
     x = np.asarray(x)
     lead = x.shape[:-1]
-    x16 = x.reshape(-1, x.shape[-1]).astype(np.float16).astype(np.float64)
+    x16 = to_fp16(x.reshape(-1, x.shape[-1]), f"{qt.format}'s kernels").astype(np.float64)
     w, qs, zs, g = group_scaled_terms(qt)
     if x16.shape[1] != w.shape[0]:
         raise ValueError(f"x has {x16.shape[1]} features, the weight expects K={w.shape[0]}")
-    y = x16 @ w
-    out = y.astype(np.float32).reshape(*lead, w.shape[1])
-    if not return_bound:
-        return out
-    bound = group_scaled_bound(np.abs(x16), qs, zs, g, y)
+    with np.errstate(invalid="ignore", over="ignore"):   # inf x (said above, or given): inf/NaN y
+        y = x16 @ w
+        out = y.astype(np.float32).reshape(*lead, w.shape[1])
+        if not return_bound:
+            return out
+        bound = group_scaled_bound(np.abs(x16), qs, zs, g, y)
     return out, bound.reshape(*lead, w.shape[1])

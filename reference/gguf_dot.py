@@ -18,8 +18,6 @@ partial sum is an exact integer in float32 and BLAS gives the int32 result.
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 EPS32 = 2.0 ** -24
@@ -40,9 +38,12 @@ def quantize_activations(x: np.ndarray) -> dict:
 
 
 def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24):
+    from quantzoo.formats.base import cast_warn, warn
+
     fmt = qt.fmt
     fmt.check(qt)
-    x = np.asarray(x, dtype=np.float32)
+    x = cast_warn(x, np.float32, f"{fmt.name}'s kernels take fp16 or fp32 x, so this emulation "
+                  "gives inf/NaN there")
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     n, k = qt.shape
@@ -57,9 +58,9 @@ def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24
     over &= np.isfinite(x).reshape(over.shape + (32,)).all(axis=-1)   # not NaN/inf already in x
     if over.any():
         r, b = (int(i) for i in np.argwhere(over)[0])
-        warnings.warn(f"x: row {r}, block {b}: the Q8_1 scale or block sum of the activations overflows "
-                      f"fp16 (|sum x| or max|x|/127 > 65504); {fmt.name}'s kernels, and this emulation, "
-                      "give inf/NaN there (mode='dequant' does not)", RuntimeWarning, stacklevel=3)
+        warn(f"x: row {r}, block {b}: the Q8_1 scale or block sum of the activations overflows "
+             f"fp16 (|sum x| or max|x|/127 > 65504); {fmt.name}'s kernels, and this emulation, "
+             "give inf/NaN there (mode='dequant' does not)")
     w = fmt.unpack(qt.numpy().data)
     nb = k // 32
     qa = np.ascontiguousarray(a["q"].astype(np.float32).transpose(1, 0, 2))   # (nb, M, 32)
@@ -81,7 +82,7 @@ def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24
         dac, sac = da[:, None, :], sa[:, None, :]
         with np.errstate(over="ignore", invalid="ignore"):
             term = fmt.block_dot(sumi, dwc, mwc, dac, sac).astype(np.float32)
-        y[:, c0:c1] = term.sum(axis=-1, dtype=np.float64)
+            y[:, c0:c1] = term.sum(axis=-1, dtype=np.float64)   # (inf - inf: NaN, said above)
         if return_bound:
             pieces = np.abs(dwc) * (np.abs(dac * sumi) + off * np.abs(sac)) + np.abs(mwc * sac)
             bound[:, c0:c1] = (nb + 4) * EPS32 * pieces.sum(axis=-1, dtype=np.float64)

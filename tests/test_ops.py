@@ -203,3 +203,63 @@ def test_load_state_dict_refuses_what_the_constructor_refuses(rng):
         with pytest.raises(ValueError, match=re.escape(needle)):
             ql.load_state_dict({**good, "_extra_state": state})
         assert ql.qt.format == "q8_0" and not ql.qt.data.any(), case   # left as it was
+
+
+def _said(call):
+    """(result, [warning messages]) of call()."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        y = call()
+    return y, [str(m.message) for m in said]
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_x_past_float32_is_said(name, rng):
+    """A float64 x past float32's range: the CPU computes in float32 (the kernels take fp16 or
+    fp32 x), so that row is inf/NaN, as it was; a warning names the element (before, GGUF's Q8_1
+    warning was skipped since x was already inf, and a torch float64 x gave no warning at all).
+    The result is unchanged: that of x cast to float32 first."""
+    qt = get(name).quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
+    x = rng.standard_normal((3, 128))
+    x[1, 7] = -1e39
+    with np.errstate(over="ignore"):
+        x32 = x.astype(np.float32)
+    assert np.isinf(x32[1, 7])
+    for mode in qz.ops.MODES:
+        for xin in (x, torch.from_numpy(x)):
+            y, said = _said(lambda: qz.ops.matmul(xin, qt, mode=mode))
+            assert said == ["x: row 1, column 7: -1e+39 overflows float32 (|x| > 3.40282e+38); the CPU reference "
+                            "computes in float32 (the GPU kernels take fp16 or fp32 x), so the result there is inf/NaN"]
+            y = np.asarray(y, np.float32)
+            ref, _ = _said(lambda: qz.ops.matmul(x32, qt, mode=mode))
+            assert np.array_equal(y, ref, equal_nan=True), (mode, type(xin))
+            assert np.isfinite(y[[0, 2]]).all() and not np.isfinite(y[1]).all()
+    y, said = _said(lambda: qz.ops.matmul(x.clip(-1e30, 1e30) / 1e30, qt))   # within range: nothing said
+    assert not said and np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("name", [n for n in STORED if get(n).kernels in ("awq", "fp16")])
+def test_x_past_fp16_is_said_where_the_kernels_take_fp16(name, rng):
+    """The AWQ and fp16 kernels take fp16 activations: x beyond +-65504 is inf in x.half(), and
+    their emulation, like the kernels, gives inf/NaN there. It gave all-NaN rows with only numpy's
+    'overflow encountered in cast'; now a warning names the element. mode='dequant' (float32) is
+    finite and says nothing. The results are what they were: the emulation of x.half()."""
+    qt = get(name).quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
+    x = np.full((2, 128), 0.5, np.float32)
+    x[1, 5] = 7e4
+    y, said = _said(lambda: qz.ops.matmul(x, qt))
+    assert said == [f"x: row 1, column 5: 70000 overflows float16 (|x| > 65504); {name}'s kernels take fp16 "
+                    "activations, so they (on x.half()) and this emulation give inf/NaN there (mode='dequant' "
+                    "does not)"]
+    assert np.isfinite(y[0]).all() and not np.isfinite(y[1]).any()
+    with np.errstate(over="ignore", invalid="ignore"):
+        w16 = get(name).dequantize(qt).astype(np.float16).astype(np.float64)
+        expect = (x.astype(np.float16).astype(np.float64) @ w16.T).astype(np.float32)
+    assert np.array_equal(y, expect, equal_nan=True)
+    y, said = _said(lambda: qz.ops.matmul(torch.from_numpy(x), qt))
+    assert len(said) == 1 and said[0].startswith("x: row 1, column 5: 70000 overflows float16")
+    y, said = _said(lambda: qz.ops.matmul(x, qt, mode="dequant"))
+    assert not said and np.isfinite(y).all()
+    x[1, 5] = 65504     # the largest fp16: nothing said
+    y, said = _said(lambda: qz.ops.matmul(x, qt))
+    assert not said and np.isfinite(y).all()
