@@ -24,7 +24,7 @@ import numbers
 
 import numpy as np
 
-from .base import Format, as_float_matrix
+from .base import Format, as_float_matrix, warn
 from .tensor import QuantizedTensor
 
 QUANTIZE_CHUNK = 1 << 22   # weights quantized at a time (whole rows)
@@ -140,6 +140,7 @@ class GGUFBlockFormat(Format):
         # chunk instead of the whole matrix (a 150k x 4096 lm_head: ~18 GB at once).
         step = max(1, QUANTIZE_CHUNK // max(1, w.shape[1]))
         out = np.empty((w.shape[0], w.shape[1] // QK * self.bytes_per_block), np.uint8)
+        n_lost, first = 0, None   # blocks whose weights the fp16 d lost to underflow (_lost_blocks)
         for r0 in range(0, w.shape[0], step):
             with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported just below
                 f = self.quantize_fields(blocks[r0:r0 + step])
@@ -152,8 +153,50 @@ class GGUFBlockFormat(Format):
                     r, b = (int(i) for i in np.argwhere(bad)[0])
                     raise ValueError(f"{self.name}.quantize: row {r0 + r}, block {b}: field {key}="
                                      f"{float(f[key][r, b]):.6g} overflows fp16 (|value| > 65504)")
+            if self.kind == "weight":
+                count, where = self._lost_blocks(blocks[r0:r0 + step], f)
+                if count and first is None:
+                    first = (r0 + where[0],) + where[1:]
+                n_lost += count
             out[r0:r0 + step] = self.pack(f["d"], f["q"], f["m"])
+        if n_lost:
+            r, b, d, d16, amax, err = first
+            warn(f"{self.name}.quantize: row {r}, block {b}: field d={d:.6g} underflows fp16 (stored as "
+                 f"{d16:.6g}), so the block's weights (max |w| {amax:.4g}) dequantize off by up to {err:.4g}; "
+                 f"{n_lost} of {blocks.shape[0] * blocks.shape[1]} blocks are off by over half their largest |w| "
+                 "(llama.cpp writes these same bytes; scale the weight up or keep it in f16)")
         return QuantizedTensor(self.name, tuple(w.shape), out)
+
+    def _lost_blocks(self, blocks: np.ndarray, f: dict):
+        """(count, (row, block, d, stored d, max |w|, max error) of the first) of the blocks whose
+        weights the fp16 fields lose (count 0, None if none).
+
+        A block "loses its weights" when it holds a nonzero weight and its values dequantized from
+        the stored fp16 d (and m) are off somewhere by more than half its largest magnitude:
+        max_j |w_j - w'_j| > max_j |w_j| / 2. That never happens with d and m in fp16's normal
+        range: rounding to levels costs at most max|w| / 8 (Q4_0: one step, max|w| / 8, at its
+        clipped top level; Q4_1: half a step of (max - min) / 15), and rounding a normal d or m
+        to fp16 adds at most 2^-11 of it (times |q| <= 127 for d). It happens where d falls below 2^-14, fp16's smallest normal, whose subnormals
+        have a fixed spacing of 2^-24: d rounds to 0 (a weight block with max|w| below 127 * 2^-25
+        = 3.8e-6 in Q8_0 becomes all zeros) or to a subnormal far from it, so only such blocks are
+        dequantized to test it. A constant block (d = 0 with exact m) loses nothing and is not
+        reported."""
+        tiny = np.abs(f["d"]) < np.float32(2.0 ** -14)
+        if not tiny.any():
+            return 0, None
+        rows, cols = np.nonzero(tiny)
+        sub = {"d": f["d"][rows, cols].astype(np.float16),   # what pack stores and unpack reads
+               "m": None if f["m"] is None else f["m"][rows, cols].astype(np.float16),
+               "q": f["q"][rows, cols]}
+        b = blocks[rows, cols]
+        amax = np.abs(b).max(axis=-1)
+        err = np.abs(self.values(sub) - b).max(axis=-1)
+        lost = err > amax / 2
+        if not lost.any():
+            return 0, None
+        i = int(np.flatnonzero(lost)[0])   # np.nonzero is row-major: the first row, then block
+        return int(lost.sum()), (int(rows[i]), int(cols[i]), float(f["d"][rows[i], cols[i]]),
+                                 float(sub["d"][i]), float(amax[i]), float(err[i]))
 
     def storage(self, shape, params: dict) -> dict:
         n, k = shape

@@ -1,5 +1,6 @@
 """GGUF block codecs against the outside oracle gguf-py: identical bytes, identical floats."""
 import re
+import warnings
 
 import gguf
 import numpy as np
@@ -55,7 +56,14 @@ def test_bytes_and_floats_equal_gguf_py(name, rng):
     fmt = get(name)
     qtype = gguf.GGMLQuantizationType[fmt.gguf_type]
     for case, w in _cases(rng).items():
-        ours = fmt.quantize(w)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            ours = fmt.quantize(w)
+        said = [str(m.message) for m in said]
+        if case in ("tiny_1e-8", "subnormal_scale_1e-40"):   # d underflows fp16: said, same bytes
+            assert len(said) == 1 and "underflows fp16" in said[0], (case, said)
+        else:
+            assert not said, (case, said)
         theirs = gguf.quants.quantize(w, qtype)
         assert ours.data.dtype == np.uint8 and ours.data.shape == theirs.shape, case
         assert np.array_equal(ours.data, theirs), f"{name}/{case}: bytes differ from gguf-py"
@@ -102,6 +110,42 @@ def test_errors_name_the_problem(name):
         w = np.zeros((2, 64), np.float32)
         w[1, 40], w[1, 41] = 3e38, -3e38
         fmt.quantize(w)
+
+
+@pytest.mark.parametrize("name", GGUF)
+def test_scale_underflow_is_said(name, rng):
+    """A block whose fp16 d underflows (llama.cpp's bytes, kept) loses its weights: Q8_0 at
+    sigma 1e-6 stores d = 0 (all zeros), Q4_1/Q5_1 at 1e-7 err by over 100 %. A warning names
+    the first row and block and counts the blocks; it never fires on ordinary weights, a constant
+    or all-zero block (d = 0, nothing lost), or a near-constant one (d = 0, its tiny spread lost)."""
+    fmt = get(name)
+    w = (rng.standard_normal((16, 256)) * 0.02).astype(np.float32)
+    w[5] = (rng.standard_normal(256) * 1e-8).astype(np.float32)
+    w[9, 64:96] = (rng.standard_normal(32) * 1e-8).astype(np.float32)
+    with pytest.warns(RuntimeWarning) as said:
+        qt = fmt.quantize(w)
+    assert len(said) == 1
+    assert re.match(rf"{name}\.quantize: row 5, block 0: field d=\S+ underflows fp16 \(stored as \S+\), so the "
+                    r"block's weights \(max \|w\| \S+\) dequantize off by up to \S+; 9 of 128 blocks are off by "
+                    r"over half their largest \|w\| \(llama\.cpp writes these same bytes", str(said[0].message))
+    assert np.array_equal(qt.data, gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt.gguf_type]))
+    blocks = np.abs(fmt.dequantize(qt) - w).reshape(16, 8, 32).max(axis=-1)
+    assert (blocks[5] > np.abs(w[5]).reshape(8, 32).max(axis=-1) / 2).all()   # what was said
+    for sigma, lost in ((1e-6, name == "q8_0"), (1e-7, name in ("q4_1", "q5_1"))):   # the audit's cases
+        w = (rng.standard_normal((8, 256)) * sigma).astype(np.float32)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            fmt.quantize(w)
+        if lost:
+            assert any("underflows fp16" in str(m.message) for m in said), (sigma, name)
+    ordinary = {"gaussian": rng.standard_normal((16, 256)) * 0.02, "small": rng.standard_normal((16, 256)) * 1e-3,
+                "student_t": rng.standard_t(3, (16, 256)), "zeros": np.zeros((16, 256)),
+                "constant": np.full((16, 256), 1.5), "near_constant": 1.5 + rng.standard_normal((16, 256)) * 1e-9,
+                "linear_init": rng.uniform(-1, 1, (16, 256)) / 16}
+    for case, w in ordinary.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fmt.quantize(w.astype(np.float32))
 
 
 @pytest.mark.parametrize("name", GGUF)
