@@ -18,7 +18,10 @@ s = max(max - min, 1e-5) / 15 (rounded to fp16: the stored value is the one q is
 z = clip(round(-min / s), 0, 15), q = clip(round(w / s) + z, 0, 15).
 This is AutoAWQ's round-to-nearest, limits included: a group whose values do not straddle 0
 (all positive, or all negative) gets z clipped to 0 or q to 15, so it is represented badly (a
-constant group of 1.0 dequantizes to 1e-5). Real linear weights, centred on 0, do not meet this.
+constant group of 1.0 dequantizes to 1e-5). Real linear weights, centred on 0, do not meet this;
+quantize warns (RuntimeWarning naming the first group and column, and the count) where it does.
+A weight past fp16's +-65504 is refused (ValueError naming it): the kernels' fp16 weight cannot
+hold it, whether the rest of its group is spread out or constant.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import numbers
 
 import numpy as np
 
-from .base import Format, as_float_matrix
+from .base import Format, as_float_matrix, warn
 from .tensor import QuantizedTensor
 
 ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
@@ -92,32 +95,77 @@ class AWQ(Format, name="awq"):
         # Output rows are quantized on their own, so 8-row slices give the same bytes with the
         # float32 temporaries (~10 bytes a weight) bounded by the slice, not the whole matrix.
         step = 8 * max(1, QUANTIZE_CHUNK // (8 * k))
+        n_clipped, first = 0, None   # groups whose zero point was clipped (_quantize_rows)
         for r0 in range(0, n, step):
-            q, z, s16 = self._quantize_rows(w[r0:r0 + step], group_size)
+            q, z, s16, count, where = self._quantize_rows(w[r0:r0 + step], group_size, r0)
+            if count and first is None:
+                first = where
+            n_clipped += count
             c = slice(r0 // 8, (r0 + step) // 8)
             qweight[:, c], qzeros[:, c], scales[:, r0:r0 + step] = pack_int4(q), pack_int4(z), s16
+        if n_clipped:
+            col, grp, zr, lo, hi, err, s = first
+            warn(f"awq.quantize: group {grp} (in_features {grp * group_size}..{(grp + 1) * group_size - 1}), "
+                 f"column {col}: zero point round(-min/s) = {zr:g} clipped to 0..15, the group does not straddle "
+                 f"0 (min {lo:.4g}, max {hi:.4g}), so its weights dequantize off by up to {err:.4g} "
+                 f"({err / s:.3g} steps of s = {s:.4g}); {n_clipped} of {(k // group_size) * n} (group, column) pairs "
+                 "are clipped like this (AutoAWQ's round to nearest writes the same)")
         return QuantizedTensor("awq", (n, k), {"qweight": qweight, "qzeros": qzeros, "scales": scales},
                                {"group_size": group_size})
 
     @staticmethod
-    def _quantize_rows(w, group_size):
-        """w float32 [n, K] -> q [K, n], z [K/G, n] (0..15) and fp16 s [K/G, n]."""
+    def _quantize_rows(w, group_size, r0=0):
+        """w float32 [n, K] (rows r0.. of the weight) -> q [K, n], z [K/G, n] (0..15), fp16 s
+        [K/G, n], and the count of clipped groups with (column, group, unclipped z, min, max,
+        max error, s) of the first, by column then group (0, None when none are)."""
         n, k = w.shape
         g = w.T.reshape(k // group_size, group_size, n)           # [groups, G, n]
         lo, hi = g.min(axis=1), g.max(axis=1)                     # [groups, n]
+        if lo.min() < -65504 or hi.max() > 65504:   # the kernels' fp16 weight cannot hold it,
+            r, c = (int(i) for i in np.argwhere(np.abs(w) > 65504)[0])   # whatever its group holds
+            raise ValueError(f"awq.quantize: w[{r0 + r}, {c}] = {float(w[r, c]):.6g} is beyond fp16's +-65504 "
+                             "(AWQ's dequantized weights are fp16)")
         s = np.maximum(hi - lo, np.float32(1e-5)) / np.float32(15)
         with np.errstate(over="ignore"):
             s16 = s.astype(np.float16)
-        if not np.isfinite(s16).all():
+        if not np.isfinite(s16).all():   # (unreachable past the check above: range <= 2 * 65504)
             raise ValueError("awq.quantize: a group's range exceeds what an fp16 scale can hold "
                              f"(max range {float((hi - lo).max()):.4g} > 15 * 65504)")
         s = s16.astype(np.float32)
-        z = np.clip(np.round(-lo / s), 0, 15)
-        q = np.clip(np.round(g / s[:, None, :]) + z[:, None, :], 0, 15)
-        big = float(np.abs((q - z[:, None, :]) * s[:, None, :]).max())
+        zr = np.round(-lo / s)
+        z = np.clip(zr, 0, 15)
+        # (in place from here: the slice-sized temporaries bound the memory, test_awq_codec)
+        r = g / s[:, None, :]
+        np.round(r, out=r)
+        q = r + z[:, None, :]
+        np.clip(q, 0, 15, out=q)
+        # A group is reported as clipped when some weight's stored level q - z is more than one
+        # level from round(w / s), its level on the stored scale without the clips. With z in
+        # 0..15 that never happens: the group's minimum gets q = 0 exactly, and its maximum
+        # round(max / s) + z <= 16, since (max - min) / s <= 15 give or take fp16's rounding of s,
+        # so the clip to 15 moves a level by one at most (an ordinary half-step-and-a-bit error).
+        # It can happen only where z itself was clipped, i.e. the group does not straddle 0 (all
+        # its weights above s / 2, or all below -s / 2), and does where that clip is more than a
+        # level: weights in [1, 2) all become 1, a constant group c > 1.1e-5 becomes 15 s = 9.8e-6.
+        r -= q
+        r += z[:, None, :]
+        np.abs(r, out=r)                   # |round(w / s) - (q - z)|
+        moved = (r > 1).any(axis=1)        # [groups, n]
+        del r
+        t = q - z[:, None, :]
+        t *= s[:, None, :]
+        np.abs(t, out=t)
+        big = float(t.max())
+        del t
         if big > 65504:   # the dequant (and the kernels' fp16 weight) would be inf
             raise ValueError(f"awq.quantize: a dequantized weight reaches {big:.6g}, beyond fp16's +-65504")
-        return q.reshape(k, n), z, s16
+        count = int(moved.sum())
+        if not count:
+            return q.reshape(k, n), z, s16, 0, None
+        col, grp = (int(i) for i in np.argwhere(moved.T)[0])
+        err = float(np.abs((q[grp, :, col] - z[grp, col]) * s[grp, col] - g[grp, :, col]).max())
+        return q.reshape(k, n), z, s16, count, (r0 + col, grp, float(zr[grp, col]), float(lo[grp, col]),
+                                                 float(hi[grp, col]), err, float(s[grp, col]))
 
     def storage(self, shape, params: dict) -> dict:
         n, k = shape

@@ -1,4 +1,6 @@
 """AWQ codec: the interleaved nibble layout on hand-built values, pack/unpack, dequant, errors."""
+import re
+
 import numpy as np
 import pytest
 
@@ -146,3 +148,67 @@ def test_quantize_peak_memory_is_bounded_at_the_default_chunk(rng):
     assert w.size >= 4 * A.QUANTIZE_CHUNK
     peak = _traced_peak(lambda: AWQ.quantize(w, group_size=128))
     assert peak < 1.3 * w.nbytes, (peak, w.nbytes)    # 1.14x; in one pass: 3.2x
+
+
+def _quantize_said(w, **opts):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        qt = AWQ.quantize(w, **opts)
+    return qt, [str(m.message) for m in said]
+
+
+def test_clipped_zero_point_is_said(rng):
+    """A group that does not straddle 0 gets its zero point clipped (AutoAWQ's round to nearest,
+    bytes kept): weights in [1, 2) all dequantize to about 1 (39 % error), a constant 100.0 group
+    to 9.8e-6. A warning names the first group and column (w's row) and counts the (group,
+    column) pairs; the first is by column, then group."""
+    w = (rng.standard_normal((16, 256)) * 0.02).astype(np.float32)
+    w[3, 128:] = rng.uniform(1, 2, 128)
+    w[7, :128] = 100.0
+    w[9, 128:] = -1.5
+    qt, said = _quantize_said(w)
+    assert len(said) == 1, said
+    assert re.match(r"awq\.quantize: group 1 \(in_features 128\.\.255\), column 3: zero point round\(-min/s\) = -1\d "
+                    r"clipped to 0\.\.15, the group does not straddle 0 \(min \S+, max \S+\), so its weights "
+                    r"dequantize off by up to \S+ \(\S+ steps of s = \S+\); 3 of 32 \(group, column\) pairs are clipped "
+                    r"like this \(AutoAWQ's round to nearest writes the same\)$", said[0]), said[0]
+    deq = AWQ.dequantize(qt)
+    assert np.abs(deq[3, 128:] - w[3, 128:]).max() > 0.5 and np.abs(deq[7, :128]).max() < 1e-5
+    f = AWQ.fields(qt)   # the bytes are AutoAWQ's: z clipped to 0 (15 for the negative group), q to 15 (0)
+    assert f["z"][1, 3] == 0 and (f["q"][128:, 3] == 15).all() and f["z"][0, 7] == 0 and (f["q"][:128, 7] == 15).all()
+    assert f["z"][1, 9] == 15 and (f["q"][128:, 9] == 0).all()
+    _, said = _quantize_said(w, group_size=32)
+    assert len(said) == 1 and "group 4 (in_features 128..159), column 3" in said[0] and " 12 of 128 " in said[0]
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_ordinary_weights_say_nothing(group_size, rng):
+    """The clip warning needs a zero point clipped by more than a level: not ordinary centred
+    weights (off centre by half a sigma too), nor constant tiny or zero groups."""
+    n, k = 64, 512
+    cases = {"gaussian": rng.standard_normal((n, k)) * 0.02, "linear_init": rng.uniform(-1, 1, (n, k)) / 16,
+             "student_t": rng.standard_t(3, (n, k)) * 0.02,
+             "off_centre": rng.standard_normal((n, k)) * 0.02 + 0.01, "zeros": np.zeros((n, k)),
+             "constant_tiny": np.full((n, k), 1e-6)}
+    for case, w in cases.items():
+        _, said = _quantize_said(w.astype(np.float32), group_size=group_size)
+        assert not said, (case, said)
+
+
+def test_huge_weights_are_refused_alike():
+    """A weight past fp16's +-65504 cannot be an AWQ (fp16) weight: a single 1e30 element was
+    refused ('range exceeds what an fp16 scale can hold') while a constant 1e30 group
+    dequantized silently to 9.8e-6. Both now get the same error, naming the element."""
+    for fill in ("single", "constant"):
+        for v in (1e30, -1e30, 7e4):
+            w = np.zeros((16, 256), np.float32)
+            if fill == "single":
+                w[5, 130] = v
+            else:
+                w[5, 128:] = v
+            col = 130 if fill == "single" else 128
+            msg = f"awq.quantize: w[5, {col}] = {v:.6g} is beyond fp16's +-65504 (AWQ's dequantized weights are fp16)"
+            with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+                AWQ.quantize(w)
