@@ -105,8 +105,11 @@ def test_quantize_fields_follow_the_design_formula(group_size, rng):
     assert sure.mean() > 0.9 and np.array_equal(f["z"][sure], z[sure])
     qr = g / s[:, None, :]
     q = np.clip(np.round(qr) + z[:, None, :], 0, 15).reshape(k, n)
-    sure = (np.abs(qr - np.floor(qr) - 0.5) > 1e-4).reshape(k, n) & np.repeat(sure, group_size, axis=0)
-    assert sure.mean() > 0.99 and np.array_equal(f["q"][sure], q[sure])
+    z_sure = np.repeat(sure, group_size, axis=0)
+    sure = (np.abs(qr - np.floor(qr) - 0.5) > 1e-4).reshape(k, n) & z_sure
+    # (the non-vacuity guard counts within the groups whose z is compared: one near-tie z at
+    # G = 128 drops 2 % of all q, which had failed a 99 % guard over all of them)
+    assert sure[z_sure].mean() > 0.99 and np.array_equal(f["q"][sure], q[sure])
 
 
 def _traced_peak(fn) -> int:
