@@ -502,6 +502,36 @@ def test_sampling_frequencies_follow_the_distribution(logits, kw, want):
         assert abs(draws[tok] - want.get(tok, 0.0)) < 0.035, (tok, draws, want)
 
 
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (4.0, 0.999), (1.0, 0.3), (1e-30, 0.5)])
+def test_top_p_draws_equal_a_scan_of_the_whole_vocabulary(temperature, top_p):
+    """sample() copies only a prefix of the sorted probabilities to the host (growing it while
+    its mass is short of top_p); the draw must be the one a scan of the whole sorted vocabulary
+    gives (numpy here: stable sort, float64 running sums, the tokens whose preceding mass is below
+    top_p, inverse CDF with the same uniform). Logits with ties, -inf and a wide spread; at
+    temperature 4 the set spans thousands of tokens."""
+    from quantzoo.model.generate import sample
+
+    rng = np.random.default_rng()
+    V = 49152
+    lg = (rng.standard_normal(V) * 3).astype(np.float32)
+    lg[rng.integers(0, V, 500)] = lg.max()                    # ties at the top
+    lg[rng.integers(0, V, 5000)] = -np.inf
+    seed = int(rng.integers(0, 2**31))
+    got = sample(torch.from_numpy(lg), temperature, top_p=top_p, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    t = torch.from_numpy(lg).float()
+    p = torch.softmax((t - t.max()) / max(temperature, np.finfo(np.float32).tiny), dim=-1).numpy()
+    order = np.argsort(-p, kind="stable")
+    ps = p[order].astype(np.float64)
+    cdf = np.cumsum(ps)
+    keep = max(1, min(int((ps > 0).sum()), int((cdf - ps < top_p).sum())))
+    u = float(torch.rand((), generator=g, dtype=torch.float64))
+    j = min(int(np.searchsorted(cdf[:keep], u * cdf[keep - 1], side="right")), keep - 1)
+    assert got == int(order[j]), (temperature, top_p, keep)
+    if temperature == 4.0:
+        assert keep > 1024   # the prefix had to grow
+
+
 def test_emulate_mode_tracks_the_dequant_path(tmp_path):
     """matmul_mode="emulate" runs the GPU kernels' arithmetic (Q8_1 activations) through
     quantzoo.ops on CPU: close to the float32 path (Q8_1 rounding only), not equal to it."""
