@@ -113,6 +113,7 @@ def test_rope_tables_past_fp16_integers():
     (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
     (dict(eos_token_ids=["x"]), "eos_token_ids: 'x' is not a token id"),
     (dict(look_ahead="yes"), "look_ahead='yes' must be True, False or None"),
+    (dict(look_ahead=True, temperature=0.7), r"look_ahead=True needs greedy decoding \(temperature 0\)"),
     (dict(eos_token_ids=5.0), "eos_token_ids=5.0: expected a token id or a sequence of them"),
     (dict(eos_token_ids=[3, -1]), r"eos_token_ids: -1 is not a token id \(ids are >= 0\)"),
 ])
@@ -162,15 +163,13 @@ class _Scripted:
         return self._logits()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("max_new", [0, 1, 2, 3, 9, 60])
 @pytest.mark.parametrize("end", ["eos", "stop", "length"])
-def test_look_ahead_gives_what_step_by_step_gives(max_new, end, temperature):
-    """Steps launched ahead of the host (generate's look_ahead, on by default on CUDA; here forced
-    on the CPU) give the same tokens, text, streamed pieces and stop reason as one step at a time,
-    and run at most AHEAD steps (greedy) or one (sampled: the same seeded draws, in the same
-    order) past what the generation uses. The script's multi-byte characters stream split across
-    byte tokens."""
+def test_look_ahead_gives_what_step_by_step_gives(max_new, end):
+    """Greedy steps queued ahead of the host (generate's look_ahead, on by default on CUDA; here
+    forced on the CPU) give the same tokens, text, streamed pieces and stop reason as one step at
+    a time, and run at most AHEAD steps past what the generation uses. The script's multi-byte
+    characters stream split across byte tokens."""
     from quantzoo.model.generate import AHEAD, generate
 
     tok = Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(), {})
@@ -178,7 +177,7 @@ def test_look_ahead_gives_what_step_by_step_gives(max_new, end, temperature):
     assert len(eos) == 1
     script = tok.encode("Zürich 😀 ist groß.\nUser: und Köln?") + eos + tok.encode(" mehr")
     kw = dict(max_new_tokens=max_new, eos_token_ids=eos if end == "eos" else [],
-              stop=["User:"] if end == "stop" else None, temperature=temperature, seed=5)
+              stop=["User:"] if end == "stop" else None)
     runs = []
     for look_ahead in (False, True):
         m, chunks = _Scripted(tok, script), []
@@ -186,10 +185,9 @@ def test_look_ahead_gives_what_step_by_step_gives(max_new, end, temperature):
         runs.append((g.tokens, g.text, "".join(chunks), g.stop_reason, g.decode_tokens))
         assert g.text == "".join(chunks)
         assert g.decode_tokens == max(len(g.tokens) - 1, 0)
-        ahead = (AHEAD if temperature == 0 else 1) if look_ahead else 0
-        assert g.decode_tokens + ahead >= m.steps >= g.decode_tokens, m.steps
+        assert g.decode_tokens + (AHEAD if look_ahead else 0) >= m.steps >= g.decode_tokens, m.steps
     assert runs[0] == runs[1]
-    if max_new == 60 and temperature == 0:
+    if max_new == 60:
         assert runs[0][3] == end
 
 
@@ -553,8 +551,8 @@ def test_warm_up_prefills_again_when_a_workspace_grew():
 
 
 def test_steps_queued_past_a_stop_leave_the_sequence_intact(model):
-    """Look-ahead launches steps past the token that ends a generation; they write the KV cache
-    past the sequence. A continuation from the sequence's end (prefill with start) must
+    """Greedy look-ahead queues steps past the token that ends a generation; they write the KV
+    cache past the sequence. A continuation from the sequence's end (prefill with start) must
     still equal the whole sequence's logits, and the next generation a fresh model's."""
     ids = [5, 9, 2, 7]
     greedy = model.generate(ids, max_new_tokens=12, eos_token_ids=[], look_ahead=False)
@@ -565,9 +563,6 @@ def test_steps_queued_past_a_stop_leave_the_sequence_intact(model):
         tail = model.prefill(seq[-1:] + [11, 12], start=len(seq) - 1)
         torch.testing.assert_close(tail.float(), model.logits(seq + [11, 12])[-1], rtol=1e-5, atol=1e-5)
     assert model.generate(ids, max_new_tokens=12, eos_token_ids=[], look_ahead=True) == greedy
-    sampled = model.generate(ids, max_new_tokens=12, eos_token_ids=[], temperature=0.9, seed=4, look_ahead=False)
-    got = model.generate(ids, max_new_tokens=12, eos_token_ids=[sampled[5]], temperature=0.9, seed=4, look_ahead=True)
-    assert got == sampled[:sampled.index(sampled[5]) + 1]
 
 
 def test_logits_are_an_ordinary_tensor_and_numpy_seeds_work(model):

@@ -11,9 +11,8 @@ final: bytes of an unfinished UTF-8 character, and any tail that could still gro
 string, are held back until they resolve. The text is decoded incrementally (tokenizer.py
 TextSoFar), so a token costs the same host time at 10 tokens and at 4,000.
 
-On CUDA the decode steps go to the GPU ahead of the host's work on their tokens (`look_ahead`):
-greedy steps are fed the previous step's argmax on the device, two queued at a time; a sampled
-token's step is launched as soon as it is drawn. The host's work per token then overlaps the
+Greedy decoding on CUDA queues the next steps on the GPU, fed the previous step's argmax there,
+before the host reads their tokens (`look_ahead`): the host's work per token then overlaps the
 GPU's (the loop below says what that costs).
 """
 from __future__ import annotations
@@ -86,8 +85,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     if top_p < 1.0:
         # The smallest set, most likely first, whose mass reaches top_p (at least one token). It is
         # a prefix of the sorted tokens, so only a prefix that holds it comes to the host (1,024
-        # tokens, more while their mass is short of top_p and the rest are not all 0): copying and
-        # scanning the whole vocabulary took ~330 of sample()'s 575 us on the H100's host (V =
+        # tokens, more while their mass is short of top_p and the rest are not all 0). Copying and
+        # scanning the whole vocabulary made a call 688 us on the H100's host against 299 now (V =
         # 49,152; bench/NOTES.md, session 36). The prefix's sums are the whole list's, so the draw
         # is the same.
         p, order = torch.sort(p, descending=True, stable=True)
@@ -185,16 +184,19 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
              top_p: float = 1.0, seed: int | None = None, stop=None, stream=None,
              eos_token_ids=None, look_ahead: bool | None = None) -> Generation:
     """Prefill ids, then decode up to max_new_tokens new ones (the module docstring says how
-    they are sampled and when generation stops). look_ahead: launch decode steps on the GPU ahead
-    of the host's work on their tokens (below); None = on CUDA."""
+    they are sampled and when generation stops). look_ahead: queue greedy decode steps on the GPU
+    ahead of the host (below); None = on for greedy decoding on CUDA."""
     ids = token_ids(ids, model.config.vocab_size)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     check_sampling(temperature, top_k, top_p, seed)
     if look_ahead is None:
-        look_ahead = model.is_cuda
+        look_ahead = temperature == 0 and model.is_cuda
     elif look_ahead is not True and look_ahead is not False:
         raise ValueError(f"look_ahead={look_ahead!r} must be True, False or None")
+    elif look_ahead and temperature != 0:
+        raise ValueError("look_ahead=True needs greedy decoding (temperature 0): a sampled token is "
+                         "drawn on the host, so no step can be queued before it")
     tok = model.tokenizer
     if eos_token_ids is None:
         eos_token_ids = list(tok.eos_token_ids) if tok is not None else list(model.config.eos_token_ids)
@@ -253,35 +255,30 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     _sync(model)
     t0 = time.perf_counter()
     logits = model.prefill(ids)
-    greedy = temperature == 0
-    dev = torch.argmax(logits) if greedy and look_ahead else None   # the token on the device
-    nxt = int(dev) if dev is not None else sample(logits, temperature, top_k, top_p, gen)
+    dev = torch.argmax(logits) if look_ahead else None   # the token on the device, for the steps queued ahead
+    nxt = int(dev) if look_ahead else sample(logits, temperature, top_k, top_p, gen)
     _sync(model)
     out.prefill_s = time.perf_counter() - t0
     # (after the clock: a first isfinite on the GPU loads its kernels, which took ~45 ms on the H100)
     if not bool(torch.isfinite(logits).all()):   # sampling NaNs would emit garbage without a word
         raise ValueError("the prompt's next-token logits are not finite (NaN/inf): the model's weights hold "
                          "non-finite values, or its activations overflowed")
-    # Look-ahead: decode steps go to the GPU before the host looks at the tokens they consume, so
-    # the host's per-token work (stop checks, detokenizing, streaming, the launches) overlaps the
-    # GPU's instead of leaving it idle between steps. Greedy: AHEAD steps stay queued, each fed the
-    # previous one's argmax on the device, and their tokens reach the host through HostTokens.
-    # Sampled: the token is drawn on the host (so a seed draws the same on CPU and GPU), and its
-    # step is launched as soon as it is drawn, before the host handles it. A stop wastes the
-    # steps queued past it; what they wrote to the KV cache lies past the sequence, where the next
-    # prefill or step overwrites it before any attention reads it.
-    depth = (AHEAD if greedy else 1) if look_ahead else 0
+    # Look-ahead (greedy): up to AHEAD decode steps are queued on the GPU, each fed the previous
+    # one's argmax there, before the host reads their tokens; the host's per-token work (stop
+    # checks, detokenizing, streaming, the launch itself) then overlaps the GPU's instead of
+    # leaving it idle between steps. A stop leaves up to AHEAD steps wasted; what they wrote to
+    # the KV cache lies past the sequence, where the next prefill or step overwrites it before
+    # any attention reads it. (A sampled token is drawn on the host, so a seed draws the same on
+    # CPU and GPU; launching its step as soon as it was drawn, before the host handled it, gained
+    # nothing measurable on the H100: bench/NOTES.md, session 36.)
     reader = HostTokens(AHEAD)
-    queued = deque()   # greedy: functions returning the next tokens; sampled: the next step's logits
+    queued = deque()   # functions returning the queued steps' tokens, oldest first
     launched = 0       # decode steps launched so far
     t1 = time.perf_counter()   # decode timing starts once the first new token is on the host
     while True:
-        while len(queued) < depth and launched < max_new_tokens - 1:
-            if dev is not None:
-                dev = torch.argmax(model.decode_step(dev, len(ids) + launched))
-                queued.append(reader.put(dev))
-            else:
-                queued.append(model.decode_step(nxt, len(ids) + launched))
+        while look_ahead and len(queued) < AHEAD and launched < max_new_tokens - 1:
+            dev = torch.argmax(model.decode_step(dev, len(ids) + launched))
+            queued.append(reader.put(dev))
             launched += 1
         out.tokens.append(nxt)
         if nxt in eos:
@@ -294,12 +291,11 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
             break
         if len(out.tokens) >= max_new_tokens:
             break
-        if depth:
-            step = queued.popleft()
+        if look_ahead:
+            nxt = queued.popleft()()
         else:
-            step = model.decode_step(nxt, len(ids) + launched)
+            nxt = sample(model.decode_step(nxt, len(ids) + launched), temperature, top_k, top_p, gen)
             launched += 1
-        nxt = step() if dev is not None else sample(step, temperature, top_k, top_p, gen)
         out.decode_tokens += 1
     if out.decode_tokens:
         out.decode_s = time.perf_counter() - t1   # (every token is on the host by now)
