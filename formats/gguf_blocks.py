@@ -176,10 +176,10 @@ class GGUFBlockFormat(Format):
         max_j |w_j - w'_j| > max_j |w_j| / 2. That never happens with d and m in fp16's normal
         range: rounding to levels costs at most max|w| / 8 (Q4_0: one step, max|w| / 8, at its
         clipped top level; Q4_1: half a step of (max - min) / 15), and rounding a normal d or m
-        to fp16 adds at most 2^-11 of it (times |q| <= 127 for d). It happens where d falls below 2^-14, fp16's smallest normal, whose subnormals
-        have a fixed spacing of 2^-24: d rounds to 0 (a weight block with max|w| below 127 * 2^-25
-        = 3.8e-6 in Q8_0 becomes all zeros) or to a subnormal far from it, so only such blocks are
-        dequantized to test it. A constant block (d = 0 with exact m) loses nothing and is not
+        to fp16 adds at most 2^-11 of it (times |q| <= 127 for d). It happens where d falls below
+        2^-14, fp16's smallest normal, whose subnormals have a fixed spacing of 2^-24: d rounds to
+        0 (a weight block with max|w| below 127 * 2^-25 = 3.8e-6 in Q8_0 becomes all zeros) or to
+        a subnormal far from it, so only such blocks are dequantized to test it. A constant block (d = 0 with exact m) loses nothing and is not
         reported."""
         tiny = np.abs(f["d"]) < np.float32(2.0 ** -14)
         if not tiny.any():
