@@ -166,3 +166,47 @@ def test_header_dims_must_fit_awq_and_the_tokenizer(files, tmp_path):
     H.build_tokenizer(400).save(str(d / "tokenizer.json"))
     with pytest.warns(UserWarning, match=r"m\.bin: the tokenizer has 400 tokens, the embedding only 320 rows"):
         load_kuiper(d / "m.bin")
+
+
+def _edited_copy(src, dst, **changes):
+    """A copy of an HF dir with config.json keys changed (rope_theta: in rope_parameters too)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        cfg[k] = v
+        if k == "rope_theta" and isinstance(cfg.get("rope_parameters"), dict):
+            cfg["rope_parameters"]["rope_theta"] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("rope_theta", 1e4, "rope_theta=10000, but a KuiperLLama .bin implies 1e+06 (its header cannot carry rope_theta)"),
+    ("rms_norm_eps", 1e-5, "rms_norm_eps=1e-05, but a KuiperLLama .bin implies 1e-06 (its header cannot carry "
+                           "rms_norm_eps)"),
+])
+def test_values_the_header_cannot_carry_are_refused(files, tmp_path, capsys, key, value, needle):
+    """The header has no rope_theta / rms_norm_eps field and a reader assumes Qwen3's: a model with
+    others is refused (it had been written and came back with 1e6 / 1e-6 and other logits)."""
+    src = _edited_copy(files["qwen3-hd128-untied"][0], tmp_path / "src", **{key: value})
+    dst = tmp_path / "m.bin"
+    assert cli(["quantize", str(src), str(dst), "--format", "awq", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(src) in err and len(err.strip().splitlines()) == 1, err
+    assert not dst.exists() and not list(tmp_path.glob("*.part"))
+
+
+def test_gguf_source_with_qwen3_values_exports_to_bin(files, tmp_path):
+    """A GGUF stores rms_norm_eps as F32 (1e-6 -> 9.9999997e-07): still Qwen3's, not refused."""
+    import gguf
+
+    path = files["qwen3-gqa-hd64-tied"][0]
+    g, b = tmp_path / "m.gguf", tmp_path / "m.bin"
+    assert cli(["quantize", str(path), str(g), "--format", "q8_0", "--quiet"]) == 0
+    eps = gguf.GGUFReader(str(g)).fields["qwen3.attention.layer_norm_rms_epsilon"].contents()
+    assert eps != 1e-6 and eps == pytest.approx(1e-6)
+    assert cli(["quantize", str(g), str(b), "--format", "awq", "--quiet"]) == 0
+    assert load_kuiper(b)[0].rms_norm_eps == 1e-6

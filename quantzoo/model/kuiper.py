@@ -22,12 +22,14 @@ Layout (little endian, no alignment between header fields):
 The seed's header example shows 14336 for hidden_dim (Llama-3's); Qwen3-8B's is 12288: every
 dim is read from the file, and the file's size must equal what the header implies.
 The header carries neither rope_theta nor rms_norm_eps: the engine hard-codes Qwen3's
-(1e6 and 1e-6), and so do we unless told otherwise. A tokenizer.json beside the file (the HF
+(1e6 and 1e-6), and so do we unless told otherwise; an export of a model with other values is
+refused (written, it would come back with Qwen3's and compute other logits). A tokenizer.json beside the file (the HF
 model directory the .bin was exported from) is loaded when present.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 from pathlib import Path
 
@@ -168,6 +170,14 @@ def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path
     if c.arch != "qwen3" or not c.qk_norm:
         raise ValueError(f"KuiperLLama's ak48 .bin is a Qwen3 format (q_norm/k_norm regions); "
                          f"the source is arch {c.arch!r}")
+    # what a reader of the file will assume, since the header has no field for either
+    for name, implied in (("rope_theta", DEFAULT_ROPE_THETA), ("rms_norm_eps", DEFAULT_RMS_EPS)):
+        v = getattr(c, name)
+        # (up to float32 rounding: a GGUF source stores them as F32, 1e-6 as 9.9999997e-07)
+        if not math.isclose(v, implied, rel_tol=1e-6):
+            raise ValueError(f"{src.path}: {name}={v:g}, but a KuiperLLama .bin implies {implied:g} "
+                             f"(its header cannot carry {name}); export this model to a .gguf or an HF "
+                             "directory instead")
     check_group_size(c, group_size)
     items = _layout(c, group_size)
     dst = Path(dst)
