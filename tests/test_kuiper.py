@@ -210,3 +210,40 @@ def test_gguf_source_with_qwen3_values_exports_to_bin(files, tmp_path):
     assert eps != 1e-6 and eps == pytest.approx(1e-6)
     assert cli(["quantize", str(g), str(b), "--format", "awq", "--quiet"]) == 0
     assert load_kuiper(b)[0].rms_norm_eps == 1e-6
+
+
+def test_a_failed_export_leaves_an_existing_dst_as_it_was(files, tmp_path, capsys):
+    """A .bin is written beside DST and renamed over it: an export failing part-way (a NaN in the
+    last k_norm) leaves the earlier DST byte for byte and no partial file (DST had been opened
+    "wb" at once: destroyed, a partial file left)."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _, binf = files["qwen3-gqa-hd64-tied"]
+    bad = _edited_copy(path, tmp_path / "nan")
+    shard = next(bad.glob("*.safetensors"))
+    t = load_file(str(shard))
+    name = f"model.layers.{H.SPECS['qwen3-gqa-hd64-tied'].layers - 1}.self_attn.k_norm.weight"
+    t[name] = t[name].copy()
+    t[name][0] = np.nan
+    save_file(t, str(shard), metadata={"format": "pt"})
+    dst = tmp_path / "good.bin"
+    dst.write_bytes(binf.read_bytes())
+    assert cli(["quantize", str(bad), str(dst), "--format", "awq", "--quiet"]) == 2
+    assert name in capsys.readouterr().err
+    assert dst.read_bytes() == binf.read_bytes()
+    assert cli(["quantize", str(bad), str(tmp_path / "new.bin"), "--format", "awq", "--quiet"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.bin", "nan"]
+
+
+def test_src_and_dst_hard_links_to_one_file(files, tmp_path):
+    """SRC and DST two names of one .bin: the export reads the source's memory map while it
+    writes, so DST must not truncate that file (it had: a Bus error, a 0-byte source)."""
+    import os
+
+    binf = files["qwen3-gqa-hd64-tied"][2]
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(binf.read_bytes())
+    os.link(a, b)
+    assert cli(["quantize", str(a), str(b), "--format", "awq", "--quiet"]) == 0
+    assert a.read_bytes() == binf.read_bytes() == b.read_bytes()
+    assert not list(tmp_path.glob("*.part"))

@@ -493,8 +493,8 @@ def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> 
     # where DST goes must take it (its folders are made as needed): checked before the source is read
     if kind == "dir":
         check_out_dir(dst, f"DST={dst}")
-    else:   # (a .gguf is written beside DST and renamed over it)
-        check_out_file(dst, f"DST={dst}", make_parent=True, replaced=kind == "gguf")
+    else:   # (a .gguf or .bin is written beside DST and renamed over it)
+        check_out_file(dst, f"DST={dst}", make_parent=True, replaced=True)
     src_m = read_source(src, progress=progress)
     if kind == "gguf":
         return write_gguf(src_m, dst, fmt, progress=progress)

@@ -185,18 +185,28 @@ def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path
     header = _HEAD.pack(MAGIC, VERSION, c.hidden_size, c.intermediate_size, c.num_layers,
                         c.num_heads, c.num_kv_heads, c.vocab_size, c.max_position,
                         int(c.tie_word_embeddings), c.head_dim, group_size)
-    with open(dst, "wb") as f:
-        f.write(header + b"\0" * (HEADER_BYTES - len(header)))
-        cache = {}
-        for name, shape, dtype in tqdm(items, desc=f"writing {dst.name}", unit="tensor",
-                                       disable=not progress, leave=False):
-            if name.endswith((".qweight", ".qzeros", ".scales")):
-                m, key = name.rsplit(".", 1)
-                if m not in cache:
-                    cache = {m: src.quantized(m + ".weight", "awq", group_size=group_size).data}
-                arr = cache[m][key]
-            else:
-                arr = _fp16(src.tensor(name), name)
-            assert arr.shape == shape and arr.dtype == dtype, (name, arr.shape, arr.dtype)
-            f.write(np.ascontiguousarray(arr).tobytes())
+    # Written beside DST and renamed over it when complete, as write_gguf does: a failed export
+    # (a NaN in a weight, a full disk) leaves an existing DST as it was and no partial file, and
+    # DST never truncates the file the source is memory-mapped from (SRC and DST hard links to
+    # one .bin: "wb" on DST had emptied the source under its own map, a Bus error).
+    tmp = dst.with_name(dst.name + ".part")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header + b"\0" * (HEADER_BYTES - len(header)))
+            cache = {}
+            for name, shape, dtype in tqdm(items, desc=f"writing {dst.name}", unit="tensor",
+                                           disable=not progress, leave=False):
+                if name.endswith((".qweight", ".qzeros", ".scales")):
+                    m, key = name.rsplit(".", 1)
+                    if m not in cache:
+                        cache = {m: src.quantized(m + ".weight", "awq", group_size=group_size).data}
+                    arr = cache[m][key]
+                else:
+                    arr = _fp16(src.tensor(name), name)
+                assert arr.shape == shape and arr.dtype == dtype, (name, arr.shape, arr.dtype)
+                f.write(np.ascontiguousarray(arr).tobytes())
+        tmp.replace(dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return dst
