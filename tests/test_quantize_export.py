@@ -316,9 +316,12 @@ def test_gguf_name_keeps_a_dotted_directory_name(src, tmp_path):
     assert _fields(gguf.GGUFReader(str(out)))["general.name"] == "Model-0.6B"
 
 
-def test_non_finite_fp16_tensor_is_named(src, tmp_path, capsys):
-    """A NaN in a weight stored as fp16 (a norm) is refused with the tensor's name, as one in a
-    quantized weight is."""
+@pytest.mark.parametrize("dst,fmt,value", [("o", "awq", np.nan), ("o.gguf", "q8_0", np.nan),
+                                           ("o.gguf", "fp16", -np.inf), ("o.bin", "awq", np.inf)])
+def test_non_finite_fp16_tensor_is_named(src, tmp_path, capsys, dst, fmt, value):
+    """A NaN or inf in a weight stored as float (a norm: fp16 in an HF dir or .bin, F32 in a
+    GGUF) is refused with the tensor's name, as one in a quantized weight is, by every format (a
+    GGUF export had written it) and no output is left."""
     from safetensors.numpy import load_file, save_file
 
     bad = tmp_path / "nan"
@@ -329,11 +332,13 @@ def test_non_finite_fp16_tensor_is_named(src, tmp_path, capsys):
     t = load_file(str(shard))
     name = next(k for k in sorted(t) if k.endswith("input_layernorm.weight"))
     t[name] = t[name].copy()
-    t[name][3] = np.nan
+    t[name][3] = value
     save_file(t, str(shard), metadata={"format": "pt"})
-    assert cli(["quantize", str(bad), str(tmp_path / "o"), "--format", "awq", "--group-size", "64", "--quiet"]) == 2
+    group = ["--group-size", "64"] if fmt == "awq" else []
+    assert cli(["quantize", str(bad), str(tmp_path / dst), "--format", fmt, *group, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert name in err and "non-finite value nan at index (3,)" in err, err
+    assert name in err and f"non-finite value {value} at index (3,)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan"] + (["o"] if dst == "o" else [])
 
 
 def _many_tensor_checkpoint(path):

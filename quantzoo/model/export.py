@@ -145,10 +145,18 @@ def check_group_size(config, group_size: int, modules=None) -> None:
                          f"({len(bad)} linears affected); {hint}")
 
 
-def _fp16(w: np.ndarray, name: str) -> np.ndarray:
+def check_finite(w: np.ndarray, name: str) -> np.ndarray:
+    """w, if every value is finite; else one error naming the tensor and the first bad index.
+    For the float tensors an export writes as they are (fp16 and F32): a quantizing codec refuses
+    NaN and inf itself, and no format should carry one out silently."""
     if not np.isfinite(w).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(w))[0])
         raise ValueError(f"{name}: non-finite value {w[bad]} at index {bad}")
+    return w
+
+
+def _fp16(w: np.ndarray, name: str) -> np.ndarray:
+    check_finite(w, name)
     if np.abs(w).max(initial=0) > 65504:
         raise ValueError(f"{name}: values beyond +-65504 do not fit fp16")
     return w.astype(np.float16)
@@ -451,7 +459,7 @@ def _write_gguf_tensors(w, src: Source, shapes: dict, fmt: str, dst: Path, progr
         elif c.arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             heads = c.num_kv_heads
         if len(shapes[name]) == 1:
-            w.write_tensor_data(np.ascontiguousarray(src.tensor(name), dtype=np.float32))
+            w.write_tensor_data(np.ascontiguousarray(check_finite(src.tensor(name), name), dtype=np.float32))
         elif fmt == "fp16":
             t = src.tensor(name)
             w.write_tensor_data(_fp16(t if heads is None else llama_permute(t, heads), name))
