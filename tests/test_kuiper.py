@@ -247,3 +247,34 @@ def test_src_and_dst_hard_links_to_one_file(files, tmp_path):
     assert cli(["quantize", str(a), str(b), "--format", "awq", "--quiet"]) == 0
     assert a.read_bytes() == binf.read_bytes() == b.read_bytes()
     assert not list(tmp_path.glob("*.part"))
+
+
+def test_tokenizer_beside_the_file_goes_into_a_gguf(files, tmp_path):
+    """A .bin with tokenizer files beside it, converted to GGUF: the GGUF carries the tokenizer
+    (it had been left out: only an HF source's was written), the same one an HF dir gets."""
+    import shutil
+
+    import gguf
+
+    from quantzoo.model.gguf_loader import load_gguf
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    path, _, binf = files["qwen3-gqa-hd64-tied"]
+    d = tmp_path / "kuiper"
+    d.mkdir()
+    shutil.copy(binf, d / "m.bin")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / f, d / f)
+    out = tmp_path / "m.gguf"
+    assert cli(["quantize", str(d / "m.bin"), str(out), "--format", "q8_0", "--quiet"]) == 0
+    fields = gguf.GGUFReader(str(out)).fields
+    assert fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    _, _, gtok = load_gguf(str(out), progress=False)
+    htok = load_tokenizer(path)
+    assert gtok is not None and gtok.encode(H.PROMPT) == htok.encode(H.PROMPT)
+    assert gtok.eos_token_ids[0] == htok.eos_token_ids[0]
+    msgs = [{"role": "user", "content": "hi"}]
+    assert gtok.apply_chat_template(msgs) == htok.apply_chat_template(msgs)
+    # and a .bin alone still converts, without a tokenizer
+    assert cli(["quantize", str(binf), str(tmp_path / "bare.gguf"), "--format", "q8_0", "--quiet"]) == 0
+    assert load_gguf(str(tmp_path / "bare.gguf"), progress=False)[2] is None

@@ -21,7 +21,8 @@ Destinations, by the name of DST and --format:
                          type, 1-D norms in F32 as llama.cpp's converter stores them. llama-arch
                          Q and K rows get the converter's permutation (pairs for "normal" RoPE);
                          qwen3 is not permuted. Tokenizer metadata: copied from a GGUF source, or
-                         built from tokenizer.json the way llama.cpp's converter does for BPE.
+                         built from tokenizer.json (an HF source's, or the one beside a .bin) the
+                         way llama.cpp's converter does for BPE.
   DST .bin, awq          KuiperLLama's "ak48" AWQ file (quantzoo/model/kuiper.py).
 """
 from __future__ import annotations
@@ -58,7 +59,14 @@ class Source:
     hf_config: dict | None = None                   # config.json of an HF source
     tokenizer: object | None = None                 # runner Tokenizer
     gguf_meta: list = field(default_factory=list)   # [(key, value, types)] tokenizer.* of a GGUF source
+    # where tokenizer files are read from: the directory beside a .bin (read_source), or an HF
+    # source's own (the default, for a Source made with hf_config)
+    tokenizer_dir: Path | None = None
     generation_config: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.tokenizer_dir is None and self.hf_config is not None:
+            self.tokenizer_dir = Path(self.path)
 
     def tensor(self, name: str) -> np.ndarray:
         return to_numpy_float(self.weights[name])
@@ -101,8 +109,9 @@ def read_source(src, progress: bool = True) -> Source:
     if src.suffix == ".bin":
         from .kuiper import load_kuiper
 
-        config, weights, tok = load_kuiper(src)
-        return Source(src, config, weights, tokenizer=tok)
+        config, weights, tok = load_kuiper(src)   # (tok: from a tokenizer.json beside the file)
+        return Source(src, config, weights, tokenizer=tok,
+                      tokenizer_dir=src.parent if tok is not None else None)
     raise ValueError(f"SRC={src}: expected an HF model directory, a .gguf file or a KuiperLLama .bin")
 
 
@@ -342,7 +351,7 @@ def add_hf_tokenizer(writer, src: Source) -> None:
     """tokenizer.ggml.* from an HF tokenizer.json, as llama.cpp's converter does for BPE."""
     import gguf
 
-    tj = src.path / "tokenizer.json"
+    tj = src.tokenizer_dir / "tokenizer.json"
     if not tj.exists():
         return
     data = json.loads(tj.read_text(encoding="utf-8"))
@@ -374,7 +383,7 @@ def add_hf_tokenizer(writer, src: Source) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     # merges, special ids (bos/eos/pad/unk from tokenizer_config + config), add_bos, template
-    special = gguf.SpecialVocab(src.path, load_merges=True, n_vocab=n_vocab)
+    special = gguf.SpecialVocab(src.tokenizer_dir, load_merges=True, n_vocab=n_vocab)
     special.add_to_gguf(writer, quiet=True)
 
 
@@ -419,7 +428,7 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if src.gguf_meta:
         add_gguf_tokenizer(w, src)
-    elif src.hf_config is not None:
+    elif src.tokenizer_dir is not None:   # an HF source, or a .bin with tokenizer files beside it
         add_hf_tokenizer(w, src)
 
     # Streamed: every tensor's info first (shapes are known from the config), then header, kv and
