@@ -1,6 +1,7 @@
 """KuiperLLama's AWQ .bin (seed 000 §8.1): header bytes, region order, round trip, bad files."""
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -278,3 +279,38 @@ def test_tokenizer_beside_the_file_goes_into_a_gguf(files, tmp_path):
     # and a .bin alone still converts, without a tokenizer
     assert cli(["quantize", str(binf), str(tmp_path / "bare.gguf"), "--format", "q8_0", "--quiet"]) == 0
     assert load_gguf(str(tmp_path / "bare.gguf"), progress=False)[2] is None
+
+
+def test_awq_to_awq_keeps_the_source_group_unless_asked(files, tmp_path, capsys):
+    """An AWQ source of group 64 (HF dir or .bin) to AWQ without --group-size: group 64, the
+    source's weights copied bit for bit (it had re-quantized them at 128 from their dequantized
+    values, moving the logits by ~1); an explicit --group-size is still honoured."""
+    from safetensors.numpy import load_file
+
+    path = files["qwen3-gqa-hd64-tied"][0]
+    a64, b, again = tmp_path / "a64", tmp_path / "m.bin", tmp_path / "again"
+    assert cli(["quantize", str(path), str(a64), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli(["quantize", str(a64), str(b), "--format", "awq", "--quiet"]) == 0
+    assert "group 64" in capsys.readouterr().out
+    assert read_header(b)["group_size"] == 64
+    src_t = load_file(str(a64 / "model.safetensors"))
+    _, w, _ = load_kuiper(b)
+    for k, t in src_t.items():
+        if k.endswith(".qweight"):
+            m = k[: -len(".qweight")]
+            for f in ("qweight", "qzeros", "scales"):
+                np.testing.assert_array_equal(w[m + ".weight"].data[f], src_t[f"{m}.{f}"])
+        elif k.endswith(".weight"):
+            np.testing.assert_array_equal(w[k].numpy(), t)
+    # .bin -> HF AWQ dir: group 64 again, the same tensors as the first HF export
+    assert cli(["quantize", str(b), str(again), "--format", "awq", "--quiet"]) == 0
+    assert json.loads((again / "config.json").read_text())["quantization_config"]["group_size"] == 64
+    t2 = load_file(str(again / "model.safetensors"))
+    assert t2.keys() == src_t.keys() and all(np.array_equal(t2[k], src_t[k]) for k in src_t)
+    # explicit groups win; a non-AWQ source (and a GGUF) defaults to 128
+    assert cli(["quantize", str(a64), str(tmp_path / "g128.bin"), "--format", "awq", "--group-size", "128",
+                "--quiet"]) == 0
+    assert read_header(tmp_path / "g128.bin")["group_size"] == 128
+    assert cli(["quantize", str(path), str(tmp_path / "fp.bin"), "--format", "awq", "--quiet"]) == 0
+    assert read_header(tmp_path / "fp.bin")["group_size"] == 128

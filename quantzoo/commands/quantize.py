@@ -18,7 +18,8 @@ def register(sub) -> None:
     p.add_argument("dst", metavar="DST", help="output: directory (awq, fp16), .gguf (q4_0..q8_0, fp16), .bin (awq)")
     p.add_argument("--format", required=True, choices=FORMATS, help="weight format of the linears")
     p.add_argument("--group-size", type=int, default=None,
-                   help="AWQ group size along in_features: 32, 64 or 128 (default 128; awq only)")
+                   help="AWQ group size along in_features: 32, 64 or 128 (default: an AWQ SRC's own "
+                        "group, so AWQ -> AWQ copies the weights losslessly; else 128; awq only)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -26,12 +27,12 @@ def register(sub) -> None:
 def run(args) -> int:
     import os
 
-    from quantzoo.model.export import export
+    from quantzoo.model.export import awq_group_of, export
 
     if args.group_size is not None and args.format != "awq":
         raise ValueError(f"--group-size applies to --format awq only (here --format {args.format})")
-    group = 128 if args.group_size is None else args.group_size
-    out = export(args.src, args.dst, args.format, group_size=group, progress=not args.quiet)
+    out = export(args.src, args.dst, args.format, group_size=args.group_size, progress=not args.quiet)
+    group = awq_group_of(out) if args.format == "awq" else None   # (the one written: maybe the source's)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else os.path.getsize(out)
     print(f"wrote {out} ({args.format}{f', group {group}' if args.format == 'awq' else ''}, "
           f"{size / 2**20:.1f} MiB)")

@@ -1,13 +1,14 @@
 """Write a model in another format: HF AWQ directory, GGUF file, or KuiperLLama AWQ .bin.
 
-    export(src, dst, fmt, group_size=128)      # what `quantzoo quantize` runs
+    export(src, dst, fmt, group_size=None)     # what `quantzoo quantize` runs
 
 Source: an HF directory (fp16/bf16/fp32, or AWQ: dequantized) or a .gguf file (dequantized to
 float by the runner's GGUF loader, Q/K rows back in HF order). Every weight passes through
 float32 and is quantized by the registry's codec (`quantzoo.formats.get(fmt).quantize`), so
 the same weights reach every format and can be compared; a weight the source already stores in
 the target format (AWQ with the same group, the same GGUF type) is copied as is, not rounded
-twice, so .bin <-> HF AWQ and GGUF -> GGUF conversions are lossless.
+twice, so .bin <-> HF AWQ and GGUF -> GGUF conversions are lossless. The AWQ group defaults to
+an AWQ source's own (else 128), so that AWQ -> AWQ is lossless unless another group is asked for.
 
 Destinations, by the name of DST and --format:
   DST directory, awq     HF AWQ checkpoint as AutoAWQ writes it and vLLM/transformers read it:
@@ -47,6 +48,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 SHARD_BYTES = 4 << 30   # an HF export's safetensors shards hold at most this (or one larger tensor)
 SHARD_INDEX = "model.safetensors.index.json"
+DEFAULT_GROUP = 128     # the AWQ group of a source that is not AWQ itself
 HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
 
 
@@ -124,6 +126,24 @@ def _gguf_tokenizer_fields(path: Path) -> list:
         if name.startswith("tokenizer."):
             out.append((name, f.contents(), list(f.types)))
     return out
+
+
+def awq_group_of(path) -> int | None:
+    """The AWQ group size of an AWQ model (an HF AWQ directory or a .bin), else None; reads only
+    config.json or the .bin header."""
+    path = Path(path)
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            return None
+        with open(cfg, encoding="utf-8") as f:
+            quant = parse_quantization_config(json.load(f).get("quantization_config"), str(cfg))
+        return quant["group_size"] if quant else None
+    if path.suffix == ".bin":
+        from .kuiper import read_header
+
+        return read_header(path)["group_size"]
+    return None
 
 
 def linear_modules(config) -> list[str]:
@@ -481,8 +501,10 @@ def _write_gguf_tensors(w, src: Source, shapes: dict, fmt: str, dst: Path, progr
 
 
 # ---------------------------------------------------------------------------------------
-def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> Path:
-    """Read SRC (HF dir, .gguf or .bin) and write DST in `fmt`; returns the written path."""
+def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = True) -> Path:
+    """Read SRC (HF dir, .gguf or .bin) and write DST in `fmt`; returns the written path.
+    group_size (AWQ): None = an AWQ source's own group (its weights are then copied, not
+    re-quantized from their dequantized values: that moved a g64 model's logits by ~1), else 128."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: choose one of {FORMATS}")
     dst = Path(dst)
@@ -513,6 +535,8 @@ def export(src, dst, fmt: str, group_size: int = 128, progress: bool = True) -> 
     else:   # (a .gguf or .bin is written beside DST and renamed over it)
         check_out_file(dst, f"DST={dst}", make_parent=True, replaced=True)
     src_m = read_source(src, progress=progress)
+    if group_size is None:   # (after read_source: a bad source's own error comes first)
+        group_size = awq_group_of(src) or DEFAULT_GROUP
     if kind == "gguf":
         return write_gguf(src_m, dst, fmt, progress=progress)
     if kind == "bin":
