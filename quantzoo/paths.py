@@ -7,7 +7,20 @@ gave it (e.g. "--json out/x.json", "DST=model.gguf").
 """
 from __future__ import annotations
 
+import errno
 import os
+
+
+def check_no_symlink_loop(path, what: str) -> None:
+    """`path` (an input or an output) is not, and does not pass through, a symlink loop
+    (`ln -s a a`). os.path.exists calls one missing, which misnames the cause ("no such file"),
+    Path.resolve raises a RuntimeError, and a writer that renames its file over `path` would
+    silently replace the link."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{what}: symlink loop (too many levels of symbolic links)") from None
 
 
 def _writable_dir(d: str, what: str) -> None:
@@ -32,6 +45,7 @@ def check_out_dir(path, what: str, files=()) -> None:
     path = os.fspath(path)
     if not path:
         raise ValueError(f"{what.rstrip()}: an empty path")
+    check_no_symlink_loop(path, what)
     if not os.path.exists(path):
         _writable_dir(_nearest(path), what)
         return
@@ -49,6 +63,7 @@ def check_out_file(path, what: str, make_parent: bool = False, replaced: bool = 
     path = os.fspath(path)
     if not path:
         raise ValueError(f"{what.rstrip()}: an empty path")
+    check_no_symlink_loop(path, what)
     if os.path.isdir(path) or path.endswith(os.sep):
         raise ValueError(f"{what}: is a directory; give the file to write")
     parent = os.path.dirname(path) or "."

@@ -184,6 +184,30 @@ def test_output_locations_are_checked_before_the_work(tmp_path, monkeypatch, cap
     assert not nope.exists()   # (nothing made before the work)
 
 
+def test_a_symlink_loop_is_named(tmp_path, capsys):
+    """`ln -s loop.bin loop.bin` (or a path through such a link) as SRC, DST or --model: one line
+    naming the path and the loop (quantize had crashed with Path.resolve's RuntimeError, run said
+    "no such file")."""
+    from quantzoo.cli import main
+
+    loop, real = tmp_path / "loop.bin", tmp_path / "real.bin"
+    loop.symlink_to(loop.name)
+    (tmp_path / "d").symlink_to("d")
+    real.write_bytes(b"")
+    for argv, what in ((["quantize", str(loop), str(tmp_path / "o.bin"), "--format", "awq"], f"SRC={loop}"),
+                       (["quantize", str(real), str(loop), "--format", "awq"], f"DST={loop}"),
+                       (["quantize", str(real), f"{tmp_path}/d/x.gguf", "--format", "q8_0"], f"DST={tmp_path}/d/x.gguf"),
+                       (["quantize", str(real), f"{tmp_path}/d/out", "--format", "fp16"], f"DST={tmp_path}/d/out"),
+                       (["run", "model", "--model", str(loop), "--device", "cpu", "--prompt", "hi"], str(loop)),
+                       (["report", "--no-bench", "--model", str(loop), "--out", str(tmp_path / "r")],
+                        f"--model {str(loop)!r}")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"error: {what}: symlink loop (too many levels of symbolic links)") and "\n" not in err, \
+            (argv, err)
+    assert loop.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["d", "loop.bin", "real.bin"]
+
+
 def test_an_output_directory_without_write_permission_is_named(tmp_path, capsys, monkeypatch):
     from quantzoo import paths
     from quantzoo.cli import main

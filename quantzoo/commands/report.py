@@ -56,8 +56,12 @@ def run(args) -> int:
         acc_formats = [s.strip() for s in args.accuracy_formats.split(",") if s.strip()]
         for n in acc_formats:
             formats.get_stored(n, "--accuracy-formats")
-    if args.model is not None and not args.no_accuracy and not os.path.exists(args.model):
-        raise FileNotFoundError(f"--model {args.model!r}: no such file or directory")
+    if args.model is not None and not args.no_accuracy:
+        from quantzoo.paths import check_no_symlink_loop
+
+        check_no_symlink_loop(args.model, f"--model {args.model!r}")
+        if not os.path.exists(args.model):
+            raise FileNotFoundError(f"--model {args.model!r}: no such file or directory")
     if args.out is not None:
         report.check_out(args.out, f"--out {args.out}")
     # (every argument is checked above, before a minute of GPU bench below)

@@ -28,6 +28,9 @@ def load_model(path=None, device: str = "cpu", **opts) -> Model:
     path = os.fspath(path)
     if not path:
         raise ValueError("path: empty (a .gguf file, an HF model directory or a KuiperLLama .bin)")
+    from quantzoo.paths import check_no_symlink_loop
+
+    check_no_symlink_loop(path, path)   # (os.path.exists below would call it missing)
     if os.path.isdir(path):
         from .hf_loader import load_hf
 

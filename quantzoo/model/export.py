@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from quantzoo.formats import get, names
-from quantzoo.paths import check_out_dir, check_out_file
+from quantzoo.paths import check_no_symlink_loop, check_out_dir, check_out_file
 
 from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
 from .hf_loader import CHAT_TEMPLATE_DIR, LINEARS, not_converted, parse_quantization_config, to_numpy_float
@@ -508,6 +508,8 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: choose one of {FORMATS}")
     dst = Path(dst)
+    check_no_symlink_loop(src, f"SRC={src}")   # (before resolve(), which raises RuntimeError on one)
+    check_no_symlink_loop(dst, f"DST={dst}")
     if Path(src).resolve() == dst.resolve():
         raise ValueError(f"DST={dst} is the source itself; write somewhere else")
     kind = "gguf" if dst.suffix == ".gguf" else "bin" if dst.suffix == ".bin" else "dir"
