@@ -314,3 +314,39 @@ def test_awq_to_awq_keeps_the_source_group_unless_asked(files, tmp_path, capsys)
     assert read_header(tmp_path / "g128.bin")["group_size"] == 128
     assert cli(["quantize", str(path), str(tmp_path / "fp.bin"), "--format", "awq", "--quiet"]) == 0
     assert read_header(tmp_path / "fp.bin")["group_size"] == 128
+
+
+def test_a_header_whose_sizes_wrap_int64_is_refused(tmp_path):
+    """heads = kv_heads = 2^30, head_dim 2^22, hidden 2^20: every attention tensor's element
+    count is a multiple of 2^64, so int64 products (np.prod) made them 0 bytes and a (sparse)
+    file of the remaining size passed the size check, failing later in a numpy reshape that named
+    neither the file nor the field. Now the implausible width is named, from the header."""
+    h, f, heads, hd, g = 2**20, 32, 2**30, 2**22, 32
+    hdr = struct.pack("<Ii7iBii", MAGIC, 5, h, f, 1, heads, heads, 1, 8, 1, hd, g)
+    # the size the int64 products implied (the attention linears' terms wrapped to 0)
+    awq = lambda n, k: 4 * k * (n // 8) + 4 * (k // g) * (n // 8) + 2 * (k // g) * n   # noqa: E731
+    wrapped = 2 * (3 * h + h) + 2 * awq(f, h) + awq(h, f) + 2 * 2 * hd
+    for n, k in ((heads * hd, h), (heads * hd, h), (heads * hd, h), (h, heads * hd)):
+        for count in (k * (n // 8), (k // g) * (n // 8), (k // g) * n):
+            assert count % 2**64 == 0
+    p = tmp_path / "wrap.bin"
+    with open(p, "wb") as fh:
+        fh.write(hdr + bytes(HEADER_BYTES - len(hdr)))
+        fh.truncate(HEADER_BYTES + wrapped)   # sparse: no disk used
+    with pytest.raises(ValueError, match=r"wrap\.bin: header: n_heads\*head_dim = 1073741824\*4194304 = "
+                                         r"4503599627370496 is past 2147483647"):
+        load_kuiper(p)
+    # one that only the size check catches: its Python-int size, not a wrapped one
+    hdr = struct.pack("<Ii7iBii", MAGIC, 5, 2**30, 2**30, 2**30, 2**10, 2**10, 2**30, 8, 1, 2**20, 128)
+    p.write_bytes(hdr + bytes(HEADER_BYTES - len(hdr)))
+    with pytest.raises(ValueError, match=r"wrap\.bin: 256 bytes, but the header .* implies (\d{25,}): truncated"):
+        load_kuiper(p)
+
+
+@pytest.mark.parametrize("value", [2, 255])
+def test_shared_classifier_is_0_or_1(files, tmp_path, value):
+    raw = files["qwen3-gqa-hd64-tied"][2].read_bytes()
+    p = tmp_path / "shared.bin"
+    p.write_bytes(raw[:0x24] + bytes([value]) + raw[0x25:])
+    with pytest.raises(ValueError, match=rf"shared\.bin: header shared_classifier={value}; must be 0 "):
+        load_kuiper(p)

@@ -45,6 +45,7 @@ B_ORDER = (("self_attn.q_proj", "wq"), ("self_attn.k_proj", "wk"), ("self_attn.v
            ("mlp.up_proj", "w3"))
 DEFAULT_ROPE_THETA = 1e6
 DEFAULT_RMS_EPS = 1e-6
+I32_MAX = 2**31 - 1     # every header field is an i32, and so is every tensor dim in the engine
 
 
 def _layout(config, group_size: int):
@@ -87,6 +88,9 @@ def read_header(path) -> dict:
         raise ValueError(f"{path}: magic 0x{magic:08x} is not KuiperLLama's AWQ 0x{MAGIC:08x} ('ak48')")
     if version != VERSION:
         raise ValueError(f"{path}: header version {version}; only version {VERSION} (AWQ INT4) is supported")
+    if shared not in (0, 1):   # a flag byte: another value is a corrupt header, not "tied"
+        raise ValueError(f"{path}: header shared_classifier={shared}; must be 0 (lm_head stored) "
+                         "or 1 (lm_head tied to the embeddings)")
     return dict(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads,
                 n_kv_heads=n_kv_heads, vocab_size=vocab, max_seq_len=max_seq,
                 shared_classifier=bool(shared), head_dim=head_dim, group_size=group_size)
@@ -116,6 +120,12 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
             eos_token_ids=list(eos_token_ids or []))
         # one layer's shapes stand for all (every layer has the same); the size check below is
         # in closed form, so a corrupt n_layers fails at once instead of looping over it
+        # the widths the header implies but does not store: a linear wider than an i32 is no
+        # model (heads = 2^30 in a crafted file had wrapped the size check's int64 products)
+        for field, heads in (("n_heads", config.num_heads), ("n_kv_heads", config.num_kv_heads)):
+            if heads * config.head_dim > I32_MAX:
+                raise ValueError(f"{field}*head_dim = {heads}*{config.head_dim} = {heads * config.head_dim} "
+                                 f"is past {I32_MAX}, the largest tensor dim of the format")
         one = dataclasses.replace(config, num_layers=1)
         shapes = one.expected_shapes()
         for m in linear_modules(one):   # the AWQ format's own shape rule, per linear
@@ -123,8 +133,8 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
     except ValueError as e:
         raise ValueError(f"{path}: header: {e}") from None
 
-    def data_bytes(layers: int) -> int:
-        return sum(int(np.prod(s)) * np.dtype(d).itemsize
+    def data_bytes(layers: int) -> int:   # Python ints (np.prod is int64: a crafted header wraps it)
+        return sum(math.prod(s) * np.dtype(d).itemsize
                    for _, s, d in _layout(dataclasses.replace(config, num_layers=layers), hd["group_size"]))
 
     first = data_bytes(1)
@@ -139,7 +149,7 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
     mm = np.memmap(path, dtype=np.uint8, mode="c")
     raw, off = {}, HEADER_BYTES
     for name, shape, dtype in items:
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         raw[name] = mm[off:off + nbytes].view(dtype).reshape(shape)
         off += nbytes
     import torch
