@@ -188,10 +188,12 @@ def _edited_copy(src, dst, **changes):
     ("rope_theta", 1e4, "rope_theta=10000, but a KuiperLLama .bin implies 1e+06 (its header cannot carry rope_theta)"),
     ("rms_norm_eps", 1e-5, "rms_norm_eps=1e-05, but a KuiperLLama .bin implies 1e-06 (its header cannot carry "
                            "rms_norm_eps)"),
+    ("max_position_embeddings", 2**31, "max_position=2147483648 does not fit the .bin header's int32 field"),
 ])
 def test_values_the_header_cannot_carry_are_refused(files, tmp_path, capsys, key, value, needle):
     """The header has no rope_theta / rms_norm_eps field and a reader assumes Qwen3's: a model with
-    others is refused (it had been written and came back with 1e6 / 1e-6 and other logits)."""
+    others is refused (it had been written and came back with 1e6 / 1e-6 and other logits). A
+    dimension past the header's int32 fields is refused too (it was a struct.error traceback)."""
     src = _edited_copy(files["qwen3-hd128-untied"][0], tmp_path / "src", **{key: value})
     dst = tmp_path / "m.bin"
     assert cli(["quantize", str(src), str(dst), "--format", "awq", "--quiet"]) == 2
