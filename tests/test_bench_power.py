@@ -60,8 +60,8 @@ def test_sustained_with_a_stand_in(tmp_path):
     s = power.sustained(replay, lambda: None, calls_per_replay=4, seconds=0.3, cmd=fake_smi(tmp_path))
     assert s["sm_clock_mhz"] == 1400.0 and s["power_w"] == 690.5 and s["power_capped"] == 1.0
     assert s["clock_reasons"] == ["sw power cap"] and s["power_limit_w"] == 700.0
-    n = len(calls) - 1   # the first replay is the warm-up, before the stretch
-    assert n % 16 == 0 and s["sustained_s"] >= 0.3
+    # (the first replay is the warm-up; more run, uncounted, until the sampler answers)
+    assert len(calls) - 1 >= 16 and s["sustained_s"] >= 0.3
     assert 500 <= s["sustained_us"] < 800   # a replay sleeps 2 ms for 4 launches
     assert s["mj_per_call"] == pytest.approx(690.5 * s["sustained_us"] * 1e-3)
 

@@ -112,6 +112,13 @@ def sustained(replay, sync, calls_per_replay: int, seconds: float = 1.5, device_
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     try:
+        # the stretch starts once the sampler answers (nvidia-smi takes a while to start; a
+        # stretch timed from its launch had its first part unsampled, and a short one on a busy
+        # host got too few samples); the replays meanwhile keep the GPU at work, uncounted
+        wait_until = time.perf_counter() + 2.0
+        while not lines and proc.poll() is None and time.perf_counter() < wait_until:
+            replay()
+            sync()
         t0 = time.perf_counter()
         n = 0
         while True:
