@@ -469,3 +469,271 @@ def test_a_tied_lm_head_is_read_every_step_too():
             continue
         assert sizes.decode_bytes_per_token(fmt, tied) == sizes.decode_bytes_per_token(fmt), fmt.name
         assert 2 * sizes.model_bytes(fmt, tied)["embeddings"] == sizes.model_bytes(fmt)["embeddings"], fmt.name
+
+
+# ------------------------------------------------------------------------------------------
+# malformed inputs: each file is checked whole at load (quantzoo.report.checks), before the
+# quick bench, the accuracy run and the plots; what is refused is one line naming file and field
+
+
+def model_bench_doc() -> dict:
+    """A `quantzoo bench model` JSON of the real run's shape (bench/model-h100.json), made-up numbers."""
+    def rec(fmt, wb, dec, p512, p2048, gpu_us):
+        kv = 301989888
+        return {"format": fmt, "weight_bytes": wb, "embedding_bytes": 1244659712, "formats": {"q_proj": fmt},
+                "roofline_tok_s": 2.94e12 / wb, "decode_tok_s_graph": dec, "decode_tok_s_eager": dec / 3,
+                "fused_layer_ops": True, "roofline_fraction": dec * wb / 2.94e12,
+                "decode_breakdown": [{"name": "mmvq", "us": 1.0}],
+                "peak_decode_bytes": int(1.002 * (wb + 1244659712 + kv // 8)),
+                "peak_decode_over_weights_kv": 1.002, "kv_cache_bytes": kv,
+                "prefill_tok_s_512": p512, "prefill_tok_s_2048": p2048,
+                "prefill_breakdown": [{"total_gpu_us": gpu_us, "wall_us": 1.0, "kernels": 3}],
+                "peak_gpu_bytes": int(1.04 * (wb + 1244659712 + kv)), "peak_over_weights_kv": 1.04}
+    return {"config": {"arch": "qwen3", "hidden_size": 4096, "num_layers": 36, "vocab_size": 151936},
+            "device": "cuda:0", "machine": {"gpu": "NVIDIA H100 (test)", "time_utc": "2026-01-01T00:00:00Z"},
+            "copy_bandwidth_bytes_s": 2.94e12,
+            "results": [rec("awq", 4853202944, 358.0, 33180.0, 36116.0, 13800.0),
+                        rec("q4_0", 4257054720, 448.0, 38976.0, 41071.0, 12300.0),
+                        rec("fp16", 15136194560, 177.0, 35197.0, 38608.0, 12300.0)],
+            "prefill_side_by_side": {"reps": 7, "tok_s": {f: {"512": 30000.0 + i, "2048": 35000.0 + i}
+                                                          for i, f in enumerate(("awq", "q4_0", "fp16"))}}}
+
+
+def fixture_doc() -> dict:
+    with open(FIXTURE) as f:
+        return json.load(f)
+
+
+def row_index(doc, fmt="awq", k=4096, n=4096, m=1) -> int:
+    return next(i for i, r in enumerate(doc["results"]) if (r["format"], r["k"], r["n"], r["m"]) == (fmt, k, n, m))
+
+
+def refused(tmp_path, capsys, monkeypatch, *, bench=None, model_bench=None, raw=None) -> str:
+    """Run `quantzoo report` (accuracy and plots on, a stand-in GPU) on the documents given; it
+    must exit 2 with one line and build nothing: no quick bench, no accuracy run, no report."""
+    import torch
+
+    from quantzoo.bench import kernels
+    from quantzoo.cli import main
+    from quantzoo.report import accuracy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "run_bench", lambda **kw: pytest.fail("the quick bench ran before the check"))
+    monkeypatch.setattr(accuracy, "accuracy", lambda *a, **kw: pytest.fail("the accuracy ran before the check"))
+    argv = ["report", "--out", str(tmp_path / "out")]
+    for flag, doc in (("--bench", bench), ("--model-bench", model_bench)):
+        if doc is not None:
+            p = tmp_path / f"{flag[2:]}.json"
+            p.write_text(raw if raw is not None else json.dumps(doc))
+            argv += [flag, str(p)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+    return err
+
+
+def test_a_kernels_bench_is_not_a_model_bench(tmp_path, capsys, monkeypatch):
+    """A kernels JSON given as --model-bench rendered a 'Model throughput' table of its rows
+    (their roofline_us) with exit 0; the other way round, the error says which flag it is for."""
+    err = refused(tmp_path, capsys, monkeypatch, model_bench=fixture_doc())
+    assert "model-bench.json: a `quantzoo bench kernels` JSON" in err and "give it as --bench" in err
+    err = refused(tmp_path, capsys, monkeypatch, model_bench=fixture_doc()["results"])   # its rows alone
+    assert "model-bench.json: record [0] (awq): no decode_tok_s_* field" in err and "--bench" in err
+    err = refused(tmp_path, capsys, monkeypatch, bench=model_bench_doc())
+    assert "bench.json: not a `quantzoo bench kernels` JSON" in err and "give that as --model-bench" in err
+
+
+@pytest.mark.parametrize("value,shown", [("inf", "Infinity"), ("nan", "NaN"), (0, "0"), (-8.6, "-8.6"),
+                                         (None, "null"), ("8.6", '"8.6"')])
+def test_a_bad_kernel_time_is_refused(tmp_path, capsys, monkeypatch, value, shown):
+    """median_us Infinity / NaN / 0 / negative gave 0.0 % roofline, inflated ratios, a negative
+    fixed cost and cells mixing the bad time with the stored x_cublas (NaN/inf also an invalid
+    report.json, found after all the work, and an error naming nothing); null or a string a
+    traceback. Refused, naming the file, the row and the field."""
+    doc = fixture_doc()
+    i = row_index(doc, "q4_0", 4096, 1024, 16)
+    doc["results"][i]["median_us"] = float(value) if value in ("inf", "nan") else value
+    raw = json.dumps(doc) if value not in ("inf", "nan") else json.dumps(doc, allow_nan=True)
+    err = refused(tmp_path, capsys, monkeypatch, bench=doc, raw=raw)
+    assert f"bench.json: results[{i}] (q4_0 4096->1024 M=16): median_us = {shown} is not a positive number" in err
+
+
+def set_path(doc, path, value):
+    *head, last = path
+    for p in head:
+        doc = doc[p]
+    if value is DELETE:
+        del doc[last]
+    else:
+        doc[last] = value
+
+
+DELETE = object()
+_A0 = ("results", 0)   # the fixture's first row: awq 4096->4096 M=1 (it has read_us)
+
+
+@pytest.mark.parametrize("path,value,needle", [
+    (_A0 + ("roofline_us",), None, "results[0] (awq 4096->4096 M=1): roofline_us = null is not a positive number"),
+    (_A0 + ("weight_bytes",), None, "results[0] (awq 4096->4096 M=1): weight_bytes is null"),
+    (_A0 + ("weight_bytes",), DELETE, "results[0] (awq 4096->4096 M=1): weight_bytes is missing"),
+    (_A0 + ("weight_bytes",), "8716288", 'results[0] (awq 4096->4096 M=1): weight_bytes = "8716288" is not a positive'),
+    (_A0 + ("read_us",), "4.6", 'results[0] (awq 4096->4096 M=1): read_us = "4.6" is not a positive number'),
+    (_A0 + ("m",), "1", 'results[0]: m = "1" is not a positive integer'),
+    (_A0 + ("k",), "4096", 'results[0]: k = "4096" is not a positive integer'),
+    (_A0 + ("format",), "q3_k", 'results[0]: format = "q3_k" is not a weight format of the registry'),
+    (_A0 + ("format",), "q8_1", 'results[0]: format = "q8_1" is not a weight format of the registry'),
+    (_A0 + ("status",), "fine", 'results[0] (awq 4096->4096 M=1): status = "fine" is not one of ok, error, missing'),
+    (("results",), [], "'results' is empty: the file holds no measurement"),
+    (("settings", "qwen3_8b_layer"), None, "settings.qwen3_8b_layer = null is not a list"),
+    (("settings", "qwen3_8b_layer"), [[4096, 4096]],
+     "settings.qwen3_8b_layer[0] = [4096, 4096] is not [K, N, names, count]"),
+    (("settings", "power"), "yes", 'settings.power = "yes" is not a JSON object'),
+    (("settings", "target_s"), "0.03", 'settings.target_s = "0.03" is not a positive number'),
+    (("settings", "m"), "1,2", 'settings.m = "1,2" is not a list of positive integers'),
+    (("ceilings_end", "copy_tbps"), 0, "ceilings_end.copy_tbps = 0 is not a positive number"),
+])
+def test_a_malformed_kernels_bench_is_one_line(tmp_path, capsys, monkeypatch, path, value, needle):
+    """Wrong types and zeros crashed with ZeroDivisionError / TypeError / AttributeError
+    tracebacks, or ended as 'not enough values to unpack (expected 4, got 2)' or a bare 'error:
+    weight_bytes' naming neither file nor field; an unknown format got rows of its own and an
+    empty results list gave empty tables without saying so."""
+    doc = fixture_doc()
+    set_path(doc, path, value)
+    err = refused(tmp_path, capsys, monkeypatch, bench=doc)
+    assert f"bench.json: {needle}" in err, err
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("power_capped", None, "power_capped = null is not a share between 0 and 1"),
+    ("sustained_us", 0, "sustained_us = 0 is not a positive number"),
+    ("mj_per_call", "x", 'mj_per_call = "x" is not a positive number'),
+])
+def test_a_malformed_power_probe_row_is_one_line(tmp_path, capsys, monkeypatch, field, value, needle):
+    doc = fixture_doc()
+    i = next(i for i, r in enumerate(doc["results"]) if r.get("mj_per_call") and r["format"] == "q4_0")
+    r = doc["results"][i]
+    r[field] = value
+    err = refused(tmp_path, capsys, monkeypatch, bench=doc)
+    assert f"bench.json: results[{i}] (q4_0 {r['k']}->{r['n']} M={r['m']}): {needle}" in err, err
+
+
+@pytest.mark.parametrize("path,value,needle", [
+    (("machine",), "h100", 'machine = "h100" is not a JSON object'),
+    (("config",), "qwen3", 'config = "qwen3" is not a JSON object'),
+    (("config", "hidden_size"), "4096", 'config.hidden_size = "4096" is not a positive integer'),
+    (("copy_bandwidth_bytes_s",), "2.9e12", 'copy_bandwidth_bytes_s = "2.9e12" is not a positive number'),
+    (("results", 1, "error"), 123, "results[1] (q4_0): error = 123 is not a string"),
+    (("results", 1, "format"), "q3_k", 'results[1]: format = "q3_k" is not a weight format of the registry'),
+    (("results", 1, "format"), DELETE, "results[1] lacks format"),
+    (("results", 0, "decode_tok_s_graph"), "358",
+     'results[0] (awq): decode_tok_s_graph = "358" is not a positive number'),
+    (("results", 2, "decode_tok_s_graph"), 0, "results[2] (fp16): decode_tok_s_graph = 0 is not a positive number"),
+    (("results", 0, "decode_tok_s_graph"), -5, "results[0] (awq): decode_tok_s_graph = -5 is not a positive number"),
+    (("results", 0, "peak_gpu_bytes"), "6e9", 'results[0] (awq): peak_gpu_bytes = "6e9" is not a positive number'),
+    (("results", 0, "prefill_breakdown"), {"a": 1}, 'results[0] (awq): prefill_breakdown = {"a": 1} is not a list'),
+    (("results", 2, "prefill_breakdown", 0, "total_gpu_us"), "13800",
+     'results[2] (fp16): prefill_breakdown[0].total_gpu_us = "13800" is not a positive number'),
+    (("prefill_side_by_side",), "x", 'prefill_side_by_side = "x" is not a JSON object'),
+    (("prefill_side_by_side", "tok_s", "fp16", "512"), 0,
+     "prefill_side_by_side.tok_s.fp16.512 = 0 is not a positive number"),
+    (("results",), [], "'results' is empty: the file holds no measurement"),
+])
+def test_a_malformed_model_bench_is_one_line(tmp_path, capsys, monkeypatch, path, value, needle):
+    doc = model_bench_doc()
+    set_path(doc, path, value)
+    err = refused(tmp_path, capsys, monkeypatch, model_bench=doc)
+    assert f"model-bench.json: {needle}" in err, err
+
+
+def test_nan_in_a_model_bench_is_refused(tmp_path, capsys, monkeypatch):
+    """NaN / Infinity tok/s printed as 'nan' in the table, then report.json could not be written
+    ('Out of range float values are not JSON compliant: nan', naming nothing) after all the work."""
+    doc = model_bench_doc()
+    doc["results"][2]["decode_tok_s_graph"] = float("nan")
+    err = refused(tmp_path, capsys, monkeypatch, model_bench=doc, raw=json.dumps(doc, allow_nan=True))
+    assert "model-bench.json: results[2] (fp16): decode_tok_s_graph = NaN is not a positive number" in err
+
+
+def test_model_bench_as_a_bare_list_of_records(tmp_path, errors):
+    """model_bench_rows takes the bare list of records on purpose; the report crashed on it
+    (AttributeError: 'list' object has no attribute 'get'). It is the file's results."""
+    from quantzoo.cli import main
+
+    recs = model_bench_doc()["results"]
+    p = tmp_path / "recs.json"
+    p.write_text(json.dumps(recs))
+    md = report.render(report.build(None, recs, accuracy=False, errors=errors))
+    t = table_with(md, "decode_tok_s_graph")
+    assert [r["format"] for r in t] == ["awq", "q4_0", "fp16"] and t[2]["decode_tok_s_graph"] == "177"
+    assert table_with(md, "decode x fp16")[0]["decode x fp16"] == "2.02"
+    assert main(["report", "--model-bench", str(p), "--no-bench", "--no-accuracy", "--no-plots",
+                 "--out", str(tmp_path / "r.md")]) == 0
+
+
+def test_never_slower_needs_a_comparison(errors, bench):
+    """'never slower than fp16 on this grid' was claimed for a format missing a shape (its
+    layer aggregate is None at every M) and for every format of a file without fp16 rows."""
+    def md_of(b):
+        return report.render(report.build(b, accuracy=False, errors=errors))
+
+    part = copy.deepcopy(bench)
+    part["results"] = [r for r in part["results"] if not (r["format"] == "q4_0" and r["k"] == 12288)]
+    md = md_of(part)
+    t = {r["format"]: r for r in table_with(md, "slower than fp16 from M")}
+    assert t["q4_0"]["slower than fp16 from M"] == "n/a" and t["q8_0"]["slower than fp16 from M"] != "n/a"
+    q4 = next(line for line in md.splitlines() if line.startswith("- `q4_0`:"))
+    assert "never slower" not in q4 and "no comparison with fp16 at any bench M" in q4
+    nofp16 = copy.deepcopy(bench)
+    nofp16["results"] = [r for r in nofp16["results"] if r["format"] != "fp16"]
+    md = md_of(nofp16)
+    assert "never" not in md and "(the bench lacks fp16 rows)" in md
+    assert {r["slower than fp16 from M"] for r in table_with(md, "slower than fp16 from M")} == {"n/a"}
+    # the per-shape cells take x cuBLAS from this file's fp16 rows, not the one the row stored
+    detail = [t for t in md_tables(md) if t and "M=4096" in t[0]]
+    assert all(c.endswith("(-)") for t in detail for r in t for h, c in r.items() if h != "format")
+
+
+def test_round_robin_columns_do_not_fall_back(errors):
+    """Where prefill_side_by_side has no figure for a format, its wall columns took the
+    sequential prefill_tok_s_* under prose saying they were round-robin: '-' now, and said."""
+    mb = model_bench_doc()
+    del mb["prefill_side_by_side"]["tok_s"]["q4_0"]
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    t = {r["format"]: r for r in table_with(md, "prefill 512 wall ms")}
+    assert t["q4_0"]["prefill 512 wall ms"] == "-" and t["q4_0"]["prefill 2048 wall tok/s"] == "-"
+    assert t["q4_0"]["wall x fp16"] == "-" and t["q4_0"]["prefill 512 GPU ms"] == "12.3"
+    assert finite(t["awq"]["prefill 2048 wall tok/s"]) == 35000
+    assert "timed round-robin" in md and "'-' where the round-robin run has no figure for a format" in md
+    # without the round-robin run the sequential figures are used, and the prose says so
+    mb["prefill_side_by_side"] = {"skipped": "the formats' models do not fit on the GPU together"}
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    assert table_with(md, "prefill 512 wall ms")[1]["prefill 2048 wall tok/s"] == "41071"
+    assert "timed round-robin" not in md and "the bench's round-robin run is not in this file" in md
+    assert "it was skipped: the formats' models do not fit on the GPU together" in md
+
+
+def test_model_section_prose_from_missing_fields(errors):
+    """No copy_bandwidth_bytes_s gave '(nan TB/s, ...)'."""
+    mb = model_bench_doc()
+    del mb["copy_bandwidth_bytes_s"]
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    assert "nan" not in md.lower() and "the file does not record its value" in md
+    assert "Measured on NVIDIA H100 (test)" in md
+
+
+def test_model_table_shows_peak_memory(errors):
+    """bench model measures peak memory (peak_*_bytes, kv_cache_bytes, peak_*_over_weights_kv);
+    the report's key filter left every one of them out."""
+    mb = model_bench_doc()
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    t = table_with(md, "peak_gpu_GiB")
+    for row, rec in zip(t, mb["results"]):
+        assert finite(row["peak_gpu_GiB"]) == pytest.approx(rec["peak_gpu_bytes"] / 2**30, abs=0.006)
+        assert finite(row["peak_decode_GiB"]) == pytest.approx(rec["peak_decode_bytes"] / 2**30, abs=0.006)
+        assert finite(row["kv_cache_GiB"]) == pytest.approx(0.28, abs=0.006)
+        assert row["peak_over_weights_kv"] == "1.040" and row["peak_decode_over_weights_kv"] == "1.002"
+    assert "Peak GPU memory" in md
+    hdr, _ = report.model_bench_rows(mb)
+    assert hdr[-5:] == ["peak_decode_GiB", "peak_decode_over_weights_kv", "kv_cache_GiB", "peak_gpu_GiB",
+                        "peak_over_weights_kv"]

@@ -40,13 +40,9 @@ def run(args) -> int:
     def log(s):
         print(s, file=sys.stderr, flush=True)
 
-    model_bench = None
-    if args.model_bench:
-        model_bench = speed.load_json(args.model_bench, "`quantzoo bench model`")
-        try:   # unusable: fail here, not as a line inside the report
-            report.model_bench_rows(model_bench)
-        except ValueError as e:
-            raise ValueError(f"{args.model_bench}: {e}") from None
+    # each input file checked whole here (quantzoo.report.checks), before any other work: a bad
+    # value fails as one line naming the file and the field, not inside or halfway through a report
+    model_bench = report.load_model_bench(args.model_bench) if args.model_bench else None
     if args.accuracy_tokens < 2:
         raise ValueError(f"--accuracy-tokens {args.accuracy_tokens}: need at least 2")
     acc_formats = None

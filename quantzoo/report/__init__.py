@@ -12,11 +12,12 @@ Everything iterates the registry: a new format shows up with no edit here. Secti
 - kernel speed (from a `quantzoo bench kernels` JSON made on a GPU): % of roofline and x cuBLAS
   fp16 at M = 1 / 16 / 512 for one Qwen3-8B layer, dispatch paths and crossovers, per-shape
   detail, decode roofline tok/s;
-- model throughput (from a `quantzoo bench model` JSON, when given);
+- model throughput and peak memory (from a `quantzoo bench model` JSON, when given);
 - accuracy (quantzoo.report.accuracy): top-1 agreement and mean KL vs fp16 on the default model.
 
 Without a bench file on a machine with no GPU the speed sections are left out and the report
-says so.
+says so. Both bench files are checked whole when read (quantzoo.report.checks): a value the
+report would have to print a figure from and cannot is refused there, naming file and field.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import json
 import math
 import os
 
-from . import sizes, speed
+from . import checks, sizes, speed
 
 HEADLINE_M = (1, 16, 512)
 
@@ -35,8 +36,10 @@ def _num(v, key: str = "") -> str:
     """A number at a sensible precision for a table cell (fractions: always 3 decimals)."""
     if v is None or not math.isfinite(v):
         return "-"
-    if "fraction" in key:
+    if "fraction" in key or "_over_" in key:
         return format(v, ".3f")
+    if key.endswith("GiB"):
+        return format(v, ".2f")
     a = abs(v)
     return format(v, ".0f" if a >= 100 else ".1f" if a >= 1 else ".3f")
 
@@ -94,7 +97,10 @@ def speed_rows(bench: dict) -> list[dict]:
         fl = speed.read_floor(bench, name)
         for key in ("us", "read_us", "us_pdl", "read_us_pdl", "bytes"):
             row[f"m1_layer_{key}"] = fl[key] if fl else None
-        row["slower_than_fp16_from_m"] = speed.slower_than_fp16_from(bench, name) if name != speed.BASELINE else None
+        slow, unknown = speed.vs_fp16(bench, name) if name != speed.BASELINE else (None, [])
+        row["slower_than_fp16_from_m"] = slow
+        # False: at some M before slow (any M, if None) no comparison, so the first slower M is not known
+        row["compared_with_fp16"] = not unknown if name != speed.BASELINE else None
         row["paths"] = speed.crossover_text(bench, name)
         row["error"] = speed.first_error(bench, name) if row["status"] != "ok" else ""
         rows.append(row)
@@ -102,20 +108,36 @@ def speed_rows(bench: dict) -> list[dict]:
 
 
 def model_bench_rows(mb: dict) -> tuple[list[str], list[list]]:
-    """Headers and rows from a `quantzoo bench model` JSON: its per-format records, with the
-    numeric fields whose names speak of tokens/s or memory."""
+    """Headers and rows from a `quantzoo bench model` JSON (or its bare list of records): its
+    per-format records, with the numeric fields whose names speak of tokens/s or rooflines, then
+    those of memory (checks.model_table_key): peak_*_bytes and kv_cache_bytes shown in GiB
+    (their headers ending _GiB), peak_*_over_weights_kv as the bench stores them."""
     recs = mb.get("results") if isinstance(mb, dict) else mb
     if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
-        raise ValueError("model bench JSON: expected a 'results' list of per-format records (objects)")
+        raise ValueError(f"model bench JSON: {checks.RECORDS}")
     keys = []
     for r in recs:
         for k, v in r.items():
             if k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool) and \
-                    any(s in k.lower() for s in ("tok", "mem", "gib", "gb", "roofline")):
+                    checks.model_table_key(k):
                 keys.append(k)
+    mem = [k for k in keys if k.startswith("peak_") or k.startswith("kv_cache") or "mem" in k.lower()]
+    keys = [k for k in keys if k not in mem] + mem
+    gib = {k: k[:-len("_bytes")] + "_GiB" for k in mem if k.endswith("_bytes")}
+
+    def cell(r, k):
+        v = r.get(k)
+        return v / 2**30 if k in gib and isinstance(v, (int, float)) else v
+
     label = next((k for k in ("format", "name", "weights") if recs and k in recs[0]), None)
-    rows = [[r.get(label, "?") if label else "?"] + [r.get(k) for k in keys] for r in recs]
-    return [label or "format"] + keys, rows
+    rows = [[r.get(label, "?") if label else "?"] + [cell(r, k) for k in keys] for r in recs]
+    return [label or "format"] + [gib.get(k, k) for k in keys], rows
+
+
+def load_model_bench(path) -> dict:
+    """A `quantzoo bench model` JSON file, checked (checks.check_model_bench): one ValueError
+    naming the file and the field otherwise."""
+    return checks.check_model_bench(speed.load_json(path, "`quantzoo bench model`"), str(path))
 
 
 def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
@@ -142,10 +164,13 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
     sbs = mb.get("prefill_side_by_side") if isinstance(mb, dict) else None
     side = sbs.get("tok_s") if isinstance(sbs, dict) else None
 
-    def tok_s(r, n):   # the side-by-side (round-robin) figure where the bench has one
-        per = side.get(r.get("format")) if isinstance(side, dict) else None
-        v = (per.get(str(n), per.get(n)) if isinstance(per, dict) else None) or r.get(f"prefill_tok_s_{n}")
-        return v if isinstance(v, (int, float)) and v else None
+    def tok_s(r, n):   # the side-by-side (round-robin) figures where the bench has them, else
+        if isinstance(side, dict):   # the sequential ones; never the one standing in for the other
+            per = side.get(r.get("format"))
+            v = per.get(str(n), per.get(n)) if isinstance(per, dict) else None
+        else:
+            v = r.get(f"prefill_tok_s_{n}")
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
 
     def wall_ms(r, n):
         tps = tok_s(r, n)
@@ -172,6 +197,8 @@ def build(bench: dict | None = None, model_bench: dict | None = None, *, accurac
 
     if bench is not None:
         speed.check_bench(bench)
+    if model_bench is not None:
+        model_bench = checks.check_model_bench(model_bench)
     rep = {"kind": "quantzoo-report", "version": 1,
            "generated_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "quantzoo": __version__, "git_commit": git_commit(), "command": command,
@@ -221,9 +248,11 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         c = bench["ceilings"]
         if bench.get("FIXTURE"):
             L.append(f"**This bench file is a test fixture, not a measurement:** {bench['FIXTURE']}.\n")
-        L.append(f"Speed figures come from `quantzoo bench kernels` run on **{m.get('gpu')}** "
-                 f"(driver {m.get('driver', '?')}, torch {m.get('torch')}, CuPy {m.get('cupy') or 'not recorded'}, "
-                 f"commit `{m.get('git_commit') or 'not recorded'}`, {m.get('time_utc')}). Ceilings measured in that "
+        L.append(f"Speed figures come from `quantzoo bench kernels` run on "
+                 f"**{m.get('gpu') or 'a GPU not recorded'}** (driver {m.get('driver') or '?'}, torch "
+                 f"{m.get('torch') or '?'}, CuPy {m.get('cupy') or 'not recorded'}, commit "
+                 f"`{m.get('git_commit') or 'not recorded'}`, {m.get('time_utc') or 'time not recorded'}). "
+                 "Ceilings measured in that "
                  f"run: device copy **{c['copy_tbps']:.2f} TB/s** (read + write) and cuBLAS fp16 "
                  f"{c.get('cublas_size', '?')}^3 **{c['cublas_fp16_tflops']:.0f} TFLOP/s**"
                  + (f" (at the end of the run: {bench['ceilings_end']['copy_tbps']:.2f} TB/s, "
@@ -271,7 +300,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             row = [r["format"], r["status"]]
             for m in HEADLINE_M:
                 row += [_f(r[f"m{m}_pct_roofline"], ".1f"), _f(r[f"m{m}_x_cublas"], ".2f")]
-            row += ["-" if r["format"] == speed.BASELINE else
+            row += ["-" if r["format"] == speed.BASELINE else "n/a" if not r["compared_with_fp16"] else
                     (str(r["slower_than_fp16_from_m"]) if r["slower_than_fp16_from_m"] else "never"),
                     r["paths"] or (r["error"][:80] if r["error"] else "")]
             rows.append(row)
@@ -283,7 +312,10 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                  + "% roofline = the time the ceilings allow (max of bytes / copy bandwidth and flops / "
                    "cuBLAS fp16 TFLOP/s, bytes = stored weight + fp16 x and y) over the measured time; "
                    "x cuBLAS = cuBLAS fp16 time / format time (above 1 is faster). 'slower than fp16 "
-                   "from M' is the first bench M at which the layer is slower than cuBLAS fp16. "
+                   "from M' is the first bench M at which the layer is slower than cuBLAS fp16"
+                   + ("; 'n/a' where, at an M before it, the bench lacks an ok row of the format or of "
+                      "fp16 for a shape (so that the first such M is not known)"
+                      if any(r["compared_with_fp16"] is False for r in rep["speed"]) else "") + ". "
                    "Times: median of CUDA-graph replays of back-to-back launches over weight copies "
                    "rotated so that L2 cannot serve them, warm-up excluded.\n")
         bad = [r for r in rep["speed"] if r["status"] != "ok"]
@@ -386,9 +418,9 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             for name in speed.formats_in(bench):
                 row = [name]
                 for m in ms:
-                    r = ok.get((name, k, n, m))
-                    row.append("n/a" if r is None else
-                               f"{r['median_us']:.1f} ({_f(r.get('x_cublas'), '.2f')})")
+                    r, b = ok.get((name, k, n, m)), ok.get((speed.BASELINE, k, n, m))
+                    row.append("n/a" if r is None else   # x cuBLAS from this file's rows, as above
+                               f"{r['median_us']:.1f} ({_f(b['median_us'] / r['median_us'] if b else None, '.2f')})")
                 rows.append(row)
             L.append(_table(rows, ["format"] + [f"M={m}" for m in ms]))
             L.append("")
@@ -403,77 +435,100 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             txt = speed.crossover_text(bench, name)
             if not txt:
                 continue
-            slow = speed.slower_than_fp16_from(bench, name)
-            L.append(f"- `{name}`: {txt}" + ("" if name == speed.BASELINE else
-                                              f"; slower than fp16 from M={slow}" if slow else
-                                              "; never slower than fp16 on this grid"))
+            slow, unknown = speed.vs_fp16(bench, name) if name != speed.BASELINE else (None, [])
+            if name == speed.BASELINE:
+                vs = ""
+            elif unknown:
+                at = "any bench M" if len(unknown) == len(speed.ms_in(bench)) else "M=" + ", ".join(map(str, unknown))
+                vs = (f"; no comparison with fp16 at {at} (the bench lacks "
+                      + ("fp16 rows" if speed.BASELINE not in speed.formats_in(bench) else
+                         "an ok row of this format or of fp16 for a shape there")
+                      + (f"), slower than fp16 at M={slow}" if slow else ")"))
+            else:
+                vs = f"; slower than fp16 from M={slow}" if slow else "; never slower than fp16 on this grid"
+            L.append(f"- `{name}`: {txt}{vs}")
         L.append("")
 
-    # --- model bench
-    if rep.get("model_bench"):
+    # --- model bench (checks.check_model_bench has seen it: build())
+    mb = rep.get("model_bench")
+    if mb:
         L.append("## Model throughput (`quantzoo bench model`)\n")
-        try:
-            hdr, rows = model_bench_rows(rep["model_bench"])
-            mm = rep["model_bench"].get("machine", {}) if isinstance(rep["model_bench"], dict) else {}
-            from quantzoo.bench.model import QWEN3_8B
+        hdr, rows = model_bench_rows(mb)
+        mm = mb.get("machine") or {}
+        from quantzoo.bench.model import QWEN3_8B
 
-            cfg = rep["model_bench"].get("config", {}) if isinstance(rep["model_bench"], dict) else {}
-            if cfg.get("hidden_size", QWEN3_8B["hidden_size"]) != QWEN3_8B["hidden_size"]:
-                L.append(f"**Not the Qwen3-8B shape**: this bench JSON holds a tiny smoke-test model "
-                         f"({cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, device "
-                         f"{rep['model_bench'].get('device')}); its figures say nothing of speed.\n")
-            elif mm:
-                bw = (rep["model_bench"].get("copy_bandwidth_bytes_s") or float("nan")) / 1e12
-                L.append(f"Measured on {mm.get('gpu')} ({mm.get('time_utc')}), from the runner's own "
-                         "bench JSON; a Qwen3-8B-shaped model with random weights, its decoder linears in the "
-                         "format (embedding and lm_head as that bench stores them). roofline_tok_s: the copy bandwidth "
-                         f"measured in that run ({bw:.2f} TB/s, "
-                         "not the kernel bench's) over the bytes of every linear + lm_head (norms not counted), "
-                         "so it differs from the size table's roofline decode tok/s. A read-only stream may "
-                         "exceed a copy's rate a little: a roofline_fraction above 1 is possible.\n")
-            L.append(_table([[_num(v, h) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
-                              for h, v in zip(hdr, r)] for r in rows], hdr))
-            if any("decode_tok_s_reads_only" in h for h in hdr):
-                L.append("\nTwo decode bounds from the same run (the fastest one-launch read of a buffer, "
-                         "cuda/stream_read.cu, standing in for every linear): `*_ideal_linears`, the "
-                         "runner's decode graph with each linear's product replaced by a read of as many "
-                         "bytes as its weight, the per-layer ops (norms, RoPE, attention, SwiGLU, Q8_1 "
-                         "quantize) unchanged -- about what this runner could reach with GEMVs as fast as "
-                         "a read; `*_reads_only`, a graph of those reads alone, one per linear of a step -- "
-                         "about what launching one kernel per linear allows even with per-layer ops for "
-                         "free. What lies between the decode and those bounds is the GEMVs' own cost; what "
-                         "lies between them and the roofline, the per-layer ops and each launch's fixed "
-                         "cost.\n")
-            ctx = next((h for h in hdr if h.startswith("decode_tok_s_graph_ctx")), None)
-            if ctx:
-                L.append(f"\n`{ctx}`: the graph decode after a {ctx[len('decode_tok_s_graph_ctx'):]}-token "
-                         "prompt, where each step's attention also reads the whole KV cache (for the "
-                         "Qwen3-8B shape 147 KB a token: 0.6 GB a step at 4096 tokens).\n")
-            if any("decode_tok_s_graph_persistent" in h for h in hdr):
-                L.append("\n`decode_tok_s_graph_persistent` (GGUF formats): the same decode through the "
-                         "experimental persistent kernel (cuda/decode_persistent.cu: every decoder layer of "
-                         "a step in one resident launch, bit-equal to the default decode, opt-in with "
-                         "`persistent=True`); the bench JSON's `decode_persistent_phases_us` says where "
-                         "one of its steps spends its time.\n")
-            recs = rep["model_bench"].get("results", []) if isinstance(rep["model_bench"], dict) else []
-            for r in recs:
-                if isinstance(r, dict) and r.get("error"):
-                    L.append(f"\n- `{r.get('format')}`: {r['error'][:200]}")
-            vs = model_vs_fp16_rows(rep["model_bench"])
-            if vs:
-                sb = "tok_s" in (rep["model_bench"].get("prefill_side_by_side") or {})
-                L.append("\nAgainst the fp16 runner of the same run (x fp16 above 1: faster than fp16). The "
-                         "512-token prefill by the wall clock" +
-                         (" (every format's model held at once and timed round-robin, so that the host's "
-                          "drift within the run falls on all of them alike)" if sb else "") +
-                         " and by the GPU time of its profiled run; wall / GPU well above 1 means the "
-                         "host's Python, not the GPU, set that time (it moves up to 2x between runs on "
-                         "the lent machine). The 2048-token columns are the same round-robin wall figures (not "
-                         "the table above's prefill_tok_s_2048, timed one format after another).\n")
-                L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
-                                  for v in r] for r in vs[1]], vs[0]))
-        except ValueError as e:
-            L.append(f"(could not read the model bench: {e})")
+        cfg = mb.get("config") or {}
+        if cfg.get("hidden_size", QWEN3_8B["hidden_size"]) != QWEN3_8B["hidden_size"]:
+            L.append(f"**Not the Qwen3-8B shape**: this bench JSON holds a tiny smoke-test model "
+                     f"({cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, device "
+                     f"{mb.get('device')}); its figures say nothing of speed.\n")
+        elif mm:
+            bw = mb.get("copy_bandwidth_bytes_s")
+            L.append(f"Measured on {mm.get('gpu') or 'a GPU not recorded'} "
+                     f"({mm.get('time_utc') or 'time not recorded'}), "
+                     "from the runner's own bench JSON; a Qwen3-8B-shaped model with random weights, its decoder "
+                     "linears in the format (embedding and lm_head as that bench stores them). roofline_tok_s: the "
+                     + (f"copy bandwidth measured in that run ({bw / 1e12:.2f} TB/s, not the kernel bench's)"
+                        if bw else "copy bandwidth of that run (the file does not record its value)")
+                     + " over the bytes of every linear + lm_head (norms not counted), "
+                     "so it differs from the size table's roofline decode tok/s. A read-only stream may "
+                     "exceed a copy's rate a little: a roofline_fraction above 1 is possible.\n")
+        L.append(_table([[_num(v, h) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
+                          for h, v in zip(hdr, r)] for r in rows], hdr))
+        if any(h.startswith("peak_") for h in hdr):
+            L.append("\nPeak GPU memory (torch's peak allocation, GiB = 2^30 bytes), per phase of the run: "
+                     "`peak_decode_GiB` over the decode timings (a KV cache of the decode's own positions), "
+                     "`peak_gpu_GiB` over the prefills (a cache of the longest prompt's positions, whose size is "
+                     "`kv_cache_GiB`, and that prompt's activations); each `*_over_weights_kv` is that peak over "
+                     "the weights (linears, embedding and lm_head) + that phase's KV cache, so 1.000 means "
+                     "nothing else was held.\n")
+        if any("decode_tok_s_reads_only" in h for h in hdr):
+            L.append("\nTwo decode bounds from the same run (the fastest one-launch read of a buffer, "
+                     "cuda/stream_read.cu, standing in for every linear): `*_ideal_linears`, the "
+                     "runner's decode graph with each linear's product replaced by a read of as many "
+                     "bytes as its weight, the per-layer ops (norms, RoPE, attention, SwiGLU, Q8_1 "
+                     "quantize) unchanged -- about what this runner could reach with GEMVs as fast as "
+                     "a read; `*_reads_only`, a graph of those reads alone, one per linear of a step -- "
+                     "about what launching one kernel per linear allows even with per-layer ops for "
+                     "free. What lies between the decode and those bounds is the GEMVs' own cost; what "
+                     "lies between them and the roofline, the per-layer ops and each launch's fixed "
+                     "cost.\n")
+        ctx = next((h for h in hdr if h.startswith("decode_tok_s_graph_ctx")), None)
+        if ctx:
+            L.append(f"\n`{ctx}`: the graph decode after a {ctx[len('decode_tok_s_graph_ctx'):]}-token "
+                     "prompt, where each step's attention also reads the whole KV cache (for the "
+                     "Qwen3-8B shape 147 KB a token: 0.6 GB a step at 4096 tokens).\n")
+        if any("decode_tok_s_graph_persistent" in h for h in hdr):
+            L.append("\n`decode_tok_s_graph_persistent` (GGUF formats): the same decode through the "
+                     "experimental persistent kernel (cuda/decode_persistent.cu: every decoder layer of "
+                     "a step in one resident launch, bit-equal to the default decode, opt-in with "
+                     "`persistent=True`); the bench JSON's `decode_persistent_phases_us` says where "
+                     "one of its steps spends its time.\n")
+        for r in mb["results"]:
+            if r.get("error"):
+                L.append(f"\n- `{r.get('format')}`: {r['error'][:200]}")
+        vs = model_vs_fp16_rows(mb)
+        if vs:
+            sbs = mb.get("prefill_side_by_side") or {}
+            sb = "tok_s" in sbs
+            lens = {str(n) for per in (sbs.get("tok_s") or {}).values() for n in per}
+            gaps = sb and any(str(n) not in sbs["tok_s"].get(r[0], {}) for r in vs[1] for n in lens)
+            L.append("\nAgainst the fp16 runner of the same run (x fp16 above 1: faster than fp16). The "
+                     "512-token prefill by the wall clock" +
+                     (" (every format's model held at once and timed round-robin, so that the host's "
+                      "drift within the run falls on all of them alike)" if sb else
+                      " (the table above's prefill_tok_s_512, each format timed after the other: the bench's "
+                      "round-robin run is not in this file"
+                      + (f", it was skipped: {sbs['skipped'][:200]}" if sbs.get("skipped") else "") + ")") +
+                     " and by the GPU time of its profiled run; wall / GPU well above 1 means the "
+                     "host's Python, not the GPU, set that time (it moves up to 2x between runs on "
+                     "the lent machine). The 2048-token columns are "
+                     + ("the same round-robin wall figures (not the table above's prefill_tok_s_2048, "
+                        "timed one format after another)" if sb else "the table above's prefill_tok_s_2048")
+                     + ("; '-' where the round-robin run has no figure for a format" if gaps else "")
+                     + ".\n")
+            L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
+                              for v in r] for r in vs[1]], vs[0]))
         L.append("")
 
     # --- accuracy
@@ -582,8 +637,10 @@ def write(rep: dict, out: str, *, plots: bool = True) -> dict:
     with open(files["md"], "w") as f:
         f.write(md)
     files["json"] = os.path.join(out_dir, "report.json")
-    with open(files["json"], "w") as f:
-        json.dump({k: v for k, v in rep.items() if k != "bench"}, f, indent=1, allow_nan=False,
+    from quantzoo.bench.kernels import finite_or_none
+
+    with open(files["json"], "w") as f:   # (NaN in a field the report does not read: null, as JSON has it)
+        json.dump(finite_or_none({k: v for k, v in rep.items() if k != "bench"}), f, indent=1, allow_nan=False,
                   default=lambda o: o.item() if hasattr(o, "item") else str(o))
     files["formats_csv"] = os.path.join(out_dir, "formats.csv")
     _write_csv(files["formats_csv"], rep["formats"])
@@ -602,4 +659,5 @@ def write(rep: dict, out: str, *, plots: bool = True) -> dict:
     return files
 
 
-__all__ = ["build", "render", "write", "check_out", "format_rows", "speed_rows", "sizes", "speed"]
+__all__ = ["build", "render", "write", "check_out", "format_rows", "speed_rows", "load_model_bench", "sizes",
+           "speed", "checks"]

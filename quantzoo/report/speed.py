@@ -13,7 +13,6 @@ shapes it did cover are summed once each (the report says so).
 from __future__ import annotations
 
 import json
-import math
 
 BASELINE = "fp16"
 
@@ -35,28 +34,11 @@ def load_bench(path) -> dict:
     return res
 
 
-# what the report reads of each result row of a `quantzoo bench kernels` JSON
-ROW_KEYS = ("format", "k", "n", "m", "status")
-OK_ROW_KEYS = ("median_us", "roofline_us")
-
-
 def check_bench(res: dict, what: str = "bench") -> None:
-    if not isinstance(res, dict) or res.get("kind") != "quantzoo-bench-kernels":
-        raise ValueError(f"{what}: not a `quantzoo bench kernels` JSON (kind != 'quantzoo-bench-kernels')")
-    for key, kind in (("machine", dict), ("ceilings", dict), ("settings", dict), ("results", list)):
-        if not isinstance(res.get(key), kind):
-            raise ValueError(f"{what}: {key!r} is missing or not a JSON {'object' if kind is dict else 'array'}")
-    for key in ("copy_tbps", "cublas_fp16_tflops"):
-        v = res["ceilings"].get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{what}: ceilings.{key} = {v!r} is not a positive number")
-    if not isinstance(res["settings"].get("m"), list):
-        raise ValueError(f"{what}: settings.m (the bench's M values) is missing")
-    for i, r in enumerate(res["results"]):
-        need = ROW_KEYS + (OK_ROW_KEYS if isinstance(r, dict) and r.get("status") == "ok" else ())
-        missing = [k for k in need if not isinstance(r, dict) or k not in r]
-        if missing:
-            raise ValueError(f"{what}: results[{i}] lacks {', '.join(missing)}")
+    """quantzoo.report.checks.check_kernels_bench: one ValueError naming `what` and the field."""
+    from .checks import check_kernels_bench
+
+    check_kernels_bench(res, what)
 
 
 def ok_rows(res: dict) -> list[dict]:
@@ -206,13 +188,25 @@ def crossover_text(res: dict, fmt: str) -> str:
     return "; ".join(f"{s}: {t}" for s, t in texts.items())
 
 
-def slower_than_fp16_from(res: dict, fmt: str) -> int | None:
-    """Smallest bench M at which the layer-aggregated time is slower than cuBLAS fp16."""
-    for m in sorted(res["settings"]["m"]):
+def vs_fp16(res: dict, fmt: str) -> tuple[int | None, list[int]]:
+    """(the smallest bench M at which the layer-aggregated time is slower than cuBLAS fp16, the
+    bench Ms before it -- every M where it is never slower -- at which there is no comparison:
+    a shape's ok row of `fmt` or of fp16 missing there). Where that list is not empty the
+    first slower M is not known, nor whether there is one."""
+    unknown = []
+    for m in ms_in(res):
         a = aggregate(res, fmt, m)
-        if a and a["x_cublas"] is not None and a["x_cublas"] < 1.0:
-            return m
-    return None
+        if a is None or a["x_cublas"] is None:
+            unknown.append(m)
+        elif a["x_cublas"] < 1.0:
+            return m, unknown
+    return None, unknown
+
+
+def slower_than_fp16_from(res: dict, fmt: str) -> int | None:
+    """Smallest bench M at which the layer-aggregated time is slower than cuBLAS fp16, of those
+    with a comparison (vs_fp16 says at which Ms there is none)."""
+    return vs_fp16(res, fmt)[0]
 
 
 def ms_in(res: dict) -> list[int]:
