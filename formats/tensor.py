@@ -7,11 +7,13 @@ from typing import Any
 
 import numpy as np
 
+from .base import is_array
+
 
 def _move(arr: Any, device: str, key: str) -> Any:
     import torch
 
-    if not isinstance(arr, (np.ndarray, torch.Tensor)):
+    if not is_array(arr):
         raise ValueError(f"storage entry {key} is {type(arr).__name__}, not an array")
     if device == "cpu":
         if isinstance(arr, torch.Tensor):
@@ -61,13 +63,10 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         total = 0
         for key, a in self.arrays().items():
-            if isinstance(a, np.ndarray):
-                total += int(a.nbytes)
-            elif hasattr(a, "numel") and hasattr(a, "element_size"):   # a torch tensor
-                total += a.numel() * a.element_size()
-            else:
+            if not is_array(a):
                 raise ValueError(f"{self.format} weight {self.shape}: storage entry {key} is "
                                  f"{type(a).__name__}, not an array")
+            total += int(a.nbytes) if isinstance(a, np.ndarray) else a.numel() * a.element_size()
         return total
 
     def to(self, device) -> "QuantizedTensor":

@@ -264,8 +264,9 @@ def _unpack_qt(qt):
         raise ValueError(f"qt: format {qt.format!r}, expected 'awq'")
     if not isinstance(qt.data, dict):
         raise ValueError("qt: data must be the dict {qweight, qzeros, scales}")
-    if not isinstance(qt.params, dict) or set(qt.params) - {"group_size"}:   # as Format.check says
-        raise ValueError(f"qt: params {qt.params!r}; awq takes only ['group_size']")
+    takes = qt.fmt.param_names   # the registry's rule, as Format.check applies it on the CPU
+    if not isinstance(qt.params, dict) or set(qt.params) - set(takes):
+        raise ValueError(f"qt: params {qt.params!r}; awq takes only {list(takes)}")
     d = qt.data
     if qt.shape[0] % 8:
         raise ValueError(f"qt: N={qt.shape[0]} out_features must be a multiple of 8 (8 nibbles per int32)")
