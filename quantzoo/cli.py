@@ -8,6 +8,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import warnings
 
 from . import commands
 
@@ -21,8 +22,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def one_line_warnings(command: str):
+    """warnings.formatwarning that prints quantzoo's warnings (UserWarning: a fact about the
+    input; RuntimeWarning: values lost) as one line each, like the errors: what they name is the
+    file, tensor or argument, not the Python line that raised them. Other categories keep
+    Python's format."""
+    default = warnings.formatwarning
+
+    def fmt(message, category, filename, lineno, line=None):
+        if issubclass(category, (UserWarning, RuntimeWarning)):
+            return f"quantzoo {command}: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    return fmt
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    default, warnings.formatwarning = warnings.formatwarning, one_line_warnings(args.command)
+    try:
+        return _run(args)
+    finally:
+        warnings.formatwarning = default
+
+
+def _run(args) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError, KeyError, NotImplementedError, MemoryError) as e:

@@ -248,21 +248,112 @@ def test_missing_tensor(tmp_path):
         qz.load_model(path, progress=False)
 
 
-def test_k_quant_is_not_supported_yet(tmp_path):
-    """A Q4_K tensor (256-element super-blocks of 144 bytes) -> an error naming the tensor.
-    K-quants need in_features % 256 == 0, so this model has hidden size 256."""
+def kquant_model():
+    """A tiny llama whose in_features are multiples of 256 (a K-quant super-block)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=128,
-                                     num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, max_position_embeddings=64)).eval()
-    kq = np.random.default_rng(0).integers(0, 255, (128, 144), dtype=np.uint8)  # (128, 256) Q4_K
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=256,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=64,
+                                        rms_norm_eps=1e-5)).eval()
+
+
+def kquant_bytes(rng, rows: int, cols: int, tname: str, d: float = 3e-4):
+    """Random blocks of ggml type tname with their fp16 super-block scales set to d (Q6_K: d
+    is the last 2 of 210 bytes; Q4_K: d and dmin are the first 4 of 144): (rows, bytes) uint8."""
+    t = gguf.GGMLQuantizationType[tname]
+    size = gguf.GGML_QUANT_SIZES[t][1]
+    b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    at = {"Q6_K": [size - 2], "Q4_K": [0, 2]}[tname]
+    for o in at:
+        b[..., o:o + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    return b.reshape(rows, -1)
+
+
+def test_llama_cpp_types_without_a_kernel_load_dequantized(tmp_path):
+    """llama-quantize stores output.weight as Q6_K in Q4_0 ... Q5_1 files, and K-quant files are
+    common: such tensors load dequantized by gguf-py (the outside oracle for GGUF codecs), with a
+    warning, and the logits equal transformers' on those dequantized weights. attn_q is a
+    permuted llama Q/K tensor, so the dense unpermutation is checked too."""
+    m = kquant_model()
+    rng = np.random.default_rng(1)
+    T = gguf.GGMLQuantizationType
+    heads = m.config.num_attention_heads
+    raw = {"output.weight": ("lm_head.weight", kquant_bytes(rng, 64, 256, "Q6_K"), T.Q6_K),
+           "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj.weight",
+                                   kquant_bytes(rng, 256, 256, "Q4_K"), T.Q4_K),
+           "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj.weight",
+                                     kquant_bytes(rng, 256, 256, "Q4_K"), T.Q4_K)}
     path = tmp_path / "kq.gguf"
+    extra = {n: (llama_cpp_permute(b, heads) if "attn_q" in n else b, t) for n, (_, b, t) in raw.items()}
+    oracle = write_gguf(path, m, "llama", "q8_0", drop=tuple(raw), extra_tensors=extra)
+    for _, (hf, b, t) in raw.items():
+        oracle[hf] = torch.from_numpy(gguf.quants.dequantize(b, t).reshape(b.shape[0], -1).copy())
+    with pytest.warns(UserWarning, match=r"kq\.gguf: no quantzoo kernel for Q6_K: output\.weight; "
+                                         r"Q4_K: 2 tensors: dequantized to float at load"):
+        model = qz.load_model(path, progress=False)
+    assert model.formats["lm_head"] == "f32 (dequantized from Q6_K)"
+    assert model.formats["q_proj"] == model.formats["gate_proj"] == "f32 (dequantized from Q4_K)"
+    assert model.formats["k_proj"] == "q8_0"
+    ids = [int(i) for i in rng.integers(0, 64, 24)]
+    want = hf_logits(m, oracle, ids)
+    err = rel_err(model.logits(ids), want)
+    assert err < 1e-4, f"max relative logit error {err:.2e}"
+
+
+def test_quantize_cli_requantizes_a_dequantized_tensor(tmp_path):
+    """`quantzoo quantize` from such a file: the warning is one line naming file, type and
+    tensor (not a Python location), and the Q6_K output.weight reaches DST as Q8_0 of its
+    dequantized values (compared with our codec on gguf-py's dequantization)."""
+    import subprocess
+    import sys
+
+    m = kquant_model()
+    b = kquant_bytes(np.random.default_rng(3), 64, 256, "Q6_K")
+    src, dst = tmp_path / "q6.gguf", tmp_path / "out.gguf"
+    write_gguf(src, m, "llama", "q4_0", drop=("output.weight",),
+               extra_tensors={"output.weight": (b, gguf.GGMLQuantizationType.Q6_K)})
+    out = subprocess.run([sys.executable, "-m", "quantzoo.cli", "quantize", str(src), str(dst),
+                          "--format", "q8_0", "--quiet"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "warning" in ln.lower()]
+    assert lines == [f"quantzoo quantize: warning: {src}: no quantzoo kernel for Q6_K: output.weight: "
+                     "dequantized to float at load (gguf-py), run as dense linears (cuBLAS on CUDA, "
+                     "fp16 there)"], out.stderr
+    from quantzoo.model.gguf_loader import load_gguf
+
+    _, w, _ = load_gguf(dst, progress=False)
+    want = formats.get("q8_0").quantize(gguf.quants.dequantize(b, gguf.GGMLQuantizationType.Q6_K)
+                                        .reshape(64, 256))
+    assert w["lm_head.weight"].format == "q8_0"
+    assert np.array_equal(np.asarray(w["lm_head.weight"].data), want.data)
+
+
+def test_types_without_a_kernel_or_a_dequantizer_are_refused(tmp_path):
+    """Q8_K (llama.cpp's activation type for K-quant dot products) has no gguf-py dequantizer: one
+    error naming the tensor and its type."""
+    m = kquant_model()
+    kq = np.random.default_rng(0).integers(0, 255, (256, 292), dtype=np.uint8)  # (256, 256) Q8_K
+    path = tmp_path / "k8.gguf"
     write_gguf(path, m, "llama", None, drop=("blk.0.ffn_gate.weight",),
-               extra_tensors={"blk.0.ffn_gate.weight": (kq, gguf.GGMLQuantizationType.Q4_K)})
-    with pytest.raises(ValueError, match=r"kq\.gguf: tensor 'blk\.0\.ffn_gate\.weight' has type "
-                                         r"Q4_K, which is not supported yet"):
+               extra_tensors={"blk.0.ffn_gate.weight": (kq, gguf.GGMLQuantizationType.Q8_K)})
+    with pytest.raises(ValueError, match=r"k8\.gguf: tensor 'blk\.0\.ffn_gate\.weight' has type "
+                                         r"Q8_K, which is not supported yet"):
+        qz.load_model(path, progress=False)
+
+
+def test_a_dequantized_tensor_with_an_inf_scale_is_refused(tmp_path):
+    m = kquant_model()
+    b = kquant_bytes(np.random.default_rng(2), 64, 256, "Q6_K")
+    b[5, -2:] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    path = tmp_path / "inf.gguf"
+    write_gguf(path, m, "llama", None, drop=("output.weight",),
+               extra_tensors={"output.weight": (b, gguf.GGMLQuantizationType.Q6_K)})
+    with pytest.warns(UserWarning), pytest.raises(
+            ValueError, match=r"inf\.gguf: tensor 'output\.weight' \(Q6_K\) dequantizes to non-finite "
+                              r"values \(row 5"):
         qz.load_model(path, progress=False)
 
 

@@ -72,6 +72,37 @@ def test_synthetic_gpu_equals_cpu(synthetic_path):
     assert g_gpu == g_cpu
 
 
+def test_types_without_a_kernel_run_dense_on_gpu(tmp_path):
+    """A GGUF in llama-quantize's Q4_0 mix (output.weight Q6_K) with one K-quant projection: the
+    Q6_K lm_head and the Q4_K q_proj run as dense fp16 linears beside the q4_0 kernels (q/k/v then
+    stay unfused), graph decode included; logits near the CPU float32 path's and the same greedy
+    tokens."""
+    import gguf
+    import numpy as np
+    from test_model_gguf import kquant_bytes, kquant_model, llama_cpp_permute, write_gguf
+
+    _need_cuda()
+    m = kquant_model()
+    rng = np.random.default_rng(4)
+    T = gguf.GGMLQuantizationType
+    extra = {"output.weight": (kquant_bytes(rng, 64, 256, "Q6_K"), T.Q6_K),
+             "blk.0.attn_q.weight": (llama_cpp_permute(kquant_bytes(rng, 256, 256, "Q4_K"), 4), T.Q4_K)}
+    path = tmp_path / "mix.gguf"
+    write_gguf(path, m, "llama", "q4_0", drop=tuple(extra), extra_tensors=extra)
+    with pytest.warns(UserWarning, match="no quantzoo kernel for Q6_K"):
+        cpu = qz.load_model(path, device="cpu", progress=False)
+        gpu = qz.load_model(path, device="cuda", progress=False)
+    assert gpu.formats["lm_head"] == "f32 (dequantized from Q6_K)" and gpu.formats["k_proj"] == "q4_0"
+    assert not gpu.fallbacks and gpu.layers[0].qkv is None
+    ids = [(7 * i + 3) % 64 for i in range(20)]
+    a, b = cpu.logits(ids), gpu.logits(ids)
+    rel = float((a - b).abs().max() / a.abs().max())
+    assert rel < 5e-2, f"GPU logits differ from the CPU float32 path by {rel:.2e}"
+    assert gpu.generate(ids, max_new_tokens=24, eos_token_ids=[]) == \
+        cpu.generate(ids, max_new_tokens=24, eos_token_ids=[])
+    assert gpu._graph is not None
+
+
 def test_graph_decode_equals_eager(synthetic_path):
     """Graph replay and eager decode are the same launches on the same values, so their logits
     are bit-equal: with fused ops (asserted below) a step is F.embedding, then only our kernels

@@ -4,6 +4,13 @@ gguf-py's GGUFReader memory-maps the file; block-quantized tensors (Q4_0 ... Q8_
 as QuantizedTensors over the file's own bytes (`fmt.from_bytes`: no repacking, our layout IS
 the GGUF layout). F32/F16/BF16 tensors become torch float tensors.
 
+Types quantzoo has no kernel for (Q6_K, Q4_K and the other K-quants, i-quants, ...) are
+dequantized to float32 at load by gguf-py (`gguf.quants.dequantize`) and run as dense linears,
+with a warning and the type kept in the tensor's `dequantized_from` attribute (Model.formats
+shows it). This is what makes llama.cpp's own files load: `llama-quantize` to Q4_0, Q4_1, Q5_0
+or Q5_1 stores output.weight (or a tied token_embd.weight) as Q6_K unless told otherwise
+(llama.cpp src/llama-quant.cpp: the output tensor becomes Q6_K for every type but Q8_0).
+
 Facts this rests on (DESIGN.md §5):
 - GGUF dims are listed ne0 first, ne0 = in_features, so the numpy shape is (out, in): torch
   orientation already.
@@ -18,6 +25,7 @@ Facts this rests on (DESIGN.md §5):
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -25,6 +33,7 @@ import torch
 
 from .. import formats
 from ..formats import QuantizedTensor
+from ..formats.base import warn
 from .config import ModelConfig, positive, special_token_id
 from .tokenizer import Tokenizer
 
@@ -238,6 +247,29 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
         raise ValueError(f"{path}: {e}") from None
 
 
+@functools.lru_cache(maxsize=None)
+def dequantized_at_load(tname: str) -> bool:
+    """Whether a weight of ggml type `tname` loads by dequantization (no quantzoo kernel for it,
+    and the installed gguf-py can dequantize it: it raises NotImplementedError otherwise)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if tname in FLOAT_TYPES or tname in BLOCK_TYPES or tname not in GGMLQuantizationType.__members__:
+        return False
+    t = GGMLQuantizationType[tname]
+    try:
+        dequantize(np.zeros(GGML_QUANT_SIZES[t][1], np.uint8), t)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _unsupported(path: str, name: str, tname: str) -> ValueError:
+    return ValueError(f"{path}: tensor {name!r} has type {tname}, which is not supported yet (quantzoo "
+                      f"kernels: {', '.join(BLOCK_TYPES)}; floats: {', '.join(FLOAT_TYPES)}; types the "
+                      "installed gguf-py can dequantize load as float)")
+
+
 def _to_weight(t, path: str):
     """ReaderTensor -> torch float tensor or QuantizedTensor (no copy for block types)."""
     tname = t.tensor_type.name
@@ -247,13 +279,24 @@ def _to_weight(t, path: str):
     if tname == "BF16":
         u16 = np.asarray(t.data).view(np.uint16).reshape(shape)
         return torch.from_numpy(u16.astype(np.int16)).view(torch.bfloat16).float()
+    if tname not in BLOCK_TYPES and not dequantized_at_load(tname):
+        raise _unsupported(path, t.name, tname)
+    if len(shape) != 2:
+        raise ValueError(f"{path}: tensor {t.name!r} is {tname} with shape {shape}; "
+                         "block-quantized tensors must be 2-D")
     if tname in BLOCK_TYPES:
-        if len(shape) != 2:
-            raise ValueError(f"{path}: tensor {t.name!r} is {tname} with shape {shape}; "
-                             "block-quantized tensors must be 2-D")
         return formats.get(BLOCK_TYPES[tname]).from_bytes(t.data, shape)
-    raise ValueError(f"{path}: tensor {t.name!r} has type {tname}, which is not supported yet "
-                     f"(supported: {', '.join(FLOAT_TYPES + tuple(BLOCK_TYPES))})")
+    from gguf.quants import dequantize
+
+    with np.errstate(invalid="ignore", over="ignore"):   # a bad scale is refused just below
+        w = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32).reshape(shape)
+    if not np.isfinite(w).all():   # an inf/NaN scale: every product with its row would be NaN
+        row = int(np.argwhere(~np.isfinite(w))[0][0])
+        raise ValueError(f"{path}: tensor {t.name!r} ({tname}) dequantizes to non-finite values "
+                         f"(row {row}: a scale that is inf or NaN)")
+    out = torch.from_numpy(w)
+    out.dequantized_from = tname
+    return out
 
 
 def load_gguf(path, progress: bool = True):
@@ -294,9 +337,8 @@ def load_gguf(path, progress: bool = True):
                              f"({cfg.arch}, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
                              f"{cfg.num_kv_heads}x{cfg.head_dim}) wants {want[hf]}")
         tname = t.tensor_type.name
-        if tname not in FLOAT_TYPES and tname not in BLOCK_TYPES:
-            raise ValueError(f"{path}: tensor {name!r} has type {tname}, which is not supported yet "
-                             f"(supported: {', '.join(FLOAT_TYPES + tuple(BLOCK_TYPES))})")
+        if tname not in FLOAT_TYPES and tname not in BLOCK_TYPES and not dequantized_at_load(tname):
+            raise _unsupported(path, name, tname)
         if len(want[hf]) == 1 and tname not in FLOAT_TYPES:
             raise ValueError(f"{path}: tensor {name!r} (a norm weight) has type {tname}; expected a float type")
         hf_of[name] = hf
@@ -304,6 +346,14 @@ def load_gguf(path, progress: bool = True):
     for hf in want:
         if hf not in have:
             raise ValueError(f"{path}: tensor {hf_to_gguf_name(hf)!r} is missing")
+    foreign: dict[str, list[str]] = {}
+    for name, t in tensors.items():
+        if dequantized_at_load(t.tensor_type.name):
+            foreign.setdefault(t.tensor_type.name, []).append(name)
+    if foreign:
+        what = "; ".join(f"{k}: {v[0] if len(v) == 1 else f'{len(v)} tensors'}" for k, v in foreign.items())
+        warn(f"{path}: no quantzoo kernel for {what}: dequantized to float at load (gguf-py), "
+             "run as dense linears (cuBLAS on CUDA, fp16 there)", UserWarning)
 
     weights = {}
     items = list(hf_of.items())
@@ -317,6 +367,8 @@ def load_gguf(path, progress: bool = True):
             if isinstance(w, QuantizedTensor):
                 w = QuantizedTensor(w.format, w.shape, unpermute_qk(np.asarray(w.data), n_head), w.params)
             else:
-                w = torch.from_numpy(unpermute_qk(w.numpy(), n_head))
+                src, w = getattr(w, "dequantized_from", None), torch.from_numpy(unpermute_qk(w.numpy(), n_head))
+                if src:
+                    w.dequantized_from = src
         weights[hf] = w
     return cfg, weights, tok

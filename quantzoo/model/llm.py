@@ -206,9 +206,13 @@ def fuse_weights(ws: list):
 
 
 def _kind(w) -> str:
+    """A weight's format as Model.formats shows it: the registry name, or the float dtype (with
+    the GGUF type a loader dequantized it from, gguf_loader.dequantized_at_load)."""
     if isinstance(w, QuantizedTensor):
         return w.format
-    return {torch.float16: "f16", torch.bfloat16: "bf16"}.get(getattr(w, "dtype", None), "f32")
+    kind = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(getattr(w, "dtype", None), "f32")
+    src = getattr(w, "dequantized_from", None)
+    return f"{kind} (dequantized from {src})" if src else kind
 
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # one linear each where fused
