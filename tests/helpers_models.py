@@ -70,7 +70,7 @@ class Spec:
     dtype: str = "float32"          # dtype the checkpoint is saved in
     init_std: float = 0.08
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)   # more config keys (rope_parameters: Llama 3 RoPE)
 
 
 SPECS = {
@@ -85,6 +85,13 @@ SPECS = {
     # llama arch (no q/k norms), GQA, untied; its GGUF gets llama.cpp's Q/K row permutation
     "llama-gqa": Spec("llama-gqa", arch="llama", hidden=128, heads=4, kv_heads=2, head_dim=32,
                       intermediate=256, tied=False, rope_theta=1e4, eps=1e-5, seed=3),
+    # Llama 3 RoPE scaling: with head_dim 32 and a 64-token pre-training context, 2 frequencies
+    # are kept, 3 blended and 11 divided by the factor (config.llama3_rope_factors)
+    "llama3-rope": Spec("llama3-rope", arch="llama", hidden=128, heads=4, kv_heads=2, head_dim=32,
+                        intermediate=256, tied=True, rope_theta=1e4, eps=1e-5, seed=4,
+                        extra={"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 64}}),
 }
 
 
@@ -98,6 +105,7 @@ def hf_config(spec: Spec, tok_vocab: int, eos_id: int):
                   tie_word_embeddings=spec.tied, initializer_range=spec.init_std,
                   bos_token_id=None, eos_token_id=eos_id,
                   rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"})
+    common.update(spec.extra)
     assert tok_vocab <= spec.vocab
     if spec.arch == "qwen3":
         c = Qwen3Config(**common)

@@ -103,6 +103,29 @@ def test_types_without_a_kernel_run_dense_on_gpu(tmp_path):
     assert gpu._graph is not None
 
 
+def test_llama3_rope_scaling_on_gpu(tmp_path):
+    """Llama 3 RoPE scaling reaches the fused RoPE kernel through the cos/sin tables: an HF dir of
+    the llama3-rope spec, exported to q4_0 GGUF (rope_freqs.weight), on CUDA equals the CPU float32
+    path's greedy tokens, graph decode included (the CPU path itself is held to transformers in
+    test_vs_transformers.py)."""
+    import helpers_models as H
+    from quantzoo.model.export import export
+
+    _need_cuda()
+    src, _, _ = H.make_model_dir("llama3-rope", tmp_path)
+    path = export(src, tmp_path / "l3.gguf", "q4_0", progress=False)
+    cpu = qz.load_model(path, device="cpu", progress=False)
+    gpu = qz.load_model(path, device="cuda", progress=False)
+    assert gpu.config.rope_freq_factors is not None and gpu.fused_ops
+    ids = [(5 * i + 1) % 300 for i in range(120)]
+    a, b = cpu.logits(ids), gpu.logits(ids)
+    rel = float((a - b).abs().max() / a.abs().max())
+    assert rel < 5e-2, f"GPU logits differ from the CPU float32 path by {rel:.2e}"
+    assert gpu.generate(ids, max_new_tokens=24, eos_token_ids=[]) == \
+        cpu.generate(ids, max_new_tokens=24, eos_token_ids=[])
+    assert gpu._graph is not None
+
+
 def test_graph_decode_equals_eager(synthetic_path):
     """Graph replay and eager decode are the same launches on the same values, so their logits
     are bit-equal: with fused ops (asserted below) a step is F.embedding, then only our kernels

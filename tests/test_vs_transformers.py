@@ -131,7 +131,7 @@ def test_unquantized_fp16_dir_matches_transformers(built):
 
 @pytest.mark.parametrize("spec,group_size", [("qwen3-gqa-hd64-tied", 128), ("qwen3-hd128-untied", 128),
                                              ("qwen3-g64-only", 64), ("llama-gqa", 128),
-                                             ("qwen3-gqa-hd64-tied", 32)])
+                                             ("qwen3-gqa-hd64-tied", 32), ("llama3-rope", 128)])
 def test_awq_dir_matches_transformers(built, spec, group_size):
     path, model, orig = built(spec)
     dst = built.root / f"{spec}-awq-g{group_size}"
@@ -145,7 +145,7 @@ def test_awq_dir_matches_transformers(built, spec, group_size):
 
 # every GGUF type on one qwen3 and the llama model; the other two shapes in q4_0 and q8_0
 GGUF_CASES = [(s, f) for s in ("qwen3-gqa-hd64-tied", "llama-gqa") for f in GGUF_FORMATS + ("fp16",)] + \
-             [(s, f) for s in ("qwen3-hd128-untied", "qwen3-g64-only") for f in ("q4_0", "q8_0")]
+             [(s, f) for s in ("qwen3-hd128-untied", "qwen3-g64-only", "llama3-rope") for f in ("q4_0", "q8_0")]
 
 
 @pytest.mark.parametrize("spec,fmt", GGUF_CASES)

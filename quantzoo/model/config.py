@@ -82,6 +82,10 @@ class ModelConfig:
     qk_norm: bool               # qwen3: RMSNorm over head_dim on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Llama 3 RoPE: rotation frequency i, theta^(-2i/head_dim), is divided by factor i (head_dim/2
+    # values): GGUF's rope_freqs.weight, or computed from HF's rope_type "llama3" (llama3_rope_factors).
+    # None: plain RoPE.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -98,6 +102,12 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim}: RoPE needs an even head_dim")
         for name in ("rms_norm_eps", "rope_theta"):
             setattr(self, name, positive(getattr(self, name), float, name))
+        if self.rope_freq_factors is not None:
+            f = tuple(self.rope_freq_factors)
+            if len(f) != self.head_dim // 2:
+                raise ValueError(f"rope_freq_factors: {len(f)} values; head_dim {self.head_dim} has "
+                                 f"{self.head_dim // 2} rotation frequencies")
+            self.rope_freq_factors = tuple(positive(v, float, f"rope_freq_factors[{i}]") for i, v in enumerate(f))
         self.check_token_ids()
 
     def check_token_ids(self) -> None:
@@ -153,3 +163,29 @@ class ModelConfig:
             s[p + "mlp.up_proj.weight"] = (f, h)
             s[p + "mlp.down_proj.weight"] = (h, f)
         return s
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position: int) -> tuple[float, ...]:
+    """Llama 3.1's RoPE frequency scaling as one divisor per frequency (the form GGUF stores).
+
+    With wavelength L_i = 2 pi / f_i of frequency f_i = theta^(-2i/d) and the pre-training
+    context C: frequencies whose wavelength is short (L < C / high_freq_factor) are kept,
+    long ones (L > C / low_freq_factor) are divided by `factor`, and those between blend the
+    two, f' = (1 - s) f / factor + s f with s = (C / L - low) / (high - low) -- which is f divided
+    by 1 / ((1 - s) / factor + s). Meta's reference and HF's rope_type "llama3" apply the same
+    rule to f directly; llama.cpp's converter writes these divisors as rope_freqs.weight."""
+    if not high_freq_factor > low_freq_factor:
+        raise ValueError(f"high_freq_factor={high_freq_factor!r} must exceed "
+                         f"low_freq_factor={low_freq_factor!r}")
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original_max_position / high_freq_factor:
+            out.append(1.0)
+        elif wavelen > original_max_position / low_freq_factor:
+            out.append(float(factor))
+        else:
+            s = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - s) / factor + s))
+    return tuple(out)

@@ -200,6 +200,10 @@ def hf_config_dict(src: Source, dtype: str = "float16") -> dict:
     if src.hf_config is not None:
         cfg = {k: v for k, v in src.hf_config.items() if k != "quantization_config"}
     else:
+        if c.rope_freq_factors is not None:   # GGUF's rope_freqs.weight: no config.json form for it
+            raise ValueError(f"{src.path}: its RoPE frequency factors (rope_freqs.weight) have no HF "
+                             "config.json form (transformers rebuilds them from rope_scaling's "
+                             "parameters, which a GGUF does not keep); export it to a .gguf instead")
         arch, model_type = HF_ARCH[c.arch]
         cfg = {"architectures": [arch], "model_type": model_type, "vocab_size": c.vocab_size,
                "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
@@ -256,6 +260,7 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
     quantized = [m for m in linear_modules(c) if not not_converted(m, skip)] if fmt == "awq" else []
     if fmt == "awq":
         check_group_size(c, group_size, quantized)
+    cfg = hf_config_dict(src)   # (before any writing: it refuses what config.json cannot say)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "model.safetensors").unlink(missing_ok=True)   # an earlier export's (export refuses other weights)
     # Shards of at most SHARD_BYTES, each written by save_file as it fills (model-0000i-of-0000n
@@ -303,7 +308,6 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
             weight_map.update(dict.fromkeys(keys, final))
         index = {"metadata": {"total_size": sum(n for _, _, n in shards)}, "weight_map": weight_map}
         (dst / SHARD_INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
-    cfg = hf_config_dict(src)
     if fmt == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
                                       "zero_point": True, "version": "gemm",
@@ -423,6 +427,9 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     qtype = getattr(gguf.GGMLQuantizationType, qfmt.gguf_type)
     file_type = f"MOSTLY_{qfmt.gguf_type}"
     shapes = c.expected_shapes()
+    if c.rope_freq_factors is not None and c.arch != "llama":
+        raise ValueError(f"{src.path}: Llama 3 RoPE scaling on a {c.arch} model has no GGUF form "
+                         "(llama.cpp reads rope_freqs.weight for llama only)")
     for name, shape in shapes.items():
         if len(shape) == 2 and fmt != "fp16" and shape[1] % 32:
             raise ValueError(f"{name}: in_features={shape[1]} is not a multiple of 32, the {fmt} block size")
@@ -454,6 +461,8 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     # Streamed: every tensor's info first (shapes are known from the config), then header, kv and
     # tensor infos, then each tensor as it is quantized (GGUFWriter.write_tensor_data), so at most
     # one tensor is held; the bytes are those add_tensor + write_tensors_to_file would write.
+    if c.rope_freq_factors is not None:   # first, as llama.cpp's converter writes it
+        w.add_tensor_info("rope_freqs.weight", (c.head_dim // 2,), np.dtype(np.float32), 2 * c.head_dim)
     for name, shape in shapes.items():
         if len(shape) == 1:
             w.add_tensor_info(gguf_name(name), shape, np.dtype(np.float32), 4 * shape[0])
@@ -481,6 +490,8 @@ def _write_gguf_tensors(w, src: Source, shapes: dict, fmt: str, dst: Path, progr
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    if c.rope_freq_factors is not None:
+        w.write_tensor_data(np.asarray(c.rope_freq_factors, dtype=np.float32))
     for name in tqdm(list(shapes), desc=f"writing {dst.name}", unit="tensor", disable=not progress, leave=False):
         heads = None
         if c.arch == "llama" and name.endswith("self_attn.q_proj.weight"):

@@ -299,6 +299,24 @@ def _to_weight(t, path: str):
     return out
 
 
+def rope_freq_factors(t, cfg: ModelConfig, path: str) -> tuple[float, ...]:
+    """The divisors of the RoPE frequencies in `rope_freqs.weight` (Llama 3.1+ scaling; llama.cpp
+    divides frequency i by value i), checked: F32 or F16, head_dim / 2 values, each positive."""
+    if cfg.arch != "llama":   # llama.cpp's qwen3 graph has no RoPE factors tensor
+        raise ValueError(f"{path}: unexpected tensor 'rope_freqs.weight' for a {cfg.arch} model "
+                         "(llama.cpp reads RoPE frequency factors for llama only)")
+    dims = [int(d) for d in t.shape.tolist()]
+    if t.tensor_type.name not in ("F32", "F16") or dims != [cfg.head_dim // 2]:
+        raise ValueError(f"{path}: tensor 'rope_freqs.weight' is {t.tensor_type.name}{dims}; expected "
+                         f"F32[{cfg.head_dim // 2}] (one factor per RoPE frequency of head_dim {cfg.head_dim})")
+    v = np.asarray(t.data, dtype=np.float64).reshape(-1)
+    bad = np.flatnonzero(~(np.isfinite(v) & (v > 0)))
+    if bad.size:
+        raise ValueError(f"{path}: tensor 'rope_freqs.weight' value {int(bad[0])} is {float(v[bad[0]])!r}; "
+                         "RoPE frequency factors must be positive and finite")
+    return tuple(float(x) for x in v)
+
+
 def load_gguf(path, progress: bool = True):
     """-> (ModelConfig, weights {HF name: torch tensor | QuantizedTensor}, Tokenizer | None)."""
     path = os.fspath(path)
@@ -323,14 +341,15 @@ def load_gguf(path, progress: bool = True):
         cfg.bos_token_id, cfg.eos_token_ids = tok.bos_token_id, list(tok.eos_token_ids)
         cfg.check_tokenizer(tok, path, strict=True)
 
+    if "rope_freqs.weight" in tensors:
+        cfg.rope_freq_factors = rope_freq_factors(tensors.pop("rope_freqs.weight"), cfg, path)
     # validate names, shapes and types against the config before using any tensor
     want = cfg.expected_shapes()
     hf_of = {}
     for name, t in tensors.items():
         hf = gguf_to_hf_name(name)
         if hf is None or hf not in want:
-            raise ValueError(f"{path}: unexpected tensor {name!r} for a {cfg.arch} model "
-                             f"({'not supported yet' if name == 'rope_freqs.weight' else 'unknown name'})")
+            raise ValueError(f"{path}: unexpected tensor {name!r} for a {cfg.arch} model (unknown name)")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         if shape != want[hf]:
             raise ValueError(f"{path}: tensor {name!r} has shape {shape}, the config "

@@ -96,19 +96,37 @@ def parse_quantization_config(qc: dict | None, where: str = "config.json") -> di
     return {"group_size": int(g), "modules_to_not_convert": list(skip)}
 
 
-def _rope_theta(cfg: dict, where: str) -> float:
-    rp = cfg.get("rope_parameters") or {}
-    rs = cfg.get("rope_scaling")
-    for block, key in ((rp, "rope_parameters"), (rs, "rope_scaling")):
-        if isinstance(block, dict):
-            rtype = block.get("rope_type", block.get("type", "default"))
-            if rtype not in (None, "default"):
-                raise ValueError(f"{where}: {key}.rope_type={rtype!r} is not supported "
-                                 "(only plain RoPE, rope_type 'default')")
-    from .config import positive
+def _rope(cfg: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...] | None]:
+    """(rope_theta, rope_freq_factors) from config.json: plain RoPE, or rope_type "llama3"
+    (Llama 3.1+) as config.llama3_rope_factors. transformers 4 writes the scaling as
+    `rope_scaling` beside `rope_theta`, transformers 5 both inside `rope_parameters`."""
+    from .config import llama3_rope_factors, positive
 
+    rp = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", rp.get("rope_theta") if isinstance(rp, dict) else None)
-    return 10000.0 if theta is None else positive(theta, float, f"{where}: rope_theta")
+    theta = 10000.0 if theta is None else positive(theta, float, f"{where}: rope_theta")
+    factors = None
+    for block, key in ((rp, "rope_parameters"), (cfg.get("rope_scaling"), "rope_scaling")):
+        if not isinstance(block, dict):
+            continue
+        rtype = block.get("rope_type", block.get("type", "default"))
+        if rtype in (None, "default"):
+            continue
+        if rtype != "llama3":
+            raise ValueError(f"{where}: {key}.rope_type={rtype!r} is not supported "
+                             "(plain RoPE, rope_type 'default', or 'llama3')")
+        p = {}
+        for k, kind in (("factor", float), ("low_freq_factor", float), ("high_freq_factor", float),
+                        ("original_max_position_embeddings", int)):
+            if block.get(k) is None:
+                raise ValueError(f"{where}: {key}.{k} is missing (rope_type 'llama3' needs it)")
+            p[k] = positive(block[k], kind, f"{where}: {key}.{k}")
+        try:
+            factors = llama3_rope_factors(theta, head_dim, p["factor"], p["low_freq_factor"],
+                                          p["high_freq_factor"], p["original_max_position_embeddings"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {key}.{e}") from None
+    return theta, factors
 
 
 def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json"):
@@ -151,10 +169,12 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if heads % kv:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv}")
+    head_dim = need("head_dim", hidden // heads)
+    theta, factors = _rope(cfg, head_dim, where)
     dims = dict(vocab_size=need("vocab_size"), intermediate_size=need("intermediate_size"),
-                num_layers=need("num_hidden_layers"), head_dim=need("head_dim", hidden // heads),
-                rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=_rope_theta(cfg, where),
-                max_position=need("max_position_embeddings", 4096))
+                num_layers=need("num_hidden_layers"), head_dim=head_dim,
+                rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=theta,
+                rope_freq_factors=factors, max_position=need("max_position_embeddings", 4096))
     tie = cfg.get("tie_word_embeddings", False)
     if tie is not None and not isinstance(tie, bool):   # bool("false") is True: a silently tied lm_head
         raise ValueError(f"{where}: tie_word_embeddings={tie!r} must be true or false")

@@ -188,6 +188,9 @@ def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path
             raise ValueError(f"{src.path}: {name}={v:g}, but a KuiperLLama .bin implies {implied:g} "
                              f"(its header cannot carry {name}); export this model to a .gguf or an HF "
                              "directory instead")
+    if c.rope_freq_factors is not None:
+        raise ValueError(f"{src.path}: its RoPE frequency scaling (Llama 3 style) has no field in a "
+                         "KuiperLLama .bin header; export this model to a .gguf or an HF directory instead")
     check_group_size(c, group_size)
     items = _layout(c, group_size)
     dst = Path(dst)

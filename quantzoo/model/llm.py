@@ -170,6 +170,8 @@ def rope_tables(cfg: ModelConfig, max_seq: int, device, dtype) -> tuple[torch.Te
     """
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if cfg.rope_freq_factors is not None:   # Llama 3 frequency scaling (config.llama3_rope_factors)
+        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     f = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
     cos, sin = f.cos(), f.sin()
     return (torch.cat([cos, cos], -1).to(device=device, dtype=dtype),
