@@ -92,7 +92,7 @@ def test_rope_tables_past_fp16_integers():
 
     from quantzoo.model.llm import rope_tables
 
-    cfg = SimpleNamespace(head_dim=64, rope_theta=1e4)
+    cfg = SimpleNamespace(head_dim=64, rope_theta=1e4, rope_freq_factors=None)
     cos, sin = rope_tables(cfg, 8192, "cpu", torch.float32)
     pos = np.array([0, 1, 2047, 2049, 4097, 8191], dtype=np.float64)
     inv = 1.0 / 1e4 ** (np.arange(0, 64, 2, dtype=np.float64) / 64)
