@@ -84,7 +84,13 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
                          (["--system", "be brief"], "--system: a system message goes into the chat template"),
                          (["--chat-template", "tool_use"], "--chat-template: it names the template --chat uses"),
                          (["--chat-template", ""], "--chat-template: it names the template --chat uses"),
-                         (["--stop", ""], "--stop: an empty stop string")):
+                         (["--stop", ""], "--stop: an empty stop string"),
+                         # bytes of the command line that are not UTF-8 (Python's surrogateescape):
+                         # they failed after the load ("text: cannot be encoded (TextInputSequence
+                         # must be str)"), or as a stop string never matched, silently
+                         (["--prompt", "caf\udce9"], "--prompt: not UTF-8 text (character 3"),
+                         (["--chat", "--system", "\udcff"], "--system: not UTF-8 text (character 0"),
+                         (["--stop", "ok", "--stop", "\udc80x"], "--stop: not UTF-8 text (character 0")):
         assert main(["run", "model", "--model", nope, *args]) == 2
         err = capsys.readouterr().err
         assert needle in err and "temperature" not in err.replace("--temperature", ""), err

@@ -65,6 +65,12 @@ def run(args) -> int:
         raise ValueError("--chat-template: it names the template --chat uses; add --chat")
     if any(not s for s in args.stop or []):
         raise ValueError("--stop: an empty stop string would stop at once")
+    # bytes of the command line that are not UTF-8 come as lone surrogates (surrogateescape):
+    # no tokenizer encodes them, and no decoded text holds them (a stop string would never match)
+    for name, v in [("--prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop or []]:
+        bad = next((i for i, c in enumerate(v or "") if "\ud800" <= c <= "\udfff"), None)
+        if bad is not None:
+            raise ValueError(f"{name}: not UTF-8 text (character {bad} is an undecodable byte or a lone surrogate)")
     opts = {"cuda_graph": not args.no_cuda_graph}
     if device == "cpu":
         opts["matmul_mode"] = args.matmul_mode
