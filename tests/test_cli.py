@@ -90,7 +90,10 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
                          # must be str)"), or as a stop string never matched, silently
                          (["--prompt", "caf\udce9"], "--prompt: not UTF-8 text (character 3"),
                          (["--chat", "--system", "\udcff"], "--system: not UTF-8 text (character 0"),
-                         (["--stop", "ok", "--stop", "\udc80x"], "--stop: not UTF-8 text (character 0")):
+                         (["--stop", "ok", "--stop", "\udc80x"], "--stop: not UTF-8 text (character 0"),
+                         # sampling filters with greedy decoding: they were ignored without a word
+                         (["--top-k", "40"], "--top-k 40: filters sampled tokens, but --temperature 0"),
+                         (["--top-p", "0.9", "--seed", "1"], "--top-p 0.9: filters sampled tokens")):
         assert main(["run", "model", "--model", nope, *args]) == 2
         err = capsys.readouterr().err
         assert needle in err and "temperature" not in err.replace("--temperature", ""), err

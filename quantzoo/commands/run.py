@@ -65,6 +65,11 @@ def run(args) -> int:
         raise ValueError("--chat-template: it names the template --chat uses; add --chat")
     if any(not s for s in args.stop or []):
         raise ValueError("--stop: an empty stop string would stop at once")
+    if args.temperature == 0:   # greedy: the filters would be ignored, the text not sampled
+        for name, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)):
+            if v != off:
+                raise ValueError(f"{name} {v}: filters sampled tokens, but --temperature 0 (the default) "
+                                 "decodes greedily; add --temperature T > 0")
     # bytes of the command line that are not UTF-8 come as lone surrogates (surrogateescape):
     # no tokenizer encodes them, and no decoded text holds them (a stop string would never match)
     for name, v in [("--prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop or []]:
