@@ -116,6 +116,28 @@ def test_run_takes_a_cpu_index_as_the_cpu(monkeypatch, capsys):
     assert "stop here" in capsys.readouterr().err and seen == [("cpu", "dequant")]
 
 
+def test_matmul_mode_is_refused_on_cuda(monkeypatch, capsys):
+    """--matmul-mode picks the CPU linears: on a CUDA device (given, or the default where a GPU
+    is) it was dropped without a word, the GPU kernels running instead of, say, the emulation.
+    (The device check is stubbed: this machine may have no GPU.)"""
+    import quantzoo.model
+    import quantzoo.model.llm
+    from quantzoo.cli import main
+
+    seen = []
+    monkeypatch.setattr(quantzoo.model.llm, "check_device", lambda d: "cuda:0" if d.startswith("cuda") else "cpu")
+    monkeypatch.setattr(quantzoo.model, "load_model", lambda path, device, **opts: seen.append(opts) or 1 / 0)
+    assert main(["run", "model", "--model", "x.gguf", "--device", "cuda", "--matmul-mode", "emulate"]) == 2
+    assert capsys.readouterr().err.strip() == ("quantzoo run: error: --matmul-mode emulate: it picks the CPU linears; "
+                                               "on cuda:0 each quantized linear runs its format's CUDA kernel "
+                                               "(or add --device cpu)")
+    assert seen == []
+    for dev, want in (("cuda", {"cuda_graph": True}), ("cpu", {"cuda_graph": True, "matmul_mode": "cached"})):
+        with pytest.raises(ZeroDivisionError):   # the default mode: loads as before
+            main(["run", "model", "--model", "x.gguf", "--device", dev])
+        assert seen.pop() == want, dev
+
+
 def test_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
     """torch's CUDA OutOfMemoryError (a model larger than the GPU's free memory) ends a command
     with one line naming it, not a traceback; other RuntimeErrors still propagate."""

@@ -27,7 +27,7 @@ def register(sub) -> None:
     m.add_argument("--seed", type=int, default=None)
     m.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     m.add_argument("--no-cuda-graph", action="store_true", help="eager decode on CUDA")
-    m.add_argument("--matmul-mode", default="cached", choices=("cached", "dequant", "emulate"),
+    m.add_argument("--matmul-mode", default=None, choices=("cached", "dequant", "emulate"),
                    help="CPU linears: cached dequantized fp32 (default), dequantize per call, or "
                         "emulate the GPU kernel (Q8_1 activations)")
     p.set_defaults(func=run)
@@ -70,6 +70,9 @@ def run(args) -> int:
             if v != off:
                 raise ValueError(f"{name} {v}: filters sampled tokens, but --temperature 0 (the default) "
                                  "decodes greedily; add --temperature T > 0")
+    if args.matmul_mode is not None and device != "cpu":
+        raise ValueError(f"--matmul-mode {args.matmul_mode}: it picks the CPU linears; on {device} each "
+                         "quantized linear runs its format's CUDA kernel (or add --device cpu)")
     # bytes of the command line that are not UTF-8 come as lone surrogates (surrogateescape):
     # no tokenizer encodes them, and no decoded text holds them (a stop string would never match)
     for name, v in [("--prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop or []]:
@@ -78,7 +81,7 @@ def run(args) -> int:
             raise ValueError(f"{name}: not UTF-8 text (character {bad} is an undecodable byte or a lone surrogate)")
     opts = {"cuda_graph": not args.no_cuda_graph}
     if device == "cpu":
-        opts["matmul_mode"] = args.matmul_mode
+        opts["matmul_mode"] = args.matmul_mode or "cached"
     m = load_model(args.model, device=device, **opts)
     if m.is_cuda:
         torch.cuda.reset_peak_memory_stats(m.device)
