@@ -138,6 +138,38 @@ def test_matmul_mode_is_refused_on_cuda(monkeypatch, capsys):
         assert seen.pop() == want, dev
 
 
+@pytest.fixture
+def tiny_run(monkeypatch):
+    """`run model` on a tiny synthetic CPU model (q4_0 linears, vocab 1024) with a ChatML
+    byte-level tokenizer that adds no BOS: load_model returns it, whatever --model says."""
+    import helpers_models as H
+    import quantzoo.model
+    from quantzoo.bench.model import make_config, synthetic_model
+    from quantzoo.model.tokenizer import Tokenizer
+
+    m = synthetic_model("q4_0", make_config(1, tiny=True), "cpu")
+    m.tokenizer = Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(),
+                                                {"eos_token": "<|im_end|>", "chat_template": H.CHATML})
+    monkeypatch.setattr(quantzoo.model, "load_model", lambda *a, **k: m)
+    return m
+
+
+def test_an_empty_prompt_without_a_bos_is_named(tiny_run, capsys):
+    """--prompt "" with a tokenizer that adds no BOS gives no token: one line naming --prompt (it
+    said "ids: empty", an argument the command does not have); with --chat the template's text
+    is the prompt, and it runs."""
+    from quantzoo.cli import main
+
+    assert main(["run", "model", "--device", "cpu", "--prompt", ""]) == 2
+    assert capsys.readouterr().err.strip() == ("quantzoo run: error: --prompt: empty, and this model's tokenizer "
+                                               "adds no BOS token: no token to generate from")
+    assert main(["run", "model", "--device", "cpu", "--prompt", "", "--chat", "--max-new-tokens", "2"]) == 0
+    assert "generated    2 tokens" in capsys.readouterr().out
+    tiny_run.tokenizer.chat_template = "{% if false %}x{% endif %}"
+    assert main(["run", "model", "--device", "cpu", "--prompt", "hi", "--chat"]) == 2
+    assert capsys.readouterr().err.strip() == "quantzoo run: error: --chat: the chat template renders no text"
+
+
 def test_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
     """torch's CUDA OutOfMemoryError (a model larger than the GPU's free memory) ends a command
     with one line naming it, not a traceback; other RuntimeErrors still propagate."""

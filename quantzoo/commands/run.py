@@ -95,6 +95,9 @@ def run(args) -> int:
         ids = tok.encode_chat(msgs, add_generation_prompt=True, template=args.chat_template)
     else:
         ids = tok.encode(text)
+    if not ids:   # (generate's own error named "ids", which is no argument of the command)
+        raise ValueError("--chat: the chat template renders no text" if args.chat else
+                         "--prompt: empty, and this model's tokenizer adds no BOS token: no token to generate from")
     from ..model.generate import generate, prepare, warm_up
 
     prepare(m, len(ids), args.max_new_tokens)   # (a prompt too long for the model fails here)
