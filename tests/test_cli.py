@@ -170,6 +170,19 @@ def test_an_empty_prompt_without_a_bos_is_named(tiny_run, capsys):
     assert capsys.readouterr().err.strip() == "quantzoo run: error: --chat: the chat template renders no text"
 
 
+def test_run_summary_without_new_tokens(tiny_run, capsys):
+    """--max-new-tokens 0 runs no prefill: the summary said "no decode step (the first token comes
+    from the prefill)" under "not run" -- no first token came from anywhere."""
+    from quantzoo.cli import main
+
+    assert main(["run", "model", "--device", "cpu", "--prompt", "a", "--max-new-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt       1 tokens, not run (--max-new-tokens 0)\n" in out
+    assert "generated    0 tokens (--max-new-tokens 0)\n" in out and "first token" not in out, out
+    assert main(["run", "model", "--device", "cpu", "--prompt", "a", "--max-new-tokens", "1"]) == 0
+    assert "no decode step (the first token comes from the prefill)" in capsys.readouterr().out
+
+
 def test_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
     """torch's CUDA OutOfMemoryError (a model larger than the GPU's free memory) ends a command
     with one line naming it, not a traceback; other RuntimeErrors still propagate."""

@@ -113,9 +113,10 @@ def run(args) -> int:
     warm = " after one untimed warm-up prefill" if m.is_cuda else ""
     print(f"prompt       {len(ids)} tokens, " + (f"prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})"
                                                   if g.prefill_s else "not run (--max-new-tokens 0)"))
-    print(f"generated    {len(g.tokens)} tokens (stop: {g.stop_reason}), " +
-          (f"decode {g.decode_tok_s:,.1f} tok/s ({graph}, {g.decode_tokens} steps after the first token)"
-           if g.decode_tokens else "no decode step (the first token comes from the prefill)"))
+    print(f"generated    {len(g.tokens)} tokens " + (
+        "(--max-new-tokens 0)" if not g.prefill_s else f"(stop: {g.stop_reason}), " +
+        (f"decode {g.decode_tok_s:,.1f} tok/s ({graph}, {g.decode_tokens} steps after the first token)"
+         if g.decode_tokens else "no decode step (the first token comes from the prefill)")))
     print(f"peak memory  {_peak_memory(m)}")
     print("formats      " + ", ".join(f"{k}: {v}" for k, v in m.formats.items()))
     if m.is_cuda:
