@@ -183,6 +183,37 @@ def test_run_summary_without_new_tokens(tiny_run, capsys):
     assert "no decode step (the first token comes from the prefill)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mode", ["cached", "emulate"])
+def test_run_summary_names_the_linears_that_ran(tiny_run, monkeypatch, capsys, mode):
+    """The "linears" line on the CPU: the --matmul-mode path for quantized weights only. An
+    unquantized model (an fp32/fp16 HF directory) said "the GPU kernels' arithmetic in numpy"
+    under --matmul-mode emulate, and "weights dequantized once" by default: every linear was torch
+    float32."""
+    import torch
+
+    import quantzoo.model
+    from quantzoo.bench.model import make_config, synthetic_weights
+    from quantzoo.cli import main
+    from quantzoo.model import build_model
+
+    def run(weights):
+        m = build_model(make_config(1, tiny=True), weights, tiny_run.tokenizer, device="cpu", matmul_mode=mode,
+                        progress=False)
+        monkeypatch.setattr(quantzoo.model, "load_model", lambda *a, **k: m)
+        assert main(["run", "model", "--device", "cpu", "--prompt", "a", "--max-new-tokens", "1",
+                     "--matmul-mode", mode]) == 0
+        return [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("linears")]
+
+    w = synthetic_weights("q4_0", make_config(1, tiny=True), "cpu")
+    assert run(w) == ["linears      CPU reference: " + {
+        "cached": "float32 on weights dequantized once (= ops.matmul mode='dequant')",
+        "emulate": "quantzoo.ops.matmul(mode='emulate'): the GPU kernels' arithmetic in numpy"}[mode]]
+    floats = {k: torch.as_tensor(v.dequantize()) if hasattr(v, "dequantize") else v for k, v in w.items()}
+    assert run(floats) == ["linears      torch float32 (no linear is quantized: --matmul-mode does not apply)"]
+    mixed = {**floats, "lm_head.weight": w["lm_head.weight"]}
+    assert run(mixed)[0].endswith("; 7 of 8 linears are not quantized: torch float32")
+
+
 def test_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
     """torch's CUDA OutOfMemoryError (a model larger than the GPU's free memory) ends a command
     with one line naming it, not a traceback; other RuntimeErrors still propagate."""

@@ -131,6 +131,11 @@ def run(args) -> int:
         how = {"cached": "float32 on weights dequantized once (= ops.matmul mode='dequant')",
                "dequant": "quantzoo.ops.matmul(mode='dequant') per call",
                "emulate": "quantzoo.ops.matmul(mode='emulate'): the GPU kernels' arithmetic in numpy"}
-        print(f"linears      CPU reference: {how[m.matmul_mode]}")
+        # only quantized weights take the mode's path: float ones (f32/f16/bf16) are torch float32
+        plain = sum(ln.format in ("f32", "f16", "bf16") for ln in m._all_linears())
+        n = len(list(m._all_linears()))
+        print("linears      " + ("torch float32 (no linear is quantized: --matmul-mode does not apply)"
+                                 if plain == n else f"CPU reference: {how[m.matmul_mode]}" +
+                                 (f"; {plain} of {n} linears are not quantized: torch float32" if plain else "")))
     sys.stdout.flush()
     return 0
