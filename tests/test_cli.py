@@ -214,6 +214,20 @@ def test_run_summary_names_the_linears_that_ran(tiny_run, monkeypatch, capsys, m
     assert run(mixed)[0].endswith("; 7 of 8 linears are not quantized: torch float32")
 
 
+def test_peak_host_memory_in_mib_on_linux_and_macos(monkeypatch):
+    """getrusage's ru_maxrss is KiB on Linux but bytes on macOS: a 300 MiB peak printed as
+    307,200 MiB there."""
+    import resource
+    from types import SimpleNamespace
+
+    from quantzoo.commands.run import _peak_memory
+
+    for platform, maxrss in (("linux", 300 * 1024), ("darwin", 300 * 2**20)):
+        monkeypatch.setattr(sys, "platform", platform)
+        monkeypatch.setattr(resource, "getrusage", lambda who, v=maxrss: SimpleNamespace(ru_maxrss=v))
+        assert _peak_memory(SimpleNamespace(is_cuda=False)) == "300 MiB host (max RSS)", platform
+
+
 def test_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
     """torch's CUDA OutOfMemoryError (a model larger than the GPU's free memory) ends a command
     with one line naming it, not a traceback; other RuntimeErrors still propagate."""

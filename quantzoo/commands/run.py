@@ -40,7 +40,8 @@ def _peak_memory(model) -> str:
         return f"{torch.cuda.max_memory_allocated(model.device) / 2**20:.0f} MiB GPU (torch peak allocated)"
     import resource
 
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB host (max RSS)"
+    per_mib = 2**20 if sys.platform == "darwin" else 1024   # ru_maxrss: bytes on macOS, KiB on Linux
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib:.0f} MiB host (max RSS)"
 
 
 def run(args) -> int:
