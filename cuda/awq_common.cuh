@@ -1,5 +1,5 @@
 // awq_common.cuh -- pieces shared by the AWQ W4A16 kernels (awq_dequant.cu, awq_gemv.cu,
-// awq_small.cu, awq_mma.cu, awq_wgmma.cu).
+// awq_small.cu, awq_mma.cu, awq_wgmma.cu; gguf_wgmma.cu borrows smem_addr, as_h2 and lop3_and_or).
 //
 // Layout (HF AWQ "gemm"): qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N].
 // Nibble slot j (bits 4j..4j+3) of a word holds column 8c + ORDER[j], ORDER = 0 2 4 6 1 3 5 7.
@@ -7,7 +7,8 @@
 // slots (3,7) columns (6,7): each pair sits 16 bits apart, exactly the two lanes of a half2.
 //
 // Math every kernel computes for one weight:   w16 = fp16((q - z) * s)
-// LOP3 trick (seed 002): (word & 0x000f000f) | 0x64006400, read as half2, is (1024 + q0, 1024 + q1):
+// LOP3 trick (the one vLLM's AWQ dequantize kernel uses; project seed 002): (word & 0x000f000f) |
+// 0x64006400, read as half2, is (1024 + q0, 1024 + q1):
 // 0x6400 is 1024.0 in fp16, whose ulp is exactly 1, so the nibble lands in the mantissa.
 // With the mask 0x00f000f0 the nibble is 16x too large: 1024 + 16 q. One lop3.b32 does the
 // and+or. Then:

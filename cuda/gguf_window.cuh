@@ -1,5 +1,5 @@
-// gguf_window.cuh -- a GGUF weight block read with wide loads (shared by gguf_mmvq16.cu and
-// gguf_mma.cu).
+// gguf_window.cuh -- a GGUF weight block read with wide loads (shared by gguf_mmvq16.cu,
+// gguf_mma.cu and decode_persistent.cu, which reads its windows from its shared-memory ring).
 //
 // Q4_0 / Q5_0 / Q8_0 blocks are 18 / 22 / 34 bytes, so a block is only 2-byte aligned and
 // element-wise loads are 2 bytes wide. Here a block is read as the LW-byte-aligned window that

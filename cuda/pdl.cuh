@@ -8,7 +8,8 @@
 // attribute inside `programmatic_launches()`; in a CUDA graph capture this becomes a
 // programmatic edge) kernel i+1 may be launched while kernel i still runs, as soon as every
 // block of kernel i has called grid_release() or exited. Each kernel here starts with
-// grid_sync():
+// grid_sync() (one exception: decode_persistent.cu calls grid_wait() only, so that nothing
+// launches beside its cooperative grid until every CTA has exited):
 //   grid_wait()     blocks until every prerequisite grid has completed and its memory writes
 //                   are visible (griddepcontrol.wait);
 //   grid_release()  allows the next kernel to launch (griddepcontrol.launch_dependents).

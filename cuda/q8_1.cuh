@@ -1,6 +1,7 @@
 // q8_1.cuh -- one Q8_1 block (32 activations -> 32 int8 + half2 (d, s)) quantized by one warp,
 // lane j holding value j. Shared by the stand-alone quantizer (q8_1_quantize.cu) and the layer
-// ops that emit their output in Q8_1 as well (layer_ops.cu), so that both write the same bytes:
+// ops that emit their output in Q8_1 as well (layer_ops.cu, and decode_persistent.cu's phases),
+// so that all of them write the same bytes:
 //
 //   amax = max |x_j|            d = amax / 127 (fp32 division); a NaN x_j makes amax, d and
 //                               s NaN (q8_1_max; fmaxf alone would drop it, and Q8_0's dot, which
@@ -23,8 +24,8 @@
 // quantize_q8_1) specifies, and with the default -prec-div=true '/' is IEEE-exact.
 //
 // Layouts of n_blocks blocks at out: interleaved (the codec's): block i = half2 (d, s) then its 32
-// qs at out + 36 i; split (gguf_mmvq16.cu reads it with aligned 16-byte loads): qs of block i at
-// out + 32 i, its half2 (d, s) at out + 32 n_blocks + 4 i.
+// qs at out + 36 i; split (gguf_mmvq16.cu, gguf_mma.cu and decode_persistent.cu read it with
+// aligned 16-byte loads): qs of block i at out + 32 i, its half2 (d, s) at out + 32 n_blocks + 4 i.
 #pragma once
 #include <cuda_fp16.h>   // (no <stdint.h>: NVRTC ships no C library headers)
 

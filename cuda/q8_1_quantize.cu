@@ -3,8 +3,9 @@
 //
 // One warp per block: lane j owns element j, so the loads are one coalesced 64/128-byte read
 // and each lane writes its own byte of qs. quantize_q8_1 writes the codec's interleaved blocks
-// (output rows of K/32 * 36 bytes); quantize_q8_1_split the split layout the vector-load MMVQ
-// (gguf_mmvq16.cu) reads. Same values: the numpy Q8_1 codec and this kernel agree on qs, d *and*
+// (output rows of K/32 * 36 bytes; gguf_mmvq.cu and gguf_mmq.cu read them); quantize_q8_1_split
+// the split layout the vector-load MMVQ (gguf_mmvq16.cu) and the int8 MMA GEMM (gguf_mma.cu)
+// read. Same values: the numpy Q8_1 codec and this kernel agree on qs, d *and*
 // s exactly (no half-ulp allowance is needed).
 #include "gguf_common.cuh"
 #include "q8_1.cuh"

@@ -1,6 +1,7 @@
 // swiglu.cuh -- the decoder MLP's SwiGLU product, defined once for every kernel that computes it
-// (layer_ops.cu's silu_mul and silu_mul_q8_1, the wgmma kernels' fused gate/up epilogue), so that
-// a fused and an unfused MLP give the same bits:
+// (layer_ops.cu's silu_mul and silu_mul_q8_1, the wgmma kernels' fused gate/up epilogue and their
+// split-K reduce wgmma_reduce<V, true>, decode_persistent.cu's gate/up phase), so that a fused and
+// an unfused MLP give the same bits:
 //
 //   out = fp16( fp16(silu(g)) * u ),   silu(g) = g / (1 + e^-g) in fp32,
 //

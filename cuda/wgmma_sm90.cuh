@@ -1,10 +1,17 @@
 // wgmma_sm90.cuh -- the Hopper (sm_90a) warpgroup MMA pieces the wgmma kernels share
 // (awq_wgmma.cu, gguf_wgmma.cu), both built as a TMA producer warpgroup feeding consumer
-// warpgroups: fence / commit / wait, register "pins", setmaxnreg, the register-A m64nTk16
-// f16 -> f32 instructions issued a stage at a time (stage_step), the 128-byte-swizzle
-// shared-memory descriptor, and TMA copies onto mbarriers (tma_2d).
-// Only defined where the architecture-specific features exist (sm_90a); elsewhere the kernels
-// that include this compile to empty bodies.
+// warpgroups. The product they issue, computed transposed (weight rows as wgmma's M):
+//
+//   d[64 x T] (+)= A[64 x 16] (registers: dequantised weight) * B[16 x T] (shared memory: x)
+//
+// Here: fence / commit / wait, register "pins", setmaxnreg, the register-A m64nTk16 f16 -> f32
+// instructions issued a stage at a time (stage_step), the 128-byte-swizzle shared-memory
+// descriptor, TMA copies onto mbarriers (tma_2d, tma_3d), the stage ring's mbarriers, the block
+// schedule (BlockWork, work, hand_over), the x box rule (x_box_row), the GGUF kernel's GLU store
+// (glu_store), and split K's partials (SplitParts) and their reduce launch (wgmma_reduce).
+// The wgmma pieces are only defined where the architecture-specific features exist (sm_90a);
+// elsewhere the kernels that include this compile to empty bodies. TmaDesc, SplitParts and
+// wgmma_reduce are plain CUDA, defined for every target.
 #pragma once
 #include <cuda_fp16.h>
 #include "mbarrier.cuh"
@@ -336,8 +343,9 @@ __device__ __forceinline__ void prefetch_map(const TmaDesc* map) {
   asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
-// The GLU epilogue's second half (both kernels, GLU: a block computes FR gate rows and the FR
-// matching up rows of the fused weight): the block's gate and up tiles, fp16 [T][FR + 8] each
+// The GGUF kernel's GLU epilogue, second half (GLU: a block computes FR gate rows and the FR
+// matching up rows of the fused weight; the AWQ kernel splits its outputs between twin threads
+// instead, awq_wgmma.cu says why): the block's gate and up tiles, fp16 [T][FR + 8] each
 // (token-major, rows padded by 8 halves so that the consumer warps' stores of their fragments
 // into them do not conflict), gate at `tiles` and up right after it, written and met at a
 // barrier by the caller's `threads` consumer threads, become
