@@ -6,8 +6,9 @@
 // small enough to stay in L2 are an option, awq.SLAB_BYTES, off: measured slower,
 // bench/notes-awq.md), and by ops.awq_dequantize.
 //
-// One thread per qweight word (8 weights): one 4-byte load of the word, one of the zero word, one
-// 16-byte load of the 8 scales, the LOP3 conversion of awq_common.cuh, and one 16-byte store.
+// One thread per qweight word (8 weights) on each trip of a grid-stride loop (the host caps the
+// grid at 16 blocks an SM, awq.dequantize_into): one 4-byte load of the word, one of the zero
+// word, one 16-byte load of the 8 scales, the LOP3 conversion of awq_common.cuh, one 16-byte store.
 // Thanks to the AWQ interleave the 4 half2 come out in natural column order (0,1)(2,3)(4,5)(6,7),
 // so the store needs no shuffle. Bit-identical to the numpy reference (see awq_common.cuh).
 // Consecutive threads take consecutive words of a row: loads and stores are coalesced.

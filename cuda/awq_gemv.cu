@@ -33,8 +33,9 @@
 //   group, acc += s * (P - z' sum x), with sum x from one more MMA with an all-ones A (its C[g][2t]
 //   is x[r0] + x[r1], the lane's own rows); z' comes from the zero word through the same masks.
 // * Loads in flight without a deep ring: the steps run in rounds of D, and ptxas issues a whole
-//   round's reloads at its start, so a lane has D to 2D steps of loads outstanding; 126
-//   registers at NW = 2, D = 4, two 8-warp blocks per SM.
+//   round's reloads at its start, so a lane has D to 2D steps of loads outstanding. ptxas
+//   (nvcc 13, sm_90) gives 126 registers at NW = 2, D = 4: two 8-warp blocks per SM; 168 at
+//   NW = 4, D = 4 (4-warp blocks).
 // * Every load is unconditional, and the rounds carry no predicate (see `issue` and the main
 //   loop): a conditional load cost a full memory latency per step (below).
 // * Grid: a block's WARPS warps share one tile of 8 NW column words and split the block's k
@@ -50,7 +51,10 @@
 // 25.1 us against awq_small's 29.2 (2.1 TB/s, 70 % of copy; the same walk with loads only, no
 // math, takes 21.1); 4096->12288 and 4096->6144 tie; 12288->4096 (15.0 vs 14.4), 4096->4096 and
 // 4096->1024 lose: with N/8 = 512 words there are only 32 column tiles, and the K splits that
-// fill the SMs leave each warp a few dozen steps. Dispatch uses it for N >= 16384. The first
+// fill the SMs leave each warp a few dozen steps. Dispatch uses it for N >= 16384 (awq.GEMV_MIN_N),
+// with (NW, WARPS, D) = (2, 8, 4) and gemv_plan's splits, except the runner's fused gate/up
+// 4096->24576: (4, 4, 4) with 4 splits, the faster of the two inside the decode graph (session
+// 27; awq.GEMV_TUNED). The first
 // version, whose loads sat under `if (step < end)`, ran 2-4x slower: ptxas loaded into a
 // temporary and copied it into the ring right after, so the copy waited for every load.
 #include "awq_common.cuh"

@@ -11,7 +11,8 @@
 //
 // Why the tricks:
 // * Pipeline: x, qweight, scales and zeros of a stage go to shared memory with cp.async
-//   (16-byte copies, zero-filled past M, K, N); STAGES-1 stages are in flight while one is
+//   (16-byte copies; 4-byte ones for the zero words, and for qweight where N/8 % 4 != 0;
+//   zero-filled past M, K, N); STAGES-1 stages are in flight while one is
 //   computed, so the weight stream overlaps the math. x rows are padded by 16 bytes so that
 //   ldmatrix.x4 (A fragments) is bank-conflict free; qweight rows are padded to 8*NG+4 words, so
 //   the 4 rows 2t (t = lane%4) a warp reads in one LDS fall in distinct banks.

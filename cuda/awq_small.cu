@@ -35,13 +35,14 @@
 //   A operand; 10 per word): kept to measure against, and as the fallback if a GPU ever flushed
 //   subnormal MMA inputs.
 // * Memory: each warp owns a ring of D shared-memory stages filled with cp.async.cg (16-byte
-//   copies, L1 bypassed): D-1 k-steps of 16 rows in flight per warp at no register cost,
-//   synchronised with cp.async.wait_group + __syncwarp only (no block barrier in the main loop).
+//   copies, L1 bypassed; 4-byte cp.async.ca where N/8 % 4 != 0 leaves rows unaligned): D-1
+//   k-steps of 16 rows in flight per warp at no register cost, synchronised with
+//   cp.async.wait_group + __syncwarp only (no block barrier in the main loop).
 //   (A first version kept D k-steps of ld.global.nc in registers and ran out of registers at
 //   ~32 KB in flight per SM; the rings of one block take 40-96 KB in the SMALL_CFGS
 //   configurations. Measured on the H100: no faster by itself, bytes in flight were not the
 //   limit -- bench/notes-awq.md.) Stage rows are padded to 8*NW+4
-//   words so that one LDS of rows 2t.. / words 2g.. is conflict-free.
+//   words so that one LDS of rows 2t.. / words NW g.. is conflict-free.
 //   The stage also carries the step's x slice (8*MB rows x 16 k). Reading x fragments from global
 //   memory one step ahead stalled every warp on an L2 round trip per step (12288->4096, M = 8:
 //   21.6 us from global, 18.6 us from the stage; M = 1: 16.5 us).
@@ -102,8 +103,9 @@ struct SmallRing {
 };
 
 // grid (ceil(N/8 / (8*NW*CW)), splits); block 32*WARPS threads = CW warps side by side along N
-// (each 8*NW column words; CW = 4 or 8 makes one SM read 256-512 contiguous bytes of a row at
-// once instead of 32-64) x WARPS/CW slices of the block's K range; dynamic shared memory
+// (each 8*NW column words; the block then reads CW x 32 NW contiguous bytes of a row at once
+// instead of 32 NW -- SMALL_CFGS has one CW = 4 entry, for sweeps: dispatch's configs all take
+// CW = 1) x WARPS/CW slices of the block's K range; dynamic shared memory
 // max(WARPS * SmallRing::WARP_BYTES, WARPS * M * 64*NW * 4). rows_per_split: a multiple of 16.
 // MB = 1 (M <= 8) or 2 (M <= 16). D: stages of the per-warp cp.async ring (D-1 k-steps of 16
 // rows in flight per warp while one is computed).
@@ -123,7 +125,7 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   constexpr int BC = 8 * BW;          // columns per block tile
   static_assert(WARPS % CW == 0, "CW must divide WARPS");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* red = reinterpret_cast<float*>(smem_raw);   // [WARPS][M][TC], after the main loop
+  float* red = reinterpret_cast<float*>(smem_raw);   // [KS][M][BC], after the main loop
   __shared__ int last_flag;
   const int n8 = N / 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -358,7 +360,7 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   awq::cp_async_wait<0>();
   __syncthreads();   // the rings are dead: their shared memory becomes the reduction buffer
 
-  // ---- the warps of the block meet in shared memory: red[warp][b][col]
+  // ---- the warps of the block meet in shared memory: red[k slice wk][b][column in the block tile]
   const float unit[4] = {MODE == 0 ? 16777216.f : 1.f, MODE == 0 ? 16777216.f : 1.f,
                          MODE == 0 ? 1048576.f : 1.f, MODE == 0 ? 1048576.f : 1.f};
 #pragma unroll

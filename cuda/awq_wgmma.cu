@@ -24,7 +24,8 @@
 //   LOP3 yields a k pair of one column; then exact q - z and one hmul2 (bit-identical fp16
 //   weights). No repacked weight.
 // * T = 16, 32, 64, 128 or 256 tokens per instruction, the narrowest that holds M up to 128, above
-//   that 128 or 256, whichever leaves fewer idle SMs and padded tokens (host: awq.wgmma_config).
+//   that 128 or 256, whichever wgmma_tiles.cost predicts faster from the idle SMs and padded
+//   tokens each leaves (host: awq.wgmma_config, wgmma_tiles.config).
 //   At M <= 16 the tensor work is small and a block's time is its walk over K, one stage after
 //   another; T = 16 with 16 stages (128 KB of weight words in flight a block) takes 0.88-0.97x
 //   the time of T = 32 with 6 stages there (bench/NOTES.md, session 18).
@@ -47,12 +48,13 @@
 //   at M = 2048 (bench/NOTES.md, session 13: 430 -> 358 us on 4096->12288).
 // * Pipeline: warp-specialised, no block barrier in the K loop. A producer warpgroup (after the
 //   consumer warpgroups) gives its registers to them (setmaxnreg: 40 vs 232 a thread) and one of
-//   its threads issues each stage's four TMA copies -- x tile, weight words, scales, zeros --
-//   onto the buffer's "full" mbarrier, after waiting on its "empty" mbarrier. Each consumer warp
-//   waits on "full", reads its fragments, dequantises the stage, issues it as one wgmma group,
-//   waits for it (wg::stage_step says why), and arrives on "empty". So copies run D stages
-//   ahead, the two consumer warpgroups hide each other's dequantisation behind their wgmma, and
-//   no thread spends issue slots on addresses and predicates of copies.
+//   its threads issues each stage's four TMA copies -- x tile, weight words, scales, zeros; five
+//   with GLU, whose weight words come as two boxes -- onto the buffer's "full" mbarrier, after
+//   waiting on its "empty" mbarrier. Each consumer warp waits on "full", reads its fragments,
+//   dequantises the stage, issues it as one wgmma group, waits for it (wg::stage_step says
+//   why), and arrives on "empty". So copies run D stages ahead, the two consumer warpgroups
+//   hide each other's dequantisation behind their wgmma, and no thread spends issue slots on
+//   addresses and predicates of copies.
 //   Against session 13's kernel (every thread cp.async'ing its weight chunk, then
 //   cp.async.wait + fence + one __syncthreads a stage, a wgmma group per k-step):
 //   4096->12288 M = 512 101-105 -> 97 us, M = 2048 395 -> 329 us (bench/NOTES.md, session 15).
@@ -78,10 +80,11 @@
 //   full-length blocks and the time is two full waves).
 // * GLU (matmul(glu=True): the decoder MLP's fused gate/up weight, columns [gate | up], N = 2F):
 //   y [M, F] = swiglu(x gate, x up) (swiglu.cuh, silu_mul's roundings) in the epilogue. A
-//   block's stage is a tile of its FR = 4 WORDS gate columns' words and a tile of the matching up
-//   columns' words (two TMA boxes of half rows), their scales and zeros one box each
-//   (cuda_launch.tensor_map_halves), so warpgroup 0 computes the gate tile and warpgroup 1 the up
-//   tile with the unchanged K loop; the twins then meet in shared memory (the epilogue says how).
+//   block's stage is a tile of its FW = WORDS / 2 gate column words (4 WORDS columns) and a tile
+//   of the matching up column words (two TMA boxes of half rows), their scales and zeros one box
+//   each (cuda_launch.tensor_map_halves), so warpgroup 0 computes the gate tile and warpgroup 1
+//   the up tile with the unchanged K loop; the twins then meet in shared memory (the epilogue
+//   says how).
 //   Past 2 splits the gate and up partials go to the workspace (wg::SplitParts) and
 //   wgmma_reduce<4, true> applies the GLU.
 //   Against the product + silu_mul launches (us, 4096->24576, rotated weights, back to back,
@@ -171,7 +174,10 @@ __device__ __forceinline__ Fragment fragment_of(int tid) {
 // Tensor maps (host, kernels/awq.py): x fp16 [M, K] box 64 x x_rows (x_rows = min(T, M):
 // wg::x_box_row), 128-byte swizzle; qweight u32 [K, N/8] box WORDS x 64, swizzle ROW; scales fp16
 // [K/G, N] box 8 WORDS x gps; qzeros u32 [K/G, N/8] box WORDS x gps (gps = groups a stage spans: 2
-// at G = 32, else 1). K % 32 == 0 (K % G == 0, G >= 32), N % 32 == 0. Split tiles, with counters
+// at G = 32, else 1). GLU: the qweight box is WORDS / 2 wide (swizzle ROW / 2), one for the gate
+// columns, one for the up columns; scales and zeros are 3-D maps (column in the half, gate / up,
+// group row) whose one box holds both halves (tensor_map_halves). K % 32 == 0 (K % G == 0,
+// G >= 32), N % 32 == 0 (GLU: N % 64 == 0). Split tiles, with counters
 // (one zeroed unsigned per tile, left zeroed) and splits == 2: the first half's partial goes to ws
 // in fragment order, T x 8 WORDS floats per split tile; with counters null (any splits): each
 // split's partial to ws for wgmma_reduce (wg::SplitParts: [splits][M][the split columns]).
@@ -364,9 +370,9 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         // warpgroups' last wgmma has read the stages. Each then stores its outputs from
         // registers. The SwiGLU's fp32 division and exp (swiglu.cuh, bit-equal to silu_mul) are
         // ~20 instructions an output that no other block hides (one block an SM): split over
-        // both warpgroups they cost half. (Staged as fp16 tiles [T][FR] and stored by every
-        // thread, as the GGUF kernel does, the launch was 10-20 us slower than the product alone
-        // at M = 512 on 4096->24576; bench/NOTES.md, session 24.)
+        // both warpgroups they cost half. (Staged as fp16 tiles [T][8 FW] and stored by every
+        // thread, as the GGUF kernel does (wg::glu_store), the launch was 10-20 us slower than the
+        // product alone at M = 512 on 4096->24576; bench/NOTES.md, session 24.)
         constexpr int NV = JN * T / 2, NH = NV / 2;   // a thread's accumulators, half of them
         uint4* xch = reinterpret_cast<uint4*>(smem) + (e_tid & 127);   // [2][NH / 8][128] chunks of 8 halves
         auto at = [&](int f) -> float& { return acc[f / (T / 2)][f % (T / 2)]; };
