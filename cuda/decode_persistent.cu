@@ -31,8 +31,9 @@
 //
 // Status (H100, session 29; bench/NOTES.md): correct -- bit-equal to the per-op step -- but
 // SLOWER: 3.07 ms a Qwen3-8B q4_0 step (326 tok/s) against the per-op graph's 2.33 ms (429; in
-// session 30's bench/model-h100.json 321 against 444), so the runner uses it only when asked
-// (Model(persistent=True)). A per-phase trace (the `trace` argument) shows why:
+// the current bench/model-h100.json 324 against 448), so the runner uses it only when asked
+// (Model(persistent=True), model.use_persistent(True)). A per-phase trace (the `trace`
+// argument, PersistentDecode.phase_times) shows why:
 // the ring holds ~8 us of DRAM time (190 KB a CTA), but a layer's barriers, norms and attention
 // keep the consumers ~28 us a layer off the weights even with DRAM idle, and the consumers'
 // GEMV, issue-bound at one CTA per SM, runs at only ~1.4x the DRAM rate, so it cannot catch up.
@@ -46,10 +47,11 @@
 //     every format). Consumer warp w takes the CTA's local rows w, w + CW, ...; stage s (counted
 //     over the whole step, the same count in the producer and every consumer) lives in slot
 //     s % NS with phase parity (s / NS) & 1, and is free again once its SP pieces are released.
-//   * Small ops: the norm's and the o-input's quantization run redundantly in every CTA (4096
-//     values from L2, into the CTA's own shared x); q/k-norm + RoPE by one warp per head; the
-//     attention on (run, KV head) items, a KV head's query heads spread over up to 4 groups of
-//     4 warps (layer_ops::attn_run gives each head the same bits in any grouping).
+//   * Small ops: the norm's and the o-input's quantization run redundantly in every CTA (D or
+//     H hd values from L2, 4096 for Qwen3-8B, into the CTA's own shared x); q/k-norm + RoPE by
+//     one warp per head; the attention on (run, KV head) items, a KV head's query heads spread
+//     over up to 4 groups of 4 warps (layer_ops::attn_run gives each head the same bits in any
+//     grouping; its register path, RING = 0: the shared memory is the weight ring).
 //   * Grid barrier: the consumer warps meet (named barrier 1), thread 0 publishes with a fence and
 //     an atomic add on a counter the host zeroes before the launch, and spins on an acquire load.
 //     The launch must have all its CTAs resident: grid = the SM count, one CTA per SM (its shared

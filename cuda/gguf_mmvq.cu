@@ -22,8 +22,12 @@
 // scales partial sums instead). A warp's 32 threads read 32 consecutive blocks of one row: a
 // contiguous 576..1088-byte run, so DRAM sees full sectors even though a thread's own loads are
 // 2- or 4-byte wide.
-// Reduction: xor-shuffle across the warp, then the 4 warp sums through shared memory.
-// Rows past N (the last CTA when R does not divide N) are computed on row N-1 and not stored.
+// Reduction: xor-shuffle across the warp, then the 4 warp sums through shared memory, in warp
+// order (decode_persistent.cu reproduces this order for the formats whose one-token GEMV is this
+// kernel). Rows past N (the last CTA when R does not divide N) are computed on row N-1 and not
+// stored. Which formats and M run this kernel and which the vector-load one (gguf_mmvq16.cu), and
+// with which R: gguf.MMVQ_CHOICE (measured); a weight not aligned for the wide loads always
+// runs this one.
 #include "gguf_common.cuh"
 
 constexpr int MMVQ_THREADS = 128;

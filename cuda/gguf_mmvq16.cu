@@ -44,7 +44,9 @@ constexpr int MMVQ16_WARPS = 4;
 
 // W: GGUF block bytes (N rows of nb blocks). Aqs: Q8_1 qs, block (m, b) at 32 (m nb + b);
 // Ads: half2 (d, s) of block (m, b) at index m nb + b. y: fp16 (M, N). U: the pipeline depth,
-// blocks per row a lane has in flight (U = 1: the next block loads while this one is used).
+// blocks per row a lane has in flight (U = 1: the next block loads while this one is used;
+// dispatch takes U = 2 only at M = 1 on rows of >= 256 blocks, for q4_0 and q8_0:
+// gguf.MMVQ1_LONG). U does not change the order of a lane's sum: blocks lane, lane + 32, ...
 template <class F, int M, int R, int LW, bool NOALLOC, int U = 1>
 __global__ void __launch_bounds__(MMVQ16_WARPS * 32)
 mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __half2* __restrict__ Ads,

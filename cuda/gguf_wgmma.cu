@@ -125,8 +125,9 @@ struct Cfg {
 // [split sps, (split + 1) sps) of the nb / 2 (the host makes every split non-empty) -- the
 // schedule of awq_wgmma.cu (wgmma_tiles.schedule). Block ggw::Cfg::THREADS (128 NWG + 128)
 // threads. Tensor maps (host, kernels/gguf.py): x fp16 [M, K] box 64 x x_rows (x_rows =
-// min(T, M): wg::x_box_row), 128-byte swizzle; W bytes [N, nb BYTES] box SLOT x ROWS, swizzle
-// ggw::Cfg::SWIZZLE (rows 16-byte multiples: nb % 8 == 0). With
+// min(T, M): wg::x_box_row), 128-byte swizzle; W bytes [N, nb BYTES] box SLOT x ROWS (GLU: x
+// ROWS / 2, a gate box and an up box a stage), swizzle ggw::Cfg::SWIZZLE (rows 16-byte
+// multiples: nb % 8 == 0). With
 // splits > 1 the split tiles' fp32 partials go to part (wg::SplitParts: [splits][M][the split
 // columns]), which wgmma_reduce (the next launch) sums.
 template <class F, int NWG, int T, int D, bool GLU = false>

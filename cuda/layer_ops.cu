@@ -28,6 +28,8 @@
 //                  (every K/V row is loaded once for G heads: grouped-query attention without
 //                  repeating the cache), online softmax in base 2; the last CTA of each KV
 //                  head merges the splits' (max, sum, unnormalised output) and writes fp16.
+//                  A context of up to 128 positions (layer_ops::SINGLE_RUN) is one run per KV
+//                  head that writes its output itself: no partials, no merge.
 //                  The grid is fixed by the cache size S (and capped near two CTAs per SM:
 //                  layer_ops.DecodeWork), CTAs past pos exit at once, and pos is read from device
 //                  memory, so one CUDA graph serves every decode position. Each warp streams its
