@@ -203,13 +203,14 @@ def test_missing_source_and_gguf_block_constraint(src, capsys):
 
 
 def test_llama_permutation_roundtrip():
-    from quantzoo.model.export import llama_permute, llama_unpermute
+    from quantzoo.model.export import llama_permute
+    from quantzoo.model.gguf_loader import unpermute_qk   # the loader undoes the exporter's order
 
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)   # 4 heads of head_dim 8
     p = llama_permute(w, 4)
     # head 0: HF rows 0..3 (first half) and 4..7 (second half) interleave as 0,4,1,5,2,6,3,7
     np.testing.assert_array_equal(p[:8, 0], w[[0, 4, 1, 5, 2, 6, 3, 7], 0])
-    np.testing.assert_array_equal(llama_unpermute(p, 4), w)
+    np.testing.assert_array_equal(unpermute_qk(p, 4), w)
 
 
 @pytest.mark.parametrize("spec", ["llama-gqa", "qwen3-hd128-untied"])

@@ -341,11 +341,6 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, n // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    n = w.shape[0]
-    return w.reshape(n_head, n // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def detect_pre_tokenizer(tokenizer_json: Path) -> str:
     """Which llama.cpp `tokenizer.ggml.pre` name splits text as this tokenizer.json does.
 
