@@ -110,7 +110,7 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
     q4 = next(r for r in t if r["format"] == "q4_0")
     assert finite(q4["M=1 x cuBLAS"]) > 1 > finite(q4["M=512 x cuBLAS"])
     assert q4["dispatch path (crossovers)"] == "mmvq, mmq from M=16"
-    assert int(q4["slower than fp16 from M"]) == speed.slower_than_fp16_from(bench, "q4_0")
+    assert int(q4["slower than fp16 from M"]) == speed.vs_fp16(bench, "q4_0")[0]
     # M = 1 fit: a row per format, the numbers streaming_fit gives
     fit_t = table_with(md, "streaming TB/s")
     assert sorted(r["format"] for r in fit_t) == sorted(REPORT_FORMATS)
@@ -263,7 +263,7 @@ def test_layer_aggregate_by_hand():
     assert a["pct_roofline"] == pytest.approx(100 * 2.0 * 16 / (4.0 * 16))
     assert a["x_cublas"] == pytest.approx(10.0 / 4.0)
     assert speed.aggregate(res, "q4_0", 64)["x_cublas"] == pytest.approx(100.0 / 40.0)
-    assert speed.slower_than_fp16_from(res, "q4_0") is None
+    assert speed.vs_fp16(res, "q4_0")[0] is None
     assert speed.aggregate(res, "q4_0", 16) is None
     assert speed.path_changes(res, "q4_0")["4096->4096"] == [(1, "mmvq"), (64, "mmq")]
     assert speed.path_changes(res, "q4_0")["12288->4096"] == [(1, "mmvq")]

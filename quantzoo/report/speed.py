@@ -203,11 +203,5 @@ def vs_fp16(res: dict, fmt: str) -> tuple[int | None, list[int]]:
     return None, unknown
 
 
-def slower_than_fp16_from(res: dict, fmt: str) -> int | None:
-    """Smallest bench M at which the layer-aggregated time is slower than cuBLAS fp16, of those
-    with a comparison (vs_fp16 says at which Ms there is none)."""
-    return vs_fp16(res, fmt)[0]
-
-
 def ms_in(res: dict) -> list[int]:
     return sorted({r["m"] for r in res["results"]})
