@@ -32,7 +32,6 @@ import numpy as np
 from .base import Format, as_float_matrix, warn
 from .tensor import QuantizedTensor
 
-ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
 REVERSE = np.array([0, 4, 1, 5, 2, 6, 3, 7])
 GROUP_SIZES = (32, 64, 128)
 QUANTIZE_CHUNK = 1 << 22   # weights quantized at a time (whole output rows, a multiple of 8)
