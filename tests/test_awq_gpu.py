@@ -394,7 +394,7 @@ def test_dequant_cublas_slabs(k, n, g, m, monkeypatch):
     """The large-M path in column slabs (256 columns here, the last one a tail of 64)."""
     awq = awq_mod()
     monkeypatch.setattr(awq, "SLAB_BYTES", 1)
-    assert awq.slab_columns(m, k, n) == 256
+    assert awq.slab_columns(k, n) == 256
     rng = case_rng()
     _, qt, qtc, w16 = weight(k, n, g)
     x16 = rand_x(rng, m, k)
@@ -428,7 +428,7 @@ def test_mma_every_config(k, n, g, m, cfg):
         torch.cuda.synchronize()
         check(y, x16, qt, w16, f"mma {cfg} M={m}")
     if (k, n, m) == (1024, 2048, 20):
-        assert awq.mma_config(m, n, k) == (2, 2, 1) and awq.choose_path(m, qtc) == "mma", "dispatch moved"
+        assert awq.mma_config(m, n) == (2, 2, 1) and awq.choose_path(m, qtc) == "mma", "dispatch moved"
         if cfg == (2, 2, 1):
             assert torch.equal(run(x16, qtc), y), f"dispatch's mma (2, 2, 1) differs from the forced one {seed_note()}"
 

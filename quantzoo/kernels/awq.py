@@ -425,7 +425,7 @@ def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
              ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), np.int32(per)))
 
 
-def mma_config(m: int, n: int, k: int = 4096) -> tuple[int, int, int]:
+def mma_config(m: int, n: int) -> tuple[int, int, int]:
     """(MT, NG, OCC) for the mma kernel, the fastest measured on the H100 per M range
     (bench/notes-awq.md): wide 16-row tiles while M <= 16, taller ones above. OCC = 4 (3 stages,
     128 registers) measured no faster than OCC = 1 (4096->12288 M = 1: 20.4 vs 19.2 us)."""
@@ -442,7 +442,7 @@ def mma_config(m: int, n: int, k: int = 4096) -> tuple[int, int, int]:
 
 def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
     dev = x2.device
-    mt, ng, occ = cfg or mma_config(m, n, k)
+    mt, ng, occ = cfg or mma_config(m, n)
     tiles_n = -(-(n // 8) // (8 * ng))
     tiles_m = -(-m // (16 * mt))
     smem = _mma_smem(mt, ng, occ)
@@ -459,7 +459,7 @@ def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
              np.int32(per)), smem)
 
 
-def slab_columns(m, k, n, slab_bytes=None):
+def slab_columns(k, n, slab_bytes=None):
     """Columns per dequant slab: the fp16 slab K x cols stays under slab_bytes (a multiple of 256
     columns), so it is still in L2 when cuBLAS reads it; 0 bytes = the whole weight at once."""
     slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
@@ -470,7 +470,7 @@ def slab_columns(m, k, n, slab_bytes=None):
 
 
 def _dequant_cublas(x2, qweight, scales, qzeros, y, m, k, n, g, slab_bytes=None):
-    cols = slab_columns(m, k, n, slab_bytes)
+    cols = slab_columns(k, n, slab_bytes)
     buf = _buffer(x2.device, "deq", k * cols, torch.float16)
     for c in range(0, n, cols):
         nc = min(cols, n - c)
