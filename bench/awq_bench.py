@@ -58,7 +58,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
-    ap.add_argument("--paths", default="all", help="'all' (every path) or 'dispatch'")
+    ap.add_argument("--paths", default="all", choices=("all", "dispatch"),
+                    help="'all' (every path) or 'dispatch' (only the path dispatch picks)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--slabs", action="store_true", help="also time dequant+cublas in L2-sized slabs")
     ap.add_argument("--small-sweep", action="store_true",
@@ -86,7 +87,9 @@ def main(argv=None):
             t_cublas = time_graph([lambda w=w: torch.nn.functional.linear(x, w, out=None) for w in fw])
             paths = ((["gemv"] if m == 1 else []) + (["small"] if m <= awq.SMALL_MAX_M else [])
                      + ["mma"] + (["dequant+cublas"] if m >= 16 else [])
-                     + (["wgmma"] if m > 16 and awq.wgmma_available(x.device) else []))
+                     + (["wgmma"] if m >= awq.WGMMA_MIN_M and awq.wgmma_available(x.device) else []))
+            if a.paths == "dispatch":
+                paths = [awq.choose_path(m, awq._Shape(n, k), x.device)]
             times = {}
             for p in paths:
                 fns = [lambda w=w, p=p: awq.gemm(x, *w, G, out=y, path=p) for w in ws]
