@@ -134,7 +134,6 @@ struct Cfg {
   static constexpr int Z_BYTES = 2 * WORDS * 4;
   static constexpr int STAGE = (X_BYTES + W_BYTES + S_BYTES + Z_BYTES + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
-  static constexpr int COLS = 8 * WORDS;                   // output columns per block
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(ROW == 64 || ROW == 128, "weight rows are one 64- or 128-byte swizzle span");
 };

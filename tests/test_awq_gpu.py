@@ -433,8 +433,7 @@ def test_mma_every_config(k, n, g, m, cfg):
             assert torch.equal(run(x16, qtc), y), f"dispatch's mma (2, 2, 1) differs from the forced one {seed_note()}"
 
 
-SPLIT_K_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (2, 64, 6), (2, 32, 6), (1, 128, 6), (2, 256, 4), (2, 256, 5),
-                (2, 16, 16), (2, 32, 12))   # every awq.WGMMA_CFGS (asserted)
+SPLIT_K_CFGS = ((2, 128, 5), (2, 64, 6), (2, 256, 5), (2, 16, 16), (2, 32, 12))   # every awq.WGMMA_CFGS (asserted)
 
 
 @pytest.mark.parametrize("cfg", SPLIT_K_CFGS, ids=str)

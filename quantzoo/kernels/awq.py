@@ -52,7 +52,7 @@ from quantzoo.formats.awq import GROUP_SIZES
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
 # GEMV (cuda/awq_gemv.cu, M = 1): (NW, WARPS, D) = column words per lane, warps per block, k-steps
 # of loads a lane has in flight; each also compiled with VEC = false (for N/8 % NW != 0)
-GEMV_CFGS = ((2, 8, 4), (2, 8, 3), (4, 4, 4))
+GEMV_CFGS = ((2, 8, 4), (4, 4, 4))   # GEMV_DEFAULT and GEMV_TUNED's
 # (MT, NG, OCC): 16*MT rows x 64*NG columns per block, OCC blocks per SM asked of the compiler
 MMA_CFGS = ((1, 1, 1), (1, 2, 1), (1, 2, 4), (2, 1, 1), (2, 2, 1), (4, 1, 1))
 SOURCES = {
@@ -69,12 +69,13 @@ SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2,
               (2, 1, 4, 1, 0, 8), (2, 1, 8, 1, 0, 8), (2, 1, 4, 1, 1, 8))
 SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
 # Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = warpgroups (128 columns each),
-# tokens per block, shared-memory stages. wgmma_config picks T by M; the others are for sweeps.
-WGMMA_CFGS = ((2, 128, 4), (2, 128, 5), (2, 128, 6), (1, 128, 6), (2, 64, 6), (2, 32, 6),
-              (2, 256, 4), (2, 256, 5), (2, 16, 16), (2, 32, 12))
-# The GLU instances (matmul(glu=True): silu(gate) * up in the epilogue) for the configs
-# wgmma_config picks.
-WGMMA_GLU_CFGS = ((2, 16, 16), (2, 32, 12), (2, 64, 6), (2, 128, 5), (2, 256, 5))
+# tokens per block, shared-memory stages: what wgmma_config picks by M. (The sweeps of sessions
+# 8-28 also ran (2, 128, 4/6), (1, 128, 6), (2, 32, 6) and (2, 256, 4); at best they tied the
+# picks within ~2 %, e.g. 4096->6144 M = 512 (2, 256, 4) 48.6 vs 49.3 us, bench/NOTES.md session
+# 28, so they were dropped from the build.)
+WGMMA_CFGS = ((2, 16, 16), (2, 32, 12), (2, 64, 6), (2, 128, 5), (2, 256, 5))
+# The GLU instances (matmul(glu=True): silu(gate) * up in the epilogue): the same configs.
+WGMMA_GLU_CFGS = WGMMA_CFGS
 SOURCES["awq_wgmma.cu"] = (tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
                            + tuple("awq_wgmma_kernel<{}, {}, {}, true>".format(*c) for c in WGMMA_GLU_CFGS)
                            # split K's sum past 2 splits (cuda/wgmma_sm90.cuh)

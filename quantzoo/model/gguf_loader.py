@@ -79,12 +79,6 @@ def hf_to_gguf_name(name: str) -> str:
     raise KeyError(f"{name}: no GGUF name")
 
 
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """HF row order -> llama.cpp's (what its converter does to llama Q/K; rows are whole)."""
-    n = w.shape[0]
-    return (w.reshape(n_head, 2, n // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
-
-
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's Q/K row order -> HF's (rotate-half pairs). Works on block bytes too."""
     n = w.shape[0]

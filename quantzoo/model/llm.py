@@ -366,7 +366,6 @@ class Model:
         self.fused_ops, why = self._fused_ops_status(fused_ops)
         if why and fused_ops:
             raise ValueError(f"fused_ops=True: {why}")
-        self._cache_len = 0
         self.k_cache = self.v_cache = None
         self._graph = None
         # one-token steps through the persistent decode kernel (kernels.persistent: all decoder
@@ -458,7 +457,6 @@ class Model:
 
                     self._persistent = PersistentDecode(self)   # points at this cache
             self._graph = None
-        self._cache_len = n
         return n
 
     def kv_cache_bytes(self) -> int:
