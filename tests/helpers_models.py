@@ -85,9 +85,10 @@ SPECS = {
     # llama arch (no q/k norms), GQA, untied; its GGUF gets llama.cpp's Q/K row permutation
     "llama-gqa": Spec("llama-gqa", arch="llama", hidden=128, heads=4, kv_heads=2, head_dim=32,
                       intermediate=256, tied=False, rope_theta=1e4, eps=1e-5, seed=3),
-    # Llama 3 RoPE scaling: with head_dim 32 and a 64-token pre-training context, 2 frequencies
-    # are kept, 3 blended and 11 divided by the factor (config.llama3_rope_factors)
-    "llama3-rope": Spec("llama3-rope", arch="llama", hidden=128, heads=4, kv_heads=2, head_dim=32,
+    # Llama 3 RoPE scaling: with head_dim 64 (one the fused GPU kernels take) and a 64-token
+    # pre-training context, 4 frequencies are kept, 5 blended and 23 divided by the factor
+    # (config.llama3_rope_factors)
+    "llama3-rope": Spec("llama3-rope", arch="llama", hidden=256, heads=4, kv_heads=2, head_dim=64,
                         intermediate=256, tied=True, rope_theta=1e4, eps=1e-5, seed=4,
                         extra={"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -36,7 +36,7 @@ def test_divisors_give_transformers_frequencies():
     plain = 1.0 / ROPE["rope_theta"] ** (np.arange(0, d, 2) / d)
     f = np.array(factors())
     np.testing.assert_allclose(plain / f, hf_inv, rtol=1e-6)
-    assert (f == 1).sum() == 2 and (f == ROPE["factor"]).sum() == 11 and ((f > 1) & (f < 8)).sum() == 3
+    assert (f == 1).sum() == 4 and (f == ROPE["factor"]).sum() == 23 and ((f > 1) & (f < 8)).sum() == 5
 
 
 @pytest.fixture(scope="module")

@@ -104,26 +104,34 @@ def test_types_without_a_kernel_run_dense_on_gpu(tmp_path):
 
 
 def test_llama3_rope_scaling_on_gpu(tmp_path):
-    """Llama 3 RoPE scaling reaches the fused RoPE kernel through the cos/sin tables: an HF dir of
-    the llama3-rope spec, exported to q4_0 GGUF (rope_freqs.weight), on CUDA equals the CPU float32
-    path's greedy tokens, graph decode included (the CPU path itself is held to transformers in
-    test_vs_transformers.py)."""
+    """Llama 3 RoPE scaling reaches the fused RoPE kernels (prefill, and the graph-replayed decode
+    step) through the cos/sin tables. An HF dir of the llama3-rope spec exported to q4_0 GGUF
+    (rope_freqs.weight): the GPU's teacher-forced logits and decode-step logits near the CPU
+    emulation's (Q8_1 activations; this random model is chaotic enough that fp16 activations move
+    its logits by ~0.1 of the largest on the CPU already, so greedy tokens are not compared), and
+    several times farther from the same model with plain RoPE (~1.0: measured on the CPU)."""
     import helpers_models as H
     from quantzoo.model.export import export
 
     _need_cuda()
     src, _, _ = H.make_model_dir("llama3-rope", tmp_path)
     path = export(src, tmp_path / "l3.gguf", "q4_0", progress=False)
-    cpu = qz.load_model(path, device="cpu", progress=False)
-    gpu = qz.load_model(path, device="cuda", progress=False)
-    assert gpu.config.rope_freq_factors is not None and gpu.fused_ops
     ids = [(5 * i + 1) % 300 for i in range(120)]
-    a, b = cpu.logits(ids), gpu.logits(ids)
-    rel = float((a - b).abs().max() / a.abs().max())
-    assert rel < 5e-2, f"GPU logits differ from the CPU float32 path by {rel:.2e}"
-    assert gpu.generate(ids, max_new_tokens=24, eos_token_ids=[]) == \
-        cpu.generate(ids, max_new_tokens=24, eos_token_ids=[])
+    emu = qz.load_model(path, device="cpu", progress=False, matmul_mode="emulate")
+    want = emu.logits(ids)
+    emu.config.rope_freq_factors = None   # (the tables are built with the cache, below)
+    emu.setup_cache(512)
+    plain = emu.logits(ids)
+    gpu = qz.load_model(path, device="cuda", progress=False)
+    assert gpu.config.rope_freq_factors is not None and gpu.fused_ops and gpu.use_graph
+    gpu.setup_cache(256)
+    gpu.prefill(ids[:104])
+    steps = torch.stack([gpu.decode_step(t, 104 + i).float().cpu().reshape(-1) for i, t in enumerate(ids[104:])])
     assert gpu._graph is not None
+    for got, rows in ((gpu.logits(ids), slice(None)), (steps, slice(104, 120))):
+        rel = lambda ref: float((got - ref[rows]).abs().max() / ref[rows].abs().max())  # noqa: E731
+        print(f"\nGPU vs CPU emulation: {rel(want):.3f}, vs plain RoPE {rel(plain):.3f}")
+        assert rel(want) < 0.25 and rel(plain) > 3 * rel(want), (rel(want), rel(plain))
 
 
 def test_graph_decode_equals_eager(synthetic_path):
