@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 import warnings
@@ -49,6 +50,12 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:   # the reader went away (`quantzoo run model | head`): stop quietly
+        try:   # and keep Python's exit-time flush of stdout from raising it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):   # (a stdout without a descriptor)
+            pass
+        return 141   # 128 + SIGPIPE, what a shell reports for `cat` in the same place
     except (ValueError, OSError, KeyError, NotImplementedError, MemoryError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"quantzoo {args.command}: error: {msg}", file=sys.stderr)

@@ -344,3 +344,23 @@ def test_an_output_directory_without_write_permission_is_named(tmp_path, capsys,
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.endswith(needle) and "\n" not in err, (argv, err)
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`quantzoo ... | head`: the reader's exit used to end in 'error: [Errno 32] Broken pipe'."""
+    import textwrap
+
+    script = textwrap.dedent("""
+        import argparse, sys
+        from quantzoo import cli
+        def func(args):
+            while True:
+                print("x" * 1000)
+        sys.exit(cli._run(argparse.Namespace(func=func, command="formats")))
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=tmp_path)
+    p.stdout.read(5000)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and err == "", err
