@@ -132,8 +132,9 @@ def run(args) -> int:
         how = {"cached": "float32 on weights dequantized once (= ops.matmul mode='dequant')",
                "dequant": "quantzoo.ops.matmul(mode='dequant') per call",
                "emulate": "quantzoo.ops.matmul(mode='emulate'): the GPU kernels' arithmetic in numpy"}
-        # only quantized weights take the mode's path: float ones (f32/f16/bf16) are torch float32
-        plain = sum(ln.format in ("f32", "f16", "bf16") for ln in m._all_linears())
+        # only quantized weights take the mode's path: float ones (f32/f16/bf16, also those a GGUF
+        # loader dequantized, "f32 (dequantized from Q6_K)") are torch float32
+        plain = sum(ln.format.split()[0] in ("f32", "f16", "bf16") for ln in m._all_linears())
         n = len(list(m._all_linears()))
         print("linears      " + ("torch float32 (no linear is quantized: --matmul-mode does not apply)"
                                  if plain == n else f"CPU reference: {how[m.matmul_mode]}" +
