@@ -27,7 +27,7 @@
 //   that 128 or 256, whichever wgmma_tiles.cost predicts faster from the idle SMs and padded
 //   tokens each leaves (host: awq.wgmma_config, wgmma_tiles.config).
 //   At M <= 16 the tensor work is small and a block's time is its walk over K, one stage after
-//   another; T = 16 with 16 stages (128 KB of weight words in flight a block) takes 0.88-0.97x
+//   another; T = 16 with 16 stages (128 KB of weight words in flight a block) takes 0.86-0.99x
 //   the time of T = 32 with 6 stages there (bench/NOTES.md, session 18).
 //   No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions
 //   per k-step (j), each thread dequantising half a word; at T = 256 the 64 x 256 fp32

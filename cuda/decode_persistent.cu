@@ -30,8 +30,8 @@
 // the next phase's rows.
 //
 // Status (H100, session 29; bench/NOTES.md): correct -- bit-equal to the per-op step -- but
-// SLOWER: 3.07 ms a Qwen3-8B q4_0 step (326 tok/s) against the per-op graph's 2.33 ms (429; in
-// the current bench/model-h100.json 324 against 448), so the runner uses it only when asked
+// SLOWER: 3.02 ms a Qwen3-8B q4_0 step (its final version, CUDA events) against the per-op
+// graph's 2.33 ms (in the current bench/model-h100.json 324 against 448 tok/s), so the runner uses it only when asked
 // (Model(persistent=True), model.use_persistent(True)). A per-phase trace (the `trace`
 // argument, PersistentDecode.phase_times) shows why:
 // the ring holds ~8 us of DRAM time (190 KB a CTA), but a layer's barriers, norms and attention

@@ -34,7 +34,7 @@
 //                  layer_ops.DecodeWork), CTAs past pos exit at once, and pos is read from device
 //                  memory, so one CUDA graph serves every decode position. Each warp streams its
 //                  rows through a cp.async ring in shared memory (RING stages). Long contexts
-//                  made this kernel matter: at 16k tokens it had run at 0.4 TB/s, 164 us a
+//                  made this kernel matter: at 16k tokens it had run at ~0.5 TB/s, 164 us a
 //                  Qwen3-8B layer (its merge, fixed now, and one group of rows in flight a warp);
 //                  32 us now (bench/NOTES.md, session 30).
 //

@@ -18,7 +18,7 @@
 // touches memory before grid_wait(), and a block waits before it can return early, so a grid
 // that completes implies its predecessor completed (and, transitively, the whole chain).
 // grid_release() comes after the wait, so at most one grid waits ahead of the running one.
-// Measured (H100, Qwen3-8B q4_0 decode graph): plain launches 373 tok/s, PDL releasing only at
+// Measured (H100, Qwen3-8B q4_0 decode graph): plain launches 372-378 tok/s, PDL releasing only at
 // block exit 383, releasing at the start (this) 409.
 //
 // (An L2 prefetch of each GEMV block's weight slice before grid_wait(), with
