@@ -33,8 +33,9 @@
 // SLOWER: 3.02 ms a Qwen3-8B q4_0 step (its final version, CUDA events) against the per-op
 // graph's 2.33 ms (in the current bench/model-h100.json 324 against 448 tok/s), so the runner
 // uses it only when asked (Model(persistent=True), model.use_persistent(True)). A per-phase
-// trace (the `trace` argument, PersistentDecode.phase_times) shows why: the ring holds ~8 us of DRAM time (190 KB a CTA), but a layer's barriers, norms and attention
-// keep the consumers ~28 us a layer off the weights even with DRAM idle, and the consumers'
+// trace (the `trace` argument, PersistentDecode.phase_times) shows why: the ring holds ~8 us
+// of DRAM time (190 KB a CTA), but a layer's barriers, norms and attention keep the consumers
+// ~28 us a layer off the weights even with DRAM idle, and the consumers'
 // GEMV, issue-bound at one CTA per SM, runs at only ~1.4x the DRAM rate, so it cannot catch up.
 //
 // Layout of the work:
