@@ -101,3 +101,35 @@ def test_bound_rejects_a_one_ulp_output(which):
     assert np.all(y == 1.0)
     assert np.all(b < 2.0 ** -10)
     assert np.all(b >= 2.0 ** -11)                     # round-to-nearest's half ulp still passes
+
+
+@pytest.mark.parametrize("name", ["awq", "fp16"])
+def test_fp16_weight_bound_is_the_formula_and_sees_fp16_accumulation(name):
+    """The bound of emulate_matmul / fp16_matmul (the AWQ mma, wgmma and dequant paths, the fp16
+    GEMV) is K * 2^-24 * (|x16| @ |w16|.T) + 2^-11 |y|, written out here from numpy's own fp16
+    casts; it covers a sequential fp32 accumulation rounded to fp16, and it is tight enough to
+    flag a kernel that accumulates in fp16 in most outputs at K = 384 (measured: 72-78 % at
+    K = 256..512; the bound's K term is then ~0.45 of it). A K term 64x too large (the output
+    term left alone) passed every CPU test before; it lets fp16 accumulation through almost
+    everywhere."""
+    rng = np.random.default_rng()
+    m, n, k = 4, 64, 384
+    fmt = get(name)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    qt = fmt.quantize(w, group_size=64) if name == "awq" else fmt.quantize(w)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y, b = fmt.emulate(x, qt, return_bound=True)
+    x16 = x.astype(np.float16)
+    w16 = fmt.dequantize(qt).astype(np.float16)
+    x64, w64 = x16.astype(np.float64), w16.astype(np.float64)
+    y64 = x64 @ w64.T
+    assert np.array_equal(y, y64.astype(np.float32))
+    assert np.allclose(b, k * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64).T) + 2.0 ** -11 * np.abs(y64), rtol=1e-12, atol=0)
+    prod = x16.astype(np.float32)[:, None, :] * w16.astype(np.float32)[None]   # exact products
+    acc32 = np.zeros((m, n), np.float32)
+    acc16 = np.zeros((m, n), np.float16)
+    for j in range(k):                                  # one legal fp32 order, and an fp16 one
+        acc32 = acc32 + prod[..., j]
+        acc16 = (acc16.astype(np.float32) + prod[..., j]).astype(np.float16)
+    assert np.all(np.abs(acc32.astype(np.float16).astype(np.float64) - y64) <= b)
+    assert (np.abs(acc16.astype(np.float64) - y64) > b).mean() > 0.5
