@@ -215,3 +215,38 @@ def test_huge_weights_are_refused_alike():
             msg = f"awq.quantize: w[5, {col}] = {v:.6g} is beyond fp16's +-65504 (AWQ's dequantized weights are fp16)"
             with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
                 AWQ.quantize(w)
+
+
+def test_exact_ties_round_half_to_even_at_every_magnitude(rng):
+    """AutoAWQ's pseudo_quantize_tensor (its round-to-nearest), written out in torch as the
+    oracle: z = clamp(-torch.round(min / s), 0, 15), q = clamp(torch.round(w / s) + z, 0, 15),
+    torch.round going to the even neighbour at a tie. Here every group sits on exact ties: s a
+    power of two (so fp16 and fp32 s agree), min = -(m0 + 1/2) s, max = min + 15 s and the other
+    weights at (j + 1/2) s or j s, so -min / s and most w / s are k + 1/2 exactly. The design-
+    formula test above leaves every near-tie out, and 0.02-sigma weights only: rounding halves
+    up (floor(v + 1/2)) in z or q passed it. The scales run from 2^-20 (an fp16 subnormal s,
+    range 1.4e-5 just above the 1e-5 floor) to 2^11 (weights near 3e4), with an all-zero group."""
+    import torch
+
+    g, n = 32, 48
+    k = 4 * g
+    exps = np.array([-20, -17, -14, -10, -6, -3, 0, 4, 8, 11])
+    s0 = np.float32(2.0) ** exps[rng.integers(0, len(exps), (k // g, n))]          # [groups, n]
+    m0 = rng.integers(0, 14, (k // g, n)).astype(np.float32)
+    lo = -(m0 + np.float32(0.5))
+    j = rng.integers(0, 15, (k // g, g, n)).astype(np.float32)
+    v = lo[:, None, :] + j + rng.integers(0, 2, (k // g, g, n)).astype(np.float32) * np.float32(0.5)
+    v[:, 0], v[:, 1] = lo, lo + 15                       # the group's min and max
+    v = v[:, rng.permutation(g)]
+    w = (v * s0[:, None, :]).reshape(k, n).T.astype(np.float32)    # exact: small halves times 2^e
+    w[5, 2 * g:3 * g] = 0                                # an all-zero group
+    f = AWQ.fields(AWQ.quantize(w, group_size=g))
+    wt = torch.from_numpy(w.T.reshape(k // g, g, n).copy())
+    mn, mx = wt.amin(dim=1, keepdim=True), wt.amax(dim=1, keepdim=True)
+    s = ((mx - mn).clamp(min=1e-5) / 15).half().float()   # fp16 s, what q is fitted to (DESIGN §3)
+    z = (-torch.round(mn / s)).clamp(0, 15)
+    q = (torch.round(wt / s) + z).clamp(0, 15)
+    assert np.array_equal(f["s"], s[:, 0].half().numpy())
+    assert np.array_equal(f["z"], z[:, 0].numpy()) and np.array_equal(f["q"], q.reshape(k, n).numpy())
+    ties = (np.abs(v - np.floor(v) - 0.5) == 0).mean()
+    assert ties > 0.4 and (z.numpy() % 2 == 0).all()     # the halves were there; z = rne(m0 + 1/2)
