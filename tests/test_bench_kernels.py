@@ -201,10 +201,11 @@ def test_bench_kernels_quick_end_to_end(tmp_path):
     assert len(res["results"]) == len(names) * len(kernels.QWEN3_8B_SHAPES) * len(kernels.QUICK_M)
     assert {r["format"] for r in res["results"]} == set(names)
     ok = [r for r in res["results"] if r["status"] == "ok"]
-    assert {r["format"] for r in ok} >= {"fp16"}
+    assert {r["format"] for r in ok} == set(names)   # (a kernel module that fails to import: 'missing')
     for r in ok:
-        for key in ("median_us", "tflops", "weight_tbps", "pct_copy_bw", "pct_roofline", "x_cublas", "nmse"):
-            assert math.isfinite(r[key]) and r[key] >= 0, (r["format"], key, r[key])
+        for key in ("median_us", "tflops", "weight_tbps", "pct_copy_bw", "pct_roofline", "x_cublas"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["format"], key, r[key])
+        assert math.isfinite(r["nmse"]) and r["nmse"] >= 0, r
         assert r["pct_copy_bw"] < 150, r      # > 100 % would mean the weight came from L2
         if r["m"] == 1:   # timed a second time under programmatic dependent launch (decode's way)
             assert 0 < r["median_us_pdl"] < 3 * r["median_us"], r
