@@ -666,3 +666,20 @@ def test_kv_cache_is_sized_on_demand_and_bounded(tmp_path):
     m2 = qz.load_model(path, progress=False)
     m2.prefill(list(range(1, 40)))
     assert m2.k_cache.shape[3] == DIMS["ctx"]   # 256 = the file's context length
+
+
+def test_dequantizing_past_the_memory_available_is_refused(tmp_path, monkeypatch):
+    """A K-quant file grows ~7x as float32: past the memory available, one MemoryError naming the
+    sizes before any tensor is dequantized (the OOM killer would end the load with no message)."""
+    from quantzoo.model import host_memory
+
+    m = kquant_model()
+    b = kquant_bytes(np.random.default_rng(5), 64, 256, "Q6_K")
+    path = tmp_path / "big.gguf"
+    write_gguf(path, m, "llama", None, drop=("output.weight",),
+               extra_tensors={"output.weight": (b, gguf.GGMLQuantizationType.Q6_K)})
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 32 * 1024)   # 64 x 256 x 4 = 64 KiB
+    with pytest.warns(UserWarning), pytest.raises(
+            MemoryError, match=r"big\.gguf: its Q6_K tensors take 0\.1 MiB dequantized to float32 at "
+                               r"load; 0\.0 MiB of memory is available"):
+        qz.load_model(path, progress=False)

@@ -367,6 +367,14 @@ def load_gguf(path, progress: bool = True):
         what = "; ".join(f"{k}: {v[0] if len(v) == 1 else f'{len(v)} tensors'}" for k, v in foreign.items())
         warn(f"{path}: no quantzoo kernel for {what}: dequantized to float at load (gguf-py), "
              "run as dense linears (cuBLAS on CUDA, fp16 there)", UserWarning)
+        # a file of K-quants grows ~7x in float32: refuse before the OOM killer ends the load
+        from .host_memory import _size, available_bytes
+
+        need = sum(4 * int(np.prod([int(d) for d in tensors[n].shape.tolist()])) for v in foreign.values() for n in v)
+        avail = available_bytes()
+        if avail is not None and need > avail:
+            raise MemoryError(f"{path}: its {' and '.join(foreign)} tensors take {_size(need)} dequantized to "
+                              f"float32 at load; {_size(max(avail, 0))} of memory is available")
 
     weights = {}
     items = list(hf_of.items())
