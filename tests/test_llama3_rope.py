@@ -22,11 +22,6 @@ SPEC = H.SPECS["llama3-rope"]
 ROPE = SPEC.extra["rope_parameters"]
 
 
-def factors(theta=ROPE["rope_theta"], d=SPEC.head_dim):
-    return llama3_rope_factors(theta, d, ROPE["factor"], ROPE["low_freq_factor"],
-                               ROPE["high_freq_factor"], ROPE["original_max_position_embeddings"])
-
-
 def test_divisors_give_transformers_frequencies():
     """transformers' llama3 inv_freq (the outside oracle) = plain frequencies / our divisors, and
     the spec exercises every branch: kept (1), blended (between), divided (factor)."""
@@ -34,7 +29,8 @@ def test_divisors_give_transformers_frequencies():
     hf_inv = model.model.rotary_emb.inv_freq.double().numpy()
     d = SPEC.head_dim
     plain = 1.0 / ROPE["rope_theta"] ** (np.arange(0, d, 2) / d)
-    f = np.array(factors())
+    f = np.array(llama3_rope_factors(ROPE["rope_theta"], d, ROPE["factor"], ROPE["low_freq_factor"],
+                                     ROPE["high_freq_factor"], ROPE["original_max_position_embeddings"]))
     np.testing.assert_allclose(plain / f, hf_inv, rtol=1e-6)
     assert (f == 1).sum() == 4 and (f == ROPE["factor"]).sum() == 23 and ((f > 1) & (f < 8)).sum() == 5
 
@@ -69,8 +65,7 @@ def test_transformers_4_spelling_loads_the_same(llama3_dir, tmp_path):
     (old / "config.json").write_text(json.dumps(cfg))
     assert logits_rel(old, model, ids) < 1e-4
     # the negative control: the same weights with plain RoPE are far off
-    rp_plain = {"rope_type": "default"}
-    cfg["rope_scaling"] = rp_plain
+    cfg["rope_scaling"] = {"rope_type": "default"}
     (old / "config.json").write_text(json.dumps(cfg))
     assert logits_rel(old, model, ids) > 1e-2
 
@@ -88,17 +83,18 @@ def test_gguf_with_rope_freqs_as_llama_cpp_writes_it(tmp_path):
     kw["rope_parameters"] = dict(ROPE)
     m = LlamaForCausalLM(LlamaConfig(**kw)).eval()
     m.load_state_dict(base.state_dict(), strict=False)
+    c, f, lo, hi = (ROPE[k] for k in ("original_max_position_embeddings", "factor", "low_freq_factor",
+                                      "high_freq_factor"))
     ff = []
     for i in range(0, d, 2):
-        wl = 2 * math.pi / (1.0 / 1e4 ** (i / d))
-        lo, hi = 64 / ROPE["low_freq_factor"], 64 / ROPE["high_freq_factor"]
-        if wl < hi:
+        wl = 2 * math.pi / (1.0 / ROPE["rope_theta"] ** (i / d))
+        if wl < c / hi:
             ff.append(1.0)
-        elif wl > lo:
-            ff.append(ROPE["factor"])
+        elif wl > c / lo:
+            ff.append(f)
         else:
-            s = (64 / wl - 1.0) / (4.0 - 1.0)
-            ff.append(1.0 / ((1 - s) / 8.0 + s))
+            s = (c / wl - lo) / (hi - lo)
+            ff.append(1.0 / ((1 - s) / f + s))
     path = tmp_path / "l3.gguf"
     oracle = write_gguf(path, m, "llama", "q8_0",
                         extra_tensors={"rope_freqs.weight": (np.array(ff, np.float32), gguf.GGMLQuantizationType.F32)})
@@ -153,9 +149,9 @@ def test_bad_llama3_parameters_are_named(llama3_dir, tmp_path, edit, needle):
 
 
 def test_exports_that_cannot_carry_the_scaling_are_refused_up_front(llama3_dir, tmp_path):
-    """GGUF -> HF directory (config.json has no per-frequency form) and -> KuiperLLama .bin;
-    a Qwen3 HF model with llama3 scaling -> GGUF (llama.cpp reads rope_freqs for llama only).
-    Nothing is written."""
+    """A GGUF with rope_freqs -> HF directory (config.json has no per-frequency form); a Qwen3 HF
+    model with llama3 scaling -> GGUF (llama.cpp reads rope_freqs for llama only) and -> KuiperLLama
+    .bin (no header field). Nothing is written."""
     from quantzoo.cli import main
     from quantzoo.model.export import export
 
