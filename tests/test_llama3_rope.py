@@ -170,3 +170,46 @@ def test_exports_that_cannot_carry_the_scaling_are_refused_up_front(llama3_dir, 
     with pytest.raises(ValueError, match="no field in a KuiperLLama .bin header"):
         export(q3, tmp_path / "q3.bin", "awq", progress=False)
     assert not list(tmp_path.glob("q3.*"))
+
+
+L3_OLD = {k: v for k, v in ROPE.items() if k != "rope_theta"}   # transformers 4's rope_scaling block
+
+
+@pytest.mark.parametrize("keys", [
+    # a non-empty rope_scaling replaces rope_parameters, either way round
+    {"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": L3_OLD},
+    {"rope_parameters": dict(ROPE), "rope_scaling": {"rope_type": "default"}},
+    {"rope_theta": 1e4, "rope_scaling": dict(L3_OLD, type="llama3", rope_type=None)},
+    # the block's own rope_theta wins over the top-level one
+    {"rope_theta": 1e4, "rope_parameters": dict(ROPE, rope_theta=5e5)},
+    {"rope_scaling": dict(ROPE, rope_theta=5e5)},
+    {"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+    # original_max_position_embeddings: a top-level one, else the block's, else max_position_embeddings
+    {"rope_theta": 1e4, "rope_scaling": dict(L3_OLD, original_max_position_embeddings=None),
+     "original_max_position_embeddings": 32},
+    {"rope_theta": 1e4, "rope_scaling": L3_OLD, "original_max_position_embeddings": 32},
+    {"rope_parameters": dict(ROPE, original_max_position_embeddings=None)},
+])
+def test_config_keys_read_as_transformers_reads_them(keys):
+    """config.json's RoPE keys in the combinations transformers 5 resolves (rope_scaling over
+    rope_parameters, the block's rope_theta over the top-level one, the llama3 context falling
+    back): the frequencies equal transformers' own inv_freq (the oracle) for each."""
+    import copy
+    import warnings
+
+    from quantzoo.model.hf_loader import parse_config
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 256,
+           "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+    for k, v in keys.items():   # (None: the key absent)
+        cfg[k] = {a: b for a, b in v.items() if b is not None} if isinstance(v, dict) else v
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = LlamaRotaryEmbedding(LlamaConfig.from_dict(copy.deepcopy(cfg))).inv_freq.double().numpy()
+    c, _ = parse_config(copy.deepcopy(cfg))
+    d = c.head_dim
+    got = 1.0 / c.rope_theta ** (np.arange(0, d, 2) / d) / np.array(c.rope_freq_factors or [1.0] * (d // 2))
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -99,33 +99,41 @@ def parse_quantization_config(qc: dict | None, where: str = "config.json") -> di
 def _rope(cfg: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...] | None]:
     """(rope_theta, rope_freq_factors) from config.json: plain RoPE, or rope_type "llama3"
     (Llama 3.1+) as config.llama3_rope_factors. transformers 4 writes the scaling as
-    `rope_scaling` beside `rope_theta`, transformers 5 both inside `rope_parameters`."""
+    `rope_scaling` beside `rope_theta`, transformers 5 both inside `rope_parameters`.
+
+    Read as transformers 5 reads them (PreTrainedConfig.convert_rope_params_to_dict,
+    standardize_rope_params): a non-empty `rope_scaling` replaces `rope_parameters`; the block's
+    own rope_theta wins over the top-level one; llama3's original_max_position_embeddings is the
+    top-level key where there is one, else the block's, else max_position_embeddings."""
     from .config import llama3_rope_factors, positive
 
-    rp = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", rp.get("rope_theta") if isinstance(rp, dict) else None)
-    theta = 10000.0 if theta is None else positive(theta, float, f"{where}: rope_theta")
-    factors = None
-    for block, key in ((rp, "rope_parameters"), (cfg.get("rope_scaling"), "rope_scaling")):
-        if not isinstance(block, dict):
-            continue
-        rtype = block.get("rope_type", block.get("type", "default"))
-        if rtype in (None, "default"):
-            continue
-        if rtype != "llama3":
-            raise ValueError(f"{where}: {key}.rope_type={rtype!r} is not supported "
-                             "(plain RoPE, rope_type 'default', or 'llama3')")
-        p = {}
-        for k, kind in (("factor", float), ("low_freq_factor", float), ("high_freq_factor", float),
-                        ("original_max_position_embeddings", int)):
-            if block.get(k) is None:
-                raise ValueError(f"{where}: {key}.{k} is missing (rope_type 'llama3' needs it)")
-            p[k] = positive(block[k], kind, f"{where}: {key}.{k}")
-        try:
-            factors = llama3_rope_factors(theta, head_dim, p["factor"], p["low_freq_factor"],
-                                          p["high_freq_factor"], p["original_max_position_embeddings"])
-        except ValueError as e:
-            raise ValueError(f"{where}: {key}.{e}") from None
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    block = cfg.get(key) or {}
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: {key}={block!r} must be an object")
+    top, inner = cfg.get("rope_theta"), block.get("rope_theta")
+    top = 10000.0 if top is None else positive(top, float, f"{where}: rope_theta")
+    theta = top if inner is None else positive(inner, float, f"{where}: {key}.rope_theta")
+    rtype = block.get("rope_type", block.get("type", "default"))
+    if rtype in (None, "default"):
+        return theta, None
+    if rtype != "llama3":
+        raise ValueError(f"{where}: {key}.rope_type={rtype!r} is not supported "
+                         "(plain RoPE, rope_type 'default', or 'llama3')")
+    p, ctx = {}, "original_max_position_embeddings"
+    for k, kind in (("factor", float), ("low_freq_factor", float), ("high_freq_factor", float), (ctx, int)):
+        found = [(f"{key}.{k}", block.get(k))]
+        if k == ctx:   # the pre-training context as transformers finds it: a top-level key first
+            found = [(k, cfg.get(k))] + found + [("max_position_embeddings", cfg.get("max_position_embeddings"))]
+        name, v = next(((n, x) for n, x in found if x is not None), (f"{key}.{k}", None))
+        if v is None:
+            raise ValueError(f"{where}: {name} is missing (rope_type 'llama3' needs it)")
+        p[k] = positive(v, kind, f"{where}: {name}")
+    try:
+        factors = llama3_rope_factors(theta, head_dim, p["factor"], p["low_freq_factor"],
+                                      p["high_freq_factor"], p["original_max_position_embeddings"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {key}.{e}") from None
     return theta, factors
 
 
