@@ -164,6 +164,9 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type='yarn'"),
+    # transformers 4's spelling names the key the file has; a rope_scaling that is no object
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type='linear' is not supported"),
+    ({"rope_scaling": "llama3"}, "rope_scaling='llama3' must be an object"),
     ({"hidden_size": 0}, "hidden_size=0"),
     ({"num_key_value_heads": "2"}, "num_key_value_heads='2' must be a positive integer"),
     ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be a positive number"),

@@ -114,11 +114,12 @@ def _rope(cfg: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...
     top, inner = cfg.get("rope_theta"), block.get("rope_theta")
     top = 10000.0 if top is None else positive(top, float, f"{where}: rope_theta")
     theta = top if inner is None else positive(inner, float, f"{where}: {key}.rope_theta")
-    rtype = block.get("rope_type", block.get("type", "default"))
+    tkey = "rope_type" if "rope_type" in block else "type"   # (transformers 4 also wrote "type")
+    rtype = block.get(tkey, "default")
     if rtype in (None, "default"):
         return theta, None
     if rtype != "llama3":
-        raise ValueError(f"{where}: {key}.rope_type={rtype!r} is not supported "
+        raise ValueError(f"{where}: {key}.{tkey}={rtype!r} is not supported "
                          "(plain RoPE, rope_type 'default', or 'llama3')")
     p, ctx = {}, "original_max_position_embeddings"
     for k, kind in (("factor", float), ("low_freq_factor", float), ("high_freq_factor", float), (ctx, int)):
