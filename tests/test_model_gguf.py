@@ -683,3 +683,25 @@ def test_dequantizing_past_the_memory_available_is_refused(tmp_path, monkeypatch
             MemoryError, match=r"big\.gguf: its Q6_K tensors take 0\.1 MiB dequantized to float32 at "
                                r"load; 0\.0 MiB of memory is available"):
         qz.load_model(path, progress=False)
+
+
+def test_memory_refusal_counts_the_dequantizers_working_copy(tmp_path, monkeypatch):
+    """gguf-py's dequantize holds about one more float32 copy of the tensor it works on (its
+    peak, measured here with tracemalloc, is ~2x the result): memory for the results alone but
+    not for that peak is refused too, where before the load went on into the OOM killer."""
+    import tracemalloc
+
+    from quantzoo.model import host_memory
+
+    b = kquant_bytes(np.random.default_rng(5), 64, 256, "Q6_K")
+    tracemalloc.start()
+    gguf.quants.dequantize(b, gguf.GGMLQuantizationType.Q6_K)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak > 1.9 * 64 * 256 * 4
+    path = tmp_path / "peak.gguf"
+    write_gguf(path, kquant_model(), "llama", None, drop=("output.weight",),
+               extra_tensors={"output.weight": (b, gguf.GGMLQuantizationType.Q6_K)})
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 3 * 64 * 256 * 2)   # 1.5x: the result fits, the peak not
+    with pytest.warns(UserWarning), pytest.raises(MemoryError, match=r"peak\.gguf: its Q6_K tensors take"):
+        qz.load_model(path, progress=False)

@@ -370,7 +370,8 @@ def load_gguf(path, progress: bool = True):
         # a file of K-quants grows ~7x in float32: refuse before the OOM killer ends the load
         from .host_memory import _size, available_bytes
 
-        need = sum(4 * int(np.prod([int(d) for d in tensors[n].shape.tolist()])) for v in foreign.values() for n in v)
+        sizes = [4 * int(np.prod([int(d) for d in tensors[n].shape.tolist()])) for v in foreign.values() for n in v]
+        need = sum(sizes) + max(sizes)   # (gguf-py's dequantize holds a second copy of the tensor it works on)
         avail = available_bytes()
         if avail is not None and need > avail:
             raise MemoryError(f"{path}: its {' and '.join(foreign)} tensors take {_size(need)} dequantized to "
