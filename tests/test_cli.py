@@ -93,7 +93,15 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
                          (["--stop", "ok", "--stop", "\udc80x"], "--stop: not UTF-8 text (character 0"),
                          # sampling filters with greedy decoding: they were ignored without a word
                          (["--top-k", "40"], "--top-k 40: filters sampled tokens, but --temperature 0"),
-                         (["--top-p", "0.9", "--seed", "1"], "--top-p 0.9: filters sampled tokens")):
+                         (["--top-p", "0.9", "--seed", "1"], "--top-p 0.9: filters sampled tokens"),
+                         # extra chat-template variables (Qwen3's enable_thinking, ...)
+                         (["--chat-template-kwargs", "{}"], "--chat-template-kwargs: variables for the chat template"),
+                         (["--chat", "--chat-template-kwargs", "{enable_thinking: false}"],
+                          "--chat-template-kwargs: not JSON"),
+                         (["--chat", "--chat-template-kwargs", "[1]"],
+                          "--chat-template-kwargs: expected an object of variables, got list"),
+                         (["--chat", "--chat-template-kwargs", '{"messages": []}'],
+                          "--chat-template-kwargs: ['messages'] are set by the renderer itself")):
         assert main(["run", "model", "--model", nope, *args]) == 2
         err = capsys.readouterr().err
         assert needle in err and "temperature" not in err.replace("--temperature", ""), err
@@ -364,3 +372,21 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141 and err == "", err
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_run, capsys):
+    """--chat-template-kwargs '{"enable_thinking": false}': the variable reaches the template (here
+    one that adds an empty think block for it, in Qwen3's style), so the prompt grows by that block."""
+    from quantzoo.cli import main
+
+    tiny_run.tokenizer.chat_template = (
+        "<|im_start|>user\n{{ messages[0]['content'] }}<|im_end|>\n<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+    counts = []
+    for extra in ([], ["--chat-template-kwargs", '{"enable_thinking": false}']):
+        assert main(["run", "model", "--device", "cpu", "--prompt", "hi", "--chat", "--max-new-tokens", "1",
+                     *extra]) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("prompt"))
+        counts.append(int(line.split()[1]))
+    block = len(tiny_run.tokenizer.encode("<think>\n\n</think>\n\n", add_bos=False, add_eos=False))
+    assert counts[1] == counts[0] + block, counts

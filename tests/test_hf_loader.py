@@ -469,3 +469,31 @@ def test_awq_shape_error_names_the_config(dirs, tmp_path):
     with pytest.raises(ValueError, match=r"awqdim/config\.json: model\.layers\.0\.mlp\.gate_proj: shape "
                                          r"\(out=100, in=256\) does not fit AWQ group_size=128"):
         load_hf(d, progress=False)
+
+
+def test_extra_chat_template_variables_reach_the_template_as_in_transformers(tmp_path):
+    """apply_chat_template(**variables) as transformers' apply_chat_template(**kwargs): Qwen3's
+    templates read `enable_thinking` (an empty think block when it is false). The template here is
+    written for the test in that style; transformers renders the same text with and without the
+    variable, and the two texts differ. A variable the renderer sets itself is refused."""
+    from transformers import AutoTokenizer
+
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    H.build_tokenizer(300).save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                "{% endif %}{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}))
+    hf, tok = AutoTokenizer.from_pretrained(str(tmp_path)), load_tokenizer(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = tok.apply_chat_template(msgs)
+    off = tok.apply_chat_template(msgs, enable_thinking=False)
+    assert plain == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert off == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off == plain + "<think>\n\n</think>\n\n"
+    assert tok.encode_chat(msgs, enable_thinking=False) == tok.encode(off, add_bos=False, add_eos=False)
+    with pytest.raises(ValueError, match=r"chat template variables: \['bos_token'\] are set by the renderer"):
+        tok.apply_chat_template(msgs, bos_token="<s>")

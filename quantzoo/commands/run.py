@@ -2,6 +2,7 @@
 then print prefill/decode speed, peak memory and the format used per tensor kind."""
 from __future__ import annotations
 
+import json
 import sys
 
 DEFAULT_PROMPT = "The three most useful things to know about the Moon are"
@@ -19,6 +20,9 @@ def register(sub) -> None:
     m.add_argument("--system", default=None, help="system message for --chat")
     m.add_argument("--chat-template", default=None, metavar="NAME",
                    help="for --chat: which of the model's named chat templates (default: its default one)")
+    m.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="for --chat: a JSON object of extra template variables, e.g. "
+                        "'{\"enable_thinking\": false}' for Qwen3 (as llama.cpp's server takes them)")
     m.add_argument("--max-new-tokens", type=int, default=64)
     m.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -64,6 +68,17 @@ def run(args) -> int:
         raise ValueError("--system: a system message goes into the chat template; add --chat")
     if args.chat_template is not None and not args.chat:
         raise ValueError("--chat-template: it names the template --chat uses; add --chat")
+    variables = {}
+    if args.chat_template_kwargs is not None:
+        if not args.chat:
+            raise ValueError("--chat-template-kwargs: variables for the chat template --chat uses; add --chat")
+        try:
+            variables = json.loads(args.chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError(f"--chat-template-kwargs: not JSON ({e})") from None
+        from ..model.tokenizer import check_template_variables
+
+        check_template_variables(variables, "--chat-template-kwargs")
     if any(not s for s in args.stop or []):
         raise ValueError("--stop: an empty stop string would stop at once")
     if args.temperature == 0:   # greedy: the filters would be ignored, the text not sampled
@@ -93,7 +108,7 @@ def run(args) -> int:
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
                [{"role": "user", "content": text}]
-        ids = tok.encode_chat(msgs, add_generation_prompt=True, template=args.chat_template)
+        ids = tok.encode_chat(msgs, add_generation_prompt=True, template=args.chat_template, **variables)
     else:
         ids = tok.encode(text)
     if not ids:   # (generate's own error named "ids", which is no argument of the command)

@@ -107,6 +107,21 @@ def _library_error(e: BaseException) -> bool:
     return isinstance(e, Exception) or type(e).__name__ == "PanicException"
 
 
+# what apply_chat_template itself passes to a chat template (as transformers does)
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                               "eos_token")
+
+
+def check_template_variables(variables: dict, what: str = "chat template variables") -> dict:
+    """Extra chat-template variables, or one clear error (what: the argument, for the message)."""
+    if not isinstance(variables, dict):
+        raise ValueError(f"{what}: expected an object of variables, got {type(variables).__name__}")
+    taken = sorted(set(variables) & set(RESERVED_TEMPLATE_VARIABLES))
+    if taken:
+        raise ValueError(f"{what}: {taken} are set by the renderer itself "
+                         f"({', '.join(RESERVED_TEMPLATE_VARIABLES)})")
+    return variables
+
 class Tokenizer:
     """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer`."""
 
@@ -164,11 +179,14 @@ class Tokenizer:
         return self.tok.id_to_token(token_ids([i], 2**32, "id")[0])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template: str | None = None) -> str:
+                            template: str | None = None, **variables) -> str:
         """The conversation rendered by the model's chat template: the default one, or the named
         one `template` (a model may ship several: tokenizer_config.json's list of {name, template},
         a GGUF's tokenizer.chat_template.<name>). Like transformers, a model whose templates are
-        all named and none "default" needs a name."""
+        all named and none "default" needs a name. `variables` reach the template as
+        transformers' apply_chat_template(**kwargs) passes them, e.g. Qwen3's
+        enable_thinking=False (CLI: --chat-template-kwargs)."""
+        check_template_variables(variables)
         names = sorted(self.chat_templates)
         if template is not None:
             if template not in self.chat_templates:
@@ -204,7 +222,7 @@ class Tokenizer:
         try:
             return env.from_string(source).render(
                 messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token)
+                bos_token=self.bos_token, eos_token=self.eos_token, **variables)
         except jinja2.TemplateError as e:   # a broken template, or one that refuses the messages
             where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise ValueError(f"the model's chat template{where}: {type(e).__name__}: {e}") from None
@@ -213,10 +231,11 @@ class Tokenizer:
             raise ValueError(f"the model's chat template fails: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template: str | None = None) -> list[int]:
+                    template: str | None = None, **variables) -> list[int]:
         """The ids of a rendered conversation: BOS in front unless the template renders one, and
-        no EOS behind it whatever add_eos says (the model is to continue it)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, template)
+        no EOS behind it whatever add_eos says (the model is to continue it). variables: as
+        apply_chat_template's."""
+        text = self.apply_chat_template(messages, add_generation_prompt, template, **variables)
         renders_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_bos=False if renders_bos else None, add_eos=False)
 
