@@ -70,9 +70,9 @@ SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2,
 SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
 # Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = warpgroups (128 columns each),
 # tokens per block, shared-memory stages: what wgmma_config picks by M. (The sweeps of sessions
-# 8-28 also ran (2, 128, 4/6), (1, 128, 6), (2, 32, 6) and (2, 256, 4); at best they tied the
-# picks within ~2 %, e.g. 4096->6144 M = 512 (2, 256, 4) 48.6 vs 49.3 us, bench/NOTES.md session
-# 28, so they were dropped from the build.)
+# 8-28 also ran (2, 128, 4/6), (1, 128, 6), (2, 32, 6) and (2, 256, 4); the best of them beat the
+# picks by 1.4 % at most -- 4096->6144 M = 512 (2, 256, 4) 48.6 vs 49.3 us, bench/NOTES.md
+# session 28, where the first timing of a shape alone moved 10-20 % -- so they were dropped.)
 WGMMA_CFGS = ((2, 16, 16), (2, 32, 12), (2, 64, 6), (2, 128, 5), (2, 256, 5))
 # The GLU instances (matmul(glu=True): silu(gate) * up in the epilogue): the same configs.
 WGMMA_GLU_CFGS = WGMMA_CFGS
