@@ -25,6 +25,7 @@ Facts this rests on (DESIGN.md §5):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -293,9 +294,10 @@ def _to_weight(t, path: str):
     return out
 
 
-def rope_freq_factors(t, cfg: ModelConfig, path: str) -> tuple[float, ...]:
-    """The divisors of the RoPE frequencies in `rope_freqs.weight` (Llama 3.1+ scaling; llama.cpp
-    divides frequency i by value i), checked: F32 or F16, head_dim / 2 values, each positive."""
+def with_rope_freqs(cfg: ModelConfig, t, path: str) -> ModelConfig:
+    """cfg with the divisors of the RoPE frequencies in `rope_freqs.weight` (Llama 3.1+ scaling;
+    llama.cpp divides frequency i by value i): an F32 or F16 vector of head_dim / 2 values, each
+    positive (ModelConfig checks the values)."""
     if cfg.arch != "llama":   # llama.cpp's qwen3 graph has no RoPE factors tensor
         raise ValueError(f"{path}: unexpected tensor 'rope_freqs.weight' for a {cfg.arch} model "
                          "(llama.cpp reads RoPE frequency factors for llama only)")
@@ -303,12 +305,10 @@ def rope_freq_factors(t, cfg: ModelConfig, path: str) -> tuple[float, ...]:
     if t.tensor_type.name not in ("F32", "F16") or dims != [cfg.head_dim // 2]:
         raise ValueError(f"{path}: tensor 'rope_freqs.weight' is {t.tensor_type.name}{dims}; expected "
                          f"F32[{cfg.head_dim // 2}] (one factor per RoPE frequency of head_dim {cfg.head_dim})")
-    v = np.asarray(t.data, dtype=np.float64).reshape(-1)
-    bad = np.flatnonzero(~(np.isfinite(v) & (v > 0)))
-    if bad.size:
-        raise ValueError(f"{path}: tensor 'rope_freqs.weight' value {int(bad[0])} is {float(v[bad[0]])!r}; "
-                         "RoPE frequency factors must be positive and finite")
-    return tuple(float(x) for x in v)
+    try:
+        return dataclasses.replace(cfg, rope_freq_factors=tuple(float(x) for x in np.asarray(t.data).reshape(-1)))
+    except ValueError as e:
+        raise ValueError(f"{path}: tensor 'rope_freqs.weight': {e}") from None
 
 
 def load_gguf(path, progress: bool = True):
@@ -336,7 +336,7 @@ def load_gguf(path, progress: bool = True):
         cfg.check_tokenizer(tok, path, strict=True)
 
     if "rope_freqs.weight" in tensors:
-        cfg.rope_freq_factors = rope_freq_factors(tensors.pop("rope_freqs.weight"), cfg, path)
+        cfg = with_rope_freqs(cfg, tensors.pop("rope_freqs.weight"), path)
     # validate names, shapes and types against the config before using any tensor
     want = cfg.expected_shapes()
     hf_of = {}
