@@ -340,6 +340,7 @@ def load_gguf(path, progress: bool = True):
     # validate names, shapes and types against the config before using any tensor
     want = cfg.expected_shapes()
     hf_of = {}
+    foreign: dict[str, list[str]] = {}   # ggml type -> tensors dequantized at load
     for name, t in tensors.items():
         hf = gguf_to_hf_name(name)
         if hf is None or hf not in want:
@@ -350,8 +351,10 @@ def load_gguf(path, progress: bool = True):
                              f"({cfg.arch}, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
                              f"{cfg.num_kv_heads}x{cfg.head_dim}) wants {want[hf]}")
         tname = t.tensor_type.name
-        if tname not in FLOAT_TYPES and tname not in BLOCK_TYPES and not dequantized_at_load(tname):
-            raise _unsupported(path, name, tname)
+        if tname not in FLOAT_TYPES and tname not in BLOCK_TYPES:
+            if not dequantized_at_load(tname):
+                raise _unsupported(path, name, tname)
+            foreign.setdefault(tname, []).append(name)
         if len(want[hf]) == 1 and tname not in FLOAT_TYPES:
             raise ValueError(f"{path}: tensor {name!r} (a norm weight) has type {tname}; expected a float type")
         hf_of[name] = hf
@@ -359,10 +362,6 @@ def load_gguf(path, progress: bool = True):
     for hf in want:
         if hf not in have:
             raise ValueError(f"{path}: tensor {hf_to_gguf_name(hf)!r} is missing")
-    foreign: dict[str, list[str]] = {}
-    for name, t in tensors.items():
-        if dequantized_at_load(t.tensor_type.name):
-            foreign.setdefault(t.tensor_type.name, []).append(name)
     if foreign:
         what = "; ".join(f"{k}: {v[0] if len(v) == 1 else f'{len(v)} tensors'}" for k, v in foreign.items())
         warn(f"{path}: no quantzoo kernel for {what}: dequantized to float at load (gguf-py), "
