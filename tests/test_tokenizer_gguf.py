@@ -69,8 +69,8 @@ def test_unknown_pre_tokenizer_is_an_error():
             "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": []}
     with pytest.raises(ValueError, match="tokenizer.ggml.pre='made-up' is not supported"):
         Tokenizer.from_gguf_fields(meta, "x.gguf")
-    meta["tokenizer.ggml.model"] = "llama"
-    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama' is not supported"):
+    meta["tokenizer.ggml.model"] = "bert"
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='bert' is not supported"):
         Tokenizer.from_gguf_fields(meta, "x.gguf")
 
 

@@ -29,6 +29,7 @@ Destinations, by the name of DST and --format:
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,7 +368,9 @@ def detect_pre_tokenizer(tokenizer_json: Path) -> str:
 
 
 def add_hf_tokenizer(writer, src: Source) -> None:
-    """tokenizer.ggml.* from an HF tokenizer.json, as llama.cpp's converter does for BPE."""
+    """tokenizer.ggml.* from an HF tokenizer.json, as llama.cpp's converter does: a byte-level BPE
+    as 'gpt2' (tokens, merges, the pre-tokenizer's name), a SentencePiece-style one (byte
+    fallback, spaces as U+2581: Llama 1/2, Mistral v0.1) as 'llama' (tokens, scores, types)."""
     import gguf
 
     tj = src.tokenizer_dir / "tokenizer.json"
@@ -377,6 +380,7 @@ def add_hf_tokenizer(writer, src: Source) -> None:
     model = data.get("model", {})
     if model.get("type") != "BPE":
         raise ValueError(f"{tj}: tokenizer model {model.get('type')!r}; only BPE exports to GGUF")
+    space_prefix = sentencepiece_style(data, tj)   # None: byte-level
     vocab = dict(model["vocab"])
     added = {t["content"]: t for t in data.get("added_tokens", [])}
     for t in added.values():
@@ -385,25 +389,93 @@ def add_hf_tokenizer(writer, src: Source) -> None:
     if max(vocab.values()) >= n_vocab:
         raise ValueError(f"{tj}: token id {max(vocab.values())} >= the model's vocab_size {n_vocab}")
     rev = {i: t for t, i in vocab.items()}
+    unk = model.get("unk_token")   # transformers 5 leaves it to tokenizer_config.json
+    tc = src.tokenizer_dir / "tokenizer_config.json"
+    if unk is None and tc.exists():
+        unk = json.loads(tc.read_text(encoding="utf-8")).get("unk_token")
+        unk = unk.get("content") if isinstance(unk, dict) else unk
+    T = gguf.TokenType
     tokens, types = [], []
     for i in range(n_vocab):
-        if i not in rev:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-            continue
-        t = rev[i]
-        if t in added:
-            types.append(gguf.TokenType.CONTROL if added[t].get("special") else gguf.TokenType.USER_DEFINED)
-        else:
-            types.append(gguf.TokenType.NORMAL)
+        t = rev.get(i, f"[PAD{i}]")
         tokens.append(t)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(detect_pre_tokenizer(tj))
+        if i not in rev:
+            types.append(T.UNUSED)
+        elif space_prefix is not None and t == unk:
+            types.append(T.UNKNOWN)
+        elif t in added:
+            types.append(T.CONTROL if added[t].get("special") else T.USER_DEFINED)
+        elif space_prefix is not None and re.fullmatch(r"<0x[0-9A-F]{2}>", t):
+            types.append(T.BYTE)
+        else:
+            types.append(T.NORMAL)
+    if space_prefix is None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(detect_pre_tokenizer(tj))
+    else:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores(_spm_scores(model, tj, tokens, types))
+        writer.add_add_space_prefix(space_prefix)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    # merges, special ids (bos/eos/pad/unk from tokenizer_config + config), add_bos, template
-    special = gguf.SpecialVocab(src.tokenizer_dir, load_merges=True, n_vocab=n_vocab)
+    # merges (byte-level only), special ids (bos/eos/pad/unk from tokenizer_config + config),
+    # add_bos, chat template
+    special = gguf.SpecialVocab(src.tokenizer_dir, load_merges=space_prefix is None, n_vocab=n_vocab)
     special.add_to_gguf(writer, quiet=True)
+
+
+def sentencepiece_style(data: dict, tj: Path) -> bool | None:
+    """For a byte-fallback BPE tokenizer.json that writes spaces as U+2581 and splits nothing
+    before the BPE (transformers' conversion of a SentencePiece model): whether it puts a U+2581
+    in front. None for any other BPE (byte-level); an error for a byte-fallback BPE that splits."""
+    if not data.get("model", {}).get("byte_fallback"):
+        return None
+
+    def parts(node):   # a component, or the members of a Sequence
+        if not node:
+            return []
+        if node.get("type") != "Sequence":
+            return [node]
+        return [x for n in node.get("normalizers") or node.get("pretokenizers") or [] for x in parts(n)]
+
+    norm, pre = parts(data.get("normalizer")), parts(data.get("pre_tokenizer"))
+    meta = [x for x in pre if x.get("type") == "Metaspace"]
+    replaces = any(x.get("type") == "Replace" and x.get("pattern", {}).get("String") == " "
+                   and x.get("content") == "\u2581" for x in norm)
+    if len(meta) != len(pre) or any(m.get("split") for m in meta) or not (replaces or meta):
+        raise ValueError(f"{tj}: a byte-fallback BPE that does not split text as SentencePiece does "
+                         "(spaces as U+2581, no split before the BPE); GGUF's 'llama' tokenizer cannot carry it")
+    return any(x.get("type") == "Prepend" and x.get("prepend") == "\u2581" for x in norm) or \
+        any(m.get("prepend_scheme", "always") != "never" for m in meta)
+
+
+def _spm_scores(model: dict, tj: Path, tokens: list, types: list) -> list:
+    """SentencePiece scores for a tokenizer.json that lost them, from its merges. GGUF's 'llama'
+    tokenizer joins the adjacent pair whose joined token scores highest; a token that scores minus
+    the rank of its first merge makes the joins happen in the merges' order. (llama.cpp's own
+    converter writes -1000 for every token of such a file and leaves the order to ties.) That is
+    the same tokenizer only if the merges are every split of a token into two tokens, as a
+    SentencePiece conversion lists them, each token's together; otherwise this refuses."""
+    from .tokenizer import NORMAL, sentencepiece_merges
+
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    first = {}
+    for r, (a, b) in enumerate(merges):
+        first.setdefault(a + b, r)
+    scores = [float(-first.get(t, len(merges) + i)) if ty == NORMAL else 0.0
+              for i, (t, ty) in enumerate(zip(tokens, types))]
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    normal = [NORMAL if t == NORMAL else 0 for t in types]
+    every_split = set(sentencepiece_merges(tokens, vocab, scores, normal))
+    listed = {m for m in merges if (i := vocab.get(m[0] + m[1])) is not None and normal[i]}
+    if every_split != listed:
+        extra = sorted(every_split - listed) or sorted(listed - every_split)
+        raise ValueError(f"{tj}: its merges are not every split of a token into two tokens (e.g. "
+                         f"{' '.join(extra[0])!r}), so GGUF's SentencePiece-style tokenizer would split text "
+                         "differently")
+    return scores
 
 
 def add_gguf_tokenizer(writer, src: Source) -> None:

@@ -11,6 +11,7 @@ Two ways in:
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from datetime import datetime
@@ -121,6 +122,45 @@ def check_template_variables(variables: dict, what: str = "chat template variabl
         raise ValueError(f"{what}: {taken} are set by the renderer itself "
                          f"({', '.join(RESERVED_TEMPLATE_VARIABLES)})")
     return variables
+
+
+def sentencepiece_merges(tokens: list, vocab: dict, scores: list, types: list) -> list:
+    """Every split of a NORMAL (or UNUSED) token into two tokens, highest-scoring token first."""
+    mergeable = sorted((i for i, ty in enumerate(types) if ty in (NORMAL, UNUSED) and vocab[tokens[i]] == i),
+                       key=lambda i: -scores[i])
+    merges = []
+    for i in mergeable:
+        t = tokens[i]
+        merges += [(t[:j], t[j:]) for j in range(1, len(t)) if t[:j] in vocab and t[j:] in vocab]
+    return merges
+
+
+def _sentencepiece_bpe(tokens: list, vocab: dict, scores: list, types: list, add_space_prefix: bool) -> HFTokenizer:
+    """llama.cpp's SPM tokenizer (tokenizer.ggml.model 'llama': Llama 1/2, TinyLlama, Mistral v0.1)
+    as a `tokenizers` BPE.
+
+    llama.cpp (and SentencePiece's BPE encoder) start from the UTF-8 characters of the text, with
+    " " written as U+2581 and one U+2581 in front (add_space_prefix; llama.cpp also puts one after
+    every special token), and repeatedly join the adjacent pair whose joined text is the vocabulary
+    entry of highest score; a character left outside the vocabulary becomes its bytes' <0xXX>
+    tokens (or <unk> without them). The same result as a BPE: every split of a vocabulary entry
+    into two entries is a merge, ranked by the joined entry's score. (Where two different pairs
+    tie on score, both encoders join the leftmost and a BPE the lower-ranked one; SentencePiece's
+    vocabularies give every entry its own score.) The normalizer runs on each piece between
+    special tokens, so the prefix goes where llama.cpp puts it."""
+    from tokenizers import normalizers
+
+    merges = sentencepiece_merges(tokens, vocab, scores, types)
+    unk = next((tokens[i] for i, ty in enumerate(types) if ty == UNKNOWN), None)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                                 byte_fallback=any(ty == BYTE for ty in types)))
+    prefix = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence(prefix + [normalizers.Replace(" ", "\u2581")])
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + strip)
+    return tok
+
 
 class Tokenizer:
     """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer`."""
@@ -301,14 +341,9 @@ class Tokenizer:
             return meta[key]
 
         model = need("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise ValueError(f"{path}: tokenizer.ggml.model={model!r} is not supported yet "
-                             "(only byte-level BPE, 'gpt2')")
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
-            raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
-                             f"{sorted(PRE_TOKENIZERS)}")
-        make_pre, ignore_merges = PRE_TOKENIZERS[pre]
+                             "(byte-level BPE 'gpt2' and SentencePiece BPE 'llama' are)")
 
         def array_of(key, kind, default=None):
             v = need(key) if default is None else meta.get(key) or default
@@ -317,32 +352,51 @@ class Tokenizer:
             return v
 
         tokens = array_of("tokenizer.ggml.tokens", str)
-        types = array_of("tokenizer.ggml.token_type", int, [NORMAL] * len(tokens))
+        types = list(array_of("tokenizer.ggml.token_type", int, [NORMAL] * len(tokens)))
         if len(types) != len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries, "
                              f"tokenizer.ggml.tokens {len(tokens)}")
-        merges = []
-        for m in array_of("tokenizer.ggml.merges", str):
-            i = m.find(" ", 1)   # from 1, as llama.cpp: a first token may itself be " "
-            if i < 0:
-                raise ValueError(f"{path}: tokenizer.ggml.merges entry {m!r} is not 'a b'")
-            merges.append((m[:i], m[i + 1:]))
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)   # first id wins, as in llama.cpp's token_to_id
-        try:
-            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges,
-                             fuse_unk=False, byte_fallback=False)
-        except Exception as e:   # e.g. a merge of tokens the vocabulary lacks (a bare Exception)
-            raise ValueError(f"{path}: tokenizer.ggml.tokens / merges do not make a BPE ({e})") from None
-        tok = HFTokenizer(bpe)
-        tok.pre_tokenizer = make_pre()
-        tok.decoder = decoders.ByteLevel()
+        if model == "llama":
+            scores = array_of("tokenizer.ggml.scores", float)
+            if len(scores) != len(tokens):
+                raise ValueError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries, "
+                                 f"tokenizer.ggml.tokens {len(tokens)}")
+            if not all(map(math.isfinite, scores)):   # the merge order sorts by them
+                i = next(i for i, x in enumerate(scores) if not math.isfinite(x))
+                raise ValueError(f"{path}: tokenizer.ggml.scores[{i}] is {scores[i]} (token {tokens[i]!r})")
+            add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+            tok = _sentencepiece_bpe(tokens, vocab, scores, types, bool(add_space_prefix))
+            add_bos_default = True   # llama.cpp's defaults for an SPM vocabulary
+            default_ids = {"tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1,
+                           "tokenizer.ggml.eos_token_id": 2}
+        else:
+            pre = meta.get("tokenizer.ggml.pre", "default")
+            if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
+                raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
+                                 f"{sorted(PRE_TOKENIZERS)}")
+            make_pre, ignore_merges = PRE_TOKENIZERS[pre]
+            merges = []
+            for m in array_of("tokenizer.ggml.merges", str):
+                i = m.find(" ", 1)   # from 1, as llama.cpp: a first token may itself be " "
+                if i < 0:
+                    raise ValueError(f"{path}: tokenizer.ggml.merges entry {m!r} is not 'a b'")
+                merges.append((m[:i], m[i + 1:]))
+            try:
+                bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges,
+                                 fuse_unk=False, byte_fallback=False)
+            except Exception as e:   # e.g. a merge of tokens the vocabulary lacks (a bare Exception)
+                raise ValueError(f"{path}: tokenizer.ggml.tokens / merges do not make a BPE ({e})") from None
+            tok = HFTokenizer(bpe)
+            tok.pre_tokenizer = make_pre()
+            tok.decoder = decoders.ByteLevel()
+            add_bos_default = ignore_merges   # llama.cpp: true for the llama3 family only
+            default_ids = {}
 
         def token_id(key):   # out of range: ignored with a warning, as llama.cpp does
-            return special_token_id(meta.get(key), len(tokens), f"{path}: {key}")
-
-        types = list(types)
+            return special_token_id(meta.get(key, default_ids.get(key)), len(tokens), f"{path}: {key}")
 
         def control(i):   # llama.cpp types a control-looking token CONTROL, warning if the file did not
             if types[i] != CONTROL:
@@ -373,16 +427,16 @@ class Tokenizer:
 
         added = []
         for i, (t, ty) in enumerate(zip(tokens, types)):
-            if ty in (CONTROL, USER_DEFINED) and vocab.get(t) == i:
-                added.append(AddedToken(t, special=(ty == CONTROL), normalized=False))
+            if ty in (CONTROL, USER_DEFINED, UNKNOWN) and vocab.get(t) == i:   # llama.cpp's special set
+                added.append(AddedToken(t, special=(ty != USER_DEFINED), normalized=False))
         if added:
             # ids come from the vocab (the tokens are already in it): order does not matter
             tok.add_tokens([a for a in added if not a.special])
             tok.add_special_tokens([a for a in added if a.special])
 
-        # llama.cpp: add_bos from the file; when absent, true for the llama3 family only
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", ignore_merges)
-        raw_bos = meta.get("tokenizer.ggml.bos_token_id")
+        # llama.cpp: add_bos from the file; when absent, true for SPM and the llama3 BPE family
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos_default)
+        raw_bos = meta.get("tokenizer.ggml.bos_token_id", default_ids.get("tokenizer.ggml.bos_token_id"))
         if add_bos and isinstance(raw_bos, int) and not 0 <= raw_bos < len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.add_bos_token asks for a BOS token, but "
                              f"tokenizer.ggml.bos_token_id={raw_bos!r} is none of the {len(tokens)} token ids")

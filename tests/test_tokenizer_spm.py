@@ -1,0 +1,340 @@
+"""SentencePiece vocabularies (`tokenizer.ggml.model` 'llama': Llama 1/2, TinyLlama, Mistral v0.1)
+against SentencePiece itself.
+
+No llama.cpp test vectors for an SPM vocabulary are in ../shared/vocab, so each test trains a
+small SentencePiece BPE model the way Llama's tokenizer.model is set up (identity normalization,
+a dummy prefix, byte fallback, digits split, whitespace kept), writes it to GGUF metadata as
+llama.cpp's converter does (convert_hf_to_gguf.py, `_create_vocab_sentencepiece`: every piece
+with its score and type), and checks the runner's tokenizer rebuilt from that metadata against
+`sentencepiece.SentencePieceProcessor` on llama.cpp's multilingual test texts, English prose and
+fresh random strings (characters outside the vocabulary among them: byte fallback).
+Where llama.cpp and SentencePiece differ -- llama.cpp parses special tokens in the text and puts
+a space prefix after each one -- the expected ids are llama.cpp's, built from SentencePiece's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm   # a test dependency (pyproject: .[test]); missing, the module fails to import
+
+VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
+ENGLISH = Path(__file__).resolve().parents[1] / "quantzoo" / "data" / "english.txt"
+# characters for random texts: ASCII, whitespace runs, accents, CJK, emoji, and some no
+# training text holds (byte fallback)
+ALPHABET = list("abcdefghijklmnopqrstuvwxyzABCDEFG0123456789     \n\t.,;'\"!?-éüñßøçЖж日本語中文😀🎉") + [
+    "\u2581", "\u00a0", "\u200b", "ǅ", "ꙮ", "𝔘", "\U0001f9ec"]
+
+
+def _texts():
+    out = []
+    for name in ("llama-bpe", "qwen2"):   # llama.cpp's tokenizer test texts, read from ../shared
+        p = VOCAB / f"ggml-vocab-{name}.gguf.inp"
+        if not p.exists():
+            pytest.fail(f"{p} is missing: the tokenizer vectors live in ../shared/vocab beside the checkout")
+        out += p.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
+    return out + ENGLISH.read_text(encoding="utf-8").split("\n")
+
+
+def _train(vocab_size=700, **options):
+    """A SentencePiece BPE model set up as Llama's (options override); trains in ~20 ms."""
+    lines = _texts() * 2
+    buf = io.BytesIO()
+    kw = dict(model_type="bpe", vocab_size=vocab_size, byte_fallback=True, normalization_rule_name="identity",
+              remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True,
+              allow_whitespace_only_pieces=True, hard_vocab_limit=False, character_coverage=0.995,
+              user_defined_symbols=["<tool>"], minloglevel=2)
+    kw.update(options)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, **kw)
+    return spm.SentencePieceProcessor(model_proto=buf.getvalue()), kw
+
+
+def _gguf_meta(sp, user_defined=("<tool>",), add_space_prefix=True):
+    """tokenizer.ggml.* as llama.cpp's converter writes them for a tokenizer.model."""
+    from quantzoo.model.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED
+
+    n = sp.get_piece_size()
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+
+    def kind(i):
+        return (UNKNOWN if sp.is_unknown(i) else CONTROL if sp.is_control(i) else UNUSED if sp.is_unused(i)
+                else BYTE if sp.is_byte(i) else USER_DEFINED if tokens[i] in user_defined else NORMAL)
+
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+            "tokenizer.ggml.token_type": [kind(i) for i in range(n)],
+            "tokenizer.ggml.add_space_prefix": add_space_prefix}
+
+
+def _random_texts(rng, n=300):
+    return ["".join(rng.choice(ALPHABET, int(rng.integers(0, 50)))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llama_like():
+    sp, _ = _train()
+    return sp, _gguf_meta(sp)
+
+
+def _differences(tok, sp, texts):
+    bad = []
+    for t in texts:
+        got, want = tok.encode(t, add_bos=False), sp.encode(t)
+        if got != want:
+            bad.append((t, [sp.id_to_piece(i) for i in got], [sp.id_to_piece(i) for i in want]))
+    return bad
+
+
+def test_encode_and_decode_equal_sentencepiece(tmp_path, rng, llama_like):
+    """Through a real GGUF file (GGUFWriter, then the loader's metadata reader): every text encodes
+    to SentencePiece's ids and decodes to SentencePiece's text, which is the text itself."""
+    import gguf
+
+    from quantzoo.model.gguf_loader import read_metadata
+    from quantzoo.model.tokenizer import Tokenizer
+
+    sp, meta = llama_like
+    path = tmp_path / "spm-vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_scores(meta["tokenizer.ggml.scores"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_add_space_prefix(True)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        write()
+    tok = Tokenizer.from_gguf_fields(read_metadata(gguf.GGUFReader(path), str(path), prefix="tokenizer."), str(path))
+
+    texts = _texts() + _random_texts(rng)
+    bad = _differences(tok, sp, texts)
+    assert not bad, f"{len(bad)} of {len(texts)} texts differ, first: {bad[0]!r}"
+    assert any(sp.is_byte(i) for t in texts for i in sp.encode(t))   # byte fallback was exercised
+    for t in texts:   # lossless but for U+2581 itself, which both decode to a space
+        ids = sp.encode(t)
+        assert tok.decode(ids) == sp.decode(ids) == t.replace("\u2581", " ")
+    assert tok.bos_token_id == sp.bos_id() and tok.eos_token_ids == [sp.eos_id()] and tok.add_bos
+    assert tok.encode("Hello world") == [sp.bos_id()] + sp.encode("Hello world")
+
+
+def test_special_tokens_as_llama_cpp_parses_them(llama_like):
+    """Control, user-defined and unknown tokens written in the text are single ids (llama.cpp
+    with parse_special), and the text after each starts with a space prefix, as llama.cpp's SPM
+    session adds one after every special token; SentencePiece itself would not split them out."""
+    from quantzoo.model.tokenizer import Tokenizer
+
+    sp, meta = llama_like
+    tok = Tokenizer.from_gguf_fields(meta, "x.gguf")
+    tool = sp.piece_to_id("<tool>")
+    for a, special, b in (("Hello", "</s>", "world"), ("x y", "<s>", " z"), ("it", "<tool>", "is"),
+                          ("", "<unk>", "end"), ("a", "</s>", "")):
+        want = sp.encode(a) + [sp.piece_to_id(special)] + sp.encode(b)
+        assert tok.encode(a + special + b, add_bos=False) == want, (a, special, b)
+    assert tok.encode("<tool><tool>", add_bos=False) == [tool, tool]
+    ids = tok.encode("Hi</s>there", add_bos=True)
+    assert tok.decode(ids) == "<s> Hi</s> there"                   # as HF's Llama tokenizer prints it
+    assert tok.decode(ids, skip_special_tokens=True) == "Hi there"
+
+
+def test_no_space_prefix_and_llama_cpp_defaults(rng):
+    """add_space_prefix false (a model trained without SentencePiece's dummy prefix); the ids
+    llama.cpp assumes for an SPM vocabulary when the file names none (unk 0, bos 1, eos 2, add
+    BOS); the file's add_bos_token wins."""
+    from quantzoo.model.tokenizer import Tokenizer
+
+    sp, _ = _train(add_dummy_prefix=False)
+    meta = _gguf_meta(sp, add_space_prefix=False)
+    tok = Tokenizer.from_gguf_fields(meta, "x.gguf")
+    texts = _texts() + _random_texts(rng)
+    bad = _differences(tok, sp, texts)
+    assert not bad, f"{len(bad)} of {len(texts)} texts differ, first: {bad[0]!r}"
+    assert all(tok.decode(sp.encode(t)) == sp.decode(sp.encode(t)) == t.replace("\u2581", " ") for t in texts)
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos) == (1, [2], True)
+    meta["tokenizer.ggml.add_bos_token"] = False
+    meta["tokenizer.ggml.eos_token_id"] = 0
+    tok = Tokenizer.from_gguf_fields(meta, "x.gguf")
+    assert (tok.eos_token_ids, tok.add_bos) == ([0], False)
+
+
+def test_without_byte_fallback_unknown_characters_are_unk(rng):
+    """A vocabulary without <0xXX> pieces: characters it lacks become <unk> as SentencePiece
+    gives them (a run of them one <unk>)."""
+    from quantzoo.model.tokenizer import Tokenizer
+
+    sp, _ = _train(byte_fallback=False, character_coverage=0.98)
+    tok = Tokenizer.from_gguf_fields(_gguf_meta(sp), "x.gguf")
+    texts = _texts() + _random_texts(rng)
+    assert any(sp.unk_id() in sp.encode(t) for t in texts)
+    bad = _differences(tok, sp, texts)
+    assert not bad, f"{len(bad)} of {len(texts)} texts differ, first: {bad[0]!r}"
+
+
+def test_text_so_far_with_byte_tokens(rng, llama_like):
+    """generate()'s incremental detokenizer on an SPM vocabulary: random ids with byte tokens
+    that split UTF-8 characters, and the leading-space strip of the first token.
+
+    The random ids leave out the ASCII byte tokens <0x00>..<0x7F>: `tokenizers`' ByteFallback
+    decoder turns a run of byte tokens that is not whole UTF-8 into one U+FFFD per byte, so the
+    whole-list text of [<0x0A>, <0xF0>] is two U+FFFD where the stream, which committed the
+    newline, shows a newline and one; both agree again once the character is complete, which
+    is checked below."""
+    from quantzoo.model.tokenizer import TextSoFar, Tokenizer
+    from test_tokenizer_gguf import _check_text_so_far
+
+    sp, meta = llama_like
+    tok = Tokenizer.from_gguf_fields(meta, "x.gguf")
+    n = sp.get_piece_size()
+    high_bytes = [i for i in range(n) if sp.is_byte(i) and sp.id_to_piece(i) >= "<0x80>"]
+    pool = [i for i in range(n) if not sp.is_byte(i)] + high_bytes
+    emoji = sp.encode("ab 😀 ꙮ c")
+    for _ in range(20):
+        ids = rng.choice(pool, 60).tolist()
+        ids[::3] = rng.choice(high_bytes, len(ids[::3])).tolist()
+        _check_text_so_far(tok.decode, ids)
+        k = int(rng.integers(1, len(emoji)))
+        _check_text_so_far(tok.decode, emoji[k:] + ids[:10], context=ids[10:20] + emoji[:k])
+    ids = [sp.piece_to_id(p) for p in ("a", "<0x0A>", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "<0x0A>")]
+    t = TextSoFar(tok.decode)
+    assert [t.add(i) for i in ids][-1] == tok.decode(ids) == "a\n😀\n"
+
+
+def test_bad_spm_metadata_is_named():
+    from quantzoo.model.tokenizer import Tokenizer
+
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a"],
+            "tokenizer.ggml.token_type": [2, 1]}
+    with pytest.raises(ValueError, match=r"x.gguf: metadata key 'tokenizer.ggml.scores' is missing"):
+        Tokenizer.from_gguf_fields(meta, "x.gguf")
+    with pytest.raises(ValueError, match=r"x.gguf: tokenizer.ggml.scores has 1 entries, tokenizer.ggml.tokens 2"):
+        Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.scores": [0.0]}, "x.gguf")
+    with pytest.raises(ValueError, match=r"x.gguf: tokenizer.ggml.scores must be an array of float"):
+        Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.scores": ["a", "b"]}, "x.gguf")
+    with pytest.raises(ValueError, match=r"x.gguf: tokenizer.ggml.scores\[1\] is nan \(token 'a'\)"):
+        Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.scores": [0.0, float("nan")]}, "x.gguf")
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.model='t5' is not supported yet"):
+        Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.model": "t5"}, "x.gguf")
+
+
+def _hf_llama_tokenizer_dir(sp, path, legacy):
+    """tokenizer.json + tokenizer_config.json as transformers writes them for a Llama (its own
+    LlamaTokenizer built from the vocabulary and the merges its SentencePiece converter derives)."""
+    import importlib
+
+    import transformers
+
+    convert = importlib.import_module("transformers.convert_slow_tokenizer")
+    n = sp.get_piece_size()
+    vocab = {sp.id_to_piece(i): i for i in range(n)}
+    merges = convert.generate_merges(vocab, {sp.id_to_piece(i): sp.get_score(i) for i in range(n)})
+    transformers.LlamaTokenizer(vocab=vocab, merges=merges, legacy=legacy).save_pretrained(path)
+    return path
+
+
+def _export_tokenizer(tok_dir, n_vocab, out):
+    import gguf
+
+    from quantzoo.model.config import ModelConfig
+    from quantzoo.model.export import Source, add_hf_tokenizer
+    from quantzoo.model.gguf_loader import read_metadata
+
+    cfg = ModelConfig(arch="llama", vocab_size=n_vocab, hidden_size=64, intermediate_size=64, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position=64, tie_word_embeddings=True, qk_norm=False)
+    w = gguf.GGUFWriter(str(out), "llama")
+    try:
+        add_hf_tokenizer(w, Source(tok_dir, cfg, {}, hf_config={}))
+        for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+            write()
+    finally:
+        w.close()
+    return read_metadata(gguf.GGUFReader(out), str(out), prefix="tokenizer.")
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+def test_hf_llama_tokenizer_json_exports_as_sentencepiece(tmp_path, rng, llama_like, legacy):
+    """`quantzoo quantize` from an HF Llama 1/2 directory: its tokenizer.json (no scores) becomes
+    tokenizer.ggml.model 'llama' with scores from the merges' order and llama.cpp's token types,
+    and the tokenizer rebuilt from that GGUF matches SentencePiece on every text -- where
+    transformers' own tokenizer from that tokenizer.json does not (its Metaspace adds no U+2581
+    before a text that starts with a space: ' ' is one piece there, two in SentencePiece)."""
+    import transformers
+
+    from quantzoo.model.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, Tokenizer
+
+    sp, _ = llama_like
+    d = _hf_llama_tokenizer_dir(sp, tmp_path / "hf", legacy)
+    meta = _export_tokenizer(d, sp.get_piece_size(), tmp_path / "v.gguf")
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is True
+    assert "tokenizer.ggml.merges" not in meta
+    types = meta["tokenizer.ggml.token_type"]
+    assert [types.count(t) for t in (UNKNOWN, CONTROL, BYTE)] == [1, 2, 256] and types[0] == UNKNOWN
+    assert types.count(NORMAL) == sp.get_piece_size() - 259
+    tok = Tokenizer.from_gguf_fields(meta, "v.gguf")
+    texts = [t for t in _texts() + _random_texts(rng) if "<tool>" not in t]   # not user-defined in HF's
+    bad = _differences(tok, sp, texts)
+    assert not bad, f"{len(bad)} of {len(texts)} texts differ, first: {bad[0]!r}"
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos) == (1, [2], True)
+    hf = transformers.AutoTokenizer.from_pretrained(d)
+    assert hf.encode(" ", add_special_tokens=False) != sp.encode(" ") == tok.encode(" ", add_bos=False)
+
+
+def test_byte_fallback_bpe_that_is_not_sentencepiece_is_refused(tmp_path, llama_like):
+    """A tokenizer.json with byte fallback whose merges are a trained BPE's (not every split of
+    a token) or whose pre-tokenizer splits words apart cannot be a GGUF SPM vocabulary: the
+    export names the file and the reason instead of writing a tokenizer that splits differently."""
+    import json
+
+    sp, _ = llama_like
+    d = _hf_llama_tokenizer_dir(sp, tmp_path / "hf", True)
+    tj = d / "tokenizer.json"
+    data = json.loads(tj.read_text(encoding="utf-8"))
+    merges = data["model"]["merges"]
+    data["model"]["merges"] = merges[: len(merges) // 2] + merges[len(merges) // 2 + 1:]
+    tj.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tokenizer.json: its merges are not every split of a token"):
+        _export_tokenizer(d, sp.get_piece_size(), tmp_path / "a.gguf")
+    data["model"]["merges"] = merges
+    data["pre_tokenizer"]["split"] = True
+    tj.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tokenizer.json: a byte-fallback BPE that does not split text as "
+                                         r"SentencePiece does"):
+        _export_tokenizer(d, sp.get_piece_size(), tmp_path / "b.gguf")
+
+
+@pytest.mark.slow
+def test_llama_model_with_a_sentencepiece_vocabulary(tmp_path, rng):
+    """A Llama-arch model whose HF directory carries a SentencePiece-converted tokenizer.json,
+    through `quantzoo quantize` to a Q8_0 GGUF, then to an AWQ directory, then back to GGUF:
+    each loads with a tokenizer that matches SentencePiece, and generates through `quantzoo run
+    model`."""
+    import helpers_models as H
+    from quantzoo.cli import main as cli
+    from quantzoo.model import load_model
+
+    sp, _ = _train()
+    spec = dataclasses.replace(H.SPECS["llama-gqa"], vocab=sp.get_piece_size())
+    model, tok = H.build_hf_model(spec)
+    model.config.bos_token_id, model.config.eos_token_id = sp.bos_id(), sp.eos_id()
+    path = H.save_hf_dir(model, tok, tmp_path / "llama-spm")
+    _hf_llama_tokenizer_dir(sp, path, legacy=False)   # replaces the byte-level tokenizer files
+    texts = [t for t in _texts() + _random_texts(rng, 50) if "<tool>" not in t]
+    q8 = tmp_path / "m-q8_0.gguf"
+    awq = tmp_path / "m-awq"
+    q4 = tmp_path / "m-q4_0.gguf"
+    assert cli(["quantize", str(path), str(q8), "--format", "q8_0", "--quiet"]) == 0
+    assert cli(["quantize", str(q8), str(awq), "--format", "awq", "--group-size", "32", "--quiet"]) == 0
+    assert cli(["quantize", str(awq), str(q4), "--format", "q4_0", "--quiet"]) == 0
+    for model_path in (q8, awq, q4):
+        m = load_model(str(model_path), device="cpu")
+        bad = _differences(m.tokenizer, sp, texts)
+        assert not bad, (model_path.name, bad[0])
+        ids = m.tokenizer.encode("The Moon is")
+        assert ids[0] == sp.bos_id() and ids[1:] == sp.encode("The Moon is")
+        new = m.generate(ids, max_new_tokens=8, temperature=0.0)
+        assert len(new) == 8 or new[-1] in m.tokenizer.eos_token_ids
+    assert cli(["run", "model", "--model", str(q4), "--prompt", "The Moon is", "--max-new-tokens", "4",
+                "--device", "cpu"]) == 0
