@@ -217,6 +217,14 @@ def test_bad_spm_metadata_is_named():
         Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.scores": [0.0, float("nan")]}, "x.gguf")
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model='t5' is not supported yet"):
         Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.model": "t5"}, "x.gguf")
+    meta["tokenizer.ggml.scores"] = [0.0, -1.0]
+    with pytest.warns(UserWarning, match=r"x.gguf: tokenizer.ggml.unknown_token_id=7 is not one of the 2"), \
+            pytest.raises(ValueError, match=r"x.gguf: an SPM vocabulary needs an unknown token"):
+        Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.unknown_token_id": 7}, "x.gguf")
+    # no token types (all NORMAL, so no byte tokens): a character outside the vocabulary is the
+    # unk id (llama.cpp's default 0), never dropped
+    del meta["tokenizer.ggml.token_type"]
+    assert Tokenizer.from_gguf_fields(meta, "x.gguf").encode("a\u00e9a", add_bos=False) == [0, 1, 0, 1]
 
 
 def _hf_llama_tokenizer_dir(sp, path, legacy):

@@ -135,7 +135,8 @@ def sentencepiece_merges(tokens: list, vocab: dict, scores: list, types: list) -
     return merges
 
 
-def _sentencepiece_bpe(tokens: list, vocab: dict, scores: list, types: list, add_space_prefix: bool) -> HFTokenizer:
+def _sentencepiece_bpe(tokens: list, vocab: dict, scores: list, types: list, unk: str,
+                       add_space_prefix: bool) -> HFTokenizer:
     """llama.cpp's SPM tokenizer (tokenizer.ggml.model 'llama': Llama 1/2, TinyLlama, Mistral v0.1)
     as a `tokenizers` BPE.
 
@@ -151,7 +152,6 @@ def _sentencepiece_bpe(tokens: list, vocab: dict, scores: list, types: list, add
     from tokenizers import normalizers
 
     merges = sentencepiece_merges(tokens, vocab, scores, types)
-    unk = next((tokens[i] for i, ty in enumerate(types) if ty == UNKNOWN), None)
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
                                  byte_fallback=any(ty == BYTE for ty in types)))
     prefix = [normalizers.Prepend("\u2581")] if add_space_prefix else []
@@ -367,11 +367,17 @@ class Tokenizer:
             if not all(map(math.isfinite, scores)):   # the merge order sorts by them
                 i = next(i for i, x in enumerate(scores) if not math.isfinite(x))
                 raise ValueError(f"{path}: tokenizer.ggml.scores[{i}] is {scores[i]} (token {tokens[i]!r})")
-            add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-            tok = _sentencepiece_bpe(tokens, vocab, scores, types, bool(add_space_prefix))
             add_bos_default = True   # llama.cpp's defaults for an SPM vocabulary
             default_ids = {"tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1,
                            "tokenizer.ggml.eos_token_id": 2}
+            # a character outside the vocabulary (without <0xXX> tokens) becomes the unk id
+            unk = special_token_id(meta.get("tokenizer.ggml.unknown_token_id", 0), len(tokens),
+                                   f"{path}: tokenizer.ggml.unknown_token_id")
+            if unk is None:
+                raise ValueError(f"{path}: an SPM vocabulary needs an unknown token; "
+                                 "tokenizer.ggml.unknown_token_id names none of its ids")
+            add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+            tok = _sentencepiece_bpe(tokens, vocab, scores, types, tokens[unk], bool(add_space_prefix))
         else:
             pre = meta.get("tokenizer.ggml.pre", "default")
             if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
@@ -396,7 +402,10 @@ class Tokenizer:
             default_ids = {}
 
         def token_id(key):   # out of range: ignored with a warning, as llama.cpp does
-            return special_token_id(meta.get(key, default_ids.get(key)), len(tokens), f"{path}: {key}")
+            if key not in meta:   # llama.cpp's default for the vocabulary type, where it is one of its ids
+                d = default_ids.get(key)
+                return d if d is not None and d < len(tokens) else None
+            return special_token_id(meta[key], len(tokens), f"{path}: {key}")
 
         def control(i):   # llama.cpp types a control-looking token CONTROL, warning if the file did not
             if types[i] != CONTROL:
@@ -436,7 +445,7 @@ class Tokenizer:
 
         # llama.cpp: add_bos from the file; when absent, true for SPM and the llama3 BPE family
         add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos_default)
-        raw_bos = meta.get("tokenizer.ggml.bos_token_id", default_ids.get("tokenizer.ggml.bos_token_id"))
+        raw_bos = meta.get("tokenizer.ggml.bos_token_id")
         if add_bos and isinstance(raw_bos, int) and not 0 <= raw_bos < len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.add_bos_token asks for a BOS token, but "
                              f"tokenizer.ggml.bos_token_id={raw_bos!r} is none of the {len(tokens)} token ids")
