@@ -12,7 +12,8 @@ What is read, in order, and checked before any tensor is used:
                             tensor is located, its shape and dtype compared with the config.
   tokenizer.json            through the runner's Tokenizer (the `tokenizers` package), with
                             tokenizer_config.json (special tokens, chat template).
-  generation_config.json    when present (eos ids, sampling defaults).
+  generation_config.json    when present: its eos and bos ids (its sampling settings are not
+                            applied: generation is greedy unless a temperature is given).
 
 Weights come back under their HF names (see quantzoo/model/config.py): AWQ linears as
 QuantizedTensor("awq") built by the registry from qweight/qzeros/scales; everything else as
