@@ -311,6 +311,7 @@ def test_seeded_sampling_repeats_on_gpu():
 
     m = synthetic_model("q4_0", make_config(1, tiny=False), "cuda")
     ids = list(range(1, 17))
-    for kw in (dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(temperature=0.9, top_k=50)):
+    for kw in (dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(temperature=0.9, top_k=50),
+               dict(temperature=1.5, min_p=0.5), dict(temperature=1.5, top_p=0.95, min_p=0.5)):
         runs = [m.generate(ids, max_new_tokens=24, eos_token_ids=[], seed=3, **kw) for _ in range(6)]
         assert all(r == runs[0] for r in runs), kw

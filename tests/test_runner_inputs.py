@@ -109,6 +109,8 @@ def test_rope_tables_past_fp16_integers():
     (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
     (dict(top_k=2.5), "top_k=2.5 must be an integer"),
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(min_p=-0.1, temperature=1.0), r"min_p=-0.1 must be in \[0, 1\]"),
+    (dict(min_p=float("nan"), temperature=1.0), r"min_p=nan must be in \[0, 1\]"),
     (dict(seed=2**70, temperature=1.0), "seed=1180591620717411303424 must be an integer"),
     (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
     (dict(eos_token_ids=["x"]), "eos_token_ids: 'x' is not a token id"),
@@ -458,7 +460,7 @@ def test_named_chat_template_reaches_the_ids(tmp_path, monkeypatch, capsys):
     assert tok.encode_chat(msgs) == hf.apply_chat_template(msgs, tokenize=True)["input_ids"] != want
     seen = []
 
-    def warm_up(m, ids, *a):
+    def warm_up(m, ids, *a, **k):
         seen.append(list(ids))
         raise ValueError("stop here")
 

@@ -28,6 +28,8 @@ def register(sub) -> None:
     m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     m.add_argument("--top-k", type=int, default=0)
     m.add_argument("--top-p", type=float, default=1.0)
+    m.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than MIN_P times the most likely one (0 = off)")
     m.add_argument("--seed", type=int, default=None)
     m.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     m.add_argument("--no-cuda-graph", action="store_true", help="eager decode on CUDA")
@@ -61,7 +63,7 @@ def run(args) -> int:
     # (only an absent --device means the default: --device "" is refused like any bad name)
     device = check_device(args.device if args.device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
-    check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    check_sampling(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     if args.system is not None and not args.chat:
@@ -82,7 +84,7 @@ def run(args) -> int:
     if any(not s for s in args.stop or []):
         raise ValueError("--stop: an empty stop string would stop at once")
     if args.temperature == 0:   # greedy: the filters would be ignored, the text not sampled
-        for name, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)):
+        for name, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--min-p", args.min_p, 0.0)):
             if v != off:
                 raise ValueError(f"{name} {v}: filters sampled tokens, but --temperature 0 (the default) "
                                  "decodes greedily; add --temperature T > 0")
@@ -119,9 +121,9 @@ def run(args) -> int:
     prepare(m, len(ids), args.max_new_tokens)   # (a prompt too long for the model fails here)
     if not args.chat:
         print(text, end="", flush=True)
-    warm_up(m, ids, args.temperature, args.top_k, args.top_p)   # (CUDA only)
+    warm_up(m, ids, args.temperature, args.top_k, args.top_p, min_p=args.min_p)   # (CUDA only)
     g = generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                  stream=lambda s: print(s, end="", flush=True))
     print("\n")
     graph = "CUDA graph" if m.use_graph else "eager"

@@ -2,7 +2,8 @@
 
 Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then top-k (keep
 the k largest), then top-p (keep the smallest set of tokens whose probability reaches p,
-always at least one), then a draw by inverse CDF from one uniform of a seeded torch.Generator
+always at least one), then min-p (drop a token less likely than min_p times the most likely
+one), transformers' order, then a draw by inverse CDF from one uniform of a seeded torch.Generator
 on the CPU, so a seed gives the same text on CPU and GPU up to the logits themselves.
 
 Stopping: an end-of-generation id (tokenizer.eos_token_ids, or `eos_token_ids=`) or a stop
@@ -17,6 +18,7 @@ GPU's (the loop below says what that costs).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,13 +51,15 @@ class Generation:
         return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
 
 
-def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=None) -> None:
+def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=None,
+                   min_p: float = 0.0) -> None:
     """A clear error naming each sampling setting out of its range."""
     bad = [f"{name}={v!r} {rule}" for name, v, ok, rule in (
         ("temperature", temperature, is_real(temperature) and temperature >= 0,
          "must be a finite number >= 0 (0 = greedy)"),
         ("top_k", top_k, is_int(top_k) and top_k >= 0, "must be an integer >= 0 (0 = off)"),
         ("top_p", top_p, is_real(top_p) and 0 < top_p <= 1, "must be in (0, 1] (1 = off)"),
+        ("min_p", min_p, is_real(min_p) and 0 <= min_p <= 1, "must be in [0, 1] (0 = off)"),
         ("seed", seed, seed is None or is_int(seed) and 0 <= seed < 2**63, "must be an integer in [0, 2^63)"))
         if not ok]
     if bad:
@@ -63,9 +67,11 @@ def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> int:
-    """One token id from a (V,) logits vector."""
-    check_sampling(temperature, top_k, top_p)
+           generator: torch.Generator | None = None, min_p: float = 0.0) -> int:
+    """One token id from a (V,) logits vector: the filters in transformers' order (temperature,
+    top-k, top-p, then min-p: a token stays if its probability is at least min_p times the top
+    one's, which no renormalisation changes)."""
+    check_sampling(temperature, top_k, top_p, min_p=min_p)
     if temperature == 0:
         return int(torch.argmax(logits))
     # The filtering and the sort run on the logits' device (copying the logits to the host and
@@ -81,6 +87,11 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     if top_k and top_k < lg.numel():
         kth = torch.topk(lg, top_k).values[-1]
         lg = lg.masked_fill(lg < kth, float("-inf"))
+    # min-p: p / p_top = exp(lg), the top's lg being 0. Masked here unless top-p is on, which
+    # must see the mass of the tokens min-p drops (its set is then cut to min-p's below).
+    log_min_p = math.log(min_p) if min_p > 0 else None
+    if log_min_p is not None and top_p == 1.0:
+        lg = lg.masked_fill(lg < log_min_p, float("-inf"))
     p, order = torch.softmax(lg, dim=-1), None
     if top_p < 1.0:
         # The smallest set, most likely first, whose mass reaches top_p (at least one token). It is
@@ -100,6 +111,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
         # the tokens whose preceding mass is below top_p, none of probability 0
         keep = min(n, 1 + int(torch.searchsorted(cdf, torch.tensor([top_p], dtype=torch.float64))),
                    int(torch.count_nonzero(head)))
+        if log_min_p is not None:   # min-p's set is a prefix of the sorted tokens too
+            keep = min(keep, int((head >= head[0] * min_p).sum()))
         keep = max(1, keep)
     else:   # token order: every token (one of probability 0 adds nothing to cdf, so is never drawn)
         cdf = p.cpu().cumsum(0, dtype=torch.float64)
@@ -140,7 +153,8 @@ class HostTokens:
         return get
 
 
-def warm_up(model, ids, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, tries: int = 3) -> None:
+def warm_up(model, ids, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, tries: int = 3,
+            min_p: float = 0.0) -> None:
     """generate()'s timed region once, untimed (CUDA; after prepare): the kernels load (CUDA loads
     each lazily, on first use: up to tens of ms) and the prefill's launch plans are recorded. A
     workspace that grows inside a prefill (its first use at this M) drops every plan recorded
@@ -155,7 +169,7 @@ def warm_up(model, ids, temperature: float = 0.0, top_k: int = 0, top_p: float =
         return
     for _ in range(tries):
         gen = workspace_generation()
-        sample(model.prefill(ids), temperature, top_k, top_p, torch.Generator())
+        sample(model.prefill(ids), temperature, top_k, top_p, torch.Generator(), min_p)
         if workspace_generation() == gen:
             return
 
@@ -182,14 +196,14 @@ def prepare(model, prompt_tokens: int, max_new_tokens: int) -> None:
 
 def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop=None, stream=None,
-             eos_token_ids=None, look_ahead: bool | None = None) -> Generation:
+             eos_token_ids=None, look_ahead: bool | None = None, min_p: float = 0.0) -> Generation:
     """Prefill ids, then decode up to max_new_tokens new ones (the module docstring says how
     they are sampled and when generation stops). look_ahead: queue greedy decode steps on the GPU
     ahead of the host (below); None = on for greedy decoding on CUDA."""
     ids = token_ids(ids, model.config.vocab_size)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    check_sampling(temperature, top_k, top_p, seed)
+    check_sampling(temperature, top_k, top_p, seed, min_p)
     if look_ahead is None:
         look_ahead = temperature == 0 and model.is_cuda
     elif look_ahead is not True and look_ahead is not False:
@@ -256,7 +270,7 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     t0 = time.perf_counter()
     logits = model.prefill(ids)
     dev = torch.argmax(logits) if look_ahead else None   # the token on the device, for the steps queued ahead
-    nxt = int(dev) if look_ahead else sample(logits, temperature, top_k, top_p, gen)
+    nxt = int(dev) if look_ahead else sample(logits, temperature, top_k, top_p, gen, min_p)
     _sync(model)
     out.prefill_s = time.perf_counter() - t0
     # (after the clock: a first isfinite on the GPU loads its kernels, which took ~45 ms on the H100)
@@ -294,7 +308,7 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
         if look_ahead:
             nxt = queued.popleft()()
         else:
-            nxt = sample(model.decode_step(nxt, len(ids) + launched), temperature, top_k, top_p, gen)
+            nxt = sample(model.decode_step(nxt, len(ids) + launched), temperature, top_k, top_p, gen, min_p)
             launched += 1
         out.decode_tokens += 1
     if out.decode_tokens:
