@@ -57,6 +57,7 @@ def build_tokenizer(vocab_size: int = 300):
 class Spec:
     name: str
     arch: str = "qwen3"             # "qwen3" | "llama"
+    hf_class: str | None = None     # "Mistral": a llama-arch model saved as MistralForCausalLM
     hidden: int = 256
     heads: int = 4
     kv_heads: int = 2
@@ -93,11 +94,16 @@ SPECS = {
                         extra={"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                    "original_max_position_embeddings": 64}}),
+    # Mistral v0.1-style: llama's architecture under MistralForCausalLM with a sliding window,
+    # here 80 positions (the runner's context ends at the window; the tests stay inside it)
+    "mistral-window": Spec("mistral-window", arch="llama", hf_class="Mistral", hidden=128, heads=4, kv_heads=1,
+                           head_dim=32, intermediate=256, tied=False, rope_theta=1e4, eps=1e-5, seed=5,
+                           extra={"sliding_window": 80}),
 }
 
 
 def hf_config(spec: Spec, tok_vocab: int, eos_id: int):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                   num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
@@ -108,11 +114,13 @@ def hf_config(spec: Spec, tok_vocab: int, eos_id: int):
                   rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"})
     common.update(spec.extra)
     assert tok_vocab <= spec.vocab
-    if spec.arch == "qwen3":
+    if spec.hf_class == "Mistral":
+        c = MistralConfig(**common)
+    elif spec.arch == "qwen3":
         c = Qwen3Config(**common)
     else:
         c = LlamaConfig(**common)
-    c.architectures = ["Qwen3ForCausalLM" if spec.arch == "qwen3" else "LlamaForCausalLM"]
+    c.architectures = [f"{spec.hf_class or ('Qwen3' if spec.arch == 'qwen3' else 'Llama')}ForCausalLM"]
     return c
 
 

@@ -131,7 +131,8 @@ def test_unquantized_fp16_dir_matches_transformers(built):
 
 @pytest.mark.parametrize("spec,group_size", [("qwen3-gqa-hd64-tied", 128), ("qwen3-hd128-untied", 128),
                                              ("qwen3-g64-only", 64), ("llama-gqa", 128),
-                                             ("qwen3-gqa-hd64-tied", 32), ("llama3-rope", 128)])
+                                             ("qwen3-gqa-hd64-tied", 32), ("llama3-rope", 128),
+                                             ("mistral-window", 128)])
 def test_awq_dir_matches_transformers(built, spec, group_size):
     path, model, orig = built(spec)
     dst = built.root / f"{spec}-awq-g{group_size}"
@@ -145,7 +146,8 @@ def test_awq_dir_matches_transformers(built, spec, group_size):
 
 # every GGUF type on one qwen3 and the llama model; the other two shapes in q4_0 and q8_0
 GGUF_CASES = [(s, f) for s in ("qwen3-gqa-hd64-tied", "llama-gqa") for f in GGUF_FORMATS + ("fp16",)] + \
-             [(s, f) for s in ("qwen3-hd128-untied", "qwen3-g64-only", "llama3-rope") for f in ("q4_0", "q8_0")]
+             [(s, f) for s in ("qwen3-hd128-untied", "qwen3-g64-only", "llama3-rope", "mistral-window")
+              for f in ("q4_0", "q8_0")]
 
 
 @pytest.mark.parametrize("spec,fmt", GGUF_CASES)
@@ -231,3 +233,26 @@ def test_gguf_read_by_transformers_own_gguf_reader(built, spec, fmt):
     # transformers dequantizes through gguf-py in its own float path: allow float rounding only
     compare(dst, model, weights, prompt_ids(path), f"{spec} {fmt} via transformers' GGUF reader",
             other=orig)
+
+
+def test_mistral_sliding_window_is_the_context(built):
+    """MistralForCausalLM loads as llama; its sliding window (v0.1: 4096) becomes the model's
+    context, inside which sliding and full attention agree (the cases above), and a sequence
+    past it is refused by name rather than attended to in full. The GGUF export writes the
+    window as the context length."""
+    import gguf
+
+    from quantzoo.model import load_model
+
+    path, model, orig = built("mistral-window")
+    assert model.config.sliding_window == 80 and model.config.max_position_embeddings == 512
+    m = load_model(path, device="cpu", progress=False)
+    assert m.config.arch == "llama" and m.config.max_position == 80
+    with pytest.raises(ValueError, match=r"exceeds the model's max_seq 80"):
+        m.generate(list(range(1, 60)), max_new_tokens=30)
+    dst = built.root / "mistral-window-q8_0.gguf"
+    assert cli(["quantize", str(path), str(dst), "--format", "q8_0", "--quiet"]) == 0
+    r = gguf.GGUFReader(str(dst))
+    assert r.fields["general.architecture"].contents() == "llama"
+    assert r.fields["llama.context_length"].contents() == 80
+

@@ -3,7 +3,8 @@
     load_hf(path) -> (ModelConfig, weights, Tokenizer | None, generation_config: dict)
 
 What is read, in order, and checked before any tensor is used:
-  config.json               architectures Qwen3ForCausalLM / LlamaForCausalLM, the dims, and
+  config.json               architectures Qwen3ForCausalLM / LlamaForCausalLM / MistralForCausalLM
+                            (a sliding window caps the context), the dims, and
                             `quantization_config` (DESIGN.md §3: quant_method awq, bits 4,
                             version gemm, zero_point true; group_size; extra keys ignored;
                             `modules_to_not_convert` honoured).
@@ -27,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+# Mistral is Llama's architecture (llama.cpp converts it to arch "llama" too) but for v0.1's
+# sliding window, which parse_config turns into a context limit.
+ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -162,6 +165,11 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if sliding:
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
                          "supported (every layer attends to the whole context here)")
+    # Mistral: every layer attends to the last sliding_window positions (v0.1: 4096; null from
+    # v0.2 on). Within the window that is the whole context, so the runner's context ends there.
+    window = cfg.get("sliding_window") if "MistralForCausalLM" in archs else None
+    if window is not None:
+        window = positive(window, int, f"{where}: sliding_window")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act={cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
 
@@ -185,6 +193,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
                 num_layers=need("num_hidden_layers"), head_dim=head_dim,
                 rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=theta,
                 rope_freq_factors=factors, max_position=need("max_position_embeddings", 4096))
+    if window is not None and window < dims["max_position"]:
+        dims["max_position"] = window
     tie = cfg.get("tie_word_embeddings", False)
     if tie is not None and not isinstance(tie, bool):   # bool("false") is True: a silently tied lm_head
         raise ValueError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
