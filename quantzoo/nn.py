@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import ops
+from . import ops, torch_ops
 from .formats import QuantizedTensor, get, get_stored
 
 
@@ -37,6 +37,15 @@ class QuantLinear(torch.nn.Module):
         qt = get(fmt).quantize(linear.weight.detach().float().cpu().numpy(), **opts)
         ql = cls(qt, linear.bias)
         return ql.to(linear.weight.device)
+
+    @property
+    def qt(self) -> QuantizedTensor:
+        return self._qt
+
+    @qt.setter
+    def qt(self, qt: QuantizedTensor) -> None:
+        self._qt = qt
+        self._op_key = torch_ops.register(qt)   # what a torch.compile'd forward calls the op with
 
     def _apply(self, fn, *args, **kw):
         dev = fn(torch.empty(0)).device  # where .to()/.cuda()/.cpu() sends tensors
@@ -71,7 +80,13 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch tensor, got {type(x).__name__}")
-        y = ops.matmul(x, self.qt, mode=self.mode)   # (which refuses an x that requires grad)
+        if torch.compiler.is_compiling():   # one opaque node in the traced graph (torch_ops)
+            if x.requires_grad and torch.is_grad_enabled():
+                raise ValueError("x requires grad, but QuantLinear has no backward; run it under "
+                                 "torch.no_grad() or pass x.detach()")
+            y = torch.ops.quantzoo.qmatmul(x, self._op_key, self.mode)
+        else:
+            y = ops.matmul(x, self.qt, mode=self.mode)   # (which refuses an x that requires grad)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

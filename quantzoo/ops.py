@@ -109,6 +109,12 @@ def release_workspaces():
 def awq_gemm(x, qweight, scales, qzeros, group_size):
     """vLLM-style AWQ GEMM: fp16 x [.., K] @ W -> fp16 [.., N], W from HF-layout AWQ tensors
     (qweight int32 [K, N/8], scales fp16 [K/G, N], qzeros int32 [K/G, N/8]) on CUDA."""
+    import torch
+
+    if torch.compiler.is_compiling():   # one opaque node in the traced graph (quantzoo.torch_ops)
+        from . import torch_ops  # noqa: F401  (registers the op)
+
+        return torch.ops.quantzoo.awq_gemm(x, qweight, scales, qzeros, group_size)
     from quantzoo.kernels import awq
 
     return awq.gemm(x, qweight, scales, qzeros, group_size)

@@ -1,0 +1,86 @@
+"""torch.compile through quantzoo's matmuls (quantzoo.torch_ops): the custom operators pass
+torch.library's own checks (schema, fake tensor, autograd registration, AOT dispatch), and a
+model of QuantLinear layers in every stored format compiles whole (fullgraph: a graph break
+is an error) and computes exactly what it computes eagerly. GPU: tests/test_torch_compile_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from quantzoo import torch_ops
+from quantzoo.formats import get, names
+from quantzoo.nn import QuantLinear
+
+WEIGHTS = [n for n in names() if get(n).kind == "weight"]
+OPTS = {"awq": {"group_size": 32}}
+
+
+def mlp(fmt, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.nn.Linear(96, 64), torch.nn.Linear(64, 40, bias=False)
+    with torch.no_grad():
+        for p in (*a.parameters(), b.weight):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return torch.nn.Sequential(QuantLinear.from_linear(a, fmt, **OPTS.get(fmt, {})), torch.nn.SiLU(),
+                               QuantLinear.from_linear(b, fmt, **OPTS.get(fmt, {})))
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_qmatmul_passes_torch_library_opcheck(fmt, rng):
+    qt = get(fmt).quantize(rng.standard_normal((40, 96)).astype("float32"), **OPTS.get(fmt, {}))
+    key = torch_ops.register(qt)
+    assert torch_ops.register(qt) == key   # one key per weight
+    for shape in ((3, 96), (2, 5, 96), (1, 96)):
+        x = torch.from_numpy(rng.standard_normal(shape).astype("float32"))
+        opcheck(torch.ops.quantzoo.qmatmul.default, (x, key, "emulate"))
+        torch.testing.assert_close(torch.ops.quantzoo.qmatmul(x, key, "dequant"),
+                                   torch.from_numpy(x.numpy() @ get(fmt).dequantize(qt).T), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_compiled_quantlinear_model_equals_eager(fmt, rng):
+    """fullgraph=True: the compiled forward holds each QuantLinear as one qmatmul node."""
+    m = mlp(fmt)
+    x = torch.from_numpy(rng.standard_normal((7, 96)).astype("float32"))
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        want = m(x)
+        assert torch.equal(c(x), want)
+        assert torch.equal(c(x[:2]), m(x[:2]))   # another M
+    graphs = []
+    torch._dynamo.reset()
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(m, backend=backend, fullgraph=True)(x)
+    op = torch.ops.quantzoo.qmatmul
+    calls = [n for n in graphs[0].graph.nodes if n.target in (op, op.default)]
+    assert len(graphs) == 1 and len(calls) == 2
+
+
+@pytest.mark.slow
+def test_inductor_compiles_around_the_op(rng):
+    """The default backend (inductor, C++ codegen on the CPU) with the op as an extern call."""
+    m = mlp("q4_0", seed=1)
+    x = torch.from_numpy(rng.standard_normal((4, 96)).astype("float32"))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, fullgraph=True)(x), m(x))
+
+
+def test_op_errors_are_named(rng):
+    qt = get("q8_0").quantize(rng.standard_normal((40, 96)).astype("float32"))
+    key = torch_ops.register(qt)
+    with pytest.raises(ValueError, match="x: last dimension is 95, the q8_0 weight"):
+        torch.ops.quantzoo.qmatmul(torch.zeros(2, 95), key, "emulate")
+    with pytest.raises(ValueError, match="weight=999999999: no live QuantizedTensor is registered"):
+        torch.ops.quantzoo.qmatmul(torch.zeros(2, 96), 999999999, "emulate")
+    m = mlp("q8_0")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="x requires grad, but QuantLinear has no backward"):
+        torch.compile(m, backend="aot_eager", fullgraph=True)(torch.zeros(2, 96, requires_grad=True))
