@@ -18,7 +18,6 @@ import io
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm   # a test dependency (pyproject: .[test]); missing, the module fails to import
 
 VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
 ENGLISH = Path(__file__).resolve().parents[1] / "quantzoo" / "data" / "english.txt"
@@ -39,7 +38,11 @@ def _texts():
 
 
 def _train(vocab_size=700, **options):
-    """A SentencePiece BPE model set up as Llama's (options override); trains in ~20 ms."""
+    """A SentencePiece BPE model set up as Llama's (options override); trains in ~20 ms.
+    (sentencepiece is a test dependency, pyproject .[test]; imported here, not at collection,
+    so that the GPU tier collects this module on a machine without it.)"""
+    import sentencepiece as spm
+
     lines = _texts() * 2
     buf = io.BytesIO()
     kw = dict(model_type="bpe", vocab_size=vocab_size, byte_fallback=True, normalization_rule_name="identity",
