@@ -470,6 +470,33 @@ def workspaces_changed() -> None:
         cache.clear()
 
 
+_FRESH = threading.local()   # .on: inside fresh_workspaces() on this thread
+
+
+class fresh_workspaces:
+    """Inside (a context manager, per thread): the kernels' workspaces are allocated per call and
+    not cached, and no launch plan (which points into cached ones) is recorded or replayed -- as
+    during a CUDA graph capture. For torch.compile's CUDA graphs (quantzoo.torch_ops): its warm-up
+    runs allocate from the graph's private pool, and a buffer cached there would be a live
+    allocation the graph does not know of (torch refuses it: "tensor(s) in the cudagraph pool not
+    tracked as outputs")."""
+
+    def __enter__(self):
+        self.was = getattr(_FRESH, "on", False)
+        _FRESH.on = True
+
+    def __exit__(self, *exc):
+        _FRESH.on = self.was
+
+
+def uncached_workspaces() -> bool:
+    """Whether a kernel's workspace must be its own, freed with the call: during a CUDA graph
+    capture (the graph's pool holds it for the replays) and inside fresh_workspaces()."""
+    import torch
+
+    return getattr(_FRESH, "on", False) or torch._C._cuda_isCurrentStreamCapturing()
+
+
 def workspace_generation() -> int:
     """A count that moves whenever workspaces_changed drops the plans: equal before and after a
     call means every plan the call recorded is still there."""

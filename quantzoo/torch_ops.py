@@ -5,13 +5,18 @@ there is a graph break, and `fullgraph=True` fails on it. Registered with `torch
 matmul is one opaque node with a fake (meta) implementation that gives the output's shape and
 dtype, so a model of QuantLinear layers compiles whole, and a CUDA-graph mode
 (`mode="reduce-overhead"`) captures the kernels, which launch on torch's current stream and
-allocate nothing of their own during a call.
+allocate through torch only.
 
 - `torch.ops.quantzoo.qmatmul(x, weight, mode)`: x @ W.T for a registered QuantizedTensor
   (`weight` is the int `register(qt)` returned: a QuantizedTensor is no tensor, and passing its
-  storage instead would rebuild it per call and lose the launch plans the kernels keep per
-  weight). QuantLinear.forward goes through it while torch.compile traces, and calls
-  quantzoo.ops.matmul directly otherwise (no dispatcher cost in eager mode).
+  storage instead would rebuild it, and re-run its checks, on every call). QuantLinear.forward
+  goes through it while torch.compile traces, and calls quantzoo.ops.matmul directly otherwise
+  (no dispatcher cost in eager mode).
+- Inside the ops the kernels' workspaces are allocated per call (a split-K partial buffer, tile
+  counters zeroed by a memset, Q8_1 activations) and launch plans are off
+  (cuda_launch.fresh_workspaces): torch's CUDA graphs allocate from a pool of their own, in
+  which a cached buffer would be refused. Outside a CUDA graph that costs host time and a memset
+  per call; inside one, nothing.
 - `torch.ops.quantzoo.awq_gemm(x, qweight, scales, qzeros, group_size)`: the vLLM-style AWQ GEMM
   on its tensors (CUDA); quantzoo.ops.awq_gemm calls it while tracing.
 
@@ -50,8 +55,12 @@ def _weight(key: int):
 @torch.library.custom_op("quantzoo::qmatmul", mutates_args=())
 def qmatmul(x: torch.Tensor, weight: int, mode: str = "emulate") -> torch.Tensor:
     from . import ops
+    from .cuda_launch import fresh_workspaces
 
-    return ops.matmul(x, _weight(weight), mode=mode)
+    if not x.is_cuda:
+        return ops.matmul(x, _weight(weight), mode=mode)
+    with fresh_workspaces():   # (torch.compile's CUDA graphs: see cuda_launch.fresh_workspaces)
+        return ops.matmul(x, _weight(weight), mode=mode)
 
 
 @qmatmul.register_fake
@@ -65,9 +74,11 @@ def _(x, weight, mode="emulate"):
 @torch.library.custom_op("quantzoo::awq_gemm", mutates_args=())
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
              group_size: int) -> torch.Tensor:
+    from quantzoo.cuda_launch import fresh_workspaces
     from quantzoo.kernels import awq
 
-    return awq.gemm(x, qweight, scales, qzeros, group_size)
+    with fresh_workspaces():
+        return awq.gemm(x, qweight, scales, qzeros, group_size)
 
 
 @awq_gemm.register_fake

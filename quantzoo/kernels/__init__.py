@@ -54,16 +54,14 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     as a cuda_launch.Plan on qt's checked_once memo; later calls replay it with x's and y's
     addresses, skipping the path choice, tile schedule and argument packing (tens of
     microseconds of Python per call). Never inside a CUDA graph capture, whose workspaces are
-    the graph's own; a workspace (re)allocation or release (cuda_launch.workspaces_changed)
+    the graph's own (nor inside cuda_launch.fresh_workspaces()); a workspace (re)allocation or release (cuda_launch.workspaces_changed)
     drops every plan, and the next call records anew. The weight must have passed checked_once,
     which holds the plans (cuda_launch.PlanCache). y must not overlap x (the callers refuse a
     given out that does, check_out_overlap; a plan could not tell their pointers apart)."""
-    import torch
-
     from quantzoo import cuda_launch as cl
 
     memo = qt.__dict__.get("_kernels_checked")
-    if not PLANS or memo is None or torch._C._cuda_isCurrentStreamCapturing():
+    if not PLANS or memo is None or cl.uncached_workspaces():
         queue()
         return
     xp, xb, yp, yb = x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(), y.numel() * y.element_size()

@@ -44,7 +44,7 @@ from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.cuda_launch import launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
-from quantzoo.cuda_launch import workspaces_changed
+from quantzoo.cuda_launch import uncached_workspaces, workspaces_changed
 from quantzoo.cuda_launch import wgmma_available
 from quantzoo.kernels import check_out_overlap, checked_once, run_planned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
@@ -291,9 +291,10 @@ def _buffer(dev, key, numel, dtype, zero=False):
     buf = cache.get(key)
     if buf is None or buf.numel() < numel:
         alloc = torch.zeros if zero else torch.empty
-        if torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # the graph's own buffer, from its pool (as gguf._workspace): torch.zeros' fill is
+        if torch.device(dev).type == "cuda" and uncached_workspaces():
+            # a capture's own buffer, from its pool (as gguf._workspace): torch.zeros' fill is
             # captured, not run now, so cached it would hand eager calls unzeroed tile counters
+            # (or inside cuda_launch.fresh_workspaces(): torch.compile's CUDA graphs)
             return alloc(max(numel, 1), dtype=dtype, device=dev)
         if buf is not None:   # keep the old one alive: a captured CUDA graph may still use it
             cache.setdefault("retired", []).append(buf)

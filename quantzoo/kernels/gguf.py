@@ -50,7 +50,7 @@ import math
 import numpy as np
 
 from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, launch_tma, on_tensor_device, workspaces_changed
-from quantzoo.cuda_launch import resident_blocks
+from quantzoo.cuda_launch import resident_blocks, uncached_workspaces
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
@@ -308,11 +308,12 @@ _WORKSPACES: dict = {}
 
 
 def _workspace(kind: str, nbytes: int, device):
-    """A reused uint8 buffer of >= nbytes for (kind, device, stream); fresh during graph capture."""
+    """A reused uint8 buffer of >= nbytes for (kind, device, stream); fresh during a graph capture
+    or inside cuda_launch.fresh_workspaces()."""
     import torch
 
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)  # lives in the graph's pool
+    if uncached_workspaces():   # a capture's: lives in the graph's pool
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     key = (kind, device, current_stream_ptr())
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < nbytes:
