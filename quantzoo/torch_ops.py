@@ -12,11 +12,12 @@ allocate through torch only.
   storage instead would rebuild it, and re-run its checks, on every call). QuantLinear.forward
   goes through it while torch.compile traces, and calls quantzoo.ops.matmul directly otherwise
   (no dispatcher cost in eager mode).
-- Inside the ops the kernels' workspaces are allocated per call (a split-K partial buffer, tile
-  counters zeroed by a memset, Q8_1 activations) and launch plans are off
-  (cuda_launch.fresh_workspaces): torch's CUDA graphs allocate from a pool of their own, in
-  which a cached buffer would be refused. Outside a CUDA graph that costs host time and a memset
-  per call; inside one, nothing.
+- On a stream other than the default one, the ops allocate the kernels' workspaces per call (a
+  split-K partial buffer, tile counters zeroed by a memset, Q8_1 activations) and leave launch
+  plans off (cuda_launch.fresh_workspaces): torch.compile's CUDA graphs warm up and record on a
+  stream of their own, allocating from a pool of their own, in which a cached buffer would be
+  refused ("tensor(s) in the cudagraph pool not tracked as outputs"). Captured, that costs
+  nothing; run eagerly on a side stream it costs host time and a memset per call.
 - `torch.ops.quantzoo.awq_gemm(x, qweight, scales, qzeros, group_size)`: the vLLM-style AWQ GEMM
   on its tensors (CUDA); quantzoo.ops.awq_gemm calls it while tracing.
 
@@ -44,6 +45,19 @@ def register(qt) -> int:
     return key
 
 
+def _on_cuda_graph_stream(x, call):
+    """call(), with the kernels' workspaces per call and launch plans off where torch.compile's
+    CUDA graphs may be warming up or recording: on any stream but the device's default one (they
+    run on a stream of their own, allocating from their pool). On the default stream (eager
+    torch, and compiled code without CUDA graphs) the cached workspaces and plans stay on."""
+    if not x.is_cuda or torch._C._cuda_getCurrentRawStream(x.device.index) == 0:   # (0: the default)
+        return call()
+    from .cuda_launch import fresh_workspaces
+
+    with fresh_workspaces():
+        return call()
+
+
 def _weight(key: int):
     qt = _WEIGHTS.get(key)
     if qt is None:
@@ -52,35 +66,39 @@ def _weight(key: int):
     return qt
 
 
-@torch.library.custom_op("quantzoo::qmatmul", mutates_args=())
-def qmatmul(x: torch.Tensor, weight: int, mode: str = "emulate") -> torch.Tensor:
+def _qmatmul(x: torch.Tensor, weight: int, mode: str = "emulate") -> torch.Tensor:
     from . import ops
-    from .cuda_launch import fresh_workspaces
 
-    if not x.is_cuda:
-        return ops.matmul(x, _weight(weight), mode=mode)
-    with fresh_workspaces():   # (torch.compile's CUDA graphs: see cuda_launch.fresh_workspaces)
-        return ops.matmul(x, _weight(weight), mode=mode)
+    qt = _weight(weight)
+    return _on_cuda_graph_stream(x, lambda: ops.matmul(x, qt, mode=mode))
 
 
-@qmatmul.register_fake
-def _(x, weight, mode="emulate"):
+def _qmatmul_fake(x, weight, mode="emulate"):
     n, k = _weight(weight).shape
     if x.shape[-1] != k:
         raise ValueError(f"x: last dimension is {x.shape[-1]}, the weight {(n, k)} expects K={k}")
     return x.new_empty((*x.shape[:-1], n))
 
 
-@torch.library.custom_op("quantzoo::awq_gemm", mutates_args=())
-def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
-             group_size: int) -> torch.Tensor:
-    from quantzoo.cuda_launch import fresh_workspaces
+def _awq_gemm(x, qweight, scales, qzeros, group_size):
     from quantzoo.kernels import awq
 
-    with fresh_workspaces():
-        return awq.gemm(x, qweight, scales, qzeros, group_size)
+    return _on_cuda_graph_stream(x, lambda: awq.gemm(x, qweight, scales, qzeros, group_size))
 
 
-@awq_gemm.register_fake
-def _(x, qweight, scales, qzeros, group_size):
+def _awq_gemm_fake(x, qweight, scales, qzeros, group_size):
     return x.new_empty((*x.shape[:-1], scales.shape[-1]), dtype=torch.float16)
+
+
+# Defined on the dispatcher directly (torch.library.Library): torch.library.custom_op's Python
+# layers cost ~25 us more per call on this project's CPU host (46 against 19 over the call
+# itself). The one kernel for every backend (CompositeExplicitAutograd) is quantzoo's own
+# dispatch by device; with autograd on, an x that requires grad is refused by name there
+# (ops.matmul), as in eager mode.
+_LIB = torch.library.Library("quantzoo", "DEF")
+_LIB.define("qmatmul(Tensor x, int weight, str mode='emulate') -> Tensor")
+_LIB.impl("qmatmul", _qmatmul, "CompositeExplicitAutograd")
+torch.library.register_fake("quantzoo::qmatmul", _qmatmul_fake, lib=_LIB)
+_LIB.define("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor")
+_LIB.impl("awq_gemm", _awq_gemm, "CompositeExplicitAutograd")
+torch.library.register_fake("quantzoo::awq_gemm", _awq_gemm_fake, lib=_LIB)

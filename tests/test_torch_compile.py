@@ -80,6 +80,8 @@ def test_op_errors_are_named(rng):
         torch.ops.quantzoo.qmatmul(torch.zeros(2, 95), key, "emulate")
     with pytest.raises(ValueError, match="weight=999999999: no live QuantizedTensor is registered"):
         torch.ops.quantzoo.qmatmul(torch.zeros(2, 96), 999999999, "emulate")
+    with pytest.raises(ValueError, match="x requires grad, but quantzoo.ops.matmul has no backward"):
+        torch.ops.quantzoo.qmatmul(torch.zeros(2, 96, requires_grad=True), key, "emulate")
     m = mlp("q8_0")
     torch._dynamo.reset()
     with pytest.raises(Exception, match="x requires grad, but QuantLinear has no backward"):

@@ -28,9 +28,9 @@ def _layers(fmt, bias):
     return QuantLinear.from_linear(a, fmt, **opts).cuda(), QuantLinear.from_linear(b, fmt, **opts).cuda()
 
 
-def _check(model, compare):
+def _check(model, compare, mode="reduce-overhead"):
     torch._dynamo.reset()
-    c = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    c = torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
     with torch.no_grad():
         for rows in (1, 7, 33, 300):
             x = torch.randn(rows, 256, device="cuda", dtype=torch.float16)
@@ -41,12 +41,32 @@ def _check(model, compare):
             compare(c(x).clone(), model(x), rows)
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_compiled_with_cuda_graphs_equals_eager(fmt):
+def test_compiled_equals_eager(fmt, mode):
+    """reduce-overhead: CUDA graphs (the ops run on their stream with per-call workspaces);
+    default: no graphs, the ops on the default stream with the cached workspaces and plans."""
     def exact(got, want, rows):
         assert not got.isnan().any() and torch.equal(got, want), (fmt, rows)
 
-    _check(torch.nn.Sequential(*_layers(fmt, bias=False)), exact)
+    _check(torch.nn.Sequential(*_layers(fmt, bias=False)), exact, mode)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "q4_0", "q8_0"])
+def test_op_on_a_side_stream_equals_the_default_stream(fmt):
+    from quantzoo import torch_ops
+
+    a, _ = _layers(fmt, bias=False)
+    key = torch_ops.register(a.qt)
+    s = torch.cuda.Stream()
+    for rows in (1, 33, 300):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.float16)
+        want = torch.ops.quantzoo.qmatmul(x, key, "emulate")
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            got = torch.ops.quantzoo.qmatmul(x, key, "emulate")
+        torch.cuda.current_stream().wait_stream(s)
+        assert torch.equal(got, want), (fmt, rows)
 
 
 @pytest.mark.parametrize("fmt", ["awq", "q4_0", "q8_0"])
