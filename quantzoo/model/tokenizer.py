@@ -1,12 +1,13 @@
-"""Tokenizer: a `tokenizers` byte-level BPE plus special ids and a jinja2 chat template.
+"""Tokenizer: a `tokenizers` BPE plus special ids and a jinja2 chat template.
 
 Two ways in:
 - HF directories: `Tokenizer.from_tokenizer_json(path, tokenizer_config)`.
 - GGUF files: `Tokenizer.from_gguf_fields(fields, path)` rebuilds the BPE from the
-  `tokenizer.ggml.*` metadata (tokens, merges, token types) and picks the pre-tokenizer from
-  `tokenizer.ggml.pre` the way llama.cpp does (llama-vocab.cpp): each name maps to a split
-  regex. An unknown name is an error, never a silent default: a wrong split still produces
-  tokens, just not the ones the model was trained on.
+  `tokenizer.ggml.*` metadata the way llama.cpp reads it (llama-vocab.cpp). Byte-level BPE
+  (`gpt2`): tokens, merges, token types, and the pre-tokenizer `tokenizer.ggml.pre` names, each
+  name a split regex; an unknown name is an error, never a silent default (a wrong split still
+  produces tokens, just not the ones the model was trained on). SentencePiece BPE (`llama`):
+  tokens, scores and types, the merges derived from the scores (`_sentencepiece_bpe`).
 """
 from __future__ import annotations
 
