@@ -47,6 +47,11 @@ class QuantLinear(torch.nn.Module):
         self._qt = qt
         self._op_key = torch_ops.register(qt)   # what a torch.compile'd forward calls the op with
 
+    def __setstate__(self, state):
+        # copy.deepcopy and pickle: the copied weight is another object, with a key of its own
+        super().__setstate__(state)
+        self.qt = self._qt
+
     def _apply(self, fn, *args, **kw):
         dev = fn(torch.empty(0)).device  # where .to()/.cuda()/.cpu() sends tensors
         if not ops._same_device(str(dev), self.qt.device):

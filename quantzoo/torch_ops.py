@@ -31,17 +31,19 @@ import weakref
 import torch
 
 _WEIGHTS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_KEYS: dict = {}   # id(qt) -> its key, while qt lives (a copy of qt is another object, another key)
 _NEXT = itertools.count(1)
 
 
 def register(qt) -> int:
-    """The key torch.ops.quantzoo.qmatmul takes for qt: the same one while qt lives (kept on qt;
-    the registry holds qt weakly)."""
-    key = qt.__dict__.get("_torch_op_key")
+    """The key torch.ops.quantzoo.qmatmul takes for qt: the same one while qt lives (the registry
+    holds qt weakly)."""
+    key = _KEYS.get(id(qt))
     if key is None:
         key = next(_NEXT)
         _WEIGHTS[key] = qt
-        object.__setattr__(qt, "_torch_op_key", key)   # (a frozen dataclass: no field, no eq part)
+        _KEYS[id(qt)] = key
+        weakref.finalize(qt, _KEYS.pop, id(qt), None)
     return key
 
 

@@ -86,3 +86,28 @@ def test_op_errors_are_named(rng):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="x requires grad, but QuantLinear has no backward"):
         torch.compile(m, backend="aot_eager", fullgraph=True)(torch.zeros(2, 96, requires_grad=True))
+
+
+def test_copies_compile_with_their_own_weights(rng):
+    """copy.deepcopy and torch.save / torch.load give a QuantLinear whose weight is another
+    object under another key: with the original gone, the copy still compiles and computes."""
+    import copy
+    import gc
+    import io
+
+    m = mlp("q4_0")
+    c = copy.deepcopy(m)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    p = torch.load(buf, weights_only=False)
+    keys = {lin._op_key for net in (m, c, p) for lin in (net[0], net[2])}
+    assert len(keys) == 6 and all(torch_ops._WEIGHTS[net[0]._op_key] is net[0].qt for net in (m, c, p))
+    x = torch.from_numpy(rng.standard_normal((3, 96)).astype("float32"))
+    with torch.no_grad():
+        want = m(x)
+        del m
+        gc.collect()
+        for net in (c, p):
+            torch._dynamo.reset()
+            assert torch.equal(torch.compile(net, backend="aot_eager", fullgraph=True)(x), want)
