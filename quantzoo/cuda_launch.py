@@ -6,6 +6,7 @@ outputs come from torch, so a launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -473,20 +474,19 @@ def workspaces_changed() -> None:
 _FRESH = threading.local()   # .on: inside fresh_workspaces() on this thread
 
 
-class fresh_workspaces:
-    """Inside (a context manager, per thread): the kernels' workspaces are allocated per call and
-    not cached, and no launch plan (which points into cached ones) is recorded or replayed -- as
-    during a CUDA graph capture. For torch.compile's CUDA graphs (quantzoo.torch_ops): its warm-up
-    runs allocate from the graph's private pool, and a buffer cached there would be a live
-    allocation the graph does not know of (torch refuses it: "tensor(s) in the cudagraph pool not
-    tracked as outputs")."""
-
-    def __enter__(self):
-        self.was = getattr(_FRESH, "on", False)
-        _FRESH.on = True
-
-    def __exit__(self, *exc):
-        _FRESH.on = self.was
+@contextlib.contextmanager
+def fresh_workspaces():
+    """Inside (per thread): the kernels' workspaces are allocated per call and not cached, and no
+    launch plan (which points into cached ones) is recorded or replayed -- as during a CUDA graph
+    capture. For torch.compile's CUDA graphs (quantzoo.torch_ops): its warm-up runs allocate from
+    the graph's private pool, and a buffer cached there would be a live allocation the graph does
+    not know of (torch refuses it: "tensor(s) in the cudagraph pool not tracked as outputs")."""
+    was = getattr(_FRESH, "on", False)
+    _FRESH.on = True
+    try:
+        yield
+    finally:
+        _FRESH.on = was
 
 
 def uncached_workspaces() -> bool:

@@ -49,8 +49,9 @@ class QuantLinear(torch.nn.Module):
 
     def __setstate__(self, state):
         # copy.deepcopy and pickle: the copied weight is another object, with a key of its own
+        # (a module pickled before `qt` became a property holds it as "qt")
         super().__setstate__(state)
-        self.qt = self._qt
+        self.qt = self.__dict__.pop("qt") if "qt" in self.__dict__ else self._qt
 
     def _apply(self, fn, *args, **kw):
         dev = fn(torch.empty(0)).device  # where .to()/.cuda()/.cpu() sends tensors

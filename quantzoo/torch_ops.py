@@ -22,6 +22,11 @@ allocate through torch only.
   on its tensors (CUDA); quantzoo.ops.awq_gemm calls it while tracing.
 
 Inference only, as the functions they wrap: no autograd formula is registered.
+
+Compile the model (or a stack of layers) as one: each QuantLinear's key is a constant of the
+traced graph, so compiling identical blocks one by one (`block.compile()` per layer) traces each
+block anew, and past torch._dynamo's recompile limit (8) the rest run eagerly, with torch's
+warning.
 """
 from __future__ import annotations
 
@@ -82,13 +87,13 @@ def _qmatmul_fake(x, weight, mode="emulate"):
     return x.new_empty((*x.shape[:-1], n))
 
 
-def _awq_gemm(x, qweight, scales, qzeros, group_size):
+def _awq_gemm(x, qweight, scales, qzeros, group_size=None):
     from quantzoo.kernels import awq
 
     return _on_cuda_graph_stream(x, lambda: awq.gemm(x, qweight, scales, qzeros, group_size))
 
 
-def _awq_gemm_fake(x, qweight, scales, qzeros, group_size):
+def _awq_gemm_fake(x, qweight, scales, qzeros, group_size=None):
     return x.new_empty((*x.shape[:-1], scales.shape[-1]), dtype=torch.float16)
 
 
@@ -101,6 +106,6 @@ _LIB = torch.library.Library("quantzoo", "DEF")
 _LIB.define("qmatmul(Tensor x, int weight, str mode='emulate') -> Tensor")
 _LIB.impl("qmatmul", _qmatmul, "CompositeExplicitAutograd")
 torch.library.register_fake("quantzoo::qmatmul", _qmatmul_fake, lib=_LIB)
-_LIB.define("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor")
+_LIB.define("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int? group_size=None) -> Tensor")
 _LIB.impl("awq_gemm", _awq_gemm, "CompositeExplicitAutograd")
 torch.library.register_fake("quantzoo::awq_gemm", _awq_gemm_fake, lib=_LIB)

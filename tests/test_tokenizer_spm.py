@@ -221,9 +221,26 @@ def test_bad_spm_metadata_is_named():
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model='t5' is not supported yet"):
         Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.model": "t5"}, "x.gguf")
     meta["tokenizer.ggml.scores"] = [0.0, -1.0]
-    with pytest.warns(UserWarning, match=r"x.gguf: tokenizer.ggml.unknown_token_id=7 is not one of the 2"), \
-            pytest.raises(ValueError, match=r"x.gguf: an SPM vocabulary needs an unknown token"):
-        Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.unknown_token_id": 7}, "x.gguf")
+    # an id out of range: llama.cpp warns and keeps its default for the vocabulary type
+    with pytest.warns(UserWarning, match=r"x.gguf: tokenizer.ggml.unknown_token_id=7 is not one of the 2 "
+                                         r"token ids: using llama.cpp's default 0"):
+        assert Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.unknown_token_id": 7}, "x.gguf").encode(
+            "\u00e9", add_bos=False) == [0]
+    with pytest.warns(UserWarning, match=r"tokenizer.ggml.bos_token_id=9 is not one of the 3 token ids: using "
+                                         r"llama.cpp's default 1"):
+        tok = Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.tokens": ["<unk>", "<s>", "a"],
+                                          "tokenizer.ggml.scores": [0.0, 0.0, -1.0], "tokenizer.ggml.token_type": [2, 3, 1],
+                                          "tokenizer.ggml.bos_token_id": 9}, "x.gguf")
+    assert tok.bos_token_id == 1 and tok.encode("a")[0] == 1
+    with pytest.raises(ValueError, match=r"x.gguf: an SPM vocabulary needs an unknown token"):
+        Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.tokens": [], "tokenizer.ggml.scores": [],
+                                    "tokenizer.ggml.token_type": []}, "x.gguf")
+    # every score equal (llama.cpp's converter on a tokenizer.json-only Llama): said, since ties
+    # between competing pairs resolve differently from llama.cpp's leftmost-first
+    toks = ["<unk>", "a", "b", "ab", "ba", "aba"]
+    with pytest.warns(UserWarning, match=r"x.gguf: 2 of the 3 tokens that merges make share their score"):
+        Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.tokens": toks, "tokenizer.ggml.scores": [-1000.0] * 6,
+                                    "tokenizer.ggml.token_type": [2] + [1] * 5}, "x.gguf")
     # no token types (all NORMAL, so no byte tokens): a character outside the vocabulary is the
     # unk id (llama.cpp's default 0), never dropped
     del meta["tokenizer.ggml.token_type"]
@@ -294,26 +311,41 @@ def test_hf_llama_tokenizer_json_exports_as_sentencepiece(tmp_path, rng, llama_l
 
 
 def test_byte_fallback_bpe_that_is_not_sentencepiece_is_refused(tmp_path, llama_like):
-    """A tokenizer.json with byte fallback whose merges are a trained BPE's (not every split of
-    a token) or whose pre-tokenizer splits words apart cannot be a GGUF SPM vocabulary: the
-    export names the file and the reason instead of writing a tokenizer that splits differently."""
+    """A tokenizer.json with byte fallback that a GGUF SPM vocabulary cannot reproduce is refused,
+    naming the file and the reason, instead of written as a tokenizer that splits differently:
+    merges that are not every split of a token (a trained BPE's); a token's merges apart with
+    another token's between them (no score per token orders them); a pre-tokenizer that splits
+    (Metaspace split true, or no "split" key, which tokenizers reads as true); a normalizer that
+    does more than write spaces as U+2581 (Lowercase); another replacement character."""
+    import copy
     import json
 
     sp, _ = llama_like
     d = _hf_llama_tokenizer_dir(sp, tmp_path / "hf", True)
     tj = d / "tokenizer.json"
-    data = json.loads(tj.read_text(encoding="utf-8"))
-    merges = data["model"]["merges"]
-    data["model"]["merges"] = merges[: len(merges) // 2] + merges[len(merges) // 2 + 1:]
-    tj.write_text(json.dumps(data), encoding="utf-8")
-    with pytest.raises(ValueError, match=r"tokenizer.json: its merges are not every split of a token"):
-        _export_tokenizer(d, sp.get_piece_size(), tmp_path / "a.gguf")
-    data["model"]["merges"] = merges
-    data["pre_tokenizer"]["split"] = True
-    tj.write_text(json.dumps(data), encoding="utf-8")
-    with pytest.raises(ValueError, match=r"tokenizer.json: a byte-fallback BPE that does not split text as "
-                                         r"SentencePiece does"):
-        _export_tokenizer(d, sp.get_piece_size(), tmp_path / "b.gguf")
+    good = json.loads(tj.read_text(encoding="utf-8"))
+    merges = good["model"]["merges"]
+    i = len(merges) // 2
+    # a token whose two splits are both merges, the first one moved to the front
+    joined = ["".join(m) if isinstance(m, list) else m.replace(" ", "") for m in merges]
+    j = next(k for k in range(1, len(merges)) if joined.count(joined[k]) > 1 and joined.index(joined[k]) == k)
+    cases = {
+        "its merges are not every split of a token": lambda t: t["model"].update(merges=merges[:i] + merges[i + 1:]),
+        "a score per token cannot order such merges": lambda t: t["model"].update(
+            merges=[merges[j]] + merges[:j] + merges[j + 1:]),
+        "does not prepare text as SentencePiece does": lambda t: t["pre_tokenizer"].update(split=True),
+        "does not prepare text as SentencePiece does ": lambda t: t["pre_tokenizer"].pop("split"),
+        "does not prepare text as SentencePiece does  ": lambda t: t.update(normalizer={"type": "Lowercase"}),
+        "does not prepare text as SentencePiece does   ": lambda t: t["pre_tokenizer"].update(replacement="_"),
+    }
+    for n, (needle, change) in enumerate(cases.items()):
+        data = copy.deepcopy(good)
+        change(data)
+        tj.write_text(json.dumps(data), encoding="utf-8")
+        with pytest.raises(ValueError, match=r"tokenizer.json: .*" + needle.strip()):
+            _export_tokenizer(d, sp.get_piece_size(), tmp_path / f"{n}.gguf")
+    tj.write_text(json.dumps(good), encoding="utf-8")
+    assert _export_tokenizer(d, sp.get_piece_size(), tmp_path / "good.gguf")["tokenizer.ggml.model"] == "llama"
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """GPU tier: torch.compile through quantzoo's CUDA kernels (quantzoo.torch_ops). Two QuantLinear
 layers in every format, compiled whole by inductor with CUDA graphs (mode="reduce-overhead": the
 kernels are captured and replayed), give the eager kernels' bits at each M the dispatch splits
-on, replay after replay and for new input values; the vLLM-style awq_gemm op likewise. Between
-linears, inductor fuses a bias add and SiLU in fp32 (eager rounds to fp16 after each), so a
-model with them is held to a bound on the whole output instead (NMSE and the largest error)."""
+on, replay after replay and for new input values, and in the default mode (no CUDA graphs); the
+vLLM-style awq_gemm op likewise. Between linears, inductor fuses a bias add and SiLU in fp32
+(eager rounds to fp16 after each), so a model with them is held to a bound on the whole output
+instead (NMSE and the largest error)."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,10 @@ def _layers(fmt, bias):
 
 
 def _check(model, compare, mode="reduce-overhead"):
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     c = torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
     with torch.no_grad():
         for rows in (1, 7, 33, 300):
@@ -39,6 +43,8 @@ def _check(model, compare, mode="reduce-overhead"):
                 compare(c(x).clone(), want, rows)
             x.normal_()          # new values in the same input: the replay reads them
             compare(c(x).clone(), model(x), rows)
+    # the CUDA graphs were made, not skipped (inductor would fall back to plain launches silently)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
@@ -85,12 +91,21 @@ def test_compiled_mlp_with_fused_pointwise_ops(fmt):
     _check(torch.nn.Sequential(a, torch.nn.SiLU(), b), close)
 
 
-def test_compiled_awq_gemm_equals_eager():
+@pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
+def test_compiled_awq_gemm_equals_eager(mode):
+    from torch._dynamo.utils import counters
+
     n, k, g = 384, 512, 128
     qt = get("awq").quantize(torch.randn(n, k).numpy(), group_size=g).to("cuda")
     w = qt.data
     torch._dynamo.reset()
-    f = torch.compile(lambda x: ops.awq_gemm(x, w["qweight"], w["scales"], w["qzeros"], g), fullgraph=True)
+    counters.clear()
+    f = torch.compile(lambda x, gs: ops.awq_gemm(x, w["qweight"], w["scales"], w["qzeros"], gs), mode=mode,
+                      fullgraph=True, dynamic=False)
     for rows in (1, 16, 100):
         x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
-        assert torch.equal(f(x), ops.awq_gemm(x, w["qweight"], w["scales"], w["qzeros"], g)), rows
+        want = ops.awq_gemm(x, w["qweight"], w["scales"], w["qzeros"], g)
+        for gs in (g, None):   # None: the group size from the shapes, as eagerly
+            for _ in range(3):
+                assert torch.equal(f(x, gs).clone(), want), (rows, gs)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])

@@ -439,14 +439,17 @@ def sentencepiece_style(data: dict, tj: Path) -> bool | None:
         return [x for n in node.get("normalizers") or node.get("pretokenizers") or [] for x in parts(n)]
 
     norm, pre = parts(data.get("normalizer")), parts(data.get("pre_tokenizer"))
-    meta = [x for x in pre if x.get("type") == "Metaspace"]
-    replaces = any(x.get("type") == "Replace" and x.get("pattern", {}).get("String") == " "
-                   and x.get("content") == "\u2581" for x in norm)
-    if len(meta) != len(pre) or any(m.get("split") for m in meta) or not (replaces or meta):
-        raise ValueError(f"{tj}: a byte-fallback BPE that does not split text as SentencePiece does "
-                         "(spaces as U+2581, no split before the BPE); GGUF's 'llama' tokenizer cannot carry it")
-    return any(x.get("type") == "Prepend" and x.get("prepend") == "\u2581" for x in norm) or \
-        any(m.get("prepend_scheme", "always") != "never" for m in meta)
+    prepend = [x for x in norm if x.get("type") == "Prepend" and x.get("prepend") == "\u2581"]
+    replace = [x for x in norm if x.get("type") == "Replace" and x.get("pattern", {}).get("String") == " "
+               and x.get("content") == "\u2581"]
+    # Metaspace: tokenizers reads a missing "split" (files from before the key) as true
+    meta = [x for x in pre if x.get("type") == "Metaspace" and x.get("replacement") == "\u2581"
+            and x.get("split", True) is False]
+    if len(prepend) + len(replace) != len(norm) or len(meta) != len(pre) or not (replace or meta):
+        raise ValueError(f"{tj}: a byte-fallback BPE that does not prepare text as SentencePiece does "
+                         "(spaces as U+2581, nothing else normalized, no split before the BPE); GGUF's "
+                         "'llama' tokenizer cannot carry it")
+    return bool(prepend) or any(m.get("prepend_scheme", "always") != "never" for m in meta)
 
 
 def _spm_scores(model: dict, tj: Path, tokens: list, types: list) -> list:
@@ -475,6 +478,12 @@ def _spm_scores(model: dict, tj: Path, tokens: list, types: list) -> list:
         raise ValueError(f"{tj}: its merges are not every split of a token into two tokens (e.g. "
                          f"{' '.join(extra[0])!r}), so GGUF's SentencePiece-style tokenizer would split text "
                          "differently")
+    ranks = [first[a + b] for a, b in merges if (a + b) in first]
+    late = next((r for r, (x, y) in enumerate(zip(ranks, ranks[1:])) if y < x), None)
+    if late is not None:   # a token's splits apart, another token's between them: no score orders both
+        a, b = merges[late + 1]
+        raise ValueError(f"{tj}: merge {late + 1} ({a} {b}) comes after merges of other tokens that follow "
+                         f"{a + b!r}'s first one; a score per token cannot order such merges")
     return scores
 
 

@@ -20,7 +20,7 @@ from datetime import datetime
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .config import special_token_id, token_ids
+from .config import is_int, special_token_id, token_ids
 
 # The split regexes llama.cpp uses per `tokenizer.ggml.pre` value (same patterns as the
 # models' own tokenizer.json files; written with inline case-folding for the contractions).
@@ -137,7 +137,7 @@ def sentencepiece_merges(tokens: list, vocab: dict, scores: list, types: list) -
 
 
 def _sentencepiece_bpe(tokens: list, vocab: dict, scores: list, types: list, unk: str,
-                       add_space_prefix: bool) -> HFTokenizer:
+                       add_space_prefix: bool, path: str = "<gguf>") -> HFTokenizer:
     """llama.cpp's SPM tokenizer (tokenizer.ggml.model 'llama': Llama 1/2, TinyLlama, Mistral v0.1)
     as a `tokenizers` BPE.
 
@@ -148,11 +148,19 @@ def _sentencepiece_bpe(tokens: list, vocab: dict, scores: list, types: list, unk
     tokens (or <unk> without them). The same result as a BPE: every split of a vocabulary entry
     into two entries is a merge, ranked by the joined entry's score. (Where two different pairs
     tie on score, both encoders join the leftmost and a BPE the lower-ranked one; SentencePiece's
-    vocabularies give every entry its own score.) The normalizer runs on each piece between
+    vocabularies give every entry its own score, llama.cpp's converter gives every token of a
+    tokenizer.json-only Llama -1000: a warning says so.) The normalizer runs on each piece between
     special tokens, so the prefix goes where llama.cpp puts it."""
     from tokenizers import normalizers
 
     merges = sentencepiece_merges(tokens, vocab, scores, types)
+    made = {a + b for a, b in merges}
+    joined = [scores[vocab[t]] for t in made]
+    if len(set(joined)) < len(joined):
+        warnings.warn(f"{path}: {len(joined) - len(set(joined))} of the {len(joined)} tokens that merges make "
+                      "share their score with another; where such pairs compete llama.cpp joins the leftmost, "
+                      "this tokenizer the earlier token in the vocabulary, so a few texts may split differently",
+                      stacklevel=3)
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
                                  byte_fallback=any(ty == BYTE for ty in types)))
     prefix = [normalizers.Prepend("\u2581")] if add_space_prefix else []
@@ -360,6 +368,24 @@ class Tokenizer:
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)   # first id wins, as in llama.cpp's token_to_id
+        # llama.cpp's special ids for an SPM vocabulary where the file names none, or one out of
+        # range ("bad special token ... using default id"); a BPE vocabulary's default (11) is not
+        # taken: such an id is ignored with a warning
+        default_ids = {"tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1,
+                       "tokenizer.ggml.eos_token_id": 2} if model == "llama" else {}
+
+        def token_id(key):
+            d = default_ids.get(key)
+            d = d if d is not None and d < len(tokens) else None
+            v = meta.get(key)
+            if v is None:
+                return d
+            if d is not None and is_int(v) and not 0 <= v < len(tokens):
+                warnings.warn(f"{path}: {key}={v!r} is not one of the {len(tokens)} token ids: using "
+                              f"llama.cpp's default {d}", stacklevel=3)
+                return d
+            return special_token_id(v, len(tokens), f"{path}: {key}")
+
         if model == "llama":
             scores = array_of("tokenizer.ggml.scores", float)
             if len(scores) != len(tokens):
@@ -368,17 +394,14 @@ class Tokenizer:
             if not all(map(math.isfinite, scores)):   # the merge order sorts by them
                 i = next(i for i, x in enumerate(scores) if not math.isfinite(x))
                 raise ValueError(f"{path}: tokenizer.ggml.scores[{i}] is {scores[i]} (token {tokens[i]!r})")
-            add_bos_default = True   # llama.cpp's defaults for an SPM vocabulary
-            default_ids = {"tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1,
-                           "tokenizer.ggml.eos_token_id": 2}
+            add_bos_default = True   # llama.cpp's default for an SPM vocabulary
             # a character outside the vocabulary (without <0xXX> tokens) becomes the unk id
-            unk = special_token_id(meta.get("tokenizer.ggml.unknown_token_id", 0), len(tokens),
-                                   f"{path}: tokenizer.ggml.unknown_token_id")
-            if unk is None:
+            unk = token_id("tokenizer.ggml.unknown_token_id")
+            if unk is None:   # (only a vocabulary of no tokens has no id 0)
                 raise ValueError(f"{path}: an SPM vocabulary needs an unknown token; "
                                  "tokenizer.ggml.unknown_token_id names none of its ids")
             add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-            tok = _sentencepiece_bpe(tokens, vocab, scores, types, tokens[unk], bool(add_space_prefix))
+            tok = _sentencepiece_bpe(tokens, vocab, scores, types, tokens[unk], bool(add_space_prefix), path)
         else:
             pre = meta.get("tokenizer.ggml.pre", "default")
             if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
@@ -400,13 +423,6 @@ class Tokenizer:
             tok.pre_tokenizer = make_pre()
             tok.decoder = decoders.ByteLevel()
             add_bos_default = ignore_merges   # llama.cpp: true for the llama3 family only
-            default_ids = {}
-
-        def token_id(key):   # out of range: ignored with a warning, as llama.cpp does
-            if key not in meta:   # llama.cpp's default for the vocabulary type, where it is one of its ids
-                d = default_ids.get(key)
-                return d if d is not None and d < len(tokens) else None
-            return special_token_id(meta[key], len(tokens), f"{path}: {key}")
 
         def control(i):   # llama.cpp types a control-looking token CONTROL, warning if the file did not
             if types[i] != CONTROL:
@@ -447,7 +463,8 @@ class Tokenizer:
         # llama.cpp: add_bos from the file; when absent, true for SPM and the llama3 BPE family
         add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos_default)
         raw_bos = meta.get("tokenizer.ggml.bos_token_id")
-        if add_bos and isinstance(raw_bos, int) and not 0 <= raw_bos < len(tokens):
+        if add_bos and isinstance(raw_bos, int) and not 0 <= raw_bos < len(tokens) and \
+                "tokenizer.ggml.bos_token_id" not in default_ids:   # (SPM: the default takes its place)
             raise ValueError(f"{path}: tokenizer.ggml.add_bos_token asks for a BOS token, but "
                              f"tokenizer.ggml.bos_token_id={raw_bos!r} is none of the {len(tokens)} token ids")
         bos = token_id("tokenizer.ggml.bos_token_id")
