@@ -161,7 +161,7 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
 
 
 @pytest.mark.parametrize("change,needle", [
-    ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
+    ({"architectures": ["GemmaForCausalLM"]}, "architectures=['GemmaForCausalLM']"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type='yarn'"),
     # transformers 4's spelling names the key the file has; a rope_scaling that is no object
