@@ -45,10 +45,15 @@ class QuantLinear(torch.nn.Module):
     @qt.setter
     def qt(self, qt: QuantizedTensor) -> None:
         self._qt = qt
-        self._op_key = torch_ops.register(qt)   # what a torch.compile'd forward calls the op with
+        self._op_storage = torch_ops.register(qt)   # the operator's inputs while torch.compile traces
+        self._op_layout = torch_ops.layout(qt)
+
+    def __getstate__(self):
+        state = super().__getstate__()   # (the operator's views of the storage: rebuilt on load)
+        return {k: v for k, v in state.items() if k != "_op_storage"}
 
     def __setstate__(self, state):
-        # copy.deepcopy and pickle: the copied weight is another object, with a key of its own
+        # copy.deepcopy and pickle: the copied weight is another object, registered in turn
         # (a module pickled before `qt` became a property holds it as "qt")
         super().__setstate__(state)
         self.qt = self.__dict__.pop("qt") if "qt" in self.__dict__ else self._qt
@@ -90,7 +95,8 @@ class QuantLinear(torch.nn.Module):
             if x.requires_grad and torch.is_grad_enabled():
                 raise ValueError("x requires grad, but QuantLinear has no backward; run it under "
                                  "torch.no_grad() or pass x.detach()")
-            y = torch.ops.quantzoo.qmatmul(x, self._op_key, self.mode)
+            y = torch.ops.quantzoo.qmatmul(x, self._op_storage, self._qt.format, self.out_features,
+                                           self.in_features, self._op_layout, self.mode)
         else:
             y = ops.matmul(x, self.qt, mode=self.mode)   # (which refuses an x that requires grad)
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -1,55 +1,97 @@
-"""quantzoo's matmuls as torch custom operators, so that torch.compile traces through them.
+"""quantzoo's matmuls as torch operators, so that torch.compile traces through them.
 
 torch.compile cannot look inside a CuPy launch (or the numpy reference): a plain Python call
-there is a graph break, and `fullgraph=True` fails on it. Registered with `torch.library`, each
-matmul is one opaque node with a fake (meta) implementation that gives the output's shape and
-dtype, so a model of QuantLinear layers compiles whole, and a CUDA-graph mode
-(`mode="reduce-overhead"`) captures the kernels, which launch on torch's current stream and
-allocate through torch only.
+there is a graph break, and `fullgraph=True` fails on it. Defined as operators with fake (meta)
+implementations that give the output's shape and dtype, each matmul is one opaque node, so a
+model of QuantLinear layers compiles whole, and a CUDA-graph mode (`mode="reduce-overhead"`)
+captures the kernels, which launch on torch's current stream and allocate through torch only.
 
-- `torch.ops.quantzoo.qmatmul(x, weight, mode)`: x @ W.T for a registered QuantizedTensor
-  (`weight` is the int `register(qt)` returned: a QuantizedTensor is no tensor, and passing its
-  storage instead would rebuild it, and re-run its checks, on every call). QuantLinear.forward
-  goes through it while torch.compile traces, and calls quantzoo.ops.matmul directly otherwise
-  (no dispatcher cost in eager mode).
-- On a stream other than the default one, the ops allocate the kernels' workspaces per call (a
-  split-K partial buffer, tile counters zeroed by a memset, Q8_1 activations) and leave launch
-  plans off (cuda_launch.fresh_workspaces): torch.compile's CUDA graphs warm up and record on a
-  stream of their own, allocating from a pool of their own, in which a cached buffer would be
-  refused ("tensor(s) in the cudagraph pool not tracked as outputs"). Captured, that costs
-  nothing; run eagerly on a side stream it costs host time and a memset per call.
+- `torch.ops.quantzoo.qmatmul(x, storage, format, n, k, layout, mode)`: x @ W.T for the weight W
+  whose storage tensors (`storage(qt)`; on the CPU, torch views of its numpy arrays) and layout
+  (`layout(qt)`: array names, params) are given. The tensors are the operator's inputs, so
+  identical layers trace to one graph: compiling the blocks of a model one by one ("regional
+  compilation") traces once, not per block. The operator finds W itself (its checks and launch
+  plans are kept on it) by the addresses of that storage, in a registry that holds W weakly
+  (`register(qt)`; QuantLinear registers its weight), and builds a QuantizedTensor from the
+  tensors where none is registered. QuantLinear.forward goes through the operator while
+  torch.compile traces and calls quantzoo.ops.matmul directly otherwise (no dispatcher cost in
+  eager mode).
 - `torch.ops.quantzoo.awq_gemm(x, qweight, scales, qzeros, group_size)`: the vLLM-style AWQ GEMM
   on its tensors (CUDA); quantzoo.ops.awq_gemm calls it while tracing.
+- On a stream other than the default one, the operators allocate the kernels' workspaces per
+  call (a split-K partial buffer, tile counters zeroed by a memset, Q8_1 activations) and leave
+  launch plans off (cuda_launch.fresh_workspaces): torch.compile's CUDA graphs warm up and record
+  on a stream of their own, allocating from a pool of their own, in which a cached buffer would
+  be refused ("tensor(s) in the cudagraph pool not tracked as outputs"). Captured, that costs
+  nothing; run eagerly on a side stream it costs host time and a memset per call.
 
 Inference only, as the functions they wrap: no autograd formula is registered.
-
-Compile the model (or a stack of layers) as one: each QuantLinear's key is a constant of the
-traced graph, so compiling identical blocks one by one (`block.compile()` per layer) traces each
-block anew, and past torch._dynamo's recompile limit (8) the rest run eagerly, with torch's
-warning.
 """
 from __future__ import annotations
 
-import itertools
+import json
+import warnings
 import weakref
 
+import numpy as np
 import torch
 
-_WEIGHTS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_KEYS: dict = {}   # id(qt) -> its key, while qt lives (a copy of qt is another object, another key)
-_NEXT = itertools.count(1)
+_WEIGHTS: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
 
-def register(qt) -> int:
-    """The key torch.ops.quantzoo.qmatmul takes for qt: the same one while qt lives (the registry
-    holds qt weakly)."""
-    key = _KEYS.get(id(qt))
-    if key is None:
-        key = next(_NEXT)
-        _WEIGHTS[key] = qt
-        _KEYS[id(qt)] = key
-        weakref.finalize(qt, _KEYS.pop, id(qt), None)
-    return key
+def storage(qt) -> tuple:
+    """qt's storage arrays as torch tensors (views of numpy arrays on the CPU, no copy)."""
+    out = []
+    for a in qt.arrays().values():
+        if isinstance(a, np.ndarray):
+            with warnings.catch_warnings():   # a read-only (memory-mapped) array: never written through
+                warnings.simplefilter("ignore", UserWarning)
+                a = torch.from_numpy(a)
+        out.append(a)
+    return tuple(out)
+
+
+def _address(tensors) -> tuple:
+    return tuple((str(t.device), t.data_ptr(), tuple(t.shape)) for t in tensors)
+
+
+def register(qt) -> tuple:
+    """Make qt findable by torch.ops.quantzoo.qmatmul from its storage tensors; returns them,
+    marked as inputs of a fixed address (torch._dynamo.mark_static_address: torch.compile's CUDA
+    graphs would otherwise copy every weight into a buffer of their own at each replay). The
+    registry holds qt weakly: the caller keeps it (QuantLinear does)."""
+    tensors = storage(qt)
+    for t in tensors:
+        torch._dynamo.mark_static_address(t, guard=False)   # (unguarded: no recompile per layer)
+    _WEIGHTS[_address(tensors)] = qt
+    return tensors
+
+
+def layout(qt) -> str:
+    """What, besides its storage tensors, makes qt: the names of its arrays and its params (JSON;
+    a constant that identical layers share)."""
+    names = list(qt.data) if isinstance(qt.data, dict) else []
+    return json.dumps({"names": names, "params": qt.params}, sort_keys=True)
+
+
+def _weight(tensors, fmt: str, n: int, k: int, lay: str):
+    """The registered QuantizedTensor these tensors are the storage of (its checks and launch
+    plans are kept on it), else one built from them: the operator is a function of its inputs
+    (torch's own checks call it on copies of them)."""
+    from .formats import QuantizedTensor
+
+    qt = _WEIGHTS.get(_address(tensors))
+    if qt is not None and qt.format == fmt and layout(qt) == lay:
+        return qt
+    try:
+        d = json.loads(lay)
+        arrays = [t.numpy() if t.device.type == "cpu" else t for t in tensors]
+        data = dict(zip(d["names"], arrays, strict=True)) if d["names"] else arrays[0]
+        qt = QuantizedTensor(fmt, (n, k), data, dict(d["params"]))
+        qt.fmt.check(qt)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"storage: not the storage of a {fmt} weight ({n}, {k}) with layout {lay}: {e}") from None
+    return qt
 
 
 def _on_cuda_graph_stream(x, call):
@@ -65,25 +107,16 @@ def _on_cuda_graph_stream(x, call):
         return call()
 
 
-def _weight(key: int):
-    qt = _WEIGHTS.get(key)
-    if qt is None:
-        raise ValueError(f"weight={key}: no live QuantizedTensor is registered under this key "
-                         "(quantzoo.torch_ops.register(qt) gives one)")
-    return qt
-
-
-def _qmatmul(x: torch.Tensor, weight: int, mode: str = "emulate") -> torch.Tensor:
+def _qmatmul(x, storage, format, n, k, layout, mode="emulate"):
     from . import ops
 
-    qt = _weight(weight)
+    qt = _weight(storage, format, n, k, layout)
     return _on_cuda_graph_stream(x, lambda: ops.matmul(x, qt, mode=mode))
 
 
-def _qmatmul_fake(x, weight, mode="emulate"):
-    n, k = _weight(weight).shape
+def _qmatmul_fake(x, storage, format, n, k, layout, mode="emulate"):
     if x.shape[-1] != k:
-        raise ValueError(f"x: last dimension is {x.shape[-1]}, the weight {(n, k)} expects K={k}")
+        raise ValueError(f"x: last dimension is {x.shape[-1]}, the {format} weight {(n, k)} expects K={k}")
     return x.new_empty((*x.shape[:-1], n))
 
 
@@ -103,7 +136,8 @@ def _awq_gemm_fake(x, qweight, scales, qzeros, group_size=None):
 # dispatch by device; with autograd on, an x that requires grad is refused by name there
 # (ops.matmul), as in eager mode.
 _LIB = torch.library.Library("quantzoo", "DEF")
-_LIB.define("qmatmul(Tensor x, int weight, str mode='emulate') -> Tensor")
+_LIB.define("qmatmul(Tensor x, Tensor[] storage, str format, int n, int k, str layout, "
+            "str mode='emulate') -> Tensor")
 _LIB.impl("qmatmul", _qmatmul, "CompositeExplicitAutograd")
 torch.library.register_fake("quantzoo::qmatmul", _qmatmul_fake, lib=_LIB)
 _LIB.define("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int? group_size=None) -> Tensor")

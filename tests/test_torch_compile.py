@@ -28,14 +28,21 @@ def mlp(fmt, seed=0):
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
 def test_qmatmul_passes_torch_library_opcheck(fmt, rng):
+    """opcheck calls the operator on copies of its inputs: it must be a function of them (the
+    registry only keeps a weight's checks and launch plans)."""
     qt = get(fmt).quantize(rng.standard_normal((40, 96)).astype("float32"), **OPTS.get(fmt, {}))
-    key = torch_ops.register(qt)
-    assert torch_ops.register(qt) == key   # one key per weight
+    st, lay = torch_ops.register(qt), torch_ops.layout(qt)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(st, torch_ops.storage(qt)))   # views, no copy
+    assert torch_ops._weight(st, fmt, 40, 96, lay) is qt
     for shape in ((3, 96), (2, 5, 96), (1, 96)):
         x = torch.from_numpy(rng.standard_normal(shape).astype("float32"))
-        opcheck(torch.ops.quantzoo.qmatmul.default, (x, key, "emulate"))
-        torch.testing.assert_close(torch.ops.quantzoo.qmatmul(x, key, "dequant"),
-                                   torch.from_numpy(x.numpy() @ get(fmt).dequantize(qt).T), rtol=0, atol=0)
+        opcheck(torch.ops.quantzoo.qmatmul.default, (x, st, fmt, 40, 96, lay, "emulate"))
+        want = torch.from_numpy(x.numpy() @ get(fmt).dequantize(qt).T)
+        torch.testing.assert_close(torch.ops.quantzoo.qmatmul(x, st, fmt, 40, 96, lay, "dequant"), want,
+                                   rtol=0, atol=0)
+        copies = [t.clone() for t in st]   # storage no weight is registered with: built from it
+        torch.testing.assert_close(torch.ops.quantzoo.qmatmul(x, copies, fmt, 40, 96, lay, "dequant"), want,
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
@@ -75,22 +82,45 @@ def test_inductor_compiles_around_the_op(rng):
 
 def test_op_errors_are_named(rng):
     qt = get("q8_0").quantize(rng.standard_normal((40, 96)).astype("float32"))
-    key = torch_ops.register(qt)
+    st, lay = torch_ops.register(qt), torch_ops.layout(qt)
     with pytest.raises(ValueError, match="x: last dimension is 95, the q8_0 weight"):
-        torch.ops.quantzoo.qmatmul(torch.zeros(2, 95), key, "emulate")
-    with pytest.raises(ValueError, match="weight=999999999: no live QuantizedTensor is registered"):
-        torch.ops.quantzoo.qmatmul(torch.zeros(2, 96), 999999999, "emulate")
+        torch.ops.quantzoo.qmatmul(torch.zeros(2, 95), st, "q8_0", 40, 96, lay, "emulate")
+    with pytest.raises(ValueError, match=r"storage: not the storage of a q4_0 weight \(40, 96\)"):
+        torch.ops.quantzoo.qmatmul(torch.zeros(2, 96), st, "q4_0", 40, 96, lay, "emulate")
+    with pytest.raises(ValueError, match=r"storage: not the storage of a q8_0 weight \(40, 96\) with layout x"):
+        torch.ops.quantzoo.qmatmul(torch.zeros(2, 96), st, "q8_0", 40, 96, "x", "emulate")
     with pytest.raises(ValueError, match="x requires grad, but quantzoo.ops.matmul has no backward"):
-        torch.ops.quantzoo.qmatmul(torch.zeros(2, 96, requires_grad=True), key, "emulate")
+        torch.ops.quantzoo.qmatmul(torch.zeros(2, 96, requires_grad=True), st, "q8_0", 40, 96, lay, "emulate")
     m = mlp("q8_0")
     torch._dynamo.reset()
     with pytest.raises(Exception, match="x requires grad, but QuantLinear has no backward"):
         torch.compile(m, backend="aot_eager", fullgraph=True)(torch.zeros(2, 96, requires_grad=True))
 
 
+def test_blocks_compiled_one_by_one_share_one_graph(rng):
+    """Regional compilation (each block compiled by itself, as torch recommends for compile time):
+    identical blocks with different weights trace once -- the weights are the operator's inputs,
+    not constants of the graph -- and each computes with its own weights."""
+    from torch._dynamo.utils import counters
+
+    blocks = [mlp(fmt, seed=i) for i, fmt in enumerate(["q4_0"] * 12 + ["awq"] * 3)]
+    x = torch.from_numpy(rng.standard_normal((3, 96)).astype("float32"))
+    with torch.no_grad():
+        want = [b(x) for b in blocks]
+        torch._dynamo.reset()
+        counters.clear()
+        for b in blocks:
+            b.compile(backend="aot_eager", fullgraph=True)
+        got = [b(x) for b in blocks]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not torch.equal(want[0], want[1])
+    # one graph per format and layer shape (each QuantLinear's forward is a frame of its own)
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+
+
 def test_copies_compile_with_their_own_weights(rng):
     """copy.deepcopy and torch.save / torch.load give a QuantLinear whose weight is another
-    object under another key: with the original gone, the copy still compiles and computes."""
+    object, registered in turn: with the original gone, the copy still compiles and computes."""
     import copy
     import gc
     import io
@@ -101,8 +131,8 @@ def test_copies_compile_with_their_own_weights(rng):
     torch.save(m, buf)
     buf.seek(0)
     p = torch.load(buf, weights_only=False)
-    keys = {lin._op_key for net in (m, c, p) for lin in (net[0], net[2])}
-    assert len(keys) == 6 and all(torch_ops._WEIGHTS[net[0]._op_key] is net[0].qt for net in (m, c, p))
+    assert all(torch_ops._weight(net[0]._op_storage, "q4_0", 64, 96, net[0]._op_layout) is net[0].qt
+               for net in (m, c, p))
     x = torch.from_numpy(rng.standard_normal((3, 96)).astype("float32"))
     with torch.no_grad():
         want = m(x)

@@ -63,14 +63,14 @@ def test_op_on_a_side_stream_equals_the_default_stream(fmt):
     from quantzoo import torch_ops
 
     a, _ = _layers(fmt, bias=False)
-    key = torch_ops.register(a.qt)
+    st, lay = torch_ops.register(a.qt), torch_ops.layout(a.qt)
     s = torch.cuda.Stream()
     for rows in (1, 33, 300):
         x = torch.randn(rows, 256, device="cuda", dtype=torch.float16)
-        want = torch.ops.quantzoo.qmatmul(x, key, "emulate")
+        want = torch.ops.quantzoo.qmatmul(x, st, fmt, 512, 256, lay, "emulate")
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            got = torch.ops.quantzoo.qmatmul(x, key, "emulate")
+            got = torch.ops.quantzoo.qmatmul(x, st, fmt, 512, 256, lay, "emulate")
         torch.cuda.current_stream().wait_stream(s)
         assert torch.equal(got, want), (fmt, rows)
 
