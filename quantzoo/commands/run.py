@@ -84,7 +84,8 @@ def run(args) -> int:
     if any(not s for s in args.stop or []):
         raise ValueError("--stop: an empty stop string would stop at once")
     if args.temperature == 0:   # greedy: the filters would be ignored, the text not sampled
-        for name, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--min-p", args.min_p, 0.0)):
+        for name, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0),
+                             ("--min-p", args.min_p, 0.0)):
             if v != off:
                 raise ValueError(f"{name} {v}: filters sampled tokens, but --temperature 0 (the default) "
                                  "decodes greedily; add --temperature T > 0")

@@ -3,8 +3,9 @@
 Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then top-k (keep
 the k largest), then top-p (keep the smallest set of tokens whose probability reaches p,
 always at least one), then min-p (drop a token less likely than min_p times the most likely
-one), transformers' order, then a draw by inverse CDF from one uniform of a seeded torch.Generator
-on the CPU, so a seed gives the same text on CPU and GPU up to the logits themselves.
+one), in transformers' order; then a draw by inverse CDF from one uniform of a seeded
+torch.Generator on the CPU, so a seed gives the same text on CPU and GPU up to the logits
+themselves.
 
 Stopping: an end-of-generation id (tokenizer.eos_token_ids, or `eos_token_ids=`) or a stop
 string in the decoded text. Streaming: `stream(text)` receives the new text as it becomes
