@@ -10,6 +10,8 @@ with its score and type), and checks the runner's tokenizer rebuilt from that me
 fresh random strings (characters outside the vocabulary among them: byte fallback).
 Where llama.cpp and SentencePiece differ -- llama.cpp parses special tokens in the text and puts
 a space prefix after each one -- the expected ids are llama.cpp's, built from SentencePiece's.
+Also: `quantzoo quantize`'s export of an HF Llama tokenizer.json (as transformers writes it) to a
+GGUF SPM vocabulary, and a llama model with such a vocabulary through every export.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def _train(vocab_size=700, **options):
               user_defined_symbols=["<tool>"], minloglevel=2)
     kw.update(options)
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, **kw)
-    return spm.SentencePieceProcessor(model_proto=buf.getvalue()), kw
+    return spm.SentencePieceProcessor(model_proto=buf.getvalue())
 
 
 def _gguf_meta(sp, user_defined=("<tool>",), add_space_prefix=True):
@@ -77,7 +79,7 @@ def _random_texts(rng, n=300):
 
 @pytest.fixture(scope="module")
 def llama_like():
-    sp, _ = _train()
+    sp = _train()
     return sp, _gguf_meta(sp)
 
 
@@ -149,7 +151,7 @@ def test_no_space_prefix_and_llama_cpp_defaults(rng):
     BOS); the file's add_bos_token wins."""
     from quantzoo.model.tokenizer import Tokenizer
 
-    sp, _ = _train(add_dummy_prefix=False)
+    sp = _train(add_dummy_prefix=False)
     meta = _gguf_meta(sp, add_space_prefix=False)
     tok = Tokenizer.from_gguf_fields(meta, "x.gguf")
     texts = _texts() + _random_texts(rng)
@@ -168,7 +170,7 @@ def test_without_byte_fallback_unknown_characters_are_unk(rng):
     gives them (a run of them one <unk>)."""
     from quantzoo.model.tokenizer import Tokenizer
 
-    sp, _ = _train(byte_fallback=False, character_coverage=0.98)
+    sp = _train(byte_fallback=False, character_coverage=0.98)
     tok = Tokenizer.from_gguf_fields(_gguf_meta(sp), "x.gguf")
     texts = _texts() + _random_texts(rng)
     assert any(sp.unk_id() in sp.encode(t) for t in texts)
@@ -358,7 +360,7 @@ def test_llama_model_with_a_sentencepiece_vocabulary(tmp_path, rng):
     from quantzoo.cli import main as cli
     from quantzoo.model import load_model
 
-    sp, _ = _train()
+    sp = _train()
     spec = dataclasses.replace(H.SPECS["llama-gqa"], vocab=sp.get_piece_size())
     model, tok = H.build_hf_model(spec)
     model.config.bos_token_id, model.config.eos_token_id = sp.bos_id(), sp.eos_id()
