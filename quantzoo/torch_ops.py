@@ -36,14 +36,19 @@ import weakref
 import numpy as np
 import torch
 
-_WEIGHTS: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
+# storage address -> weak references to the QuantizedTensors registered with that storage, and
+# each one's layout (several may share it: qt and a dataclasses.replace copy of it)
+_WEIGHTS: dict = {}
 
 
 def storage(qt) -> tuple:
-    """qt's storage arrays as torch tensors (views of numpy arrays on the CPU, no copy)."""
+    """qt's storage arrays as torch tensors: views of numpy arrays on the CPU (a copy only where
+    an array runs backwards, which torch cannot view), the arrays themselves on CUDA."""
     out = []
     for a in qt.arrays().values():
         if isinstance(a, np.ndarray):
+            if any(st < 0 for st in a.strides):
+                a = np.ascontiguousarray(a)
             with warnings.catch_warnings():   # a read-only (memory-mapped) array: never written through
                 warnings.simplefilter("ignore", UserWarning)
                 a = torch.from_numpy(a)
@@ -52,19 +57,9 @@ def storage(qt) -> tuple:
 
 
 def _address(tensors) -> tuple:
-    return tuple((str(t.device), t.data_ptr(), tuple(t.shape)) for t in tensors)
-
-
-def register(qt) -> tuple:
-    """Make qt findable by torch.ops.quantzoo.qmatmul from its storage tensors; returns them,
-    marked as inputs of a fixed address (torch._dynamo.mark_static_address: torch.compile's CUDA
-    graphs would otherwise copy every weight into a buffer of their own at each replay). The
-    registry holds qt weakly: the caller keeps it (QuantLinear does)."""
-    tensors = storage(qt)
-    for t in tensors:
-        torch._dynamo.mark_static_address(t, guard=False)   # (unguarded: no recompile per layer)
-    _WEIGHTS[_address(tensors)] = qt
-    return tensors
+    # where the bytes are and how they are read: two weights may start at one address with one
+    # shape (rows 0::2 and :n of a fused weight; an fp16 W and W.T)
+    return tuple((t.device, t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors)
 
 
 def layout(qt) -> str:
@@ -74,18 +69,45 @@ def layout(qt) -> str:
     return json.dumps({"names": names, "params": qt.params}, sort_keys=True)
 
 
+def register(qt) -> tuple:
+    """Make qt findable by torch.ops.quantzoo.qmatmul from its storage tensors; returns them,
+    marked as inputs of a fixed address (torch._dynamo.mark_static_address: torch.compile's CUDA
+    graphs would otherwise copy every weight into a buffer of their own at each replay; on CUDA
+    the marked tensors are qt's own arrays). The registry holds qt weakly: the caller keeps it
+    (QuantLinear does)."""
+    tensors = storage(qt)
+    for t in tensors:
+        torch._dynamo.mark_static_address(t, guard=False)   # (unguarded: no recompile per layer)
+    key = _address(tensors)
+    live = [(r, lay) for r, lay in _WEIGHTS.get(key, ()) if r() is not None and r() is not qt]
+    _WEIGHTS[key] = live + [(weakref.ref(qt, lambda _, key=key: _prune(key)), layout(qt))]
+    return tensors
+
+
+def _prune(key) -> None:
+    """A registered weight was freed: drop it (and the key, once none is left)."""
+    live = [(r, lay) for r, lay in _WEIGHTS.get(key, ()) if r() is not None]
+    if live:
+        _WEIGHTS[key] = live
+    else:
+        _WEIGHTS.pop(key, None)
+
+
 def _weight(tensors, fmt: str, n: int, k: int, lay: str):
     """The registered QuantizedTensor these tensors are the storage of (its checks and launch
     plans are kept on it), else one built from them: the operator is a function of its inputs
     (torch's own checks call it on copies of them)."""
     from .formats import QuantizedTensor
 
-    qt = _WEIGHTS.get(_address(tensors))
-    if qt is not None and qt.format == fmt and layout(qt) == lay:
-        return qt
+    for ref, qt_lay in _WEIGHTS.get(_address(tensors), ()):
+        qt = ref()
+        if qt is not None and qt_lay == lay and qt.format == fmt and qt.shape == (n, k):
+            return qt
     try:
         d = json.loads(lay)
-        arrays = [t.numpy() if t.device.type == "cpu" else t for t in tensors]
+        arrays = [t.detach().numpy() if t.device.type == "cpu" else t.detach() for t in tensors]
+        if not d["names"] and len(arrays) != 1:
+            raise ValueError(f"{len(arrays)} tensors for a weight of one array")
         data = dict(zip(d["names"], arrays, strict=True)) if d["names"] else arrays[0]
         qt = QuantizedTensor(fmt, (n, k), data, dict(d["params"]))
         qt.fmt.check(qt)
@@ -117,6 +139,9 @@ def _qmatmul(x, storage, format, n, k, layout, mode="emulate"):
 def _qmatmul_fake(x, storage, format, n, k, layout, mode="emulate"):
     if x.shape[-1] != k:
         raise ValueError(f"x: last dimension is {x.shape[-1]}, the {format} weight {(n, k)} expects K={k}")
+    if any(t.device != x.device for t in storage):
+        raise ValueError(f"x is on {x.device} but the {format} weight's storage on "
+                         f"{next(t.device for t in storage if t.device != x.device)}")
     return x.new_empty((*x.shape[:-1], n))
 
 

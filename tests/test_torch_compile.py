@@ -12,7 +12,7 @@ from quantzoo import torch_ops
 from quantzoo.formats import get, names
 from quantzoo.nn import QuantLinear
 
-WEIGHTS = [n for n in names() if get(n).kind == "weight"]
+WEIGHTS = [n for n in names() if get(n).kind in ("weight", "baseline")]   # (not the q8_1 activations)
 OPTS = {"awq": {"group_size": 32}}
 
 
@@ -141,3 +141,51 @@ def test_copies_compile_with_their_own_weights(rng):
         for net in (c, p):
             torch._dynamo.reset()
             assert torch.equal(torch.compile(net, backend="aot_eager", fullgraph=True)(x), want)
+
+
+def test_weights_sharing_an_address_are_told_apart(rng):
+    """Two weights may start at one address with one shape and read different bytes (an fp16 W
+    and W.T; rows 0::2 and :n of a fused q8_0 weight): each computes with its own, compiled and
+    not; the registry forgets a weight once it is freed."""
+    import gc
+
+    from quantzoo.formats import QuantizedTensor
+
+    w = get("fp16").quantize(rng.standard_normal((64, 64)).astype("float32"))
+    wt = QuantizedTensor("fp16", (64, 64), w.data.T, dict(w.params))
+    fused = get("q8_0").quantize(rng.standard_normal((128, 96)).astype("float32"))
+    even = QuantizedTensor("q8_0", (64, 96), fused.data[0::2], dict(fused.params))
+    head = QuantizedTensor("q8_0", (64, 96), fused.data[:64], dict(fused.params))
+    x = torch.from_numpy(rng.standard_normal((3, 96)).astype("float32"))
+    for a, b in ((w, wt), (even, head)):
+        la, lb = QuantLinear(a), QuantLinear(b)
+        xa = x[:, :a.shape[1]]
+        with torch.no_grad():
+            assert not torch.equal(la(xa), lb(xa))
+            for layer in (la, lb):   # eager QuantLinear computes with its own qt, no registry
+                torch._dynamo.reset()
+                assert torch.equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(xa), layer(xa))
+    before = len(torch_ops._WEIGHTS)
+    q = get("q4_0").quantize(rng.standard_normal((8, 32)).astype("float32"))
+    torch_ops.register(q)
+    assert len(torch_ops._WEIGHTS) == before + 1
+    del q
+    gc.collect()
+    assert len(torch_ops._WEIGHTS) == before
+
+
+def test_a_reloaded_weight_is_used_after_compiling(rng):
+    """load_state_dict into a compiled model: the new weight (the operator's new inputs) is what
+    the compiled forward reads, with and without a change of format."""
+    m = mlp("q4_0", seed=0)
+    x = torch.from_numpy(rng.standard_normal((2, 96)).astype("float32"))
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        first = c(x)
+        for fmt, seed in (("q4_0", 1), ("q8_0", 2)):
+            m.load_state_dict(mlp(fmt, seed=seed).state_dict())
+            assert m[0].qt.format == fmt
+            got = c(x)
+            assert torch.equal(got, m(x)) and not torch.equal(got, first), fmt
+
