@@ -8,9 +8,10 @@ captures the kernels, which launch on torch's current stream and allocate throug
 
 - `torch.ops.quantzoo.qmatmul(x, storage, format, n, k, layout, mode)`: x @ W.T for the weight W
   whose storage tensors (`storage(qt)`; on the CPU, torch views of its numpy arrays) and layout
-  (`layout(qt)`: array names, params) are given. The tensors are the operator's inputs, so
-  identical layers trace to one graph: compiling the blocks of a model one by one ("regional
-  compilation") traces once, not per block. The operator finds W itself (its checks and launch
+  (`layout(qt)`: array names, params) are given. The tensors are the operator's inputs, marked
+  as static addresses (CUDA graphs read them in place, no copy per replay), so identical layers
+  trace to one graph: compiling the blocks of a model one by one ("regional compilation") traces
+  once, not per block, and a weight loaded into a compiled model is the one read. The operator finds W itself (its checks and launch
   plans are kept on it) by the addresses of that storage, in a registry that holds W weakly
   (`register(qt)`; QuantLinear registers its weight), and builds a QuantizedTensor from the
   tensors where none is registered. QuantLinear.forward goes through the operator while
