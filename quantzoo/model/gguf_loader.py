@@ -259,14 +259,9 @@ def dequantized_at_load(tname: str) -> bool:
     return True
 
 
-def _unsupported(path: str, name: str, tname: str) -> ValueError:
-    return ValueError(f"{path}: tensor {name!r} has type {tname}, which is not supported yet (quantzoo "
-                      f"kernels: {', '.join(BLOCK_TYPES)}; floats: {', '.join(FLOAT_TYPES)}; types the "
-                      "installed gguf-py can dequantize load as float)")
-
-
 def _to_weight(t, path: str):
-    """ReaderTensor -> torch float tensor or QuantizedTensor (no copy for block types)."""
+    """ReaderTensor -> torch float tensor or QuantizedTensor (no copy for block types); its type
+    was accepted by load_gguf's validation (a kernel format, a float, or dequantized_at_load)."""
     tname = t.tensor_type.name
     shape = tuple(int(s) for s in reversed(t.shape.tolist()))   # (out, in)
     if tname == "F32" or tname == "F16":
@@ -274,8 +269,6 @@ def _to_weight(t, path: str):
     if tname == "BF16":
         u16 = np.asarray(t.data).view(np.uint16).reshape(shape)
         return torch.from_numpy(u16.astype(np.int16)).view(torch.bfloat16).float()
-    if tname not in BLOCK_TYPES and not dequantized_at_load(tname):
-        raise _unsupported(path, t.name, tname)
     if len(shape) != 2:
         raise ValueError(f"{path}: tensor {t.name!r} is {tname} with shape {shape}; "
                          "block-quantized tensors must be 2-D")
@@ -353,7 +346,9 @@ def load_gguf(path, progress: bool = True):
         tname = t.tensor_type.name
         if tname not in FLOAT_TYPES and tname not in BLOCK_TYPES:
             if not dequantized_at_load(tname):
-                raise _unsupported(path, name, tname)
+                raise ValueError(f"{path}: tensor {name!r} has type {tname}, which is not supported yet "
+                                 f"(quantzoo kernels: {', '.join(BLOCK_TYPES)}; floats: {', '.join(FLOAT_TYPES)}; "
+                                 "types the installed gguf-py can dequantize load as float)")
             foreign.setdefault(tname, []).append(name)
         if len(want[hf]) == 1 and tname not in FLOAT_TYPES:
             raise ValueError(f"{path}: tensor {name!r} (a norm weight) has type {tname}; expected a float type")
