@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from quantzoo import formats, report, workload
-from quantzoo.report import sizes, speed
+from quantzoo.report import checks, sizes, speed
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "bench_kernels_fixture.json")
 REPORT_FORMATS = [f.name for f in formats.weight_formats()] + ["fp16"]
@@ -256,7 +256,7 @@ def test_layer_aggregate_by_hand():
     res = {"kind": "quantzoo-bench-kernels", "machine": {}, "results": rows,
            "ceilings": {"copy_tbps": 3.0, "cublas_fp16_tflops": 700.0},
            "settings": {"m": [1, 64], "qwen3_8b_layer": [list(s) for s in shapes]}}
-    speed.check_bench(res)
+    checks.check_kernels_bench(res)
     # layer weights 2,2,2,1 over shapes i = 0..3: sum_i c_i (i+1) = 2+4+6+4 = 16
     a = speed.aggregate(res, "q4_0", 1)
     assert a["us"] == pytest.approx(4.0 * 16)

@@ -478,7 +478,7 @@ def _spm_scores(model: dict, tj: Path, tokens: list, types: list) -> list:
         raise ValueError(f"{tj}: its merges are not every split of a token into two tokens (e.g. "
                          f"{' '.join(extra[0])!r}), so GGUF's SentencePiece-style tokenizer would split text "
                          "differently")
-    ranks = [first[a + b] for a, b in merges if (a + b) in first]
+    ranks = [first[a + b] for a, b in merges]
     late = next((r for r, (x, y) in enumerate(zip(ranks, ranks[1:])) if y < x), None)
     if late is not None:   # a token's splits apart, another token's between them: no score orders both
         a, b = merges[late + 1]

@@ -196,7 +196,7 @@ def build(bench: dict | None = None, model_bench: dict | None = None, *, accurac
     from quantzoo.bench.timing import git_commit
 
     if bench is not None:
-        speed.check_bench(bench)
+        checks.check_kernels_bench(bench)
     if model_bench is not None:
         model_bench = checks.check_model_bench(model_bench)
     rep = {"kind": "quantzoo-report", "version": 1,

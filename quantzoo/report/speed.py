@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-BASELINE = "fp16"
+from .checks import BASELINE, check_kernels_bench
 
 
 def load_json(path, what: str):
@@ -30,15 +30,8 @@ def load_json(path, what: str):
 
 def load_bench(path) -> dict:
     res = load_json(path, "`quantzoo bench kernels`")
-    check_bench(res, str(path))
+    check_kernels_bench(res, str(path))
     return res
-
-
-def check_bench(res: dict, what: str = "bench") -> None:
-    """quantzoo.report.checks.check_kernels_bench: one ValueError naming `what` and the field."""
-    from .checks import check_kernels_bench
-
-    check_kernels_bench(res, what)
 
 
 def ok_rows(res: dict) -> list[dict]:
