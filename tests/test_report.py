@@ -656,8 +656,8 @@ def test_nan_in_a_model_bench_is_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_model_bench_as_a_bare_list_of_records(tmp_path, errors):
-    """model_bench_rows takes the bare list of records on purpose; the report crashed on it
-    (AttributeError: 'list' object has no attribute 'get'). It is the file's results."""
+    """A bare list of records is taken on purpose (checks.check_model_bench makes it the file's
+    results); the report crashed on it (AttributeError: 'list' object has no attribute 'get')."""
     from quantzoo.cli import main
 
     recs = model_bench_doc()["results"]

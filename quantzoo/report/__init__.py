@@ -108,13 +108,12 @@ def speed_rows(bench: dict) -> list[dict]:
 
 
 def model_bench_rows(mb: dict) -> tuple[list[str], list[list]]:
-    """Headers and rows from a `quantzoo bench model` JSON (or its bare list of records): its
-    per-format records, with the numeric fields whose names speak of tokens/s or rooflines, then
-    those of memory (checks.model_table_key): peak_*_bytes and kv_cache_bytes shown in GiB
-    (their headers ending _GiB), peak_*_over_weights_kv as the bench stores them."""
-    recs = mb.get("results") if isinstance(mb, dict) else mb
-    if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
-        raise ValueError(f"model bench JSON: {checks.RECORDS}")
+    """Headers and rows from a `quantzoo bench model` JSON as checks.check_model_bench returns it
+    (a bare list of records made the file's results): its per-format records, with the numeric
+    fields whose names speak of tokens/s or rooflines, then those of memory
+    (checks.model_table_key): peak_*_bytes and kv_cache_bytes shown in GiB (their headers ending
+    _GiB), peak_*_over_weights_kv as the bench stores them."""
+    recs = mb["results"]
     keys = []
     for r in recs:
         for k, v in r.items():
