@@ -78,11 +78,6 @@ class AWQ(Format, name="awq"):
     def bits_for(group_size: int) -> float:
         return 4.0 + (16 + 4) / group_size  # fp16 scale + 4-bit zero per group and column
 
-    def nbytes(self, shape, group_size: int = 128) -> int:
-        n, k = shape
-        check_shape(n, k, group_size, "awq.nbytes")
-        return n * k // 2 + (k // group_size) * (2 * n + n // 2)
-
     def quantize(self, w, group_size: int = 128) -> QuantizedTensor:
         w = as_float_matrix(w)
         n, k = w.shape
@@ -95,11 +90,15 @@ class AWQ(Format, name="awq"):
         # float32 temporaries (~10 bytes a weight) bounded by the slice, not the whole matrix.
         step = 8 * max(1, QUANTIZE_CHUNK // (8 * k))
         n_clipped, first = 0, None   # groups whose zero point was clipped (_quantize_rows)
+        n_lost, first_lost = 0, None   # groups the scale's floor lost (_lost_groups)
         for r0 in range(0, n, step):
-            q, z, s16, count, where = self._quantize_rows(w[r0:r0 + step], group_size, r0)
+            q, z, s16, (count, where), (lcount, lwhere) = self._quantize_rows(w[r0:r0 + step], group_size, r0)
             if count and first is None:
                 first = where
+            if lcount and first_lost is None:
+                first_lost = lwhere
             n_clipped += count
+            n_lost += lcount
             c = slice(r0 // 8, (r0 + step) // 8)
             qweight[:, c], qzeros[:, c], scales[:, r0:r0 + step] = pack_int4(q), pack_int4(z), s16
         if n_clipped:
@@ -109,14 +108,21 @@ class AWQ(Format, name="awq"):
                  f"0 (min {lo:.4g}, max {hi:.4g}), so its weights dequantize off by up to {err:.4g} "
                  f"({err / s:.3g} steps of s = {s:.4g}); {n_clipped} of {(k // group_size) * n} (group, column) pairs "
                  "are clipped like this (AutoAWQ's round to nearest writes the same)")
+        if n_lost:
+            col, grp, amax, err = first_lost
+            warn(f"awq.quantize: group {grp} (in_features {grp * group_size}..{(grp + 1) * group_size - 1}), "
+                 f"column {col}: its weights (max |w| {amax:.4g}) span less than AutoAWQ's floor on a group's "
+                 f"range (1e-5: s = 1e-5 / 15), so they dequantize off by up to {err:.4g}; {n_lost} of "
+                 f"{(k // group_size) * n} (group, column) pairs are off by over half their largest |w| "
+                 "(scale the weight up or keep it in fp16)")
         return QuantizedTensor("awq", (n, k), {"qweight": qweight, "qzeros": qzeros, "scales": scales},
                                {"group_size": group_size})
 
     @staticmethod
     def _quantize_rows(w, group_size, r0=0):
         """w float32 [n, K] (rows r0.. of the weight) -> q [K, n], z [K/G, n] (0..15), fp16 s
-        [K/G, n], and the count of clipped groups with (column, group, unclipped z, min, max,
-        max error, s) of the first, by column then group (0, None when none are)."""
+        [K/G, n], (the count of clipped groups, (column, group, unclipped z, min, max, max error,
+        s) of the first, by column then group) ((0, None) when none are), and _lost_groups'."""
         n, k = w.shape
         g = w.T.reshape(k // group_size, group_size, n)           # [groups, G, n]
         lo, hi = g.min(axis=1), g.max(axis=1)                     # [groups, n]
@@ -138,6 +144,7 @@ class AWQ(Format, name="awq"):
         np.round(r, out=r)
         q = r + z[:, None, :]
         np.clip(q, 0, 15, out=q)
+        lost = AWQ._lost_groups(g, q, z, s, (hi - lo < np.float32(1e-5)) & (zr == z), r0)
         # A group is reported as clipped when some weight's stored level q - z is more than one
         # level from round(w / s), its level on the stored scale without the clips. With z in
         # 0..15 that never happens: the group's minimum gets q = 0 exactly, and its maximum
@@ -160,11 +167,31 @@ class AWQ(Format, name="awq"):
             raise ValueError(f"awq.quantize: a dequantized weight reaches {big:.6g}, beyond fp16's +-65504")
         count = int(moved.sum())
         if not count:
-            return q.reshape(k, n), z, s16, 0, None
+            return q.reshape(k, n), z, s16, (0, None), lost
         col, grp = (int(i) for i in np.argwhere(moved.T)[0])
         err = float(np.abs((q[grp, :, col] - z[grp, col]) * s[grp, col] - g[grp, :, col]).max())
-        return q.reshape(k, n), z, s16, count, (r0 + col, grp, float(zr[grp, col]), float(lo[grp, col]),
-                                                 float(hi[grp, col]), err, float(s[grp, col]))
+        return q.reshape(k, n), z, s16, (count, (r0 + col, grp, float(zr[grp, col]), float(lo[grp, col]),
+                                                  float(hi[grp, col]), err, float(s[grp, col]))), lost
+
+    @staticmethod
+    def _lost_groups(g, q, z, s, floored, r0):
+        """(count, (column, group, max |w|, max error) of the first by group then column) of the
+        groups whose weights AutoAWQ's floor on the scale loses ((0, None) if none): a group whose
+        range is below 1e-5 still gets s = 1e-5 / 15, levels coarser than its weights, and is
+        "lost" when a weight dequantizes off by more than half the group's largest |w| (the rule
+        the GGUF formats use for an underflowing d). Only such tiny groups (`floored`: those whose
+        zero point was not clipped, which the clip's warning names) are dequantized here."""
+        grp, col = np.nonzero(floored)
+        if not grp.size:
+            return 0, None
+        w = g[grp, :, col]                                            # [floored, G]
+        err = np.abs((q[grp, :, col] - z[grp, col][:, None]) * s[grp, col][:, None] - w).max(axis=1)
+        amax = np.abs(w).max(axis=1)
+        lost = np.flatnonzero(err > amax / 2)
+        if not lost.size:
+            return 0, None
+        i = lost[0]
+        return int(lost.size), (r0 + int(col[i]), int(grp[i]), float(amax[i]), float(err[i]))
 
     def storage(self, shape, params: dict) -> dict:
         n, k = shape

@@ -37,8 +37,18 @@ class Format:
         return 8.0 * self.bytes_per_block / self.block_size
 
     def nbytes(self, shape, **opts) -> int:
-        n, k = shape
-        return n * k * self.bytes_per_block // self.block_size
+        """Storage bytes of a weight of this shape, with quantize's options: what `storage` says,
+        so a shape or option quantize refuses is refused here too."""
+        if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(
+                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape)):
+            raise ValueError(f"{self.name}.nbytes: shape {shape!r} is not (out_features, in_features) > 0")
+        unknown = sorted(set(opts) - set(self.param_names))
+        if unknown:
+            raise TypeError(f"{self.name}.nbytes: unexpected options {unknown}")
+        if "group_size" in self.param_names:
+            opts.setdefault("group_size", self.block_size)   # quantize's default
+        arrays = self.storage(tuple(int(d) for d in shape), opts).values()
+        return sum(int(np.prod(s)) * np.dtype(dt).itemsize for s, dt in arrays)
 
     # --- codec -------------------------------------------------------------------------
     def quantize(self, w, **opts):
@@ -113,22 +123,45 @@ def warn(message: str, category=RuntimeWarning) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
-def cast_warn(x, dtype, consequence: str) -> np.ndarray:
-    """np.asarray(x).astype(dtype) with a RuntimeWarning naming the first element of x that is
-    finite but past dtype's range (the cast makes it inf), by row and column of x as (M, K);
-    `consequence` ends the message. NaN and inf already in x are not reported: they propagate."""
+def cast_warn(x, dtype, consequence: str, underflow: str | None = None, what: str = "x") -> np.ndarray:
+    """np.asarray(x).astype(dtype) with a RuntimeWarning naming the first element of x (called
+    `what`) that is finite but past dtype's range (the cast makes it inf), by row and column as (M, K);
+    `consequence` ends the message. NaN and inf already in x are not reported: they propagate.
+    With `underflow` (the message's end there), also a warning naming the first row of x whose
+    values the cast moves by more than LOSS of the row's largest |x|: rows too small for dtype's
+    normal range (fp16: below 6.1e-05 the spacing is a fixed 6e-08, and nothing below 3e-08
+    survives), where a normal value moves by at most half an ulp (fp16: 2^-11 of it)."""
     x = np.asarray(x)
     with np.errstate(over="ignore"):
         y = x.astype(dtype, copy=False)
-    if y is not x and y.dtype.kind == "f" and np.isinf(y).any():
+    if y is x or y.dtype.kind != "f" or not x.size:
+        return y
+    k = x.shape[-1] if x.ndim else 1
+    if np.isinf(y).any():
         over = np.isinf(y) & np.isfinite(x)
         if over.any():
-            k = x.shape[-1] if x.ndim else 1
             r, c = divmod(int(np.flatnonzero(over)[0]), k)
             v = float(x.reshape(-1)[r * k + c])
-            warn(f"x: row {r}, column {c}: {v:.6g} overflows {np.dtype(dtype).name} "
+            warn(f"{what}: row {r}, column {c}: {v:.6g} overflows {np.dtype(dtype).name} "
                  f"(|x| > {float(np.finfo(dtype).max):.6g}); {consequence}")
+    if underflow is not None:
+        x2, y2 = x.reshape(-1, k), y.reshape(-1, k)
+        with np.errstate(invalid="ignore", over="ignore"):
+            amax = np.abs(x2).max(axis=1)
+            moved = np.abs(y2.astype(x2.dtype) - x2).max(axis=1)
+        lost = np.isfinite(amax) & np.isfinite(moved) & (moved > LOSS * amax)
+        if lost.any():
+            r = int(np.flatnonzero(lost)[0])
+            warn(f"{what}: row {r}: its largest |{what}| is {float(amax[r]):.3g}, below {np.dtype(dtype).name}'s normal "
+                 f"range ({float(np.finfo(dtype).tiny):.3g}), so the cast moves its values by up to "
+                 f"{float(moved[r] / amax[r]):.1%} of that ({int(lost.sum())} of {x2.shape[0]} rows lose over "
+                 f"{LOSS:.2%}); {underflow}")
     return y
+
+
+# what the fp16 fields and casts may lose before it is said: more than 8-bit quantization's own
+# rounding (half a step of max|x| / 127 is 0.39 % of max|x|)
+LOSS = 2.0 ** -8
 
 
 def names() -> list[str]:
@@ -136,6 +169,9 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Format:
+    if not isinstance(name, str):
+        raise KeyError(f"format name: expected a str such as 'q4_0', got {type(name).__name__}; "
+                       f"known formats: {', '.join(_REGISTRY)}")
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -158,9 +194,16 @@ def weight_formats() -> list[Format]:
 def as_float_matrix(w, what: str = "w") -> np.ndarray:
     """Accept a numpy array or torch tensor (N, K) and return finite float32 numpy."""
     if hasattr(w, "detach"):
+        import torch
+
         if w.is_complex():
             raise ValueError(f"{what}: complex values cannot be quantized")
-        w = w.detach().float().cpu().numpy()
+        if w.device.type == "meta":
+            raise ValueError(f"{what}: a meta tensor holds no values to quantize")
+        if w.layout != torch.strided:
+            raise ValueError(f"{what}: a {w.layout} tensor; pass a dense one (w.to_dense())")
+        w = w.detach().cpu()
+        w = (w if w.dtype == torch.float64 else w.float()).numpy()   # (float64: range-checked below)
     w = np.asarray(w)
     if w.dtype.kind not in "biuf":
         raise ValueError(f"{what}: dtype {w.dtype} is not a real number type")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Format, as_float_matrix
+from .base import Format, as_float_matrix, cast_warn
 from .tensor import QuantizedTensor
 
 
@@ -20,7 +20,8 @@ class FP16(Format, name="fp16"):
         w = as_float_matrix(w)
         if np.abs(w).max(initial=0) > 65504:
             raise ValueError("fp16.quantize: values beyond +-65504 overflow fp16")
-        return QuantizedTensor("fp16", tuple(w.shape), w.astype(np.float16))
+        w16 = cast_warn(w, np.float16, "", what="w", underflow="fp16 keeps them so (scale the weight up)")
+        return QuantizedTensor("fp16", tuple(w.shape), w16)
 
     def storage(self, shape, params: dict) -> dict:
         return {"data": (tuple(shape), np.float16)}

@@ -26,7 +26,7 @@ def _move(arr: Any, device: str, key: str) -> Any:
     return arr.to(device).contiguous()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # (== and hash by identity: fields hold arrays)
 class QuantizedTensor:
     """A 2-D weight (out_features, in_features) stored as its format stores it.
 

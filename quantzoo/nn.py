@@ -30,11 +30,15 @@ class QuantLinear(torch.nn.Module):
         if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.out_features,)):
             raise ValueError(f"bias: expected a torch tensor of shape ({self.out_features},), got "
                              f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if bias is not None and (bias.device.type == "meta" or not bias.is_floating_point()):
+            raise ValueError(f"bias: a {bias.dtype} tensor on {bias.device}; expected floating-point values")
+        # on the weight's device (forward adds it to y there; .to() moves both from then on)
+        self.bias = None if bias is None else torch.nn.Parameter(
+            bias.detach().to(qt.device, copy=True), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fmt: str, **opts) -> "QuantLinear":
-        qt = get(fmt).quantize(linear.weight.detach().float().cpu().numpy(), **opts)
+        qt = get(fmt).quantize(linear.weight, **opts)   # (a torch tensor: as_float_matrix reads it)
         ql = cls(qt, linear.bias)
         return ql.to(linear.weight.device)
 

@@ -12,7 +12,7 @@ import importlib
 import numpy as np
 
 from .formats import QuantizedTensor, get_stored
-from .formats.base import cast_warn
+from .formats.base import cast_warn, warn
 
 MODES = ("emulate", "dequant")
 
@@ -54,18 +54,26 @@ def matmul(x, qt, *, mode: str = "emulate"):
         # dtypes, devices), so nothing is checked twice here.
         return kernels_for(qt.fmt).matmul(x, qt)
     is_torch = hasattr(x, "detach")
-    if not is_torch:
+    if is_torch:
+        import torch
+
+        if x.layout != torch.strided:
+            raise ValueError(f"x: a {x.layout} tensor; expected a dense one (x.to_dense())")
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"x: dtype {x.dtype}; expected float16, bfloat16, float32 or float64 "
+                             "(the result takes x's dtype)")
+    else:
         x = np.asarray(x)
-    if not (x.is_floating_point() if is_torch else x.dtype.kind in "biuf"):   # torch: y takes x's dtype
-        raise ValueError(f"x: dtype {x.dtype}; expected a floating-point "
-                         f"{'tensor (the result takes its dtype)' if is_torch else 'array'}")
+        if x.dtype.kind not in "biuf":
+            raise ValueError(f"x: dtype {x.dtype}; expected an array of real numbers")
     get_stored(qt.format, "qt")   # q8_1 stores activations: a ValueError, as QuantLinear and CUDA give
     qt.fmt.check(qt)
     n, k = qt.shape
     shape = tuple(x.shape)
-    if len(shape) < 1 or shape[-1] != k:
-        raise ValueError(f"x: last dimension is {shape[-1] if shape else None}, the {qt.format} "
-                         f"weight {qt.shape} expects K={k}")
+    if not shape:
+        raise ValueError(f"x: a scalar (0-d); expected shape (..., {k}) for the {qt.format} weight {qt.shape}")
+    if shape[-1] != k:
+        raise ValueError(f"x: last dimension is {shape[-1]}, the {qt.format} weight {qt.shape} expects K={k}")
     xdev = str(x.device) if is_torch else "cpu"
     if not _same_device(xdev, qt.device):
         raise ValueError(f"x is on {xdev} but the {qt.format} weight is on {qt.device}; "
@@ -88,9 +96,15 @@ def matmul(x, qt, *, mode: str = "emulate"):
         with np.errstate(invalid="ignore", over="ignore"):   # inf x (said above, or given): inf/NaN y
             y = (xn.reshape(-1, k) @ w.T).reshape(*shape[:-1], n)
     if is_torch:
-        import torch
-
-        return torch.from_numpy(np.ascontiguousarray(y)).to(x.dtype)
+        out = torch.from_numpy(np.ascontiguousarray(y)).to(x.dtype)
+        if x.dtype == torch.float16:   # as the kernels' fp16 output: said here
+            over = torch.isinf(out) & torch.from_numpy(np.isfinite(y))
+            if over.any():
+                r, c = divmod(int(over.reshape(-1).nonzero()[0]), n)
+                warn(f"y: row {r}, column {c}: {float(y.reshape(-1)[r * n + c]):.6g} overflows "
+                     f"{str(x.dtype).replace('torch.', '')} (x's dtype, which the result takes, as on the GPU), "
+                     "so it is inf there")
+        return out
     return y
 
 

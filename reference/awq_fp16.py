@@ -28,11 +28,15 @@ def dequantize_fp16(qt) -> np.ndarray:
 def to_fp16(x, what: str = "the fp16 kernels") -> np.ndarray:
     """x (M, K) rounded to fp16, as the kernels take it (x.half()): a finite x past +-65504
     becomes inf there, and so here, with a RuntimeWarning naming its row and column (the
-    kernels, and this emulation, then give inf/NaN: inf * 0 and inf - inf in the sums)."""
+    kernels, and this emulation, then give inf/NaN: inf * 0 and inf - inf in the sums); a row
+    too small for fp16's normal range is rounded to its subnormals or 0 there, and so here, with
+    a RuntimeWarning naming it (formats.base.cast_warn)."""
     from quantzoo.formats.base import cast_warn
 
     return cast_warn(x, np.float16, f"{what} take fp16 activations, so they (on x.half()) and this "
-                     "emulation give inf/NaN there (mode='dequant' does not)")
+                     "emulation give inf/NaN there (mode='dequant' does not)",
+                     underflow=f"{what} take fp16 activations, so they (on x.half()) and this emulation "
+                     "lose that much of the row (mode='dequant' does not); scale x up")
 
 
 def fp16_matmul(x, w16, return_bound: bool = False, what: str = "the fp16 kernels"):

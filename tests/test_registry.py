@@ -1,8 +1,10 @@
 """The registry: names, lookup errors, kinds, sizes — checked against the stored bytes."""
 import re
+import warnings
 
 import numpy as np
 import pytest
+import torch
 
 import quantzoo as qz
 from quantzoo.formats import get, names
@@ -176,5 +178,74 @@ def test_awq_nbytes_checks_its_group_size():
     assert get("awq").nbytes((16, 128), group_size=64) == get("awq").quantize(
         np.zeros((16, 128), np.float32), group_size=64).nbytes
     for g in (0, 7, 128.0):
-        with pytest.raises(ValueError, match=rf"awq\.nbytes: group_size={g!r} is not supported"):
+        with pytest.raises(ValueError, match=rf"awq: group_size={g!r} is not supported"):
             get("awq").nbytes((16, 128), group_size=g)
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_nbytes_refuses_what_quantize_refuses(name):
+    """nbytes answered for shapes and options quantize refuses (K = 100 for a 32-block format,
+    an AWQ option for Q4_0); now it is what `storage` says, with its errors."""
+    fmt = get(name)
+    for shape in ((0, 64), (8, 64, 1), (8, -64), (8.0, 64), "8x64"):
+        with pytest.raises(ValueError, match=re.escape(f"{name}.nbytes: shape {shape!r} is not")):
+            fmt.nbytes(shape)
+    with pytest.raises(TypeError, match=re.escape(f"{name}.nbytes: unexpected options ['bits']")):
+        fmt.nbytes((8, 128), bits=4)
+    if fmt.block_size > 1:
+        with pytest.raises(ValueError, match="not a multiple of"):
+            fmt.nbytes((8, 128 + 16))
+        with pytest.raises(ValueError, match="not a multiple of"):
+            fmt.quantize(np.zeros((8, 128 + 16), np.float32))
+    assert fmt.nbytes((8, 128)) == fmt.quantize(np.zeros((8, 128), np.float32)).nbytes
+
+
+def test_a_format_name_that_is_not_a_string():
+    with pytest.raises(KeyError, match="format name: expected a str such as 'q4_0', got list; known formats: awq"):
+        get(["q4_0"])
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_quantized_tensors_compare_by_identity(name):
+    """== and hash went field by field into numpy (an ambiguous truth value, an unhashable
+    array); now by identity, as torch tensors' identity-based use (sets, dict keys) expects."""
+    qt = get(name).quantize(np.ones((8, 128), np.float32))
+    same = get(name).quantize(np.ones((8, 128), np.float32))
+    assert qt == qt and qt != same and qt in [qt] and same not in [qt]
+    assert len({qt, same, qt}) == 2
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_torch_weights_without_values_are_refused(name):
+    fmt = get(name)
+    with pytest.raises(ValueError, match="w: a meta tensor holds no values to quantize"):
+        fmt.quantize(torch.zeros(8, 128, device="meta"))
+    with pytest.raises(ValueError, match=re.escape("w: a torch.sparse_coo tensor; pass a dense one (w.to_dense())")):
+        fmt.quantize(torch.zeros(8, 128).to_sparse())
+    with pytest.raises(ValueError, match="w: values beyond the float32 range"):   # was "non-finite value inf"
+        fmt.quantize(torch.full((8, 128), 1e39, dtype=torch.float64))
+    with pytest.raises(ValueError, match="meta tensor holds no values"):
+        qz.QuantLinear.from_linear(torch.nn.Linear(128, 8, device="meta"), name)
+
+
+def test_weights_too_small_for_awq_and_fp16_are_said(rng):
+    """The GGUF formats said where a block's fp16 d underflows; AWQ's scale floor (a group's range
+    is taken as at least 1e-5, AutoAWQ's clamp) and fp16's subnormals lost tiny weights silently."""
+    w = (rng.standard_normal((16, 256)) * 0.02).astype(np.float32)
+    tiny = w.copy()
+    tiny[3] *= 1e-6   # row 3 (AWQ: column 3): |w| ~ 2e-8
+    for fmt, said_re in (("awq", r"awq\.quantize: group 0 \(in_features 0\.\.127\), column 3: its weights "
+                                 r"\(max \|w\| \S+\) span less than AutoAWQ's floor on a group's range \(1e-5: "
+                                 r"s = 1e-5 / 15\), so they dequantize off by up to \S+; 2 of 32 \(group, column\) "
+                                 r"pairs are off by over half their largest \|w\|"),
+                         ("fp16", r"w: row 3: its largest \|w\| is \S+, below float16's normal range \(6.1e-05\), "
+                                  r"so the cast moves its values by up to \S+% of that \(1 of 16 rows lose over "
+                                  r"0.39%\); fp16 keeps them so")):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            qt = get(fmt).quantize(tiny)
+        assert len(said) == 1 and re.match(said_re, str(said[0].message)), [str(m.message) for m in said]
+        assert np.abs(get(fmt).dequantize(qt)[3] - tiny[3]).max() > 0.1 * np.abs(tiny[3]).max()   # a real loss
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # ordinary weights: nothing said
+            get(fmt).quantize(w)
