@@ -98,6 +98,11 @@ class Format:
                 raise ValueError(f"{self.name} weight {shape}: {key} is {got[1]}{list(got[0])}, "
                                  f"expected {expect}")
 
+    def nonfinite_rows(self, qt) -> np.ndarray:
+        """bool (out_features,): the rows whose stored values or scales hold a NaN or inf (a
+        corrupt file: every product with such a row is NaN). Reads the scale fields only."""
+        raise NotImplementedError
+
     # --- reference: what the kernel computes, bit for bit where it can be ----------------
     def emulate(self, x: np.ndarray, qt, return_bound: bool = False):
         """y = x @ W.T as the CUDA kernels compute it (see reference/)."""

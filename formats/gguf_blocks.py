@@ -90,6 +90,14 @@ class GGUFBlockFormat(Format):
             q |= (hi.astype(np.int16) << 4)
         return {"d": d, "m": m, "q": q}
 
+    def nonfinite_rows(self, qt) -> np.ndarray:
+        blk = np.asarray(qt.numpy().data).reshape(qt.shape[0], -1, self.bytes_per_block)
+        fields = [blk[..., 0:2]] + ([blk[..., 2:4]] if self.has_min else [])   # d, and m
+        bad = np.zeros(qt.shape[0], bool)
+        for f in fields:
+            bad |= ~np.isfinite(f.copy().view(np.float16)).all(axis=(1, 2))
+        return bad
+
     def pack(self, d: np.ndarray, q: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
         """Inverse of unpack: d (N, nb) half-representable, q (N, nb, 32) ints -> uint8 rows."""
         n, nb = d.shape

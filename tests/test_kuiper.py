@@ -352,3 +352,26 @@ def test_shared_classifier_is_0_or_1(files, tmp_path, value):
     p.write_bytes(raw[:0x24] + bytes([value]) + raw[0x25:])
     with pytest.raises(ValueError, match=rf"shared\.bin: header shared_classifier={value}; must be 0 "):
         load_kuiper(p)
+
+
+def test_a_nan_or_inf_weight_or_scale_is_refused(files, tmp_path):
+    """A corrupt scale or fp16 weight loaded silently and generated garbage; refused by name."""
+    from quantzoo.model.kuiper import _layout
+
+    src = files["qwen3-gqa-hd64-tied"][2]
+    cfg, _, _ = load_kuiper(src)
+    group = read_header(src)["group_size"]
+    offsets, off = {}, HEADER_BYTES
+    for name, shape, dtype in _layout(cfg, group):
+        offsets[name] = (off, shape)
+        off += int(np.prod(shape)) * np.dtype(dtype).itemsize
+    for name, row, needle in (("model.layers.0.self_attn.o_proj.scales", 5, "in its scales "),
+                              ("model.embed_tokens.weight", 4, "")):
+        at, shape = offsets[name]
+        raw = bytearray(src.read_bytes())
+        i = at + 2 * (row if name.endswith(".scales") else row * shape[1])   # scales [K/G, N]: column = row
+        raw[i:i + 2] = np.float16(np.nan).tobytes()
+        bad = tmp_path / "bad.bin"
+        bad.write_bytes(bytes(raw))
+        with pytest.raises(ValueError, match=rf"bad\.bin: tensor '{name}': row {row} holds NaN or inf {needle}"):
+            load_kuiper(bad)

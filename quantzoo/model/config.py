@@ -6,6 +6,8 @@ import numbers
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
+
 ARCHS = ("qwen3", "llama")
 
 
@@ -49,6 +51,43 @@ def token_ids(ids, vocab_size: int, what: str = "ids") -> list[int]:
     if not out:
         raise ValueError(f"{what}: empty (at least one token is needed)")
     return out
+
+
+def check_finite(w, where: str, name: str):
+    """w (a torch float tensor or a QuantizedTensor, as a loader read it), or one clear error
+    naming the file and tensor where a value or scale is NaN or inf: a corrupt file, whose every
+    product with that row would be NaN (generation would then print garbage, or token 0 forever,
+    without a word). A float tensor is scanned by its exponent bits (all ones: inf or NaN), ~4x
+    faster than torch.isfinite on the CPU; a quantized one by its scales (Format.nonfinite_rows)."""
+    import torch
+
+    if hasattr(w, "format"):
+        bad = w.fmt.nonfinite_rows(w)
+    else:
+        rows = w.reshape(len(w), -1) if w.ndim else w.reshape(1, 1)
+        bad = np.zeros(len(rows), bool)
+        step = max(1, (1 << 24) // max(1, rows.shape[1]))   # (bounds the temporaries)
+        for r0 in range(0, len(rows), step):
+            chunk = rows[r0:r0 + step]
+            if _exponent_all_ones(chunk):
+                bad[r0:r0 + step] = (~torch.isfinite(chunk)).any(dim=1).numpy()
+    if bad.any():
+        raise ValueError(f"{where}: tensor {name!r}: row {int(np.flatnonzero(bad)[0])} holds NaN or inf "
+                         f"{'in its scales ' if hasattr(w, 'format') else ''}({int(bad.sum())} rows do); "
+                         "the file is corrupt")
+    return w
+
+
+def _exponent_all_ones(t) -> bool:
+    """Whether some element of the float tensor t is inf or NaN, read from its bits."""
+    import torch
+
+    kind = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
+            torch.float32: (torch.int32, 0x7F800000)}.get(t.dtype)
+    if kind is None:
+        return not bool(torch.isfinite(t).all())
+    bits, mask = kind
+    return t.numel() > 0 and int((t.contiguous().view(bits) & mask).max()) == mask
 
 
 def special_token_id(v, n: int, what: str) -> int | None:

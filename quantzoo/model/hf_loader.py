@@ -425,11 +425,14 @@ def load_hf(path, progress: bool = True, lazy: bool = False):
 
     from quantzoo.formats import get
 
+    from .config import check_finite
+
     awq = get("awq")
     def reader(name, kind, extra):
-        if kind == "awq":
-            return lambda: awq.from_arrays(*(shards.get(a).numpy() for a in extra), quant["group_size"])
-        return lambda: shards.get(name)
+        if kind == "awq":   # (a corrupt scale is named by the scales tensor's file)
+            return lambda: check_finite(awq.from_arrays(*(shards.get(a).numpy() for a in extra), quant["group_size"]),
+                                        shards.file_of(extra[2]), extra[2])
+        return lambda: check_finite(shards.get(name), shards.file_of(name), name)
 
     readers = {name: reader(name, kind, extra) for name, kind, extra in plan}
     if lazy:

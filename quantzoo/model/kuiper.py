@@ -102,7 +102,7 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
     from quantzoo.formats import get
     from quantzoo.formats.awq import GROUP_SIZES, check_shape
 
-    from .config import ModelConfig
+    from .config import ModelConfig, check_finite
     from .export import linear_modules
     from .hf_loader import load_tokenizer
 
@@ -159,10 +159,10 @@ def load_kuiper(path, rope_theta: float = DEFAULT_ROPE_THETA, rms_norm_eps: floa
     for name, shape, dtype in items:
         if name.endswith(".qweight"):
             m = name[: -len(".qweight")]
-            weights[m + ".weight"] = awq.from_arrays(raw[m + ".qweight"], raw[m + ".qzeros"],
-                                                      raw[m + ".scales"], hd["group_size"])
+            weights[m + ".weight"] = check_finite(awq.from_arrays(
+                raw[m + ".qweight"], raw[m + ".qzeros"], raw[m + ".scales"], hd["group_size"]), str(path), m + ".scales")
         elif name.endswith(".weight"):
-            weights[name] = torch.from_numpy(raw[name])
+            weights[name] = check_finite(torch.from_numpy(raw[name]), str(path), name)
     tok = load_tokenizer(path.parent)
     if tok is not None and not config.eos_token_ids:
         config.eos_token_ids = list(tok.eos_token_ids)
