@@ -182,8 +182,13 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     # walked every layer's shapes (10**9 hung; 10**5 here ends, at an unrelated missing tensor);
     # a string tie flag that bool() made true (the checkpoint's lm_head silently dropped)
     ({"architectures": 3}, "architectures=3 is not supported"),
-    ({"num_hidden_layers": 10**5}, "num_hidden_layers=100000, but the checkpoint holds only"),
+    ({"num_hidden_layers": 10**5, "layer_types": None}, "num_hidden_layers=100000, but the checkpoint holds only"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
+    # transformers refuses these; they had loaded (the window silently dropped for the second)
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for num_hidden_layers=2"),
+    ({"layer_types": "full_attention"}, "layer_types='full_attention' must be a list"),
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": "0", "layer_types": None},
+     "max_window_layers='0' must be an integer"),
 ])
 def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     d = tmp_path / "cfg"
@@ -194,6 +199,26 @@ def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     with pytest.raises(ValueError) as e:
         load_hf(d, progress=False)
     assert needle in str(e.value) and str(e.value).count("config.json") == 1, str(e.value)
+
+
+@pytest.mark.parametrize("spec", ["qwen3-hd128-untied", "qwen3-gqa-hd64-tied"])
+def test_a_missing_head_dim_takes_transformers_default(tmp_path, spec):
+    """Without head_dim in config.json transformers' Qwen3Config takes 128 (not hidden / heads,
+    as Llama's does): a 128-wide-head model loaded only where the key was present, and a 64-wide
+    one loaded here that transformers refuses. Now the same default: the first loads, the
+    second's q_proj shape names the mismatch."""
+    from transformers import AutoConfig
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.pop("head_dim") == H.SPECS[spec].head_dim
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert AutoConfig.from_pretrained(path).head_dim == 128
+    if H.SPECS[spec].head_dim == 128:
+        assert load_hf(path, progress=False)[0].head_dim == 128
+    else:
+        with pytest.raises(ValueError, match=r"q_proj\.weight' has shape \[256, 256\], config\.json implies \[512, 256\]"):
+            load_hf(path, progress=False)
 
 
 def test_not_a_model_dir(tmp_path):
@@ -302,7 +327,7 @@ def test_tensors_the_config_does_not_use_are_refused(dirs, tmp_path):
     shutil.copytree(dirs["fp32"], d)
     cfg = json.loads((d / "config.json").read_text())
     n = cfg["num_hidden_layers"]
-    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n - 1}))
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n - 1, "layer_types": None}))
     with pytest.raises(ValueError, match=rf"model\.safetensors: tensor 'model\.layers\.{n - 1}\..*not part of "
                                          rf"the qwen3 model config\.json describes \({n - 1} layers\)"):
         load_hf(d, progress=False)

@@ -144,3 +144,20 @@ def test_a_model_past_the_memory_is_refused_in_one_line(monkeypatch, tmp_path, c
     err = capsys.readouterr().err.rsplit("\r", 1)[-1].strip()   # after the cleared load progress bar
     assert err.startswith("quantzoo run: error: the model takes") and "\n" not in err, err
     assert err.endswith("use a GPU"), err   # an fp16 checkpoint: its float32 copies whatever the mode
+
+
+def test_a_kv_cache_past_the_memory_is_refused_in_one_line(monkeypatch):
+    """A long generation's KV cache was allocated blindly: torch's allocator traceback (100 GB
+    asked), or the OOM killer. Now counted first (2 x layers x kv heads x positions x head_dim x
+    4 bytes on the CPU) and refused in one line; the model stays usable."""
+    from quantzoo.bench.model import synthetic_model
+
+    cfg = dataclasses.replace(make_config(2, tiny=True), max_position=1 << 20)
+    m = synthetic_model("q8_0", cfg, "cpu")
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000 * per_position)
+    m.generate([1, 2, 3], max_new_tokens=4)   # a cache of 256 positions fits
+    with pytest.raises(MemoryError, match=rf"a KV cache for 4352 positions takes {4352 * per_position / 2**20:.1f} MiB;"
+                                          r" \S+ MiB of memory is available on cpu \(ask for fewer tokens"):
+        m.generate([1, 2, 3], max_new_tokens=4100)
+    assert len(m.generate([1, 2, 3], max_new_tokens=4)) == 4

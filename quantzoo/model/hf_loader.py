@@ -158,10 +158,14 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     # sliding layers as transformers' Qwen2/Qwen3 configs derive them: layer_types when given, else
     # every layer from max_window_layers (default 28) on, when use_sliding_window and a window are set
     layer_types = cfg.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise ValueError(f"{where}: layer_types={layer_types!r} must be a list")
     first_sliding = 28 if cfg.get("max_window_layers") is None else cfg.get("max_window_layers")
-    sliding = (any(t != "full_attention" for t in layer_types) if isinstance(layer_types, list) else
+    if not (isinstance(first_sliding, int) and not isinstance(first_sliding, bool)):
+        raise ValueError(f"{where}: max_window_layers={first_sliding!r} must be an integer")
+    sliding = (any(t != "full_attention" for t in layer_types) if layer_types is not None else
                bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
-               and isinstance(first_sliding, int) and first_sliding < (cfg.get("num_hidden_layers") or 1))
+               and first_sliding < (cfg.get("num_hidden_layers") or 1))
     if sliding:
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
                          "supported (every layer attends to the whole context here)")
@@ -187,12 +191,16 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if heads % kv:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv}")
-    head_dim = need("head_dim", hidden // heads)
+    # absent: transformers' default, Qwen3Config's 128, the others' hidden_size / heads
+    head_dim = need("head_dim", 128 if arch == "qwen3" else hidden // heads)
     theta, factors = _rope(cfg, head_dim, where)
     dims = dict(vocab_size=need("vocab_size"), intermediate_size=need("intermediate_size"),
                 num_layers=need("num_hidden_layers"), head_dim=head_dim,
                 rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=theta,
                 rope_freq_factors=factors, max_position=need("max_position_embeddings", 4096))
+    if layer_types is not None and len(layer_types) != dims["num_layers"]:   # (transformers refuses it too)
+        raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for num_hidden_layers="
+                         f"{dims['num_layers']}")
     if window is not None and window < dims["max_position"]:
         dims["max_position"] = window
     tie = cfg.get("tie_word_embeddings", False)

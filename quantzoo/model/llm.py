@@ -29,6 +29,8 @@ applied in float16, as HF does for fp16 models.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,7 @@ from ..cuda_launch import call_on_device, programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
 from .config import ModelConfig, is_int, token_ids
-from .host_memory import check_cpu_placement
+from .host_memory import check_cache_fits, check_cpu_placement
 
 MATMUL_MODES = ("cached", "dequant", "emulate")
 
@@ -441,6 +443,8 @@ class Model:
             raise ValueError(f"max_seq={n} exceeds the model's context length {cfg.max_position}")
         if self.k_cache is None or self.k_cache.shape[3] != n:
             shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
+            self.k_cache = self.v_cache = self._graph = None   # (the old cache's memory first)
+            check_cache_fits(2 * math.prod(shape) * self.dtype.itemsize, n, self.device)
             self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.cos, self.sin = rope_tables(cfg, n, self.device, self.dtype)
