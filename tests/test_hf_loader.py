@@ -266,6 +266,11 @@ def _copy_and(src, dst, edit):
      "chat_template is a list without {name, template} entries"),
     (lambda d: (d / "special_tokens_map.json").write_text('{"bos_token": 5}'),
      "special_tokens_map.json: bos_token=5 must be a token string"),
+    # bool("false") and bool([False]) are True: the EOS / BOS had been added to every prompt
+    (lambda d: (d / "tokenizer_config.json").write_text('{"add_eos_token": "false"}'),
+     "tokenizer_config.json: add_eos_token='false' must be a boolean, not str"),
+    (lambda d: (d / "tokenizer_config.json").write_text('{"add_bos_token": [false]}'),
+     "tokenizer_config.json: add_bos_token=[False] must be a boolean, not list"),
 ])
 def test_bad_side_files_are_clear_errors(dirs, tmp_path, edit, needle):
     """config / generation config / tokenizer files of the wrong shape, and a tokenizer larger

@@ -75,6 +75,8 @@ def set_kv(w, key: str, v) -> None:
         w.add_array(key, v)
     elif isinstance(v, str):
         w.add_string(key, v)
+    elif isinstance(v, bool):   # before int: a bool is one
+        w.add_bool(key, v)
     elif isinstance(v, float):
         w.add_float32(key, v)
     else:
@@ -421,6 +423,11 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
     ({**TOK_KV, "tokenizer.chat_template": 5}, "tokenizer.chat_template must be a string"),
     # an array where a name is due had raised TypeError: unhashable type: 'list'
     ({**TOK_KV, "tokenizer.ggml.pre": [1, 2]}, "tokenizer.ggml.pre=[1, 2] is not supported"),
+    # a STRING "false" / an array [false] had read as true; one string at two ids had loaded
+    ({**TOK_KV, "tokenizer.ggml.add_bos_token": "false"}, "tokenizer.ggml.add_bos_token='false' must be a boolean"),
+    ({**TOK_KV, "tokenizer.ggml.add_eos_token": [False]}, "tokenizer.ggml.add_eos_token=[False] must be a boolean"),
+    ({**TOK_KV, "tokenizer.ggml.tokens": [f"t{i}" for i in range(5)] + ["tt"] + [f"t{i}" for i in range(6, 158)]
+      + ["t", "tt"]}, "tokenizer.ggml.tokens holds 'tt' twice, as ids 5 and 159"),
 ])
 def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     """Metadata of the wrong type or value: one error naming the file and the key, never a raw

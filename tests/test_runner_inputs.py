@@ -291,6 +291,7 @@ def test_eos_from_the_post_processor_when_the_config_does_not_say():
     assert tok.encode("the moon")[-1] == raw.token_to_id(eos)
     assert tok.encode("the moon", add_eos=False) == hf("the moon")["input_ids"][:-1]
     assert not Tokenizer.from_tokenizer_json(raw.to_str(), {**cfg, "add_eos_token": False}).add_eos
+    assert Tokenizer.from_tokenizer_json(raw.to_str(), {**cfg, "add_eos_token": None}).add_eos   # null: unset
     tok.chat_template = H.CHATML
     msgs = [{"role": "user", "content": "the moon"}]
     text = tok.apply_chat_template(msgs)      # starts with the BOS text, "<|im_start|>"
@@ -306,15 +307,39 @@ def test_tokenizer_arguments():
             tok.encode(text)
     with pytest.raises(ValueError, match="text: cannot be encoded"):
         tok.encode("\ud800")
-    for ids, needle in (([-1], "token id -1 is not a row"), ([2**40], "token id 1099511627776"),
-                        ([1.5], "1.5 is not a token id")):
+    # 5, None and a 0-d tensor had raised TypeError about len()
+    for ids, needle in (([-1], "token id -1 is not a u32"), ([1.5], "1.5 is not a token id"),
+                        ([2**40], r"token id 1099511627776 is not a u32 \(the tokenizer's ids run 0 to 4294967295\)"),
+                        (5, "ids: expected a sequence of token ids, got int"), (None, "got NoneType"),
+                        (torch.tensor(5), r"ids: expected a 1-D sequence of token ids, got shape \(\)")):
         with pytest.raises(ValueError, match=needle):
             tok.decode(ids)
-    assert tok.decode([]) == "" and tok.decode(tok.encode("the moon")) == "the moon"
+    ids = tok.encode("the moon")
+    assert tok.decode([]) == "" and tok.decode(ids) == "the moon"
+    assert tok.decode(torch.tensor(ids)) == tok.decode(np.array(ids)) == "the moon"
     assert tok.decode([300]) == ""   # an embedding's padding row past the tokenizer: nothing
     for messages in (None, [{"role": "user", "content": None}], [{"content": "hi"}]):
         with pytest.raises(ValueError, match="messages: expected a list of"):
             tok.apply_chat_template(messages)
+
+
+_MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("call,needle", [
+    # bool("no") is True: the EOS had been added, the generation prompt rendered, ...
+    (lambda t: t.encode("hi", add_eos="no"), "add_eos='no' must be a boolean or None, not str"),
+    (lambda t: t.encode("hi", add_bos=0), "add_bos=0 must be a boolean or None, not int"),
+    (lambda t: t.encode_chat(_MSGS, add_generation_prompt="no"), "add_generation_prompt='no' must be a boolean"),
+    (lambda t: t.decode([1], skip_special_tokens="no"), "skip_special_tokens='no' must be a boolean"),
+    # had raised TypeError: unhashable type: 'list'
+    (lambda t: t.encode_chat(_MSGS, template=["default"]),
+     r"template: expected a chat template's name \(a str\) or None, got \['default'\]"),
+])
+def test_tokenizer_argument_types(call, needle):
+    tok = Tokenizer.from_tokenizer_json(H.build_tokenizer(300).to_str(), {"chat_template": H.CHATML})
+    with pytest.raises(ValueError, match=needle):
+        call(tok)
 
 
 # Pieces of real templates that lean on what transformers' apply_chat_template gives a template:

@@ -7,6 +7,7 @@ tokens not parsed). Every line must match.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,36 @@ def test_add_eos_token_from_the_file():
     assert Tokenizer.from_gguf_fields(meta, "x.gguf").encode("ab") == [2, 0, 1]
     del meta["tokenizer.ggml.eos_token_id"]   # nothing to add
     assert Tokenizer.from_gguf_fields({**meta, "tokenizer.ggml.add_eos_token": True}, "x.gguf").encode("ab") == [2, 0, 1]
+
+
+def test_duplicate_token_strings_are_refused():
+    """One string at two ids: encode gave one id, decode both the same text. llama.cpp aborts."""
+    from quantzoo.model.tokenizer import NORMAL, Tokenizer
+
+    with pytest.raises(ValueError, match=r"^x\.gguf: tokenizer\.ggml\.tokens holds 'tt' twice, as ids 1 and 3$"):
+        Tokenizer.from_gguf_fields(_meta(["t", "tt", "a", "tt"], [NORMAL] * 4), "x.gguf")
+
+
+def _spm_meta(**kv):   # a tiny SentencePiece vocabulary
+    from quantzoo.model.tokenizer import CONTROL, NORMAL, UNKNOWN
+
+    return {"tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "\u2581", "a", "\u2581a"],
+            "tokenizer.ggml.scores": [0.0] * 6, "tokenizer.ggml.token_type": [UNKNOWN, CONTROL, CONTROL] + [NORMAL] * 3,
+            "tokenizer.ggml.eos_token_id": 2, **{f"tokenizer.ggml.{k}": v for k, v in kv.items()}}
+
+
+@pytest.mark.parametrize("key,off", [("add_bos_token", [5]), ("add_eos_token", [1, 5]), ("add_space_prefix", [1, 4])])
+@pytest.mark.parametrize("value", ["false", [False], 0])
+def test_flags_must_be_gguf_booleans(key, off, value):
+    """bool("false") and bool([False]) are True: a flag stored as a string or an array had turned
+    BOS / EOS / the space prefix on. llama.cpp refuses a key of any type but BOOL."""
+    from quantzoo.model.tokenizer import Tokenizer
+
+    needle = re.escape(f"x.gguf: tokenizer.ggml.{key}={value!r} must be a boolean, not")
+    with pytest.raises(ValueError, match="^" + needle):
+        Tokenizer.from_gguf_fields(_spm_meta(**{key: value}), "x.gguf")
+    assert Tokenizer.from_gguf_fields(_spm_meta(**{key: False}), "x.gguf").encode("a") == off
 
 
 def _check_text_so_far(decode, ids, context=()):

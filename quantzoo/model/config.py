@@ -28,9 +28,11 @@ def positive(v, kind, what: str):
     return kind(v)
 
 
-def token_ids(ids, vocab_size: int, what: str = "ids") -> list[int]:
-    """ids (a sequence of ints, a 1-D integer tensor or array) as a non-empty list of ints, each a
-    row of the vocab_size-row embedding; else one clear error."""
+def token_ids(ids, vocab_size: int, what: str = "ids", bound: str | None = None,
+              empty_ok: bool = False) -> list[int]:
+    """ids (a sequence of ints, a 1-D integer tensor or array) as a non-empty (or, empty_ok, any)
+    list of ints, each a row of the vocab_size-row embedding; else one clear error. bound: what
+    an id past vocab_size is not, for the message (default: a row of the embedding)."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
         raise ValueError(f"{what}: expected a sequence of token ids, got {type(ids).__name__} "
                          "(encode text with model.tokenizer.encode first)")
@@ -46,9 +48,9 @@ def token_ids(ids, vocab_size: int, what: str = "ids") -> list[int]:
         if not is_int(i):
             raise ValueError(f"{what}: {i!r} is not a token id (an integer)")
         if not 0 <= i < vocab_size:
-            raise ValueError(f"{what}: token id {i} is not a row of the {vocab_size}-row embedding")
+            raise ValueError(f"{what}: token id {i} is not {bound or f'a row of the {vocab_size}-row embedding'}")
         out.append(int(i))
-    if not out:
+    if not out and not empty_ok:
         raise ValueError(f"{what}: empty (at least one token is needed)")
     return out
 

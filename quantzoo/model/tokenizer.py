@@ -114,6 +114,18 @@ RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation
                                "eos_token")
 
 
+def check_bool(v, what: str, none_ok: bool = False):
+    """v if a bool (or None, none_ok), else one clear error naming what: bool("false") and
+    bool([False]) are True, a silently flipped setting."""
+    if isinstance(v, bool) or none_ok and v is None:
+        return v
+    raise ValueError(f"{what}={v!r} must be a boolean{' or None' if none_ok else ''}, not {type(v).__name__}")
+
+
+# what a token id past the `tokenizers` range is not (decode's message)
+_U32 = f"a u32 (the tokenizer's ids run 0 to {2**32 - 1})"
+
+
 def check_template_variables(variables: dict, what: str = "chat template variables") -> dict:
     """Extra chat-template variables, or one clear error (what: the argument, for the message)."""
     if not isinstance(variables, dict):
@@ -208,6 +220,8 @@ class Tokenizer:
         (add_bos / add_eos; None: the tokenizer's own setting), as llama.cpp and HF do."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a str, got {type(text).__name__}")
+        check_bool(add_bos, "add_bos", none_ok=True)
+        check_bool(add_eos, "add_eos", none_ok=True)
         try:
             ids = self.tok.encode(text, add_special_tokens=False).ids
         except TypeError as e:   # e.g. a lone surrogate, which no UTF-8 text holds
@@ -221,11 +235,11 @@ class Tokenizer:
     # Ids are integers in tokenizers' u32 range; one past the vocabulary (a model's embedding may
     # have padding rows past the tokenizer's) decodes to nothing, as in `tokenizers` itself.
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        ids = token_ids(ids, 2**32) if len(ids) else []
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        ids = token_ids(ids, 2**32, bound=_U32, empty_ok=True)
+        return self.tok.decode(ids, skip_special_tokens=check_bool(skip_special_tokens, "skip_special_tokens"))
 
     def id_to_token(self, i: int) -> str | None:
-        return self.tok.id_to_token(token_ids([i], 2**32, "id")[0])
+        return self.tok.id_to_token(token_ids([i], 2**32, "id", bound=_U32)[0])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             template: str | None = None, **variables) -> str:
@@ -236,8 +250,11 @@ class Tokenizer:
         transformers' apply_chat_template(**kwargs) passes them, e.g. Qwen3's
         enable_thinking=False (CLI: --chat-template-kwargs)."""
         check_template_variables(variables)
+        check_bool(add_generation_prompt, "add_generation_prompt")
         names = sorted(self.chat_templates)
         if template is not None:
+            if not isinstance(template, str):   # (a list was a raw "unhashable type")
+                raise ValueError(f"template: expected a chat template's name (a str) or None, got {template!r}")
             if template not in self.chat_templates:
                 raise ValueError(f"chat template {template!r}: this model has "
                                  + (f"the named templates {names}" if names else "no named templates"))
@@ -324,6 +341,9 @@ class Tokenizer:
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(tmpl).__name__}")
         add_bos, add_eos = cfg.get("add_bos_token"), cfg.get("add_eos_token")
+        for key, v in (("add_bos_token", add_bos), ("add_eos_token", add_eos)):
+            if v is not None:   # null, as no key: unset, found below
+                check_bool(v, f"tokenizer_config.json: {key}")
         if add_bos is None or add_eos is None:   # e.g. Llama 3: tokenizer.json's post_processor adds BOS
             try:
                 with_special = tok.encode("a", add_special_tokens=True).ids
@@ -338,7 +358,7 @@ class Tokenizer:
             if add_eos is None:
                 add_eos = bool(eos_ids) and with_special[-1:] == eos_ids
         return cls(tok, bos_token_id=bos_id, eos_token_ids=eos_ids,
-                   add_bos=bool(add_bos) and bos_id is not None, add_eos=bool(add_eos) and bool(eos_ids),
+                   add_bos=add_bos and bos_id is not None, add_eos=add_eos and bool(eos_ids),
                    chat_template=tmpl, bos_token=bos or "", eos_token=eos or "", chat_templates=named)
 
     @classmethod
@@ -366,8 +386,14 @@ class Tokenizer:
             raise ValueError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries, "
                              f"tokenizer.ggml.tokens {len(tokens)}")
         vocab = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)   # first id wins, as in llama.cpp's token_to_id
+        for i, t in enumerate(tokens):   # a string of two ids would encode to one of them (llama.cpp aborts)
+            j = vocab.setdefault(t, i)
+            if j != i:
+                raise ValueError(f"{path}: tokenizer.ggml.tokens holds {t!r} twice, as ids {j} and {i}")
+
+        def flag(key, default):   # llama.cpp refuses a key of any type but BOOL
+            return check_bool(meta.get(key, default), f"{path}: {key}")
+
         # llama.cpp's special ids for an SPM vocabulary where the file names none, or one out of
         # range ("bad special token ... using default id"); a BPE vocabulary's default (11) is not
         # taken: such an id is ignored with a warning
@@ -400,8 +426,8 @@ class Tokenizer:
             if unk is None:   # (only a vocabulary of no tokens has no id 0)
                 raise ValueError(f"{path}: an SPM vocabulary needs an unknown token; "
                                  "tokenizer.ggml.unknown_token_id names none of its ids")
-            add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-            tok = _sentencepiece_bpe(tokens, vocab, scores, types, tokens[unk], bool(add_space_prefix), path)
+            add_space_prefix = flag("tokenizer.ggml.add_space_prefix", True)
+            tok = _sentencepiece_bpe(tokens, vocab, scores, types, tokens[unk], add_space_prefix, path)
         else:
             pre = meta.get("tokenizer.ggml.pre", "default")
             if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
@@ -452,8 +478,8 @@ class Tokenizer:
                 eog.append(vocab[name])
 
         added = []
-        for i, (t, ty) in enumerate(zip(tokens, types)):
-            if ty in (CONTROL, USER_DEFINED, UNKNOWN) and vocab.get(t) == i:   # llama.cpp's special set
+        for t, ty in zip(tokens, types):
+            if ty in (CONTROL, USER_DEFINED, UNKNOWN):   # llama.cpp's special set
                 added.append(AddedToken(t, special=(ty != USER_DEFINED), normalized=False))
         if added:
             # ids come from the vocab (the tokens are already in it): order does not matter
@@ -461,7 +487,7 @@ class Tokenizer:
             tok.add_special_tokens([a for a in added if a.special])
 
         # llama.cpp: add_bos from the file; when absent, true for SPM and the llama3 BPE family
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos_default)
+        add_bos = flag("tokenizer.ggml.add_bos_token", add_bos_default)
         raw_bos = meta.get("tokenizer.ggml.bos_token_id")
         if add_bos and isinstance(raw_bos, int) and not 0 <= raw_bos < len(tokens) and \
                 "tokenizer.ggml.bos_token_id" not in default_ids:   # (SPM: the default takes its place)
@@ -473,7 +499,7 @@ class Tokenizer:
         for i in [eos, found.get("eot"), found.get("eom")] + eog:
             if i is not None and i not in eos_ids:
                 eos_ids.append(i)
-        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+        add_eos = flag("tokenizer.ggml.add_eos_token", False) and eos is not None
         tmpl = meta.get("tokenizer.chat_template")
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"{path}: tokenizer.chat_template must be a string, got {type(tmpl).__name__}")
@@ -487,7 +513,7 @@ class Tokenizer:
                 raise ValueError(f"{path}: tokenizer.chat_templates names {name!r}, but "
                                  f"tokenizer.chat_template.{name} is {'missing' if t is None else 'not a string'}")
             named[name] = t
-        return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=bool(add_bos) and bos is not None,
+        return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=add_bos and bos is not None,
                    add_eos=add_eos, chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
                    eos_token="" if eos is None else tokens[eos], chat_templates=named)
 
