@@ -95,6 +95,7 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
                          (["--top-k", "40"], "--top-k 40: filters sampled tokens, but --temperature 0"),
                          (["--top-p", "0.9", "--seed", "1"], "--top-p 0.9: filters sampled tokens"),
                          (["--min-p", "0.05"], "--min-p 0.05: filters sampled tokens"),
+                         (["--seed", "5"], "--seed 5: seeds sampled tokens, but --temperature 0"),
                          (["--temperature", "1", "--min-p", "1.5"], "sampling: min_p=1.5 must be in [0, 1]"),
                          # extra chat-template variables (Qwen3's enable_thinking, ...)
                          (["--chat-template-kwargs", "{}"], "--chat-template-kwargs: variables for the chat template"),

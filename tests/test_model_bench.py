@@ -132,3 +132,34 @@ def test_bench_model_takes_a_cpu_index_as_the_cpu(tmp_path, monkeypatch):
     assert main(["bench", "model", "--tiny", "--device", "cpu:1", "--formats", "q4_0", "--prompt-lens", "",
                  "--json", str(out)]) == 0
     assert seen == ["cpu"] and json.loads(out.read_text())["device"] == "cpu"
+
+
+def test_bench_model_refuses_what_it_would_ignore_or_cannot_hold(monkeypatch, capsys):
+    """--awq-group-size without awq and --long-context on the CPU (it times the CUDA graph) were
+    ignored; a format named twice was benched twice (and shown twice by `quantzoo report`);
+    --layers 1000000 allocated until the OOM killer ended the process."""
+    from quantzoo.bench import model as bm
+    from quantzoo.cli import main
+    from quantzoo.model import host_memory
+
+    groups = []
+    monkeypatch.setattr(bm, "bench_format", lambda f, cfg, args, *a: groups.append(args.awq_group_size)
+                        or {"format": f, "weight_bytes": 1, "decode_tok_s_eager": 1.0})
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**30)
+    for args, needle in (
+            (["--formats", "q4_0", "--awq-group-size", "64"], "--awq-group-size 64: no AWQ format in --formats q4_0"),
+            (["--formats", "q4_0,fp16,q4_0"], "--formats q4_0,fp16,q4_0: q4_0 named twice"),
+            (["--long-context", "100"], "--long-context 100: it times the graph decode, which runs on CUDA only"),
+            (["--layers", "1000000"], "--layers 1000000: the fp16 model takes 3295.9 GiB of weights and 1953.1 GiB "
+                                      "of KV cache (2048 positions) on cpu, where 1.0 GiB is free")):
+        assert main(["bench", "model", "--tiny", "--device", "cpu", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"quantzoo bench: error: {needle}", err
+    assert groups == []
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--formats", "awq", "--awq-group-size", "64",
+                 "--prompt-lens", ""]) == 0
+    assert groups == [64]
+    # every format's model at once (the round-robin prefill): skipped where they do not fit together
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**20)
+    got = bm.prefill_side_by_side(["q4_0", "fp16"], bm.make_config(1, True), None, "cpu", [32])
+    assert got == {"skipped": "the formats' models do not fit in memory together"}

@@ -459,3 +459,19 @@ def test_export_reads_each_source_tensor_once(src, tmp_path, monkeypatch, fmt, d
     monkeypatch.setattr(L._Shards, "get", counting)
     E.export(src["dir"], tmp_path / dst, fmt, group_size=32, progress=False)
     assert reads and max(reads.values()) == 1, {k: v for k, v in reads.items() if v > 1}
+
+
+def test_suffixes_pick_the_kind_in_any_case(src, tmp_path):
+    """UP.GGUF and o.Bin are a GGUF and a KuiperLLama file like up.gguf and o.bin: UP.GGUF was
+    refused ("give DST a .gguf name"), o.Bin written as an HF directory, and the runner refused
+    both by name."""
+    from quantzoo.model import load_model
+    from quantzoo.model.export import awq_group_of
+
+    g, b = tmp_path / "UP.GGUF", tmp_path / "o.Bin"
+    assert cli(["quantize", str(src["dir"]), str(g), "--format", "q8_0", "--quiet"]) == 0
+    assert cli(["quantize", str(src["dir"]), str(b), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
+    assert g.is_file() and b.is_file() and awq_group_of(b) == 64
+    for p in (g, b):
+        assert load_model(p, progress=False).logits([1, 2, 3]).shape[0] == 3
+    assert cli(["quantize", str(b), str(tmp_path / "again.GGUF"), "--format", "q8_0", "--quiet"]) == 0   # a .Bin SRC

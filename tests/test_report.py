@@ -401,6 +401,7 @@ def test_report_to_md_path(tmp_path, errors, bench):
     for p in files["plots"]:
         assert os.path.dirname(p) == str(tmp_path / "docs" / "name")
         assert f"](name/{os.path.basename(p)})" in md
+    assert report.out_paths("docs/R.MD") == ("docs/R.MD", "docs/R")   # (not a folder docs/R.MD/)
 
 
 def test_model_bench_section(errors):
@@ -638,6 +639,9 @@ def test_a_malformed_power_probe_row_is_one_line(tmp_path, capsys, monkeypatch, 
     (("prefill_side_by_side", "tok_s", "fp16", "512"), 0,
      "prefill_side_by_side.tok_s.fp16.512 = 0 is not a positive number"),
     (("results",), [], "'results' is empty: the file holds no measurement"),
+    # one format twice: its row was printed twice (the kernels bench's check refused that already)
+    (("results", 2, "format"), "awq", "results[2] (awq): the same format as results[0]"),
+    (("partial",), "yes", 'partial = "yes" is not true or false'),
 ])
 def test_a_malformed_model_bench_is_one_line(tmp_path, capsys, monkeypatch, path, value, needle):
     doc = model_bench_doc()
@@ -653,6 +657,18 @@ def test_nan_in_a_model_bench_is_refused(tmp_path, capsys, monkeypatch):
     doc["results"][2]["decode_tok_s_graph"] = float("nan")
     err = refused(tmp_path, capsys, monkeypatch, model_bench=doc, raw=json.dumps(doc, allow_nan=True))
     assert "model-bench.json: results[2] (fp16): decode_tok_s_graph = NaN is not a positive number" in err
+
+
+def test_a_partial_model_bench_is_said_to_be(errors):
+    """A bench JSON written mid-run ("partial": true, quantzoo.bench.model) was reported like a
+    finished one, its missing formats unmentioned."""
+    mb = model_bench_doc()
+    assert "A partial run" not in report.render(report.build(None, mb, accuracy=False, errors=errors))
+    mb.update(partial=True, results=mb["results"][:1])
+    del mb["prefill_side_by_side"]
+    md = report.render(report.build(None, mb, accuracy=False, errors=errors))
+    assert '**A partial run**: the bench JSON is marked `"partial": true`' in md
+    assert [r["format"] for r in table_with(md, "decode_tok_s_graph")] == ["awq"]
 
 
 def test_model_bench_as_a_bare_list_of_records(tmp_path, errors):

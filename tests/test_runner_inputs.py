@@ -112,6 +112,11 @@ def test_rope_tables_past_fp16_integers():
     (dict(min_p=-0.1, temperature=1.0), r"min_p=-0.1 must be in \[0, 1\]"),
     (dict(min_p=float("nan"), temperature=1.0), r"min_p=nan must be in \[0, 1\]"),
     (dict(seed=2**70, temperature=1.0), "seed=1180591620717411303424 must be an integer"),
+    # sampling settings with greedy decoding: ignored without a word (the CLI refused them)
+    (dict(top_p=0.5), r"top_p=0.5: filters sampled tokens, but temperature 0 \(the default\) decodes greedily"),
+    (dict(top_k=5), "top_k=5: filters sampled tokens"),
+    (dict(min_p=0.1, temperature=0.0), "min_p=0.1: filters sampled tokens"),
+    (dict(seed=5), "seed=5: seeds sampled tokens, but temperature 0"),
     (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
     (dict(eos_token_ids=["x"]), "eos_token_ids: 'x' is not a token id"),
     (dict(look_ahead="yes"), "look_ahead='yes' must be True, False or None"),

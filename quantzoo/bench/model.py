@@ -61,7 +61,8 @@ def add_arguments(p) -> None:
                    help="also time the graph decode after an N-token prompt (default 4096, with --tiny 0; "
                         "0 skips)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-op profile")
-    p.add_argument("--awq-group-size", type=int, default=128)
+    p.add_argument("--awq-group-size", type=int, default=None, help="AWQ group size (default 128; needs awq "
+                   "in --formats)")
     p.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test, CPU or GPU)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None, help="write the results as JSON to this path (rewritten after each "
@@ -133,6 +134,31 @@ def synthetic_model(fmt: str, cfg, device, group_size=128, seed=0, **opts):
 
     return build_model(cfg, synthetic_weights(fmt, cfg, device, group_size, seed), None,
                        device=device, **opts)
+
+
+def model_bytes(fmt: str, cfg, device: str, positions: int) -> tuple[int, int]:
+    """(weights, KV cache) bytes one synthetic model of `fmt` holds on `device` with a cache of
+    `positions`: the packed linears (lm_head fp16 for awq) and the embedding in the runner's float
+    dtype (fp16 on CUDA, float32 on the CPU, which also keeps every linear dequantized to float32:
+    matmul_mode "cached"); the cache in that dtype."""
+    from .. import formats
+
+    h, v, fl = cfg.hidden_size, cfg.vocab_size, 2 if device.startswith("cuda") else 4
+    lin = cfg.num_layers * h * (2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size)
+    bits = formats.get(fmt).bits_per_weight
+    w = (lin * bits + v * h * (16 if fmt == "awq" else bits)) / 8 + v * h * fl
+    if fl == 4:
+        w += 4 * (lin + v * h)
+    return int(w), 2 * cfg.num_layers * cfg.num_kv_heads * positions * cfg.head_dim * fl
+
+
+def free_bytes(device: str) -> int | None:
+    """Bytes still free on `device` (the GPU's free memory; the host's available memory), or None."""
+    import torch
+
+    from ..model.host_memory import available_bytes
+
+    return torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else available_bytes()
 
 
 def make_config(layers: int, tiny: bool):
@@ -381,6 +407,9 @@ def prefill_side_by_side(fmts, cfg, args, device, lens, reps: int = 7) -> dict:
 
     if not lens or len(fmts) < 2:
         return {"skipped": "needs two formats and a prompt length"}
+    free = free_bytes(device)   # (on the CPU, too much is no exception: the OOM killer ends the run)
+    if free is not None and sum(sum(model_bytes(f, cfg, device, cache_positions(max(lens)))) for f in fmts) > free:
+        return {"skipped": "the formats' models do not fit in memory together"}
     models = {}
     try:
         for f in fmts:
@@ -545,8 +574,10 @@ def run(args) -> int:
     fmts = [f for f in args.formats.split(",") if f]
     if not fmts:
         raise ValueError("--formats: no format named")
-    for f in fmts:
+    for i, f in enumerate(fmts):
         registry.get_stored(f, "--formats")   # (an unknown name: a KeyError listing the known ones)
+        if f in fmts[:i]:
+            raise ValueError(f"--formats {args.formats}: {f} named twice")
     # the arguments first: a mistake should fail here, not once per format after minutes of setup
     try:
         lens = [int(x) for x in args.prompt_lens.split(",") if x]
@@ -570,6 +601,10 @@ def run(args) -> int:
                          f"positions less the {args.decode_tokens} decode tokens and a margin of 8)")
     from ..formats.awq import check_shape
 
+    if args.awq_group_size is None:
+        args.awq_group_size = 128
+    elif "awq" not in fmts:   # (it would be ignored)
+        raise ValueError(f"--awq-group-size {args.awq_group_size}: no AWQ format in --formats {args.formats}")
     check_shape(8, 128, args.awq_group_size, "--awq-group-size")
     if args.json is not None:   # (written after the first format, minutes in; its folder is not made)
         check_out_file(args.json, f"--json {args.json}")
@@ -580,8 +615,20 @@ def run(args) -> int:
     if not device.startswith("cuda") and not args.tiny:
         raise ValueError(f"--device {args.device}: the Qwen3-8B-shaped model is for a CUDA GPU "
                          "(its fp16 weights alone are 16 GB); add --tiny for a smoke test on the CPU")
+    if args.long_context and not device.startswith("cuda"):   # (it times the CUDA graph decode)
+        raise ValueError(f"--long-context {args.long_context}: it times the graph decode, which runs on CUDA only")
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
+    # the largest model and cache of the run against the memory there is, before any is built
+    positions = max(decode_cache_positions(args), cache_positions(max(lens, default=0)),
+                    cache_positions(args.long_context + args.decode_tokens + 8) if args.long_context else 0)
+    fmt = max(fmts, key=lambda f: sum(model_bytes(f, cfg, device, positions)))
+    (w, kv), free = model_bytes(fmt, cfg, device, positions), free_bytes(device)
+    if free is not None and w + kv > free:
+        from ..model.host_memory import _size
+
+        raise MemoryError(f"--layers {args.layers}: the {fmt} model takes {_size(w)} of weights and {_size(kv)} of "
+                          f"KV cache ({positions} positions) on {device}, where {_size(free)} is free")
     info, bw = {}, None
     if device.startswith("cuda"):
         from .timing import copy_bandwidth, machine_info

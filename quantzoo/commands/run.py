@@ -63,7 +63,7 @@ def run(args) -> int:
     # (only an absent --device means the default: --device "" is refused like any bad name)
     device = check_device(args.device if args.device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
-    check_sampling(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)
+    check_sampling(args.temperature, args.top_k, args.top_p, args.seed, args.min_p, flags=True)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     if args.system is not None and not args.chat:
@@ -83,12 +83,6 @@ def run(args) -> int:
         check_template_variables(variables, "--chat-template-kwargs")
     if any(not s for s in args.stop or []):
         raise ValueError("--stop: an empty stop string would stop at once")
-    if args.temperature == 0:   # greedy: the filters would be ignored, the text not sampled
-        for name, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0),
-                             ("--min-p", args.min_p, 0.0)):
-            if v != off:
-                raise ValueError(f"{name} {v}: filters sampled tokens, but --temperature 0 (the default) "
-                                 "decodes greedily; add --temperature T > 0")
     if args.matmul_mode is not None and device != "cpu":
         raise ValueError(f"--matmul-mode {args.matmul_mode}: it picks the CPU linears; on {device} each "
                          "quantized linear runs its format's CUDA kernel (or add --device cpu)")

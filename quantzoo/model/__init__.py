@@ -37,11 +37,11 @@ def load_model(path=None, device: str = "cpu", **opts) -> Model:
         config, weights, tokenizer, _gen_cfg = load_hf(path, progress=progress)
     elif not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
-    elif path.endswith(".gguf"):
+    elif path.lower().endswith(".gguf"):   # (suffixes in any case: Q.GGUF, K.Bin)
         from .gguf_loader import load_gguf
 
         config, weights, tokenizer = load_gguf(path, progress=progress)
-    elif path.endswith(".bin"):
+    elif path.lower().endswith(".bin"):
         from .kuiper import load_kuiper
 
         out = load_kuiper(path)

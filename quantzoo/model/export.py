@@ -104,12 +104,12 @@ def read_source(src, progress: bool = True) -> Source:
         return Source(src, config, weights, hf_config=hf_cfg, tokenizer=tok, generation_config=gen)
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such file or directory")
-    if src.suffix == ".gguf":
+    if src.suffix.lower() == ".gguf":   # (suffixes in any case: Q.GGUF, K.Bin)
         from .gguf_loader import load_gguf
 
         config, weights, tok = load_gguf(str(src), progress=progress)
         return Source(src, config, weights, tokenizer=tok, gguf_meta=_gguf_tokenizer_fields(src))
-    if src.suffix == ".bin":
+    if src.suffix.lower() == ".bin":
         from .kuiper import load_kuiper
 
         config, weights, tok = load_kuiper(src)   # (tok: from a tokenizer.json beside the file)
@@ -140,7 +140,7 @@ def awq_group_of(path) -> int | None:
         with open(cfg, encoding="utf-8") as f:
             quant = parse_quantization_config(json.load(f).get("quantization_config"), str(cfg))
         return quant["group_size"] if quant else None
-    if path.suffix == ".bin":
+    if path.suffix.lower() == ".bin":
         from .kuiper import read_header
 
         return read_header(path)["group_size"]
@@ -599,7 +599,7 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
     check_no_symlink_loop(dst, f"DST={dst}")
     if Path(src).resolve() == dst.resolve():
         raise ValueError(f"DST={dst} is the source itself; write somewhere else")
-    kind = "gguf" if dst.suffix == ".gguf" else "bin" if dst.suffix == ".bin" else "dir"
+    kind = {".gguf": "gguf", ".bin": "bin"}.get(dst.suffix.lower(), "dir")   # (UP.GGUF, o.Bin too)
     if kind == "gguf" and get(fmt).gguf_type is None:
         raise ValueError(f"--format {fmt}: a .gguf file cannot hold {fmt.upper()} weights; give DST as a directory "
                          "(HF AWQ checkpoint) or a .bin file (KuiperLLama)")

@@ -53,8 +53,9 @@ class Generation:
 
 
 def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=None,
-                   min_p: float = 0.0) -> None:
-    """A clear error naming each sampling setting out of its range."""
+                   min_p: float = 0.0, flags: bool = False) -> None:
+    """A clear error naming each sampling setting out of its range, or the first one greedy
+    decoding (temperature 0) would ignore; flags: named as the CLI's (--top-k 40), not top_k=40."""
     bad = [f"{name}={v!r} {rule}" for name, v, ok, rule in (
         ("temperature", temperature, is_real(temperature) and temperature >= 0,
          "must be a finite number >= 0 (0 = greedy)"),
@@ -65,6 +66,13 @@ def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
         if not ok]
     if bad:
         raise ValueError("sampling: " + "; ".join(bad))
+    if temperature == 0:   # greedy: a filter or a seed would be ignored, the text not sampled
+        for name, v, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", min_p, 0.0), ("seed", seed, None)):
+            if v != off:
+                what = f"--{name.replace('_', '-')} {v}" if flags else f"{name}={v!r}"
+                t = "--temperature" if flags else "temperature"
+                raise ValueError(f"{what}: {'seeds' if name == 'seed' else 'filters'} sampled tokens, but {t} 0 "
+                                 f"(the default) decodes greedily; set {t} > 0")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -452,6 +452,10 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
     mb = rep.get("model_bench")
     if mb:
         L.append("## Model throughput (`quantzoo bench model`)\n")
+        if mb.get("partial"):
+            L.append("**A partial run**: the bench JSON is marked `\"partial\": true`, written before the run "
+                     "finished (cut short): the formats it had not reached, and its round-robin prefill, are "
+                     "missing.\n")
         hdr, rows = model_bench_rows(mb)
         mm = mb.get("machine") or {}
         from quantzoo.bench.model import QWEN3_8B
@@ -596,7 +600,7 @@ OUT_FILES = ("report.json", "formats.csv", "speed.csv", "accuracy.csv", "bench-k
 
 def out_paths(out: str) -> tuple[str, str]:
     """(markdown path, folder for the rest) for write()'s `out`."""
-    if out.endswith(".md"):
+    if out.lower().endswith(".md"):   # (R.MD too)
         return out, out[:-3]
     return os.path.join(out, "report.md"), out
 

@@ -208,12 +208,16 @@ def check_model_bench(mb, what: str = "model bench") -> dict:
     if not recs:
         raise ValueError(f"{what}: 'results' is empty: the file holds no measurement")
     known = stored_format_names()
+    seen = {}
     for i, r in enumerate(recs):
         where = f"{what}: {rname}[{i}]"
         if "format" not in r:
             raise ValueError(f"{where} lacks format")
         _check_format(where, r["format"], known)
         where = f"{where} ({r['format']})"
+        if r["format"] in seen:   # (the table would show it twice)
+            raise ValueError(f"{where}: the same format as {rname}[{seen[r['format']]}]")
+        seen[r["format"]] = i
         if "error" in r:
             if not isinstance(r["error"], str):
                 _bad(where, "error", r["error"], "is not a string (the format's failure)")
@@ -240,6 +244,8 @@ def check_model_bench(mb, what: str = "model bench") -> dict:
     for key in ("gpu", "time_utc"):
         _need_str(what, mb.get("machine") or {}, key, "machine.")
     _need_str(what, mb, "device")
+    if not isinstance(mb.get("partial", False), bool):   # (true: a run cut short; render() says so)
+        _bad(what, "partial", mb["partial"], "is not true or false")
     _need_positive(what, mb, "copy_bandwidth_bytes_s", optional=True)
     sbs = mb.get("prefill_side_by_side")
     if sbs is not None:
