@@ -152,15 +152,6 @@ def model_bytes(fmt: str, cfg, device: str, positions: int) -> tuple[int, int]:
     return int(w), 2 * cfg.num_layers * cfg.num_kv_heads * positions * cfg.head_dim * fl
 
 
-def free_bytes(device: str) -> int | None:
-    """Bytes still free on `device` (the GPU's free memory; the host's available memory), or None."""
-    import torch
-
-    from ..model.host_memory import available_bytes
-
-    return torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else available_bytes()
-
-
 def make_config(layers: int, tiny: bool):
     from ..model.config import ModelConfig
 
@@ -407,6 +398,8 @@ def prefill_side_by_side(fmts, cfg, args, device, lens, reps: int = 7) -> dict:
 
     if not lens or len(fmts) < 2:
         return {"skipped": "needs two formats and a prompt length"}
+    from ..model.host_memory import free_bytes
+
     free = free_bytes(device)   # (on the CPU, too much is no exception: the OOM killer ends the run)
     if free is not None and sum(sum(model_bytes(f, cfg, device, cache_positions(max(lens)))) for f in fmts) > free:
         return {"skipped": "the formats' models do not fit in memory together"}
@@ -623,10 +616,10 @@ def run(args) -> int:
     positions = max(decode_cache_positions(args), cache_positions(max(lens, default=0)),
                     cache_positions(args.long_context + args.decode_tokens + 8) if args.long_context else 0)
     fmt = max(fmts, key=lambda f: sum(model_bytes(f, cfg, device, positions)))
+    from ..model.host_memory import _size, free_bytes
+
     (w, kv), free = model_bytes(fmt, cfg, device, positions), free_bytes(device)
     if free is not None and w + kv > free:
-        from ..model.host_memory import _size
-
         raise MemoryError(f"--layers {args.layers}: the {fmt} model takes {_size(w)} of weights and {_size(kv)} of "
                           f"KV cache ({positions} positions) on {device}, where {_size(free)} is free")
     info, bw = {}, None

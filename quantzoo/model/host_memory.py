@@ -104,20 +104,23 @@ def cpu_placement_bytes(tensors, matmul_mode: str) -> tuple[int, int]:
     return held, transient
 
 
-def check_cache_fits(nbytes: int, positions: int, device) -> None:
-    """MemoryError, in one line, where a KV cache of nbytes (for `positions` tokens) would not fit
-    in the memory left on `device` (the CPU's available memory; a GPU's free memory plus what
-    torch's allocator holds unused) instead of the allocator's traceback, or the OOM killer."""
+def free_bytes(device) -> int | None:
+    """Bytes a new tensor may still take on `device`: a GPU's free memory plus what torch's caching
+    allocator holds unused there; the host's available memory (available_bytes); None elsewhere."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        avail = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    elif device.type == "cpu":
-        avail = available_bytes()
-    else:
-        return
+        held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + held
+    return available_bytes() if device.type == "cpu" else None
+
+
+def check_cache_fits(nbytes: int, positions: int, device) -> None:
+    """MemoryError, in one line, where a KV cache of nbytes (for `positions` tokens) would not fit
+    in the memory left on `device` (the CPU's available memory; a GPU's free memory plus what
+    torch's allocator holds unused) instead of the allocator's traceback, or the OOM killer."""
+    avail = free_bytes(device)
     if avail is not None and nbytes > avail:
         raise MemoryError(f"a KV cache for {positions} positions takes {_size(nbytes)}; {_size(max(avail, 0))} "
                           f"of memory is available on {device} (ask for fewer tokens: a shorter prompt or "
