@@ -40,22 +40,26 @@ def quantize_activations(x: np.ndarray) -> dict:
 def _say_lost_scales(x, d16, name: str) -> None:
     """Warn, naming the first, where a Q8_1 block's scale d = max|x| / 127 is too small for fp16:
     stored rounded to fp16's subnormals (or 0) while q was fitted to the fp32 d, the block's
-    values come back off by more than 8-bit quantization costs (formats.base.LOSS of max|x|). The
-    kernels make these bytes as llama.cpp does, silently: where d rounds to 0, Q4_0 / Q5_0 keep
-    only their offset term -8 d_w s_a (-16 for Q5_0), far worse than a zero result."""
+    values come back off by up to 127 |d16 - d|, said where that passes formats.base.LOSS of the
+    row's largest |x| (more than 8-bit rounding of the row costs; a tiny block in an ordinary row
+    loses nothing that shows). The kernels make these bytes as llama.cpp does, silently: where d
+    rounds to 0, Q4_0 / Q5_0 keep only their offset term -8 d_w s_a (-16 for Q5_0), far worse
+    than a zero result."""
     from quantzoo.formats.base import LOSS, warn
 
     m, k = x.shape
     with np.errstate(invalid="ignore", over="ignore"):
         d = np.abs(x.reshape(m, k // 32, 32)).max(axis=-1) / np.float32(127)
-        lost = np.isfinite(d) & (d > 0) & (np.abs(d16.astype(np.float32) - d) > LOSS * d)
+        off = 127 * np.abs(d16.astype(np.float32) - d)               # the block's largest error
+        row = 127 * d.max(axis=1, keepdims=True)                     # the row's largest |x|
+        lost = np.isfinite(off) & np.isfinite(row) & (d > 0) & (off > LOSS * row)
     if lost.any():
         r, b = (int(i) for i in np.argwhere(lost)[0])
         warn(f"x: row {r}, block {b}: the activations' Q8_1 scale max|x|/127 = {float(d[r, b]):.3g} is "
-             f"stored in fp16 as {float(d16[r, b]):.3g} (fp16 is normal from 6.1e-05), {float(abs(d16[r, b] - d[r, b]) / d[r, b]):.1%} "
-             f"off ({int(lost.sum())} of {lost.size} blocks over {LOSS:.2%}); {name}'s kernels, as llama.cpp's, and "
-             "this emulation compute with it, losing more of the result where an offset term cancels "
-             "(mode='dequant' does not); scale x up")
+             f"stored in fp16 as {float(d16[r, b]):.3g} (fp16 is normal from 6.1e-05), moving the block's values by "
+             f"up to {float(off[r, b] / row[r, 0]):.1%} of the row's largest |x| ({int(lost.sum())} of {lost.size} "
+             f"blocks over {LOSS:.2%}); {name}'s kernels, as llama.cpp's, and this emulation compute with it, "
+             "losing more of the result where an offset term cancels (mode='dequant' does not); scale x up")
 
 
 def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24):

@@ -65,6 +65,8 @@ def check_finite(w, where: str, name: str):
 
     if hasattr(w, "format"):
         bad = w.fmt.nonfinite_rows(w)
+    elif not w.numel():
+        return w
     else:
         rows = w.reshape(len(w), -1) if w.ndim else w.reshape(1, 1)
         bad = np.zeros(len(rows), bool)

@@ -443,7 +443,8 @@ class Model:
             raise ValueError(f"max_seq={n} exceeds the model's context length {cfg.max_position}")
         if self.k_cache is None or self.k_cache.shape[3] != n:
             shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
-            self.k_cache = self.v_cache = self._graph = None   # (the old cache's memory first)
+            # (the old cache's memory first: the graph, the persistent plan and the work hold it too)
+            self.k_cache = self.v_cache = self._graph = self._persistent = self._decode_work = None
             check_cache_fits(2 * math.prod(shape) * self.dtype.itemsize, n, self.device)
             self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)

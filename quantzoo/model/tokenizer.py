@@ -381,6 +381,11 @@ class Tokenizer:
             return v
 
         tokens = array_of("tokenizer.ggml.tokens", str)
+        empty = [i for i, t in enumerate(tokens) if not t]
+        if empty:   # llama.cpp names each "[EMPTY_<id>]" (warning "empty token at index"), then loads it
+            warnings.warn(f"{path}: tokenizer.ggml.tokens: {len(empty)} empty token(s), e.g. id {empty[0]}; "
+                          "named [EMPTY_<id>] as llama.cpp does", UserWarning, stacklevel=2)
+            tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         types = list(array_of("tokenizer.ggml.token_type", int, [NORMAL] * len(tokens)))
         if len(types) != len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries, "
