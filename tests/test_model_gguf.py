@@ -4,6 +4,9 @@ qwen3 one (not permuted) too; bad files give one clear error naming the file and
 """
 from __future__ import annotations
 
+import re
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -65,13 +68,23 @@ def gguf_name(hf: str) -> str:
     return f"blk.{p[2]}.{HF2GGUF['.'.join(p[3:-1])]}.weight"
 
 
+class Typed(NamedTuple):
+    """A metadata value written with this GGUF type (and array item type)."""
+    value: object
+    vtype: gguf.GGUFValueType
+    sub_type: gguf.GGUFValueType | None = None
+
+
 def set_kv(w, key: str, v) -> None:
-    """Set (or, with None, remove) metadata key `key` of GGUFWriter w, typed by the Python value."""
+    """Set (or, with None, remove) metadata key `key` of GGUFWriter w, typed by the Python value, or
+    as given by a Typed value."""
     for kv in w.kv_data:
         kv.pop(key, None)
     if v is None:
         return
-    if isinstance(v, list):
+    if isinstance(v, Typed):
+        w.add_key_value(key, v.value, v.vtype, v.sub_type)
+    elif isinstance(v, list):
         w.add_array(key, v)
     elif isinstance(v, str):
         w.add_string(key, v)
@@ -307,7 +320,8 @@ def test_llama_cpp_types_without_a_kernel_load_dequantized(tmp_path):
 def test_quantize_cli_requantizes_a_dequantized_tensor(tmp_path):
     """`quantzoo quantize` from such a file: the warning is one line naming file, type and
     tensor (not a Python location), and the Q6_K output.weight reaches DST as Q8_0 of its
-    dequantized values (compared with our codec on gguf-py's dequantization)."""
+    dequantized values (compared with our codec on gguf-py's dequantization). Quantizing a
+    quantized weight again is said once (llama-quantize refuses it without --allow-requantize)."""
     import subprocess
     import sys
 
@@ -321,9 +335,12 @@ def test_quantize_cli_requantizes_a_dequantized_tensor(tmp_path):
                          timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if "warning" in ln.lower()]
-    assert lines == [f"quantzoo quantize: warning: {src}: no quantzoo kernel for Q6_K: output.weight: "
-                     "dequantized to float at load (gguf-py), run as dense linears (cuBLAS on CUDA, "
-                     "fp16 there)"], out.stderr
+    assert lines[0] == (f"quantzoo quantize: warning: {src}: no quantzoo kernel for Q6_K: output.weight: "
+                        "dequantized to float at load (gguf-py), run as dense linears (cuBLAS on CUDA, "
+                        "fp16 there)") and len(lines) == 2, out.stderr
+    assert re.fullmatch(rf"quantzoo quantize: warning: {re.escape(str(src))}: tensor '\S+' is stored as (Q4_0|Q6_K); it "
+                        r"\(and any other quantized tensor\) is dequantized and quantized again to Q8_0, keeping its "
+                        r"\S+ rounding error besides \(llama-quantize asks for --allow-requantize\)", lines[1]), lines
     from quantzoo.model.gguf_loader import load_gguf
 
     _, w, _ = load_gguf(dst, progress=False)
@@ -428,6 +445,20 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
     ({**TOK_KV, "tokenizer.ggml.add_eos_token": [False]}, "tokenizer.ggml.add_eos_token=[False] must be a boolean"),
     ({**TOK_KV, "tokenizer.ggml.tokens": [f"t{i}" for i in range(5)] + ["tt"] + [f"t{i}" for i in range(6, 158)]
       + ["t", "tt"]}, "tokenizer.ggml.tokens holds 'tt' twice, as ids 5 and 159"),
+    # llama.cpp reads float keys as F32 only: a one-bit flip of the type (F32 6 -> U32 4) read eps's
+    # bits as 897,988,541 and generated one token forever; a bool factor read as 1
+    ({"llama.attention.layer_norm_rms_epsilon": Typed(1, gguf.GGUFValueType.UINT32)},
+     "'llama.attention.layer_norm_rms_epsilon'=1 is not a float (llama.cpp reads it as F32 only)"),
+    ({"llama.rope.freq_base": Typed(10000, gguf.GGUFValueType.UINT32)}, "'llama.rope.freq_base'=10000 is not a float"),
+    ({"llama.rope.scaling.factor": True}, "'llama.rope.scaling.factor'=True is not a float"),
+    # token types llama.cpp reads as int32 whatever the array holds; a type no token has
+    ({**TOK_KV, "tokenizer.ggml.token_type": Typed([1] * 160, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT8)},
+     "'tokenizer.ggml.token_type' is ARRAY of UINT8, expected ARRAY of INT32"),
+    ({**TOK_KV, "tokenizer.ggml.scores": Typed([0.0] * 160, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT64)},
+     "'tokenizer.ggml.scores' is ARRAY of FLOAT64, expected ARRAY of FLOAT32"),
+    ({**TOK_KV, "tokenizer.ggml.token_type": Typed([1] * 5 + [99] + [1] * 154, gguf.GGUFValueType.ARRAY,
+                                                    gguf.GGUFValueType.INT32)},
+     "tokenizer.ggml.token_type[5] = 99 (token 't5') is no llama.cpp token type (0..6)"),
 ])
 def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     """Metadata of the wrong type or value: one error naming the file and the key, never a raw
@@ -779,3 +810,28 @@ def test_memory_refusal_counts_the_dequantizers_working_copy(tmp_path, monkeypat
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 3 * 64 * 256 * 2)   # 1.5x: the result fits, the peak not
     with pytest.warns(UserWarning), pytest.raises(MemoryError, match=r"peak\.gguf: its Q6_K tensors take"):
         qz.load_model(path, progress=False)
+
+
+def test_a_corrupt_array_count_or_value_type_names_the_key(tmp_path):
+    """gguf-py reads an array item by item, and past the end of the file its reads come back empty
+    without moving on: a count of 2**40 looped until the OOM killer. Refused at once, by key; a
+    value type no GGUF has is named by its key too (it said only "cannot parse the header")."""
+    good = tmp_path / "good.gguf"
+    write_gguf(good, hf_model("llama"), "llama", kv=TOK_KV)
+    r = gguf.GGUFReader(str(good))
+    parts = r.fields["tokenizer.ggml.merges"].parts
+    count_at = parts[4].ctypes.data - r.data.ctypes.data      # [key len, key, type, item type, count, ...]
+    type_at = r.fields["llama.block_count"].parts[2].ctypes.data - r.data.ctypes.data
+    del r, parts
+    for what, at, value, needle in (
+            ("count", count_at, np.uint64(2**40).tobytes(),
+             "metadata key 'tokenizer.ggml.merges': an array of 1099511627776 items of type 8 runs past the end"),
+            ("type", type_at, np.uint32(99).tobytes(),
+             "metadata key 'llama.block_count' (or the one before it): cannot parse its value")):
+        data = bytearray(good.read_bytes())
+        data[at:at + len(value)] = value
+        bad = tmp_path / f"{what}.gguf"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ValueError) as e:
+            qz.load_model(bad, progress=False)
+        assert str(e.value).startswith(f"{bad}: {needle}"), str(e.value)

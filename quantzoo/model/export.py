@@ -66,6 +66,7 @@ class Source:
     # source's own (the default, for a Source made with hf_config)
     tokenizer_dir: Path | None = None
     generation_config: dict = field(default_factory=dict)
+    requantized: bool = False   # (said once: a quantized source weight quantized again)
 
     def __post_init__(self):
         if self.tokenizer_dir is None and self.hf_config is not None:
@@ -83,6 +84,17 @@ class Source:
         if isinstance(w, QuantizedTensor) and w.format == fmt and all(
                 w.params.get(k) == v for k, v in params.items()):
             return w.numpy()
+        label = lambda f, g: get(f).gguf_type or (f"{f} g{g}" if g else f)   # noqa: E731  (Q4_0, awq g64)
+        was = label(w.format, w.params.get("group_size")) if isinstance(w, QuantizedTensor) else \
+            getattr(w, "dequantized_from", None)
+        if was is not None and not self.requantized:   # (llama-quantize refuses this by default)
+            self.requantized = True
+            from quantzoo.formats.base import warn
+
+            warn(f"{self.path}: tensor {name!r} is stored as {was}; it (and any other quantized tensor) is "
+                 f"dequantized and quantized again to {label(fmt, params.get('group_size'))}, keeping its "
+                 f"{was} rounding error besides "
+                 "(llama-quantize asks for --allow-requantize)", UserWarning)
         # w itself (self.tensor(name) would read a lazy source's tensor a second time), and not
         # held while it is quantized
         x = to_numpy_float(w)

@@ -88,7 +88,8 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class TensorInfoError(ValueError):
-    """A tensor's info in the GGUF header is inconsistent (the message names the tensor)."""
+    """A tensor's info or a metadata value in the GGUF header is inconsistent (the message names
+    the tensor or the key)."""
 
 
 def _reader(path: str):
@@ -96,7 +97,44 @@ def _reader(path: str):
     from gguf import GGUFReader
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    from gguf.constants import GGUFValueType
+
     class Reader(GGUFReader):
+        # gguf-py walks an array's count item by item, and past the end of the file its reads come
+        # back empty without moving on: a corrupt count (2**40) looped until the OOM killer. The
+        # count is checked against the bytes left first, and a value that fails to parse is named
+        # by its key (the last string read outside any value: gguf-py reads the key, then its value).
+        _depth, _key = 0, None
+
+        def _get_str(self, offset):
+            out = super()._get_str(offset)
+            if self._depth == 0:
+                self._key = bytes(out[1]).decode("utf-8", "replace")
+            return out
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            key = self._key
+            self._depth += 1
+            try:
+                if int(raw_type) == GGUFValueType.ARRAY and orig_offs + 12 <= len(self.data):
+                    itype = int(self.data[orig_offs:orig_offs + 4].view("<u4")[0])
+                    count = int(self.data[orig_offs + 4:orig_offs + 12].view("<u8")[0])
+                    item = self.gguf_scalar_to_np.get(itype)   # (a string: 8 bytes of length at least)
+                    least = np.dtype(item).itemsize if item is not None else 8 if itype == GGUFValueType.STRING else 12
+                    if count * least > len(self.data) - orig_offs - 12:
+                        raise TensorInfoError(f"metadata key {key!r}: an array of {count} items of type "
+                                              f"{itype} runs past the end of the file")
+                return super()._get_field_parts(orig_offs, raw_type)
+            except TensorInfoError:
+                raise
+            except Exception as e:
+                if self._depth > 1:
+                    raise
+                raise TensorInfoError(f"metadata key {key!r} (or the one before it): cannot parse its value "
+                                      f"({type(e).__name__}: {e}); corrupt file?") from None
+            finally:
+                self._depth -= 1
+
         def _build_tensors(self, start_offs, fields):
             size = len(self.data)
             spans = []
@@ -204,6 +242,9 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
                 raise ValueError(f"{path}: metadata key {k!r} varies per layer ({v[:8]!r}...); "
                                  "the runner takes one value for every layer")
             v = v[0]
+        if kind is float and not isinstance(v, float):   # (an int is no float key's value: one bit of
+            # the type field (F32 6 -> U32 4) reads the float's bits as 897,988,541; llama.cpp refuses it)
+            raise ValueError(f"{path}: metadata key {k!r}={v!r} is not a float (llama.cpp reads it as F32 only)")
         return positive(v, kind, f"{path}: metadata key {k!r}")
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
@@ -221,6 +262,8 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
     # applied whenever the type is not "none" (an absent type means linear)
     for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
         if k in meta:
+            if not isinstance(meta[k], float):
+                raise ValueError(f"{path}: metadata key {k!r}={meta[k]!r} is not a float (llama.cpp reads it as F32 only)")
             if scaling != "none" and meta[k] not in (0, 1):
                 raise ValueError(f"{path}: {k}={meta[k]!r} asks for linear RoPE scaling, which is "
                                  "not supported yet")
@@ -307,6 +350,10 @@ def load_gguf(path, progress: bool = True):
         raise FileNotFoundError(f"{path}: no such file")
     reader = _open(path)
     meta = read_metadata(reader, path)
+    for k, item in (("tokenizer.ggml.token_type", "INT32"), ("tokenizer.ggml.scores", "FLOAT32")):
+        types = [t.name for t in reader.fields[k].types] if k in reader.fields else ["ARRAY", item]
+        if types != ["ARRAY", item]:   # llama.cpp reads these as int32 / float32 whatever they hold
+            raise ValueError(f"{path}: metadata key {k!r} is {' of '.join(types)}, expected ARRAY of {item}")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")

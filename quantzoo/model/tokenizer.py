@@ -387,6 +387,10 @@ class Tokenizer:
                           "named [EMPTY_<id>] as llama.cpp does", UserWarning, stacklevel=2)
             tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         types = list(array_of("tokenizer.ggml.token_type", int, [NORMAL] * len(tokens)))
+        bad = next((i for i, t in enumerate(types) if not 0 <= t <= BYTE), None)
+        if bad is not None:   # (a SentencePiece merge of such a token was silently not made)
+            raise ValueError(f"{path}: tokenizer.ggml.token_type[{bad}] = {types[bad]} (token {tokens[bad]!r}) "
+                             f"is no llama.cpp token type (0..{BYTE})")
         if len(types) != len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries, "
                              f"tokenizer.ggml.tokens {len(tokens)}")
