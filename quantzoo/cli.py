@@ -50,6 +50,9 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:   # Ctrl-C: stop without a traceback, as a shell tool does
+        print(file=sys.stderr)
+        return 130   # 128 + SIGINT
     except BrokenPipeError:   # the reader went away (`quantzoo run model | head`): stop quietly
         try:   # and keep Python's exit-time flush of stdout from raising it again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

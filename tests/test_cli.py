@@ -407,7 +407,8 @@ def test_interactive_chat_keeps_the_conversation(tiny_run, monkeypatch, capsys):
 
     seen = []
     real = run_cmd._generate
-    monkeypatch.setattr(run_cmd, "_generate", lambda m, ids, args, first: seen.append(ids) or real(m, ids, args, first))
+    monkeypatch.setattr(run_cmd, "_generate", lambda m, ids, args, first, shown=None: seen.append(ids) or
+                        real(m, ids, args, first, shown))
     monkeypatch.setattr("sys.stdin", io.StringIO("how are you\n\nnot read\n"))
     assert main(["run", "model", "--device", "cpu", "--interactive", "--system", "be brief", "--prompt", "hi",
                  "--max-new-tokens", "3", "--temperature", "1", "--seed", "0"]) == 0
@@ -428,3 +429,39 @@ def test_interactive_chat_keeps_the_conversation(tiny_run, monkeypatch, capsys):
     assert main(["run", "model", "--device", "cpu", "--interactive", "--max-new-tokens", "1"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "quantzoo run: error: stdin: not UTF-8 text (invalid start byte)")
+
+
+def test_interactive_ctrl_c_ends_a_reply_or_the_chat(tiny_run, monkeypatch, capsys):
+    """Ctrl-C during a reply ends that reply (what was shown of it stays in the conversation), at
+    the prompt it ends the chat; outside --interactive it ends the command with 130, no traceback."""
+    import io
+
+    import quantzoo.commands.run as run_cmd
+    from quantzoo.cli import main
+
+    seen, real = [], run_cmd._generate
+
+    def gen(m, ids, args, first, shown=None):
+        seen.append(ids)
+        if len(seen) == 2:   # the second reply: interrupted after its first piece
+            shown.append("Par")
+            raise KeyboardInterrupt
+        return real(m, ids, args, first, shown)
+
+    monkeypatch.setattr(run_cmd, "_generate", gen)
+    monkeypatch.setattr("sys.stdin", io.StringIO("a\nb\nc\n"))
+    assert main(["run", "model", "--device", "cpu", "--interactive", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "[turn 2: interrupted]" in err and err.count("[turn ") == 3 and "generated    2 tokens" in out
+    tok = tiny_run.tokenizer
+    assert tok.decode(seen[2]).count("Par") == 1   # the partial reply is the second turn's answer
+
+    def interrupt(prompt=""):
+        raise KeyboardInterrupt
+
+    seen.clear()
+    monkeypatch.setattr("builtins.input", interrupt)
+    assert main(["run", "model", "--device", "cpu", "--interactive"]) == 0 and not seen
+    monkeypatch.setattr(run_cmd, "_generate", lambda *a, **k: interrupt())
+    assert main(["run", "model", "--device", "cpu", "--prompt", "a"]) == 130
+    assert "Traceback" not in capsys.readouterr().err

@@ -115,15 +115,21 @@ def run(args) -> int:
     return 0
 
 
-def _generate(m, ids, args, first: bool):
+def _generate(m, ids, args, first: bool, shown=None):
+    """generate() with the command's settings, streaming to stdout (and into the list `shown`)."""
     from ..model.generate import generate, prepare, warm_up
+
+    def show(s):
+        print(s, end="", flush=True)
+        if shown is not None:
+            shown.append(s)
 
     prepare(m, len(ids), args.max_new_tokens)   # (a prompt too long for the model fails here)
     if first:
         warm_up(m, ids, args.temperature, args.top_k, args.top_p, min_p=args.min_p)   # (CUDA only)
     return generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                    stream=lambda s: print(s, end="", flush=True))
+                    stream=show)
 
 
 def _one_prompt(m, args, variables):
@@ -148,9 +154,11 @@ def _chat_turns(m, args, variables):
     streamed and kept, the whole conversation rendered through the chat template again each turn
     and prefilled whole (nothing of the last turn's KV cache is reused: simple, and a template may
     render earlier turns differently once a later one exists, as Qwen3's drops old think blocks).
-    Returns the last turn's (Generation, ids), or (None, None) when no message came."""
+    Ctrl-C during a reply ends that reply (what was shown of it is kept as the turn's answer); at
+    the prompt it ends the chat. Returns the last finished turn's (Generation, ids), or (None,
+    None) when none finished."""
     msgs = [{"role": "system", "content": args.system}] if args.system is not None else []
-    g = ids = None
+    last = (None, None)
     first, n = args.prompt, 0
     while True:
         if first is not None:
@@ -159,7 +167,7 @@ def _chat_turns(m, args, variables):
         else:
             try:
                 line = input("> ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):
                 print(flush=True)
                 break
             except UnicodeDecodeError as e:
@@ -168,13 +176,21 @@ def _chat_turns(m, args, variables):
             break
         msgs.append({"role": "user", "content": line})
         ids = m.tokenizer.encode_chat(msgs, add_generation_prompt=True, template=args.chat_template, **variables)
-        g = _generate(m, ids, args, first=n == 0)
+        shown = []
+        try:
+            g = _generate(m, ids, args, first=n == 0, shown=shown)
+        except KeyboardInterrupt:
+            g = None
         n += 1
-        msgs.append({"role": "assistant", "content": g.text})
+        msgs.append({"role": "assistant", "content": "".join(shown) if g is None else g.text})
         print(flush=True)
+        if g is None:
+            print(f"[turn {n}: interrupted]", file=sys.stderr, flush=True)
+            continue
+        last = (g, ids)
         print(f"[turn {n}: {len(ids)} prompt tokens, {len(g.tokens)} new (stop: {g.stop_reason})"
               + (f", decode {g.decode_tok_s:,.1f} tok/s]" if g.decode_tokens else "]"), file=sys.stderr, flush=True)
-    return g, ids
+    return last
 
 
 def _summary(m, ids, g) -> None:
