@@ -148,7 +148,7 @@ def cast_warn(x, dtype, consequence: str, underflow: str | None = None, what: st
             r, c = divmod(int(np.flatnonzero(over)[0]), k)
             v = float(x.reshape(-1)[r * k + c])
             warn(f"{what}: row {r}, column {c}: {v:.6g} overflows {np.dtype(dtype).name} "
-                 f"(|x| > {float(np.finfo(dtype).max):.6g}); {consequence}")
+                 f"(|{what}| > {float(np.finfo(dtype).max):.6g}); {consequence}")
     if underflow is not None:
         x2, y2 = x.reshape(-1, k), y.reshape(-1, k)
         with np.errstate(invalid="ignore", over="ignore"):

@@ -20,6 +20,7 @@ class FP16(Format, name="fp16"):
         w = as_float_matrix(w)
         if np.abs(w).max(initial=0) > 65504:
             raise ValueError("fp16.quantize: values beyond +-65504 overflow fp16")
+        # (overflow was refused just above: only the underflow of tiny rows is left to say)
         w16 = cast_warn(w, np.float16, "", what="w", underflow="fp16 keeps them so (scale the weight up)")
         return QuantizedTensor("fp16", tuple(w.shape), w16)
 

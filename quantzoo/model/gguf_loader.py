@@ -95,9 +95,7 @@ class TensorInfoError(ValueError):
 def _reader(path: str):
     """GGUFReader that checks every tensor's byte range before mapping it (names the tensor)."""
     from gguf import GGUFReader
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from gguf.constants import GGUFValueType
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
     class Reader(GGUFReader):
         # gguf-py walks an array's count item by item, and past the end of the file its reads come
