@@ -144,6 +144,10 @@ def test_duplicate_token_strings_are_refused():
 
     with pytest.raises(ValueError, match=r"^x\.gguf: tokenizer\.ggml\.tokens holds 'tt' twice, as ids 1 and 3$"):
         Tokenizer.from_gguf_fields(_meta(["t", "tt", "a", "tt"], [NORMAL] * 4), "x.gguf")
+    # empty strings are no duplicates: llama.cpp names each "[EMPTY_<id>]" (with a warning) and loads
+    with pytest.warns(UserWarning, match=r"x\.gguf: tokenizer\.ggml\.tokens: 2 empty token\(s\), e\.g\. id 2"):
+        tok = Tokenizer.from_gguf_fields(_meta(["t", "tt", "", ""], [NORMAL] * 4), "x.gguf")
+    assert tok.decode([3]) == "[EMPTY_3]" and tok.decode([1]) == "tt"
 
 
 def _spm_meta(**kv):   # a tiny SentencePiece vocabulary
