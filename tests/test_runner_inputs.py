@@ -123,6 +123,10 @@ def test_rope_tables_past_fp16_integers():
     (dict(look_ahead=True, temperature=0.7), r"look_ahead=True needs greedy decoding \(temperature 0\)"),
     (dict(eos_token_ids=5.0), "eos_token_ids=5.0: expected a token id or a sequence of them"),
     (dict(eos_token_ids=[3, -1]), r"eos_token_ids: -1 is not a token id \(ids are >= 0\)"),
+    # a number was a raw "not iterable", 0 no stop at all, a dict its keys
+    (dict(stop=5), "stop: 5; a str or a list of them"),
+    (dict(stop=0), "stop: 0; a str or a list of them"),
+    (dict(stop={"a": 1}), r"stop: \{'a': 1\}; a str or a list of them"),
 ])
 def test_bad_generation_settings(model, kw, needle):
     with pytest.raises(ValueError, match=needle):
@@ -239,6 +243,56 @@ def test_model_options():
     for dev in ("meta", "mps", torch.device("meta")):   # torch devices, but no runner path
         with pytest.raises(ValueError, match="the runner runs on cpu, cuda or cuda:N, not on"):
             build_model(cfg, {}, None, device=dev)
+    # switches read with bool(): "no" turned them on; fuse / fused_ops also take None (auto)
+    for name in ("fuse", "fused_ops", "persistent", "cuda_graph", "pdl", "progress"):
+        with pytest.raises(ValueError, match=f"{name}='no' must be a boolean"):
+            synthetic_model("q4_0", cfg, "cpu", **{name: "no"})
+    with pytest.raises(ValueError, match="use_persistent: on='no' must be a boolean"):
+        synthetic_model("q4_0", cfg, "cpu").use_persistent("no")
+
+
+def test_load_model_checks_its_options_before_loading(tmp_path):
+    """A misspelt option, a bad value or device failed only after the whole load (minutes for an
+    8B model), naming Model.__init__; a path that is no path was os.fspath's TypeError."""
+    import quantzoo as qz
+
+    missing = tmp_path / "never-read.gguf"   # (not even looked at: the options come first)
+    for kw, needle in ((dict(cuda_graphs=False), r"unknown option\(s\) \['cuda_graphs'\]; the model takes \['max_seq'"),
+                       (dict(max_seq=0), "max_seq=0: a positive number"),
+                       (dict(matmul_mode="x"), "matmul_mode='x': choose one of"),
+                       (dict(fuse="no"), "fuse='no' must be a boolean"),
+                       (dict(device="gpu"), "device='gpu': not a torch device")):
+        with pytest.raises(ValueError, match=needle):
+            qz.load_model(missing, **kw)
+    with pytest.raises(ValueError, match=r"path: 5 is not a path \(a \.gguf file"):
+        qz.load_model(5)
+
+
+def test_positions_past_the_sequence_and_cache_sizes_are_refused():
+    """decode_step / prefill(start=) at a position the sequence has not reached attended to stale
+    rows of an earlier sequence (or zeros) without a word: max |dlogit| 0.47, another argmax.
+    setup_cache took 0 as "all", 2.5 as 2, "8" as 8, sizes past max_seq, and a negative size
+    dropped the cache before torch refused it. A prompt that fills the context takes one new token
+    (the first comes from the prefill), which prepare() had refused."""
+    cfg = make_config(1, tiny=True)
+    m = synthetic_model("q4_0", cfg, "cpu", max_seq=64)
+    ref = m.logits([5, 6, 7, 9])[-1]
+    m.prefill(list(range(100, 140)))
+    m.prefill([5, 6, 7])
+    with pytest.raises(ValueError, match=r"decode_step: position 50 skips positions 3\.\.49; this sequence holds 3"):
+        m.decode_step(9, 50)
+    with pytest.raises(ValueError, match=r"prefill: start=50 skips positions 3\.\.49; this sequence holds 3"):
+        m.prefill([3], start=50)
+    assert torch.allclose(m.decode_step(9, 3), ref, atol=1e-4)   # the next position is fine, and
+    assert torch.allclose(m.prefill([9], start=3), ref, atol=1e-4)   # so is writing it again
+    cache = m.k_cache
+    for bad in (-5, 0, 2.5, "8", 65):
+        with pytest.raises(ValueError, match=rf"setup_cache: max_seq={bad!r} must be a number of positions 1\.\.64"):
+            m.setup_cache(bad)
+    assert m.k_cache is cache   # (kept: checked before anything is dropped)
+    assert len(m.generate([1] * 64, max_new_tokens=1, eos_token_ids=[])) == 1
+    with pytest.raises(ValueError, match=r"prompt \(64\) \+ max_new_tokens \(2\) takes 65 positions"):
+        m.generate([1] * 64, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("mode", ["cached", "dequant"])

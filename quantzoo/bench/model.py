@@ -338,6 +338,7 @@ def decode_breakdown(m, pos: int = 16, top: int = 12) -> list[dict]:
     graph = m.use_graph
     m.use_graph = False
     try:
+        m.prefill([1] * pos)   # (a step attends to the positions before it)
         m.decode_step(1, pos)
         _sync(m.device)
         return profile_kernels(lambda: m.decode_step(1, pos), m.device, top)

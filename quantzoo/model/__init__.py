@@ -20,11 +20,17 @@ def load_model(path=None, device: str = "cpu", **opts) -> Model:
     opts go to build_model (max_seq, matmul_mode, cuda_graph, dtype, fused_ops, pdl, persistent);
     `progress` (default True) shows tqdm bars while loading.
     """
+    from .llm import check_device, check_options
+
+    check_options(**opts)   # (before the load: minutes for a large model)
+    check_device(device)
     progress = opts.pop("progress", True)
     if path is None:
         from .default_model import default_model_path
 
         path = default_model_path()
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path: {path!r} is not a path (a .gguf file, an HF model directory or a KuiperLLama .bin)")
     path = os.fspath(path)
     if not path:
         raise ValueError("path: empty (a .gguf file, an HF model directory or a KuiperLLama .bin)")

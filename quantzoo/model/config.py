@@ -55,6 +55,14 @@ def token_ids(ids, vocab_size: int, what: str = "ids", bound: str | None = None,
     return out
 
 
+def check_bool(v, what: str, none_ok: bool = False):
+    """v if a bool (or None, none_ok), else one clear error naming what: bool("false") and
+    bool([False]) are True, a silently flipped setting."""
+    if isinstance(v, bool) or none_ok and v is None:
+        return v
+    raise ValueError(f"{what}={v!r} must be a boolean{' or None' if none_ok else ''}, not {type(v).__name__}")
+
+
 def check_finite(w, where: str, name: str):
     """w (a torch float tensor or a QuantizedTensor, as a loader read it), or one clear error
     naming the file and tensor where a value or scale is NaN or inf: a corrupt file, whose every

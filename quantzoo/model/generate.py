@@ -194,11 +194,13 @@ def prepare(model, prompt_tokens: int, max_new_tokens: int) -> None:
     recorded launch plan (kernels.run_planned), so a warm-up prefill belongs after this call:
     `quantzoo run model`'s timed 38-token prefill of the default model took 27 ms with its warm-up
     before the capture, 9 ms after (H100)."""
-    need = prompt_tokens + max_new_tokens
+    # the prompt's positions, and one per decode step: the first new token comes from the prefill
+    # and the last is never fed back, so max_new_tokens - 1 steps
+    need = prompt_tokens + max(max_new_tokens - 1, 0)
     if model.k_cache is None or model.k_cache.shape[3] < need:
         if need > model.max_seq:
-            raise ValueError(f"prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) = {need} "
-                             f"exceeds the model's max_seq {model.max_seq}")
+            raise ValueError(f"prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) takes {need} positions; "
+                             f"that exceeds the model's max_seq {model.max_seq}")
         model.setup_cache(min(model.max_seq, max(256, -(-need // 256) * 256)))
     model.ensure_graph()   # once per cache size, outside the timed region
 
@@ -232,6 +234,8 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     if neg:
         raise ValueError(f"eos_token_ids: {neg[0]} is not a token id (ids are >= 0)")
     eos = set(token_ids(eos_token_ids, 2**63, "eos_token_ids")) if len(eos_token_ids) else set()
+    if stop is not None and not isinstance(stop, (str, list, tuple)):   # (a dict gave its keys, 0 none)
+        raise ValueError(f"stop: {stop!r}; a str or a list of them")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"stop: {stop!r}; stop strings must be non-empty str")

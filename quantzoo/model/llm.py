@@ -39,7 +39,7 @@ from .. import ops
 from ..cuda_launch import call_on_device, programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..formats import QuantizedTensor
-from .config import ModelConfig, is_int, token_ids
+from .config import ModelConfig, check_bool, is_int, token_ids
 from .host_memory import check_cache_fits, check_cpu_placement
 
 MATMUL_MODES = ("cached", "dequant", "emulate")
@@ -321,8 +321,8 @@ class Model:
                  max_seq: int | None = None, matmul_mode: str = "cached", cuda_graph: bool = True,
                  dtype=None, progress: bool = False, fuse: bool | None = None,
                  fused_ops: bool | None = None, pdl: bool = True, persistent: bool = False):
-        if matmul_mode not in MATMUL_MODES:
-            raise ValueError(f"matmul_mode={matmul_mode!r}: choose one of {MATMUL_MODES}")
+        check_options(max_seq=max_seq, matmul_mode=matmul_mode, cuda_graph=cuda_graph, progress=progress,
+                      fuse=fuse, fused_ops=fused_ops, pdl=pdl, persistent=persistent)
         device = check_device(device)
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
@@ -333,8 +333,6 @@ class Model:
         if dtype is not None and dtype != native:
             raise ValueError(f"dtype={dtype!r}: the runner computes in {native} on {device} "
                              "(float32 on CPU, float16 on CUDA: the kernels' precision)")
-        if max_seq is not None and (not is_int(max_seq) or max_seq <= 0):
-            raise ValueError(f"max_seq={max_seq!r}: a positive number of positions, or None for the config's")
         self.dtype = native
         self.matmul_mode = matmul_mode
         self.use_graph = cuda_graph and self.is_cuda
@@ -369,7 +367,7 @@ class Model:
         if why and fused_ops:
             raise ValueError(f"fused_ops=True: {why}")
         self.k_cache = self.v_cache = None
-        self._graph = None
+        self._graph, self._length = None, 0
         # one-token steps through the persistent decode kernel (kernels.persistent: all decoder
         # layers in one launch; experimental, slower than the per-op graph on the H100)
         self.persistent, self._persistent = False, None
@@ -386,7 +384,7 @@ class Model:
         (False). Raises ValueError naming what the model lacks for it (kernels.persistent)."""
         from ..kernels.persistent import PersistentDecode
 
-        on = bool(on)
+        on = check_bool(on, "use_persistent: on")
         if on:
             why = PersistentDecode.why_not(self)
             if why:
@@ -438,9 +436,10 @@ class Model:
     def setup_cache(self, max_seq: int | None = None):
         """(Re)allocate the KV cache for max_seq positions (drops a captured graph)."""
         cfg = self.config
+        if max_seq is not None and (not is_int(max_seq) or not 0 < max_seq <= self.max_seq):
+            raise ValueError(f"setup_cache: max_seq={max_seq!r} must be a number of positions 1..{self.max_seq} "
+                             "(the model's max_seq), or None for all of them")
         n = int(max_seq or self.max_seq)
-        if n > cfg.max_position:
-            raise ValueError(f"max_seq={n} exceeds the model's context length {cfg.max_position}")
         if self.k_cache is None or self.k_cache.shape[3] != n:
             shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
             # (the old cache's memory first: the graph, the persistent plan and the work hold it too)
@@ -448,6 +447,7 @@ class Model:
             check_cache_fits(2 * math.prod(shape) * self.dtype.itemsize, n, self.device)
             self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self._length = 0   # positions of the current sequence written to the cache
             self.cos, self.sin = rope_tables(cfg, n, self.device, self.dtype)
             if self.fused_ops:
                 from ..kernels.gguf import MMVQ_COLS
@@ -609,6 +609,9 @@ class Model:
         if start and self.k_cache is None:
             raise ValueError(f"prefill: start={start} continues a sequence, but there is no KV cache yet; "
                              "prefill from start=0 first")
+        if start > self._length:   # (it would attend to cache rows no token of this sequence wrote)
+            raise ValueError(f"prefill: start={start} skips positions {self._length}..{start - 1}; this sequence "
+                             f"holds {self._length} (continue at start <= {self._length})")
         start = int(start)
         end = start + len(ids)
         if end > self.max_seq:
@@ -620,7 +623,9 @@ class Model:
                              "holds this sequence; prefill from start=0 with a longer prompt")
         ids = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)
-        return self._forward(ids, pos, all_logits=False, from_start=start == 0)[-1]
+        out = self._forward(ids, pos, all_logits=False, from_start=start == 0)[-1]
+        self._length = end
+        return out
 
     @_on_model_device
     @torch.inference_mode()
@@ -631,6 +636,10 @@ class Model:
         if not is_int(pos) or not 0 <= pos < self.k_cache.shape[3]:
             raise ValueError(f"position {pos!r} is not in the KV cache (0..{self.k_cache.shape[3] - 1})")
         pos = int(pos)
+        if pos > self._length:   # (it would attend to cache rows no token of this sequence wrote)
+            raise ValueError(f"decode_step: position {pos} skips positions {self._length}..{pos - 1}; this "
+                             f"sequence holds {self._length} (the next step is at {self._length})")
+        self._length = pos + 1
         if torch.is_tensor(token) and token.numel() != 1:
             raise ValueError(f"token: a tensor of {token.numel()} elements; one token id is needed")
         # A GPU tensor (an argmax, as generate's look-ahead feeds) is taken as it is: checking its
@@ -698,6 +707,7 @@ class Model:
             t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
             pos = torch.arange(len(ids), device=self.device)
             out = self._forward(t, pos, all_logits=True, from_start=True)
+            self._length = len(ids)
         # copied outside inference mode: an inference tensor refuses in-place edits (masking a
         # token) and autograd, and on CPU .float().cpu() would hand back that very tensor
         return out.to(device="cpu", dtype=torch.float32, copy=True)
@@ -709,6 +719,26 @@ class Model:
 
         return generate(self, ids, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, stop=stop, stream=stream, **kw).tokens
+
+
+def check_options(**opts) -> None:
+    """One clear error for an option of Model (load_model's **opts) that it does not take or that
+    holds a bad value; checked before a model is loaded (minutes for a large one)."""
+    import inspect
+
+    takes = [p for p in inspect.signature(Model.__init__).parameters
+             if p not in ("self", "config", "weights", "tokenizer", "device")]
+    unknown = sorted(set(opts) - set(takes))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; the model takes {takes}")
+    if opts.get("matmul_mode", "cached") not in MATMUL_MODES:
+        raise ValueError(f"matmul_mode={opts['matmul_mode']!r}: choose one of {MATMUL_MODES}")
+    max_seq = opts.get("max_seq")
+    if max_seq is not None and (not is_int(max_seq) or max_seq <= 0):
+        raise ValueError(f"max_seq={max_seq!r}: a positive number of positions, or None for the config's")
+    for name in ("cuda_graph", "progress", "pdl", "persistent", "fuse", "fused_ops"):
+        if name in opts:   # (bool("no") is True: a switch read backwards)
+            check_bool(opts[name], name, none_ok=name in ("fuse", "fused_ops"))
 
 
 def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu", **opts) -> Model:

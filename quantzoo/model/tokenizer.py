@@ -20,7 +20,7 @@ from datetime import datetime
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .config import is_int, special_token_id, token_ids
+from .config import check_bool, is_int, special_token_id, token_ids
 
 # The split regexes llama.cpp uses per `tokenizer.ggml.pre` value (same patterns as the
 # models' own tokenizer.json files; written with inline case-folding for the contractions).
@@ -112,14 +112,6 @@ def _library_error(e: BaseException) -> bool:
 # what apply_chat_template itself passes to a chat template (as transformers does)
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token",
                                "eos_token")
-
-
-def check_bool(v, what: str, none_ok: bool = False):
-    """v if a bool (or None, none_ok), else one clear error naming what: bool("false") and
-    bool([False]) are True, a silently flipped setting."""
-    if isinstance(v, bool) or none_ok and v is None:
-        return v
-    raise ValueError(f"{what}={v!r} must be a boolean{' or None' if none_ok else ''}, not {type(v).__name__}")
 
 
 # what a token id past the `tokenizers` range is not (decode's message)
