@@ -417,11 +417,23 @@ _TOOLS_NONE = ("{% if tools is not none %}[TOOLS]{% for t in tools %}{{ t | tojs
                "{% for m in messages %}{{ m.content }}{% endfor %}")
 
 
-@pytest.mark.parametrize("template", [_LLAMA32_DATE, _GENERATION, _TOOLS_NONE])
+# a Qwen3-style tool section: the schemas up front, an assistant's tool_calls, a tool's result
+_TOOL_CALLS = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n{% endif %}"
+               "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+               "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
+               "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+               "{% endif %}")
+_WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city, °C",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("template", [_LLAMA32_DATE, _GENERATION, _TOOLS_NONE, _TOOL_CALLS])
 def test_chat_template_renders_as_transformers_does(template):
     """The same string as transformers' apply_chat_template: the date was "26 Jul 2024" (no
     strftime_now), {% generation %} was a TemplateSyntaxError, and `tools is not none` rendered
-    an empty tool list (tools undefined)."""
+    an empty tool list (tools undefined). tools and documents reach the template (they were
+    refused, so no tool-calling template could be used), with an assistant's tool_calls beside
+    no content and the tool's answer."""
     from transformers import PreTrainedTokenizerFast
 
     raw = H.build_tokenizer(300)
@@ -434,6 +446,19 @@ def test_chat_template_renders_as_transformers_does(template):
         for agp in (True, False):
             assert tok.apply_chat_template(msgs, add_generation_prompt=agp) == \
                 hf.apply_chat_template(msgs, add_generation_prompt=agp, tokenize=False), (msgs, agp)
+    calls = [{"role": "user", "content": "Paris?"},
+             {"role": "assistant", "content": None,
+              "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "content": "21"}]
+    docs = [{"title": "a", "text": "b"}]
+    for kw in (dict(tools=[_WEATHER]), dict(tools=[_WEATHER], documents=docs), dict(documents=docs)):
+        got = tok.apply_chat_template(calls, **kw)
+        assert got == hf.apply_chat_template(calls, tokenize=False, add_generation_prompt=True, **kw), kw
+        text = tok.encode(got, add_bos=False, add_eos=False)
+        assert tok.encode_chat(calls, **kw)[-len(text):] == text   # (encode_chat: the same, BOS or not)
+    for bad in ({"name": "weather"}, [1], "x"):
+        with pytest.raises(ValueError, match="tools: expected a list of dicts"):
+            tok.apply_chat_template(calls, tools=bad)
 
 
 _NAMED = [{"name": "default", "template": "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"},

@@ -234,14 +234,21 @@ class Tokenizer:
         return self.tok.id_to_token(token_ids([i], 2**32, "id", bound=_U32)[0])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template: str | None = None, **variables) -> str:
+                            template: str | None = None, tools: list[dict] | None = None,
+                            documents: list[dict] | None = None, **variables) -> str:
         """The conversation rendered by the model's chat template: the default one, or the named
         one `template` (a model may ship several: tokenizer_config.json's list of {name, template},
         a GGUF's tokenizer.chat_template.<name>). Like transformers, a model whose templates are
         all named and none "default" needs a name. `variables` reach the template as
         transformers' apply_chat_template(**kwargs) passes them, e.g. Qwen3's
-        enable_thinking=False (CLI: --chat-template-kwargs)."""
+        enable_thinking=False (CLI: --chat-template-kwargs). tools / documents: lists of dicts (JSON
+        schemas of functions; retrieved documents) for templates that take them, as transformers
+        passes them (it also turns Python functions into schemas; here they are given as dicts);
+        an assistant message may then carry `tool_calls` and no content, a "tool" one the result."""
         check_template_variables(variables)
+        for name, v in (("tools", tools), ("documents", documents)):
+            if v is not None and not (isinstance(v, list) and all(isinstance(d, dict) for d in v)):
+                raise ValueError(f"{name}: expected a list of dicts (JSON schemas / documents), got {v!r}")
         check_bool(add_generation_prompt, "add_generation_prompt")
         names = sorted(self.chat_templates)
         if template is not None:
@@ -260,9 +267,13 @@ class Tokenizer:
             raise ValueError("this model has no chat template (tokenizer.chat_template / "
                              "tokenizer_config.json chat_template): prompt it without --chat")
         if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                    isinstance(m.get("content"), str) or m.get("content") is None and "tool_calls" in m)
                 for m in messages):
-            raise ValueError("messages: expected a list of {'role': str, 'content': str} dicts")
+            raise ValueError("messages: expected a list of {'role': str, 'content': str} dicts (content may be "
+                             "None beside tool_calls)")
+        # keys holding None dropped, as transformers does (a template would print "None")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -271,7 +282,7 @@ class Tokenizer:
 
         # What transformers' apply_chat_template gives a template (chat_template_utils): its
         # {% generation %} tag (a no-op when rendering), strftime_now (Llama 3.2's "Today Date"),
-        # raise_exception, a tojson that does not HTML-escape, and tools/documents as None.
+        # raise_exception, a tojson that does not HTML-escape, and tools/documents (None unless given).
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[_generation_tag(), "jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
@@ -279,7 +290,7 @@ class Tokenizer:
         env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
         try:
             return env.from_string(source).render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, **variables)
         except jinja2.TemplateError as e:   # a broken template, or one that refuses the messages
             where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
@@ -289,11 +300,12 @@ class Tokenizer:
             raise ValueError(f"the model's chat template fails: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template: str | None = None, **variables) -> list[int]:
+                    template: str | None = None, tools: list[dict] | None = None,
+                    documents: list[dict] | None = None, **variables) -> list[int]:
         """The ids of a rendered conversation: BOS in front unless the template renders one, and
-        no EOS behind it whatever add_eos says (the model is to continue it). variables: as
-        apply_chat_template's."""
-        text = self.apply_chat_template(messages, add_generation_prompt, template, **variables)
+        no EOS behind it whatever add_eos says (the model is to continue it). tools, documents,
+        variables: as apply_chat_template's."""
+        text = self.apply_chat_template(messages, add_generation_prompt, template, tools, documents, **variables)
         renders_bos = bool(self.bos_token) and text.startswith(self.bos_token)
         return self.encode(text, add_bos=False if renders_bos else None, add_eos=False)
 
