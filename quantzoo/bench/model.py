@@ -149,7 +149,7 @@ def model_bytes(fmt: str, cfg, device: str, positions: int) -> tuple[int, int]:
     w = (lin * bits + v * h * (16 if fmt == "awq" else bits)) / 8 + v * h * fl
     if fl == 4:
         w += 4 * (lin + v * h)
-    return int(w), 2 * cfg.num_layers * cfg.num_kv_heads * positions * cfg.head_dim * fl
+    return int(w), cfg.kv_cache_bytes(positions, fl)
 
 
 def make_config(layers: int, tiny: bool):

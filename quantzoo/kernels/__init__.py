@@ -55,8 +55,8 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     addresses, skipping the path choice, tile schedule and argument packing (tens of
     microseconds of Python per call). Never inside a CUDA graph capture, whose workspaces are
     the graph's own (nor inside cuda_launch.fresh_workspaces()); a workspace (re)allocation or
-    release (cuda_launch.workspaces_changed) drops every plan, and the next call records anew. The weight must have passed checked_once,
-    which holds the plans (cuda_launch.PlanCache). y must not overlap x (the callers refuse a
+    release (cuda_launch.workspaces_changed) drops every plan, and the next call records anew.
+    The weight must have passed checked_once, which holds the plans (cuda_launch.PlanCache). y must not overlap x (the callers refuse a
     given out that does, check_out_overlap; a plan could not tell their pointers apart)."""
     from quantzoo import cuda_launch as cl
 

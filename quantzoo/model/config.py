@@ -193,6 +193,10 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def kv_cache_bytes(self, positions: int, itemsize: int) -> int:
+        """Bytes of a K and a V cache for `positions` tokens, every layer, itemsize bytes a value."""
+        return 2 * self.num_layers * self.kv_size * positions * itemsize
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF weight name -> (out, in) shape (torch orientation), for validation by loaders."""
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size

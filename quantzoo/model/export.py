@@ -84,7 +84,9 @@ class Source:
         if isinstance(w, QuantizedTensor) and w.format == fmt and all(
                 w.params.get(k) == v for k, v in params.items()):
             return w.numpy()
-        label = lambda f, g: get(f).gguf_type or (f"{f} g{g}" if g else f)   # noqa: E731  (Q4_0, awq g64)
+        def label(f, g):   # Q4_0, awq g64
+            return get(f).gguf_type or (f"{f} g{g}" if g else f)
+
         was = label(w.format, w.params.get("group_size")) if isinstance(w, QuantizedTensor) else \
             getattr(w, "dequantized_from", None)
         if was is not None and not self.requantized:   # (llama-quantize refuses this by default)

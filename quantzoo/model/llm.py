@@ -29,8 +29,6 @@ applied in float16, as HF does for fp16 models.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -444,7 +442,7 @@ class Model:
             shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
             # (the old cache's memory first: the graph, the persistent plan and the work hold it too)
             self.k_cache = self.v_cache = self._graph = self._persistent = self._decode_work = None
-            check_cache_fits(2 * math.prod(shape) * self.dtype.itemsize, n, self.device)
+            check_cache_fits(cfg.kv_cache_bytes(n, self.dtype.itemsize), n, self.device)
             self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self._length = 0   # positions of the current sequence written to the cache
