@@ -405,10 +405,10 @@ def test_interactive_chat_keeps_the_conversation(tiny_run, monkeypatch, capsys):
     import quantzoo.commands.run as run_cmd
     from quantzoo.cli import main
 
-    seen = []
+    seen, gens = [], []
     real = run_cmd._generate
     monkeypatch.setattr(run_cmd, "_generate", lambda m, ids, args, first, shown=None: seen.append(ids) or
-                        real(m, ids, args, first, shown))
+                        gens.append(real(m, ids, args, first, shown)) or gens[-1])
     monkeypatch.setattr("sys.stdin", io.StringIO("how are you\n\nnot read\n"))
     assert main(["run", "model", "--device", "cpu", "--interactive", "--system", "be brief", "--prompt", "hi",
                  "--max-new-tokens", "3", "--temperature", "1", "--seed", "0"]) == 0
@@ -421,6 +421,12 @@ def test_interactive_chat_keeps_the_conversation(tiny_run, monkeypatch, capsys):
     assert seen[0] == tok.encode_chat(msgs)
     msgs += [{"role": "assistant", "content": first_reply}, {"role": "user", "content": "how are you"}]
     assert seen[1] == tok.encode_chat(msgs), (first_reply, tok.decode(seen[1]))
+    # turn 2 prefills only what follows the KV cache's prefix: turn 1's prompt and the reply's
+    # tokens fed back (all but its last), as far as the rendering repeats them
+    fed = seen[0] + gens[0].tokens[:-1]
+    common = next((i for i, (a, b) in enumerate(zip(fed, seen[1])) if a != b), min(len(fed), len(seen[1])))
+    assert gens[0].cached_tokens == 0 and gens[1].cached_tokens == common >= len(seen[0])
+    assert f"{len(seen[1])} prompt tokens ({common} of them in the KV cache already)" in err, err
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))   # EOF at once: no turn, no summary
     assert main(["run", "model", "--device", "cpu", "--interactive"]) == 0

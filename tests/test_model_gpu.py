@@ -171,6 +171,35 @@ def test_graph_decode_equals_eager(synthetic_path):
             f"step {i}: graph and eager logits differ, max |diff| {float((eager - graph_logits[i]).abs().max()):.3g}"
 
 
+def test_a_next_turn_reuses_the_cache_on_gpu(synthetic_path):
+    """A chat's next turn on CUDA (generate(reuse_cache=True), as `run model --interactive` calls
+    it): the prompt's tail is prefilled from a position past 0 (the fused ops' masked attention
+    over cache rows an earlier pass wrote, T > 1), after greedy look-ahead steps whose tokens the
+    sequence learned from the host afterwards. Logits of a prompt prefilled in two pieces are
+    those of one piece up to the rounding of the other split (kernels at another M, attention over
+    the cache instead of the prompt), and the next turn's tokens equal a fresh cache's."""
+    from quantzoo.model.generate import generate
+
+    m = qz.load_model(synthetic_path, device="cuda", progress=False)
+    assert m.fused_ops and m.use_graph
+    ids = [(19 * i + 7) % 512 for i in range(70)]
+    whole = m.prefill(ids).float()
+    for cut in (1, 8, 9, 40, 69):
+        m.prefill(ids[:cut])
+        part = m.prefill(ids[cut:], start=cut).float()
+        rel = float((part - whole).abs().max() / whole.abs().max())
+        print(f"\nprefill split at {cut}: max |diff| / max |logit| {rel:.2e}")
+        assert torch.isfinite(part).all() and rel < 1e-2, (cut, rel)
+    g1 = generate(m, ids, max_new_tokens=12, eos_token_ids=[])
+    assert m.cached_prefix(ids + g1.tokens) == len(ids) + 11   # (every fed token known)
+    ids2 = ids + g1.tokens + [3, 1, 4, 1, 5]
+    g2 = generate(m, ids2, max_new_tokens=16, eos_token_ids=[], reuse_cache=True)
+    assert g2.cached_tokens == len(ids) + 11
+    m.setup_cache(m.k_cache.shape[3] + 256)   # (an empty cache)
+    fresh = generate(m, ids2, max_new_tokens=16, eos_token_ids=[])
+    assert fresh.cached_tokens == 0 and fresh.tokens == g2.tokens
+
+
 def test_warm_prefill_keeps_its_launch_plans(synthetic_path):
     """`quantzoo run model` times generate()'s prefill after an untimed one. That warm-up must
     come after generate.prepare (cache sizing, decode graph capture): the capture's workspaces

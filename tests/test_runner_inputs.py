@@ -152,10 +152,16 @@ class _Scripted:
         self.k_cache, self.max_seq, self.is_cuda = None, 4096, False
         self.steps = 0   # decode steps run
 
-    def setup_cache(self, n):
+    def setup_cache(self, n, keep=False):
         self.k_cache = torch.zeros(1, 1, 1, n)
 
     def ensure_graph(self):
+        pass
+
+    def cached_prefix(self, ids):
+        return 0
+
+    def fed(self, start, tokens):
         pass
 
     def _logits(self):
@@ -164,7 +170,7 @@ class _Scripted:
         self.i += 1
         return lg
 
-    def prefill(self, ids):
+    def prefill(self, ids, start=0):
         self.i = 0
         return self._logits()
 
@@ -574,7 +580,7 @@ def test_named_chat_template_reaches_the_ids(tmp_path, monkeypatch, capsys):
         raise ValueError("stop here")
 
     monkeypatch.setattr(quantzoo.model, "load_model", lambda *a, **k: SimpleNamespace(is_cuda=False, tokenizer=tok))
-    monkeypatch.setattr(gen, "prepare", lambda *a: None)
+    monkeypatch.setattr(gen, "prepare", lambda *a, **k: None)
     monkeypatch.setattr(gen, "warm_up", warm_up)
     for extra, ids in ((["--chat-template", "tool_use"], want), ([], tok.encode_chat(msgs))):
         assert main(["run", "model", "--model", str(tmp_path), "--device", "cpu", "--chat", "--prompt", "hi",

@@ -124,12 +124,13 @@ def _generate(m, ids, args, first: bool, shown=None):
         if shown is not None:
             shown.append(s)
 
-    prepare(m, len(ids), args.max_new_tokens)   # (a prompt too long for the model fails here)
+    # (a prompt too long for the model fails here; a later turn's larger cache keeps the last one's)
+    prepare(m, len(ids), args.max_new_tokens, keep=not first)
     if first:
         warm_up(m, ids, args.temperature, args.top_k, args.top_p, min_p=args.min_p)   # (CUDA only)
     return generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                    stream=show)
+                    stream=show, reuse_cache=not first)
 
 
 def _one_prompt(m, args, variables):
@@ -151,9 +152,11 @@ def _one_prompt(m, args, variables):
 
 def _chat_turns(m, args, variables):
     """--interactive: a user message a line (the first from --prompt when given), each reply
-    streamed and kept, the whole conversation rendered through the chat template again each turn
-    and prefilled whole (nothing of the last turn's KV cache is reused: simple, and a template may
-    render earlier turns differently once a later one exists, as Qwen3's drops old think blocks).
+    streamed and kept. Each turn renders the whole conversation through the chat template again
+    (a template may render earlier turns differently once a later one exists, as Qwen3's drops
+    old think blocks) and prefills only what follows the prefix the KV cache already holds from
+    the turns before (generate's reuse_cache): the rendering of the earlier messages, and of the
+    last reply as far as its tokens are the ones generated.
     Ctrl-C during a reply ends that reply (what was shown of it is kept as the turn's answer); at
     the prompt it ends the chat. Returns the last finished turn's (Generation, ids), or (None,
     None) when none finished."""
@@ -188,7 +191,8 @@ def _chat_turns(m, args, variables):
             print(f"[turn {n}: interrupted]", file=sys.stderr, flush=True)
             continue
         last = (g, ids)
-        print(f"[turn {n}: {len(ids)} prompt tokens, {len(g.tokens)} new (stop: {g.stop_reason})"
+        cached = f" ({g.cached_tokens} of them in the KV cache already)" if g.cached_tokens else ""
+        print(f"[turn {n}: {len(ids)} prompt tokens{cached}, {len(g.tokens)} new (stop: {g.stop_reason})"
               + (f", decode {g.decode_tok_s:,.1f} tok/s]" if g.decode_tokens else "]"), file=sys.stderr, flush=True)
     return last
 
@@ -200,6 +204,8 @@ def _summary(m, ids, g) -> None:
     graph = "CUDA graph" if m.use_graph else "eager"
     print(f"device       {m.device} ({torch.cuda.get_device_name(m.device) if m.is_cuda else 'torch CPU'})")
     warm = " after one untimed warm-up prefill" if m.is_cuda else ""
+    if g.cached_tokens:
+        warm = f", {len(ids) - g.cached_tokens} tokens after {g.cached_tokens} in the KV cache"
     print(f"prompt       {len(ids)} tokens, " + (f"prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})"
                                                   if g.prefill_s else "not run (--max-new-tokens 0)"))
     print(f"generated    {len(g.tokens)} tokens " + (

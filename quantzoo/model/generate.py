@@ -38,6 +38,7 @@ class Generation:
     text: str = ""                    # decoded new text, cut before a stop string
     stop_reason: str = "length"       # "length" | "eos" | "stop"
     prompt_tokens: int = 0
+    cached_tokens: int = 0            # of the prompt's, found in the KV cache (reuse_cache) and not prefilled
     prefill_s: float = 0.0
     decode_s: float = 0.0             # time of the decode steps after the first new token
     decode_tokens: int = 0
@@ -45,7 +46,7 @@ class Generation:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else float("nan")
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else float("nan")
 
     @property
     def decode_tok_s(self) -> float:
@@ -188,9 +189,10 @@ def _sync(model):
         torch.cuda.synchronize(model.device)
 
 
-def prepare(model, prompt_tokens: int, max_new_tokens: int) -> None:
+def prepare(model, prompt_tokens: int, max_new_tokens: int, keep: bool = False) -> None:
     """What generate() sets up before its timed region: a KV cache that holds the whole sequence,
-    and on GPU the decode graph for it. A graph capture allocates workspaces, which drops every
+    and on GPU the decode graph for it (keep: a larger cache keeps the current sequence's rows,
+    for reuse_cache). A graph capture allocates workspaces, which drops every
     recorded launch plan (kernels.run_planned), so a warm-up prefill belongs after this call:
     `quantzoo run model`'s timed 38-token prefill of the default model took 27 ms with its warm-up
     before the capture, 9 ms after (H100)."""
@@ -201,16 +203,20 @@ def prepare(model, prompt_tokens: int, max_new_tokens: int) -> None:
         if need > model.max_seq:
             raise ValueError(f"prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) takes {need} positions; "
                              f"that exceeds the model's max_seq {model.max_seq}")
-        model.setup_cache(min(model.max_seq, max(256, -(-need // 256) * 256)))
+        model.setup_cache(min(model.max_seq, max(256, -(-need // 256) * 256)), keep=keep)
     model.ensure_graph()   # once per cache size, outside the timed region
 
 
 def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop=None, stream=None,
-             eos_token_ids=None, look_ahead: bool | None = None, min_p: float = 0.0) -> Generation:
+             eos_token_ids=None, look_ahead: bool | None = None, min_p: float = 0.0,
+             reuse_cache: bool = False) -> Generation:
     """Prefill ids, then decode up to max_new_tokens new ones (the module docstring says how
     they are sampled and when generation stops). look_ahead: queue greedy decode steps on the GPU
-    ahead of the host (below); None = on for greedy decoding on CUDA."""
+    ahead of the host (below); None = on for greedy decoding on CUDA. reuse_cache: prefill only
+    what follows the longest prefix of ids that the KV cache already holds (model.cached_prefix:
+    the last generation's prompt and the tokens it fed back), as a chat's next turn needs; the
+    logits then differ from a whole prefill's by rounding only (another split of the same sums)."""
     ids = token_ids(ids, model.config.vocab_size)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
@@ -243,10 +249,14 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
         raise ValueError(f"stream: {type(stream).__name__} is not callable (it is given each new piece of text)")
     if (stops or stream) and tok is None:
         raise ValueError("stop strings and streaming need a tokenizer; this model has none")
+    if reuse_cache is not True and reuse_cache is not False:
+        raise ValueError(f"reuse_cache={reuse_cache!r} must be True or False")
     gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None   # (numpy ints too)
-    prepare(model, len(ids), max_new_tokens)
+    prepare(model, len(ids), max_new_tokens, keep=reuse_cache)
+    # (at least the last prompt token is run: its logits give the first new token)
+    cached = min(model.cached_prefix(ids), len(ids) - 1) if reuse_cache and max_new_tokens else 0
 
-    out = Generation(tokens=[], prompt_tokens=len(ids))
+    out = Generation(tokens=[], prompt_tokens=len(ids), cached_tokens=cached)
     emitted = 0  # characters of text already streamed
     text_so_far = TextSoFar(tok.decode, context=ids) if tok is not None else None
 
@@ -281,7 +291,7 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
         return out
     _sync(model)
     t0 = time.perf_counter()
-    logits = model.prefill(ids)
+    logits = model.prefill(ids[cached:], start=cached)
     dev = torch.argmax(logits) if look_ahead else None   # the token on the device, for the steps queued ahead
     nxt = int(dev) if look_ahead else sample(logits, temperature, top_k, top_p, gen, min_p)
     _sync(model)
@@ -302,30 +312,35 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     queued = deque()   # functions returning the queued steps' tokens, oldest first
     launched = 0       # decode steps launched so far
     t1 = time.perf_counter()   # decode timing starts once the first new token is on the host
-    while True:
-        while look_ahead and len(queued) < AHEAD and launched < max_new_tokens - 1:
-            dev = torch.argmax(model.decode_step(dev, len(ids) + launched))
-            queued.append(reader.put(dev))
-            launched += 1
-        out.tokens.append(nxt)
-        if nxt in eos:
-            out.stop_reason = "eos"
-            break
-        if text_so_far is not None:
-            text_so_far.add(nxt)
-        if flush(final=False):
-            out.stop_reason = "stop"
-            break
-        if len(out.tokens) >= max_new_tokens:
-            break
-        if look_ahead:
-            nxt = queued.popleft()()
-        else:
-            nxt = sample(model.decode_step(nxt, len(ids) + launched), temperature, top_k, top_p, gen, min_p)
-            launched += 1
-        out.decode_tokens += 1
-    if out.decode_tokens:
-        out.decode_s = time.perf_counter() - t1   # (every token is on the host by now)
+    try:
+        while True:
+            while look_ahead and len(queued) < AHEAD and launched < max_new_tokens - 1:
+                dev = torch.argmax(model.decode_step(dev, len(ids) + launched))
+                queued.append(reader.put(dev))
+                launched += 1
+            out.tokens.append(nxt)
+            if nxt in eos:
+                out.stop_reason = "eos"
+                break
+            if text_so_far is not None:
+                text_so_far.add(nxt)
+            if flush(final=False):
+                out.stop_reason = "stop"
+                break
+            if len(out.tokens) >= max_new_tokens:
+                break
+            if look_ahead:
+                nxt = queued.popleft()()
+            else:
+                nxt = sample(model.decode_step(nxt, len(ids) + launched), temperature, top_k, top_p, gen, min_p)
+                launched += 1
+            out.decode_tokens += 1
+        if out.decode_tokens:
+            out.decode_s = time.perf_counter() - t1   # (every token is on the host by now)
+    finally:
+        # the tokens look-ahead steps fed from the GPU are known now (model.cached_prefix; also
+        # after a Ctrl-C); steps queued past a stop fed tokens the host never read: unknown
+        model.fed(len(ids), out.tokens[:launched])
     _sync(model)   # (steps queued past a stop finish here, outside the timing)
     if out.stop_reason != "stop":
         flush(final=True)

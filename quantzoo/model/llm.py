@@ -365,7 +365,7 @@ class Model:
         if why and fused_ops:
             raise ValueError(f"fused_ops=True: {why}")
         self.k_cache = self.v_cache = None
-        self._graph, self._length = None, 0
+        self._graph, self._seq = None, []
         # one-token steps through the persistent decode kernel (kernels.persistent: all decoder
         # layers in one launch; experimental, slower than the per-op graph on the H100)
         self.persistent, self._persistent = False, None
@@ -431,8 +431,10 @@ class Model:
 
     # ---- KV cache ---------------------------------------------------------------------------
     @_on_model_device
-    def setup_cache(self, max_seq: int | None = None):
-        """(Re)allocate the KV cache for max_seq positions (drops a captured graph)."""
+    def setup_cache(self, max_seq: int | None = None, keep: bool = False):
+        """(Re)allocate the KV cache for max_seq positions (drops a captured graph). keep: the
+        current sequence's rows move into the new cache (when they fit), so a generation with
+        reuse_cache=True can continue it; otherwise the new cache holds no sequence."""
         cfg = self.config
         if max_seq is not None and (not is_int(max_seq) or not 0 < max_seq <= self.max_seq):
             raise ValueError(f"setup_cache: max_seq={max_seq!r} must be a number of positions 1..{self.max_seq} "
@@ -440,12 +442,25 @@ class Model:
         n = int(max_seq or self.max_seq)
         if self.k_cache is None or self.k_cache.shape[3] != n:
             shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
-            # (the old cache's memory first: the graph, the persistent plan and the work hold it too)
+            # without keep, the old cache's memory goes first (the graph, the persistent plan and the
+            # work hold it too); with keep it stays until its rows are copied
+            old = (self.k_cache, self.v_cache) if keep and self.k_cache is not None and 0 < len(self._seq) <= n else None
+            if old is None:
+                self._seq = []
             self.k_cache = self.v_cache = self._graph = self._persistent = self._decode_work = None
-            check_cache_fits(cfg.kv_cache_bytes(n, self.dtype.itemsize), n, self.device)
-            self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self._length = 0   # positions of the current sequence written to the cache
+            try:
+                check_cache_fits(cfg.kv_cache_bytes(n, self.dtype.itemsize), n, self.device)
+                self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            except BaseException:
+                self.k_cache = self.v_cache = None
+                self._seq = []
+                raise
+            if old is not None:   # the current sequence's rows move over
+                L = len(self._seq)
+                self.k_cache[:, :, :, :L].copy_(old[0][:, :, :, :L])
+                self.v_cache[:, :, :, :L].copy_(old[1][:, :, :, :L])
+                del old
             self.cos, self.sin = rope_tables(cfg, n, self.device, self.dtype)
             if self.fused_ops:
                 from ..kernels.gguf import MMVQ_COLS
@@ -461,6 +476,29 @@ class Model:
                     self._persistent = PersistentDecode(self)   # points at this cache
             self._graph = None
         return n
+
+    @property
+    def _length(self) -> int:
+        """Positions of the current sequence written to the cache."""
+        return len(self._seq)
+
+    def cached_prefix(self, ids) -> int:
+        """How many leading ids the KV cache already holds: the length of the common prefix of ids
+        and the current sequence (the tokens written at positions 0, 1, ..; a token a greedy
+        look-ahead step fed from the GPU counts as unknown until generate() learns it)."""
+        n = 0
+        for a, b in zip(self._seq, ids):
+            if a is None or a != b:
+                break
+            n += 1
+        return n
+
+    def fed(self, start: int, tokens) -> None:
+        """Tell the sequence which tokens the steps at positions start.. were fed (where a step
+        took its token from the GPU, cached_prefix counted it unknown)."""
+        for i, t in enumerate(tokens):
+            if start + i < len(self._seq) and self._seq[start + i] is None:
+                self._seq[start + i] = int(t)
 
     def kv_cache_bytes(self) -> int:
         return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
@@ -619,10 +657,12 @@ class Model:
         if end > self.k_cache.shape[3]:
             raise ValueError(f"{end} positions do not fit the KV cache ({self.k_cache.shape[3]}) that "
                              "holds this sequence; prefill from start=0 with a longer prompt")
+        seq = self._seq[:start] + list(ids)
+        self._seq = self._seq[:start]   # (rows from start on are rewritten: an interrupted pass leaves them unknown)
         ids = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)
         out = self._forward(ids, pos, all_logits=False, from_start=start == 0)[-1]
-        self._length = end
+        self._seq = seq
         return out
 
     @_on_model_device
@@ -637,25 +677,30 @@ class Model:
         if pos > self._length:   # (it would attend to cache rows no token of this sequence wrote)
             raise ValueError(f"decode_step: position {pos} skips positions {self._length}..{pos - 1}; this "
                              f"sequence holds {self._length} (the next step is at {self._length})")
-        self._length = pos + 1
         if torch.is_tensor(token) and token.numel() != 1:
             raise ValueError(f"token: a tensor of {token.numel()} elements; one token id is needed")
         # A GPU tensor (an argmax, as generate's look-ahead feeds) is taken as it is: checking its
-        # value would wait for the GPU. Anything else is checked as an id.
-        if not (torch.is_tensor(token) and token.device.type == "cuda"):
+        # value would wait for the GPU (the sequence records it as unknown: cached_prefix). Anything
+        # else is checked as an id.
+        on_gpu = torch.is_tensor(token) and token.device.type == "cuda"
+        if not on_gpu:
             token = token_ids([token.item() if torch.is_tensor(token) else token], self.config.vocab_size, "token")[0]
+        self._seq = self._seq[:pos]   # (row pos is rewritten: an interrupted step leaves it unknown)
         if not self.use_graph:
             ids = (token.reshape(1).to(self.device) if torch.is_tensor(token) else
                    torch.as_tensor([int(token)], dtype=torch.int64, device=self.device))
-            return self._forward(ids, torch.tensor([pos], device=self.device), False)[-1]
-        if self._graph is None:
-            self.ensure_graph()
-            if not self.use_graph:
-                return self.decode_step(token, pos)
-        self._g_tok.fill_(int(token)) if not torch.is_tensor(token) else self._g_tok.copy_(token.reshape(1))
-        self._g_pos.fill_(pos)
-        self._graph.replay()
-        return self._g_out[-1]
+            out = self._forward(ids, torch.tensor([pos], device=self.device), False)[-1]
+        else:
+            if self._graph is None:
+                self.ensure_graph()
+                if not self.use_graph:
+                    return self.decode_step(token, pos)
+            self._g_tok.fill_(int(token)) if not torch.is_tensor(token) else self._g_tok.copy_(token.reshape(1))
+            self._g_pos.fill_(pos)
+            self._graph.replay()
+            out = self._g_out[-1]
+        self._seq.append(None if on_gpu else int(token))
+        return out
 
     @_on_model_device
     def ensure_graph(self):
@@ -704,8 +749,9 @@ class Model:
                 self.setup_cache(max(len(ids), self.k_cache.shape[3] if self.k_cache is not None else 0))
             t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
             pos = torch.arange(len(ids), device=self.device)
+            self._seq = []
             out = self._forward(t, pos, all_logits=True, from_start=True)
-            self._length = len(ids)
+            self._seq = list(ids)
         # copied outside inference mode: an inference tensor refuses in-place edits (masking a
         # token) and autograd, and on CPU .float().cpu() would hand back that very tensor
         return out.to(device="cpu", dtype=torch.float32, copy=True)
