@@ -175,21 +175,29 @@ def test_a_next_turn_reuses_the_cache_on_gpu(synthetic_path):
     """A chat's next turn on CUDA (generate(reuse_cache=True), as `run model --interactive` calls
     it): the prompt's tail is prefilled from a position past 0 (the fused ops' masked attention
     over cache rows an earlier pass wrote, T > 1), after greedy look-ahead steps whose tokens the
-    sequence learned from the host afterwards. Logits of a prompt prefilled in two pieces are
-    those of one piece up to the rounding of the other split (kernels at another M, attention over
-    the cache instead of the prompt), and the next turn's tokens equal a fresh cache's."""
+    sequence learned from the host afterwards. A prompt prefilled in two pieces ends with the
+    logits of the whole prompt's CPU emulation within the bound the whole GPU prefill keeps
+    (test_synthetic_gpu_equals_cpu's); the CPU emulation itself gives the same bits split or
+    whole. Measured on the H100: bit-equal to the whole GPU prefill for cuts 1, 2, 9, 16, 40, and
+    2.1-2.9e-2 of the largest logit from it for cuts 4, 8, 62, 69, where a piece's M takes a GGUF
+    kernel that sums the blocks in another fp32 order (or the one-token path), a difference this
+    random model amplifies as it does the GPU's against the CPU (decode steps 60..69 after a
+    60-token prefill: 2.3e-2); a position or mask error would be ~1.0 (the RoPE test below).
+    The next turn's tokens equal a fresh cache's."""
     from quantzoo.model.generate import generate
 
+    emu = qz.load_model(synthetic_path, device="cpu", progress=False, matmul_mode="emulate")
     m = qz.load_model(synthetic_path, device="cuda", progress=False)
     assert m.fused_ops and m.use_graph
     ids = [(19 * i + 7) % 512 for i in range(70)]
-    whole = m.prefill(ids).float()
-    for cut in (1, 8, 9, 40, 69):
+    want = emu.logits(ids)[-1]
+    rel = lambda got: float((got.float().cpu() - want).abs().max() / want.abs().max())  # noqa: E731
+    assert rel(m.prefill(ids)) < 8e-2
+    for cut in (1, 4, 8, 9, 40, 62, 69):
         m.prefill(ids[:cut])
-        part = m.prefill(ids[cut:], start=cut).float()
-        rel = float((part - whole).abs().max() / whole.abs().max())
-        print(f"\nprefill split at {cut}: max |diff| / max |logit| {rel:.2e}")
-        assert torch.isfinite(part).all() and rel < 1e-2, (cut, rel)
+        part = m.prefill(ids[cut:], start=cut)
+        print(f"\nprefill split at {cut}: max |diff| / max |logit| from the emulation {rel(part):.2e}")
+        assert torch.isfinite(part).all() and rel(part) < 8e-2, (cut, rel(part))
     g1 = generate(m, ids, max_new_tokens=12, eos_token_ids=[])
     assert m.cached_prefix(ids + g1.tokens) == len(ids) + 11   # (every fed token known)
     ids2 = ids + g1.tokens + [3, 1, 4, 1, 5]

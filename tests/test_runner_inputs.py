@@ -242,6 +242,10 @@ def test_model_options():
     for bad in (-5, 2.5, "16"):
         with pytest.raises(ValueError, match="max_seq="):
             synthetic_model("q4_0", cfg, "cpu", max_seq=bad)
+    with pytest.raises(ValueError, match=f"max_seq={cfg.max_position + 1}: the model takes at most "
+                                         f"{cfg.max_position} positions"):   # (was cut to it silently)
+        synthetic_model("q4_0", cfg, "cpu", max_seq=cfg.max_position + 1)
+    assert synthetic_model("q4_0", cfg, "cpu", max_seq=cfg.max_position).max_seq == cfg.max_position
     from quantzoo.model import build_model
 
     with pytest.raises(ValueError, match="device='gpu': not a torch device"):

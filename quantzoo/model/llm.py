@@ -321,6 +321,9 @@ class Model:
                  fused_ops: bool | None = None, pdl: bool = True, persistent: bool = False):
         check_options(max_seq=max_seq, matmul_mode=matmul_mode, cuda_graph=cuda_graph, progress=progress,
                       fuse=fuse, fused_ops=fused_ops, pdl=pdl, persistent=persistent)
+        if max_seq is not None and max_seq > config.max_position:   # (it was cut to the context silently)
+            raise ValueError(f"max_seq={max_seq}: the model takes at most {config.max_position} positions (its "
+                             "config's context length, or the sliding window where that is shorter)")
         device = check_device(device)
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
@@ -358,7 +361,7 @@ class Model:
         self.norm = torch.as_tensor(weights["model.norm.weight"]).to(device=device, dtype=self.dtype)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = Linear(head, device, self.dtype, matmul_mode)
-        self.max_seq = int(min(max_seq or cfg.max_position, cfg.max_position))
+        self.max_seq = int(max_seq or cfg.max_position)
         self.formats = self._formats()
         self.fallbacks = sorted({ln.fallback for ln in self._all_linears() if ln.fallback})
         self.fused_ops, why = self._fused_ops_status(fused_ops)
