@@ -98,3 +98,43 @@ def test_an_interrupted_pass_leaves_its_rows_unknown(model, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         model.decode_step(9, 6)
     assert model.cached_prefix(ids) == 6 and model._length == 6
+
+
+def test_an_interrupted_or_refused_growth_keeps_no_stale_rows(model, monkeypatch):
+    """setup_cache(keep=True) counts the sequence as written only once the new cache is whole: an
+    interrupt part way (here in the RoPE tables, after the rows were copied) leaves no cache and
+    no sequence, not rows a later reuse would read from a half-built cache. Where the old and the
+    new cache do not fit in memory together, the sequence goes and the new cache comes alone."""
+    import quantzoo.model.llm as llm
+
+    ids = [(3 * i + 1) % 1000 for i in range(40)]
+    model.setup_cache(64)
+    model.prefill(ids)
+    real = llm.rope_tables
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm, "rope_tables", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.setup_cache(128, keep=True)
+    assert model.k_cache is None and model.cached_prefix(ids) == 0
+    monkeypatch.setattr(llm, "rope_tables", real)
+    g = generate(model, ids, max_new_tokens=3, eos_token_ids=[], reuse_cache=True)
+    assert g.cached_tokens == 0 and model.cached_prefix(ids) == 40
+
+    calls, refuse = [], [True]
+
+    def fits_alone(nbytes, positions, device):   # refuses the first check (both caches at once)
+        calls.append(positions)
+        if refuse.pop() if refuse else False:
+            raise MemoryError("both do not fit")
+
+    monkeypatch.setattr(llm, "check_cache_fits", fits_alone)
+    model.setup_cache(model.k_cache.shape[3] + 64, keep=True)
+    assert len(calls) == 2 and model.cached_prefix(ids) == 0 and model.k_cache is not None
+    calls.clear()
+    model.prefill(ids)
+    model.setup_cache(model.k_cache.shape[3] + 64, keep=True)
+    assert len(calls) == 1 and model.cached_prefix(ids) == 40
+

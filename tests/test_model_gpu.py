@@ -206,6 +206,13 @@ def test_a_next_turn_reuses_the_cache_on_gpu(synthetic_path):
     m.setup_cache(m.k_cache.shape[3] + 256)   # (an empty cache)
     fresh = generate(m, ids2, max_new_tokens=16, eos_token_ids=[])
     assert fresh.cached_tokens == 0 and fresh.tokens == g2.tokens
+    # a graph capture writes the cache's last row: a sequence that filled it holds one row less
+    m.setup_cache(128)
+    full = [(5 * i + 2) % 512 for i in range(128)]
+    m.prefill(full)
+    m._graph = None
+    m.ensure_graph()
+    assert m._graph is not None and m.cached_prefix(full) == 127
 
 
 def test_warm_prefill_keeps_its_launch_plans(synthetic_path):

@@ -58,3 +58,14 @@ def test_awq_group_size_for_smollm2_dims():
     assert awq_group_size(cfg) == 64
     cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads = 1024, 16, 4
     assert awq_group_size(cfg) == 128
+
+
+def test_accuracy_takes_no_more_tokens_than_the_context(tmp_path):
+    """The report's accuracy run cuts its text at the model's context (it built a model one
+    position longer than the text, past the context for a long text)."""
+    import helpers_models as H
+    from quantzoo.report import accuracy
+
+    src, _, _ = H.make_model_dir("qwen3-gqa-hd64-tied", tmp_path)
+    r = accuracy.accuracy(["q8_0"], path=src, text="ab cd " * 400, max_tokens=100_000)
+    assert r["tokens"] == 512 and r["rows"][0]["top1"] > 0.5

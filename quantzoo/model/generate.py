@@ -215,8 +215,10 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     they are sampled and when generation stops). look_ahead: queue greedy decode steps on the GPU
     ahead of the host (below); None = on for greedy decoding on CUDA. reuse_cache: prefill only
     what follows the longest prefix of ids that the KV cache already holds (model.cached_prefix:
-    the last generation's prompt and the tokens it fed back), as a chat's next turn needs; the
-    logits then differ from a whole prefill's by rounding only (another split of the same sums)."""
+    the tokens last run at positions 0, 1, ..; after a generation its prompt and the tokens it fed
+    back), as a chat's next turn needs. The same sums split at another place: float32 rounding on
+    the CPU; on CUDA a piece of another length may take a kernel that sums in another order, so a
+    near-tie may pick another token than a whole prefill (README)."""
     ids = token_ids(ids, model.config.vocab_size)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
@@ -304,8 +306,9 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     # one's argmax there, before the host reads their tokens; the host's per-token work (stop
     # checks, detokenizing, streaming, the launch itself) then overlaps the GPU's instead of
     # leaving it idle between steps. A stop leaves up to AHEAD steps wasted; what they wrote to
-    # the KV cache lies past the sequence, where the next prefill or step overwrites it before
-    # any attention reads it. (A sampled token is drawn on the host, so a seed draws the same on
+    # the KV cache lies past the tokens generated, where the next prefill or step overwrites it
+    # before any attention reads it (reuse_cache reads it only where the host knows the token
+    # such a step was fed: Model.fed). (A sampled token is drawn on the host, so a seed draws the same on
     # CPU and GPU; launching its step as soon as it was drawn, before the host handled it, gained
     # nothing measurable on the H100: bench/NOTES.md, session 36.)
     reader = HostTokens(AHEAD)

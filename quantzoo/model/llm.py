@@ -435,35 +435,39 @@ class Model:
     # ---- KV cache ---------------------------------------------------------------------------
     @_on_model_device
     def setup_cache(self, max_seq: int | None = None, keep: bool = False):
-        """(Re)allocate the KV cache for max_seq positions (drops a captured graph). keep: the
-        current sequence's rows move into the new cache (when they fit), so a generation with
-        reuse_cache=True can continue it; otherwise the new cache holds no sequence."""
+        """(Re)allocate the KV cache for max_seq positions (drops a captured graph); a cache of
+        that size already there is kept as it is. keep: the current sequence's rows move into the
+        new cache (when they fit in it, and both caches fit in memory at once), so a generation
+        with reuse_cache=True can continue it; otherwise the new cache holds no sequence."""
         cfg = self.config
         if max_seq is not None and (not is_int(max_seq) or not 0 < max_seq <= self.max_seq):
             raise ValueError(f"setup_cache: max_seq={max_seq!r} must be a number of positions 1..{self.max_seq} "
                              "(the model's max_seq), or None for all of them")
         n = int(max_seq or self.max_seq)
-        if self.k_cache is None or self.k_cache.shape[3] != n:
-            shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
-            # without keep, the old cache's memory goes first (the graph, the persistent plan and the
-            # work hold it too); with keep it stays until its rows are copied
-            old = (self.k_cache, self.v_cache) if keep and self.k_cache is not None and 0 < len(self._seq) <= n else None
-            if old is None:
-                self._seq = []
-            self.k_cache = self.v_cache = self._graph = self._persistent = self._decode_work = None
+        if self.k_cache is not None and self.k_cache.shape[3] == n:
+            return n
+        shape = (cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim)
+        nbytes = cfg.kv_cache_bytes(n, self.dtype.itemsize)
+        # the sequence counts as written only once the new cache is whole (an interrupt or an
+        # error part way leaves no cache and no sequence)
+        seq, self._seq = self._seq, []
+        old = (self.k_cache, self.v_cache) if keep and self.k_cache is not None and 0 < len(seq) <= n else None
+        # the graph, the persistent plan and the work hold the old cache too; without keep its
+        # memory goes before the new one is counted and allocated
+        self.k_cache = self.v_cache = self._graph = self._persistent = self._decode_work = None
+        try:
             try:
-                check_cache_fits(cfg.kv_cache_bytes(n, self.dtype.itemsize), n, self.device)
-                self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-                self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            except BaseException:
-                self.k_cache = self.v_cache = None
-                self._seq = []
-                raise
+                check_cache_fits(nbytes, n, self.device)
+            except MemoryError:
+                if old is None:
+                    raise
+                old = None   # not both at once: the sequence goes, the new cache may fit alone
+                check_cache_fits(nbytes, n, self.device)
+            self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             if old is not None:   # the current sequence's rows move over
-                L = len(self._seq)
-                self.k_cache[:, :, :, :L].copy_(old[0][:, :, :, :L])
-                self.v_cache[:, :, :, :L].copy_(old[1][:, :, :, :L])
-                del old
+                self.k_cache[:, :, :, :len(seq)].copy_(old[0][:, :, :, :len(seq)])
+                self.v_cache[:, :, :, :len(seq)].copy_(old[1][:, :, :, :len(seq)])
             self.cos, self.sin = rope_tables(cfg, n, self.device, self.dtype)
             if self.fused_ops:
                 from ..kernels.gguf import MMVQ_COLS
@@ -477,7 +481,11 @@ class Model:
                     from ..kernels.persistent import PersistentDecode
 
                     self._persistent = PersistentDecode(self)   # points at this cache
-            self._graph = None
+        except BaseException:
+            self.k_cache = self.v_cache = self._persistent = self._decode_work = None
+            raise
+        if old is not None:
+            self._seq = seq
         return n
 
     @property
@@ -660,12 +668,11 @@ class Model:
         if end > self.k_cache.shape[3]:
             raise ValueError(f"{end} positions do not fit the KV cache ({self.k_cache.shape[3]}) that "
                              "holds this sequence; prefill from start=0 with a longer prompt")
-        seq = self._seq[:start] + list(ids)
-        self._seq = self._seq[:start]   # (rows from start on are rewritten: an interrupted pass leaves them unknown)
-        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        del self._seq[start:]   # (rows from start on are rewritten: an interrupted pass leaves them unknown)
+        t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)
-        out = self._forward(ids, pos, all_logits=False, from_start=start == 0)[-1]
-        self._seq = seq
+        out = self._forward(t, pos, all_logits=False, from_start=start == 0)[-1]
+        self._seq.extend(ids)
         return out
 
     @_on_model_device
@@ -688,7 +695,7 @@ class Model:
         on_gpu = torch.is_tensor(token) and token.device.type == "cuda"
         if not on_gpu:
             token = token_ids([token.item() if torch.is_tensor(token) else token], self.config.vocab_size, "token")[0]
-        self._seq = self._seq[:pos]   # (row pos is rewritten: an interrupted step leaves it unknown)
+        del self._seq[pos:]   # (row pos is rewritten: an interrupted step leaves it unknown)
         if not self.use_graph:
             ids = (token.reshape(1).to(self.device) if torch.is_tensor(token) else
                    torch.as_tensor([int(token)], dtype=torch.int64, device=self.device))
@@ -723,7 +730,8 @@ class Model:
     def _capture(self):
         """Capture one decode step into a CUDA graph. The warm-up runs (kernel compiles,
         cuBLAS workspaces) write K/V at the last cache position, which the mask hides until a
-        real step at that position overwrites it."""
+        real step at that position overwrites it (and which the sequence stops holding)."""
+        del self._seq[self.k_cache.shape[3] - 1:]
         self._g_tok = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._g_pos = torch.full((1,), self.k_cache.shape[3] - 1, dtype=torch.int64, device=self.device)
         s = torch.cuda.Stream()

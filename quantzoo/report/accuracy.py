@@ -106,7 +106,7 @@ def _logits(config, weights: dict, tokenizer, ids: list[int]):
     from quantzoo.model import build_model
 
     tw = {n: torch.from_numpy(w) for n, w in weights.items()}
-    model = build_model(config, tw, tokenizer, device="cpu", max_seq=len(ids) + 1)
+    model = build_model(config, tw, tokenizer, device="cpu", max_seq=len(ids))
     return torch.log_softmax(model.logits(ids).double(), dim=-1)
 
 
@@ -134,7 +134,7 @@ def accuracy(formats_list=None, *, path=None, text: str | None = None, max_token
     if tok is None:
         raise ValueError("the model has no tokenizer; the accuracy section needs one")
     text = english_text() if text is None else text
-    ids = tok.encode(text)[:max_tokens]
+    ids = tok.encode(text)[:min(max_tokens, config.max_position)]   # (no more than the model's context)
     if len(ids) < 2:
         raise ValueError(f"text: {len(ids)} tokens; need at least 2")
     ref_w = round_fp16(w)
