@@ -21,10 +21,9 @@ def _check_weight(qt, what: str) -> None:
 class QuantLinear(torch.nn.Module):
     def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None = None, mode: str = "emulate"):
         super().__init__()
-        _check_weight(qt, "qt")
         if mode not in ops.MODES:
             raise ValueError(f"mode={mode!r}: choose one of {ops.MODES}")
-        self.qt = qt
+        self.qt = qt   # (the setter checks it)
         self.mode = mode
         self.out_features, self.in_features = qt.shape
         if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.out_features,)):
@@ -48,6 +47,11 @@ class QuantLinear(torch.nn.Module):
 
     @qt.setter
     def qt(self, qt: QuantizedTensor) -> None:
+        _check_weight(qt, "qt")
+        if "_qt" in self.__dict__ and qt.shape != (self.out_features, self.in_features):
+            # (in/out_features, the bias and a compiled graph's shapes follow the first weight)
+            raise ValueError(f"qt: weight shape {qt.shape}, this module is {(self.out_features, self.in_features)} "
+                             "(out_features, in_features); make a new QuantLinear for another shape")
         self._qt = qt
         self._op_storage = torch_ops.register(qt)   # the operator's inputs while torch.compile traces
         self._op_layout = torch_ops.layout(qt)
@@ -78,7 +82,8 @@ class QuantLinear(torch.nn.Module):
     def set_extra_state(self, state: dict) -> None:
         try:
             # (.cpu(): torch.load's map_location may have put them on a GPU)
-            arrays = {k: v.detach().cpu().numpy() for k, v in state["arrays"].items()}
+            # (copies, as nn.Linear's load copies: the module must not share the caller's tensors)
+            arrays = {k: np.array(v.detach().cpu().numpy()) for k, v in state["arrays"].items()}
             qt = QuantizedTensor(state["format"], tuple(state["shape"]),
                                  arrays["data"] if list(arrays) == ["data"] else arrays, dict(state["params"]))
         except (KeyError, TypeError, AttributeError, ValueError) as e:

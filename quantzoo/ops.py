@@ -80,15 +80,15 @@ def matmul(x, qt, *, mode: str = "emulate"):
                          "move one with qt.to(device) or x.to(device)")
     if xdev != "cpu":   # a non-CUDA torch device (meta, ...) with the weight there too
         return kernels_for(qt.fmt).matmul(x, qt)
-    # The CPU computes in float32 at most (the kernels take fp16 or fp32 x): a finite x past
+    # The CPU computes in float32 at most (the kernels take fp16 x; GGUF's Q8_1 quantizer fp32 too): a finite x past
     # float32's range (float64 in) becomes inf, said by row and column as GGUF's Q8_1 overflow is
     if is_torch:
         x64 = x.element_size() > 4   # float64; float16/bfloat16 always fit in float32
         xn = x.detach().numpy() if x64 else x.detach().float().numpy()
     else:
         xn = x
-    xn = cast_warn(xn, np.float32, "the CPU reference computes in float32 (the GPU kernels take fp16 or "
-                   "fp32 x), so the result there is inf/NaN")
+    xn = cast_warn(xn, np.float32, "the CPU reference computes in float32 (the GPU kernels take fp16 x, "
+                   "GGUF's Q8_1 quantizer fp32 too), so the result there is inf/NaN")
     if mode == "emulate":
         y = qt.fmt.emulate(xn, qt)
     else:

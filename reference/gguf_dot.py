@@ -67,7 +67,7 @@ def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24
 
     fmt = qt.fmt
     fmt.check(qt)
-    x = cast_warn(x, np.float32, f"{fmt.name}'s kernels take fp16 or fp32 x, so this emulation "
+    x = cast_warn(x, np.float32, f"{fmt.name}'s Q8_1 quantizer takes fp16 or fp32 x, so this emulation "
                   "gives inf/NaN there")
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])

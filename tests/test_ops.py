@@ -225,9 +225,10 @@ def _said(call):
 
 @pytest.mark.parametrize("name", STORED)
 def test_x_past_float32_is_said(name, rng):
-    """A float64 x past float32's range: the CPU computes in float32 (the kernels take fp16 or
-    fp32 x), so that row is inf/NaN, as it was; a warning names the element (before, GGUF's Q8_1
-    warning was skipped since x was already inf, and a torch float64 x gave no warning at all).
+    """A float64 x past float32's range: the CPU computes in float32 (the kernels take fp16 x,
+    GGUF's Q8_1 quantizer fp32 too), so that row is inf/NaN, as it was; a warning names the
+    element (before, GGUF's Q8_1 warning was skipped since x was already inf, and a torch
+    float64 x gave no warning at all).
     The result is unchanged: that of x cast to float32 first."""
     qt = get(name).quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
     x = rng.standard_normal((3, 128))
@@ -239,7 +240,8 @@ def test_x_past_float32_is_said(name, rng):
         for xin in (x, torch.from_numpy(x)):
             y, said = _said(lambda: qz.ops.matmul(xin, qt, mode=mode))
             assert said == ["x: row 1, column 7: -1e+39 overflows float32 (|x| > 3.40282e+38); the CPU reference "
-                            "computes in float32 (the GPU kernels take fp16 or fp32 x), so the result there is inf/NaN"]
+                            "computes in float32 (the GPU kernels take fp16 x, GGUF's Q8_1 quantizer fp32 too), so the "
+                            "result there is inf/NaN"]
             y = np.asarray(y, np.float32)
             ref, _ = _said(lambda: qz.ops.matmul(x32, qt, mode=mode))
             assert np.array_equal(y, ref, equal_nan=True), (mode, type(xin))
@@ -324,3 +326,27 @@ def test_a_result_past_fp16_is_said(mode):
     assert said == ["y: row 1, column 0: 128000 overflows float16 (x's dtype, which the result takes, as on "
                     "the GPU), so it is inf there"]
     assert not _said(lambda: qz.ops.matmul(x[:1], qt, mode=mode))[1]
+
+
+def test_assigned_weight_is_checked_and_a_loaded_one_is_a_copy(rng):
+    """QuantLinear.qt = ... runs the constructor's checks and keeps the module's shape (in_features,
+    out_features, the bias and a compiled graph follow the first weight: another shape had worked
+    eagerly, then failed in load_state_dict or torch.compile); load_state_dict copies the saved
+    storage, as nn.Linear's does (the module had shared the caller's tensors)."""
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    ql = qz.QuantLinear(get("q4_0").quantize(w))
+    with pytest.raises(ValueError, match=re.escape("qt: weight shape (8, 256), this module is (16, 128)")):
+        ql.qt = get("q4_0").quantize(rng.standard_normal((8, 256)).astype(np.float32))
+    with pytest.raises(ValueError, match="qt: expected a QuantizedTensor, got str"):
+        ql.qt = "nope"
+    with pytest.raises(ValueError, match="'q8_1' is an activation format"):
+        ql.qt = get("q8_1").quantize(w)
+    ql.qt = get("q8_0").quantize(w)   # another format of the same shape is a weight like any other
+    assert ql.qt.format == "q8_0" and ql.in_features == 128
+    x = torch.from_numpy(rng.standard_normal((3, 128)).astype(np.float32))
+    sd = ql.state_dict()
+    other = qz.QuantLinear(get("q8_0").quantize(np.zeros_like(w)))
+    other.load_state_dict(sd)
+    want = other(x)
+    sd["_extra_state"]["arrays"]["data"].zero_()
+    assert torch.equal(other(x), want) and other.qt.data.any()

@@ -799,8 +799,8 @@ def check_options(**opts) -> None:
 def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu", **opts) -> Model:
     """Model from a config and a LoadedWeights dict (HF names; see quantzoo/model/config.py).
 
-    opts: max_seq (the largest KV cache the model may allocate, default the context length;
-    the cache itself is sized on demand: prompt + new tokens rounded up to 256), matmul_mode
+    opts: max_seq (the largest KV cache the model may allocate, default the context length, at
+    most that; the cache itself is sized on demand: prompt + new tokens rounded up to 256), matmul_mode
     ("cached" | "dequant" | "emulate", CPU only), cuda_graph (default True on CUDA), fuse
     (q/k/v and gate/up as one linear each; default on CUDA), fused_ops (norms, RoPE + cache
     write, SiLU and decode attention as fused CUDA kernels; default on CUDA when the shapes
