@@ -308,9 +308,9 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     # leaving it idle between steps. A stop leaves up to AHEAD steps wasted; what they wrote to
     # the KV cache lies past the tokens generated, where the next prefill or step overwrites it
     # before any attention reads it (reuse_cache reads it only where the host knows the token
-    # such a step was fed: Model.fed). (A sampled token is drawn on the host, so a seed draws the same on
-    # CPU and GPU; launching its step as soon as it was drawn, before the host handled it, gained
-    # nothing measurable on the H100: bench/NOTES.md, session 36.)
+    # such a step was fed: Model.fed). (A sampled token is drawn on the host, so a seed draws the
+    # same on CPU and GPU; launching its step as soon as it was drawn, before the host handled it,
+    # gained nothing measurable on the H100: bench/NOTES.md, session 36.)
     reader = HostTokens(AHEAD)
     queued = deque()   # functions returning the queued steps' tokens, oldest first
     launched = 0       # decode steps launched so far
