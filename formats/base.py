@@ -185,7 +185,11 @@ def get(name: str) -> Format:
 
 def get_stored(name: str, what: str) -> Format:
     """get(name) of a format that stores weights (a weight format or the fp16 baseline, not an
-    activation format); `what` names the argument in the error."""
+    activation format); `what` names the argument in the error (a KeyError for an unknown name,
+    listing the formats that store weights)."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        stored = [n for n, f in _REGISTRY.items() if f.kind != "activation"]
+        raise KeyError(f"{what}: unknown format {name!r}; formats that store weights: {', '.join(stored)}")
     f = get(name)
     if f.kind == "activation":
         raise ValueError(f"{what}: {name!r} is an activation format, not a weight format")

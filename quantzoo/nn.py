@@ -90,8 +90,8 @@ class QuantLinear(torch.nn.Module):
             raise ValueError(f"QuantLinear state: not a quantized weight this module saved ({e})") from None
         try:   # what the constructor refuses is refused here too (q8_1: at load, not at forward)
             _check_weight(qt, "QuantLinear state")
-        except KeyError as e:
-            raise ValueError(f"QuantLinear state: {e.args[0]}") from None
+        except KeyError as e:   # (its message names "QuantLinear state")
+            raise ValueError(e.args[0]) from None
         if qt.shape != (self.out_features, self.in_features):
             raise ValueError(f"QuantLinear state: weight shape {qt.shape}, this module is "
                              f"{(self.out_features, self.in_features)}")

@@ -19,7 +19,7 @@ def test_bench_formats_follow_the_registry():
     assert names == [f.name for f in formats.weight_formats()] + ["fp16"]
     assert "q8_1" not in names  # an activation format has no weight kernel to bench
     assert kernels.bench_formats(["fp16", "q4_0"]) == ["q4_0", "fp16"]
-    with pytest.raises(KeyError, match="known formats"):
+    with pytest.raises(KeyError, match="--formats: unknown format 'q3_k'; formats that store weights: awq"):
         kernels.bench_formats(["q3_k"])
     with pytest.raises(ValueError, match="activation format"):
         kernels.bench_formats(["q8_1"])

@@ -18,6 +18,9 @@ def quantzoo_cli(*args, cwd):
 def test_formats_table(tmp_path):
     out = quantzoo_cli("formats", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    again = subprocess.run([sys.executable, "-m", "quantzoo", "formats"], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)   # python -m quantzoo: the same command
+    assert again.returncode == 0 and again.stdout == out.stdout, again.stderr
     rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
             if line.startswith("|") and not line.startswith("|--")}
     for name in names():
@@ -407,8 +410,8 @@ def test_interactive_chat_keeps_the_conversation(tiny_run, monkeypatch, capsys):
 
     seen, gens = [], []
     real = run_cmd._generate
-    monkeypatch.setattr(run_cmd, "_generate", lambda m, ids, args, first, shown=None: seen.append(ids) or
-                        gens.append(real(m, ids, args, first, shown)) or gens[-1])
+    monkeypatch.setattr(run_cmd, "_generate", lambda m, ids, args, first, shown=None, **kw: seen.append(ids) or
+                        gens.append(real(m, ids, args, first, shown, **kw)) or gens[-1])
     monkeypatch.setattr("sys.stdin", io.StringIO("how are you\n\nnot read\n"))
     assert main(["run", "model", "--device", "cpu", "--interactive", "--system", "be brief", "--prompt", "hi",
                  "--max-new-tokens", "3", "--temperature", "1", "--seed", "0"]) == 0
@@ -447,12 +450,12 @@ def test_interactive_ctrl_c_ends_a_reply_or_the_chat(tiny_run, monkeypatch, caps
 
     seen, real = [], run_cmd._generate
 
-    def gen(m, ids, args, first, shown=None):
+    def gen(m, ids, args, first, shown=None, **kw):
         seen.append(ids)
         if len(seen) == 2:   # the second reply: interrupted after its first piece
             shown.append("Par")
             raise KeyboardInterrupt
-        return real(m, ids, args, first, shown)
+        return real(m, ids, args, first, shown, **kw)
 
     monkeypatch.setattr(run_cmd, "_generate", gen)
     monkeypatch.setattr("sys.stdin", io.StringIO("a\nb\nc\n"))
@@ -471,3 +474,26 @@ def test_interactive_ctrl_c_ends_a_reply_or_the_chat(tiny_run, monkeypatch, caps
     monkeypatch.setattr(run_cmd, "_generate", lambda *a, **k: interrupt())
     assert main(["run", "model", "--device", "cpu", "--prompt", "a"]) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_interactive_chat_at_the_end_of_the_context(tiny_run, monkeypatch, capsys):
+    """A reply is cut where the model's context ends (a turn had ended the whole chat with the
+    prepare error), and a turn whose prompt fills the context ends the chat with a line saying so,
+    the summary of the last finished turn after it."""
+    import io
+
+    from quantzoo.cli import main
+
+    tok = tiny_run.tokenizer
+    tiny_run.max_seq = len(tok.encode_chat([{"role": "user", "content": "hi"}])) + 5
+    monkeypatch.setattr("sys.stdin", io.StringIO("a longer second message than the room left\n"))
+    assert main(["run", "model", "--device", "cpu", "--interactive", "--prompt", "hi", "--max-new-tokens", "20",
+                 "--temperature", "1", "--seed", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "[turn 1: the reply is cut at 6 tokens, where the model's context" in err, err
+    assert re.search(r"\[turn 1: \d+ prompt tokens, [1-6] new \(stop: ", err), err
+    assert "fills the model's context" in err and "[turn 2" not in err and "generated    " in out
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    tiny_run.max_seq = 3   # the first prompt does not fit: refused as a --prompt is
+    assert main(["run", "model", "--device", "cpu", "--interactive", "--prompt", "hi there"]) == 2
+    assert "exceeds the model's max_seq 3" in capsys.readouterr().err

@@ -43,6 +43,7 @@ def test_bench_model_cpu_smoke(tmp_path, capsys):
     assert "prefill 32" in cap.out and "timed round-robin" in cap.out
     assert "== q4_0: decode_tok_s_eager" in cap.err   # each format's figures as it finishes
     assert "A tiny smoke-test model (1 layers, hidden 256" in cap.out and "Qwen3-8B-shaped" not in cap.out
+    assert "llama.cpp" not in cap.out   # (its H100 Qwen3-8B figures: beside a run of that shape only)
     # a report of it says so too (it passed as a GPU bench of the real shape)
     assert main(["report", "--model-bench", str(out), "--no-bench", "--no-accuracy", "--no-plots",
                  "--out", str(tmp_path / "r.md")]) == 0
@@ -149,8 +150,8 @@ def test_bench_model_refuses_what_it_would_ignore_or_cannot_hold(monkeypatch, ca
             (["--formats", "q4_0", "--awq-group-size", "64"], "--awq-group-size 64: no AWQ format in --formats q4_0"),
             (["--formats", "q4_0,fp16,q4_0"], "--formats q4_0,fp16,q4_0: q4_0 named twice"),
             (["--long-context", "100"], "--long-context 100: it times the graph decode, which runs on CUDA only"),
-            (["--layers", "1000000"], "--layers 1000000: the fp16 model takes 3295.9 GiB of weights and 1953.1 GiB "
-                                      "of KV cache (2048 positions) on cpu, where 1.0 GiB is free")):
+            (["--layers", "1000000"], "--layers 1000000: the fp16 model takes 3295.9 GiB of weights and 244.1 GiB "
+                                      "of KV cache (256 positions) on cpu, where 1.0 GiB is free")):
         assert main(["bench", "model", "--tiny", "--device", "cpu", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"quantzoo bench: error: {needle}", err

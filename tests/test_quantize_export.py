@@ -54,6 +54,8 @@ def test_awq_dir_layout_is_autoawq_and_vllm_layout(src):
     assert cfg.get("dtype", "float16") == "float16"
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (dst / f).read_bytes() == (src["dir"] / f).read_bytes()
+    # the weights readable as the other files are (safetensors' save_file writes 0600)
+    assert (dst / "model.safetensors").stat().st_mode & 0o777 == (dst / "config.json").stat().st_mode & 0o777
     t = load_file(str(dst / "model.safetensors"))
     orig = src["orig"]
     expect_keys = set()
@@ -175,8 +177,9 @@ def test_group_size_error_suggests_64(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--group-size 128 does not divide in_features=192" in err and "use --group-size 64" in err
     assert not (tmp_path / "out").exists()
-    assert cli(["quantize", str(path), str(tmp_path / "out"), "--format", "awq", "--group-size", "48"]) == 2
-    assert "choose one of (32, 64, 128)" in capsys.readouterr().err
+    assert cli(["quantize", str(tmp_path / "absent"), str(tmp_path / "out"), "--format", "awq", "--group-size",
+                "48"]) == 2   # (refused before SRC is read)
+    assert "--group-size 48 is not supported; choose one of (32, 64, 128)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dst,fmt,needle", [

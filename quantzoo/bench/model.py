@@ -43,7 +43,8 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
                 max_position=40960)
 FORMATS = ("awq", "q4_0", "q8_0", "fp16")
-# llama.cpp on the same H100 (DESIGN.md §6, llama-bench, flash attention on): tokens/s
+# llama.cpp on the same H100 (the brief's ../shared/DESIGN.md §6, llama-bench, flash attention
+# on; Qwen3-8B): tokens/s. Shown beside a run of that shape only.
 LLAMA_CPP = {"q4_0": {"pp512": 10473, "pp2048": 11043, "tg128": 309},
              "q8_0": {"pp512": 10567, "pp2048": 11111, "tg128": 214},
              "fp16": {"pp512": 18513, "pp2048": 19751, "tg128": 161}}
@@ -52,11 +53,11 @@ LLAMA_CPP = {"q4_0": {"pp512": 10473, "pp2048": 11043, "tg128": 309},
 def add_arguments(p) -> None:
     p.add_argument("--formats", default=",".join(FORMATS),
                    help=f"comma-separated formats (default: {','.join(FORMATS)})")
-    p.add_argument("--layers", type=int, default=QWEN3_8B["num_layers"],
-                   help="decoder layers (default 36 = Qwen3-8B; fewer for a quick look)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default 36 = Qwen3-8B, with --tiny 2; fewer for a quick look)")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--eager-tokens", type=int, default=32, help="eager decode steps timed (default 32)")
-    p.add_argument("--prompt-lens", default="512,2048", help="prefill lengths (default 512,2048)")
+    p.add_argument("--prompt-lens", default=None, help="prefill lengths (default 512,2048, with --tiny 64,256)")
     p.add_argument("--long-context", type=int, default=None, metavar="N",
                    help="also time the graph decode after an N-token prompt (default 4096, with --tiny 0; "
                         "0 skips)")
@@ -573,6 +574,11 @@ def run(args) -> int:
         if f in fmts[:i]:
             raise ValueError(f"--formats {args.formats}: {f} named twice")
     # the arguments first: a mistake should fail here, not once per format after minutes of setup
+    # (--tiny's defaults keep a CPU run to a minute or so)
+    if args.layers is None:
+        args.layers = 2 if args.tiny else QWEN3_8B["num_layers"]
+    if args.prompt_lens is None:
+        args.prompt_lens = "64,256" if args.tiny else "512,2048"
     try:
         lens = [int(x) for x in args.prompt_lens.split(",") if x]
     except ValueError:
@@ -679,6 +685,9 @@ def render(out: dict, args) -> str:
     fp16 = next((r for r in res if r["format"] == "fp16" and "error" not in r), None)
     lens = [int(x) for x in args.prompt_lens.split(",") if x]
     lc_n = getattr(args, "long_context", None) or 0
+    c = out["config"]
+    # llama.cpp's figures are of the whole Qwen3-8B on an H100: beside nothing else
+    eight_b = all(c.get(k) == v for k, v in QWEN3_8B.items() if k not in ("max_position",))
     rows = []
     fmt_n = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.0f}"  # noqa
     for r in res:
@@ -700,17 +709,17 @@ def render(out: dict, args) -> str:
         row.append("-" if "peak_gpu_bytes" not in r else
                    f"{r['peak_decode_bytes'] / 2**30:.1f} ({100 * (r['peak_decode_over_weights_kv'] - 1):+.0f}%) / "
                    f"{r['peak_gpu_bytes'] / 2**30:.1f} ({100 * (r['peak_over_weights_kv'] - 1):+.0f}%)")
-        lc = LLAMA_CPP.get(r["format"], {})
-        row.append("/".join(str(lc.get(k, "-")) for k in ("tg128", "pp512", "pp2048")) if lc else "-")
+        if eight_b:
+            lc = LLAMA_CPP.get(r["format"], {})
+            row.append("/".join(str(lc.get(k, "-")) for k in ("tg128", "pp512", "pp2048")) if lc else "-")
         rows.append(row)
     hdr = (["format", "weights GB", "roofline tok/s", "decode tok/s (graph)", "of roofline"]
            + ([f"decode after {lc_n} tokens"] if lc_n else [])
            + ["decode, no PDL", "decode eager", "graph gain", "decode, torch layer ops"]
            + [f"prefill {n}" for n in lens] +
-           ["peak GiB decode / prefill (vs W+emb+KV)", "llama.cpp tg128/pp512/pp2048"])
+           ["peak GiB decode / prefill (vs W+emb+KV)"] + (["llama.cpp H100 tg128/pp512/pp2048"] if eight_b else []))
     s = tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
     bw = out.get("copy_bandwidth_bytes_s")
-    c = out["config"]
     shaped = "Qwen3-8B-shaped" if c["hidden_size"] == QWEN3_8B["hidden_size"] else "A tiny smoke-test model"
     s += (f"\n\n{shaped} ({c['num_layers']} layers, hidden {c['hidden_size']}, vocab "
           f"{c['vocab_size']}), random weights, batch 1, {out['device']}. Roofline = copy bandwidth "
@@ -719,7 +728,9 @@ def render(out: dict, args) -> str:
           "attention reads the whole cache each step). Prefill in parentheses: ratio to the fp16 runner. "
           "'no PDL': the same "
           "graph with plain launches instead of programmatic dependent launch. 'torch layer ops': "
-          "graph decode with norms, RoPE, attention and SwiGLU as torch ops instead of the fused kernels.")
+          "graph decode with norms, RoPE, attention and SwiGLU as torch ops instead of the fused kernels."
+          + (" 'llama.cpp H100': llama-bench's tokens/s for Qwen3-8B on an H100 (quoted, not measured in "
+             "this run)." if eight_b else ""))
     sbs = out.get("prefill_side_by_side") or {}
     if "tok_s" in sbs:
         s += (f"\n\nPrefill with every model held at once, timed round-robin (median of {sbs['reps']}; "

@@ -29,8 +29,12 @@ def run(args) -> int:
 
     from quantzoo.model.export import awq_group_of, export
 
+    from quantzoo.formats.awq import GROUP_SIZES
+
     if args.group_size is not None and args.format != "awq":
         raise ValueError(f"--group-size applies to --format awq only (here --format {args.format})")
+    if args.group_size is not None and args.group_size not in GROUP_SIZES:   # (before SRC is read)
+        raise ValueError(f"--group-size {args.group_size} is not supported; choose one of {GROUP_SIZES}")
     out = export(args.src, args.dst, args.format, group_size=args.group_size, progress=not args.quiet)
     group = awq_group_of(out) if args.format == "awq" else None   # (the one written: maybe the source's)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else os.path.getsize(out)

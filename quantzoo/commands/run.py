@@ -26,7 +26,7 @@ def register(sub) -> None:
     m.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="for --chat: a JSON object of extra template variables, e.g. "
                         "'{\"enable_thinking\": false}' for Qwen3 (as llama.cpp's server takes them)")
-    m.add_argument("--max-new-tokens", type=int, default=64)
+    m.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
     m.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     m.add_argument("--top-k", type=int, default=0)
@@ -115,8 +115,9 @@ def run(args) -> int:
     return 0
 
 
-def _generate(m, ids, args, first: bool, shown=None):
-    """generate() with the command's settings, streaming to stdout (and into the list `shown`)."""
+def _generate(m, ids, args, first: bool, shown=None, max_new: int | None = None):
+    """generate() with the command's settings (max_new: instead of --max-new-tokens), streaming
+    to stdout (and into the list `shown`)."""
     from ..model.generate import generate, prepare, warm_up
 
     def show(s):
@@ -124,11 +125,12 @@ def _generate(m, ids, args, first: bool, shown=None):
         if shown is not None:
             shown.append(s)
 
+    max_new = args.max_new_tokens if max_new is None else max_new
     # (a prompt too long for the model fails here; a later turn's larger cache keeps the last one's)
-    prepare(m, len(ids), args.max_new_tokens, keep=not first)
+    prepare(m, len(ids), max_new, keep=not first)
     if first:
         warm_up(m, ids, args.temperature, args.top_k, args.top_p, min_p=args.min_p)   # (CUDA only)
-    return generate(m, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    return generate(m, ids, max_new_tokens=max_new, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                     stream=show, reuse_cache=not first)
 
@@ -146,6 +148,9 @@ def _one_prompt(m, args, variables):
         raise ValueError("--chat: the chat template renders no text" if args.chat else
                          "--prompt: empty, and this model's tokenizer adds no BOS token: no token to generate from")
     if not args.chat:
+        from ..model.generate import prepare
+
+        prepare(m, len(ids), args.max_new_tokens)   # (a prompt that does not fit: refused before it is shown)
         print(text, end="", flush=True)
     return _generate(m, ids, args, first=True), ids
 
@@ -158,7 +163,9 @@ def _chat_turns(m, args, variables):
     the turns before (generate's reuse_cache): the rendering of the earlier messages, and of the
     last reply as far as its tokens are the ones generated.
     Ctrl-C during a reply ends that reply (what was shown of it is kept as the turn's answer); at
-    the prompt it ends the chat. Returns the last finished turn's (Generation, ids), or (None,
+    the prompt it ends the chat. A reply is cut where the model's context (max_seq) ends, and once
+    a later turn's prompt fills it the chat ends (the first turn's prompt is refused like a
+    --prompt that does not fit). Returns the last finished turn's (Generation, ids), or (None,
     None) when none finished."""
     msgs = [{"role": "system", "content": args.system}] if args.system is not None else []
     last = (None, None)
@@ -179,9 +186,18 @@ def _chat_turns(m, args, variables):
             break
         msgs.append({"role": "user", "content": line})
         ids = m.tokenizer.encode_chat(msgs, add_generation_prompt=True, template=args.chat_template, **variables)
+        room = m.max_seq - len(ids) + 1   # new tokens that fit (the last is never fed back)
+        if room < 1 and n > 0:
+            print(f"[the conversation ({len(ids)} tokens) fills the model's context ({m.max_seq} positions): "
+                  "the chat ends]", file=sys.stderr, flush=True)
+            break
+        if 0 < room < args.max_new_tokens:
+            print(f"[turn {n + 1}: the reply is cut at {room} tokens, where the model's context "
+                  f"({m.max_seq} positions) ends]", file=sys.stderr, flush=True)
         shown = []
         try:
-            g = _generate(m, ids, args, first=n == 0, shown=shown)
+            g = _generate(m, ids, args, first=n == 0, shown=shown,
+                          max_new=min(args.max_new_tokens, room) if room > 0 else None)
         except KeyboardInterrupt:
             g = None
         n += 1
@@ -192,9 +208,16 @@ def _chat_turns(m, args, variables):
             continue
         last = (g, ids)
         cached = f" ({g.cached_tokens} of them in the KV cache already)" if g.cached_tokens else ""
-        print(f"[turn {n}: {len(ids)} prompt tokens{cached}, {len(g.tokens)} new (stop: {g.stop_reason})"
+        print(f"[turn {n}: {len(ids)} prompt tokens{cached}, {len(g.tokens)} new (stop: {STOPPED[g.stop_reason]})"
               + (f", decode {g.decode_tok_s:,.1f} tok/s]" if g.decode_tokens else "]"), file=sys.stderr, flush=True)
     return last
+
+
+STOPPED = {"eos": "end-of-generation token", "stop": "stop string", "length": "--max-new-tokens"}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _summary(m, ids, g) -> None:
@@ -209,8 +232,8 @@ def _summary(m, ids, g) -> None:
     print(f"prompt       {len(ids)} tokens, " + (f"prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})"
                                                   if g.prefill_s else "not run (--max-new-tokens 0)"))
     print(f"generated    {len(g.tokens)} tokens " + (
-        "(--max-new-tokens 0)" if not g.prefill_s else f"(stop: {g.stop_reason}), " +
-        (f"decode {g.decode_tok_s:,.1f} tok/s ({graph}, {g.decode_tokens} steps after the first token)"
+        "(--max-new-tokens 0)" if not g.prefill_s else f"(stop: {STOPPED[g.stop_reason]}), " +
+        (f"decode {g.decode_tok_s:,.1f} tok/s ({graph}, {_plural(g.decode_tokens, 'step')} after the first token)"
          if g.decode_tokens else "no decode step (the first token comes from the prefill)")))
     print(f"peak memory  {_peak_memory(m)}")
     print("formats      " + ", ".join(f"{k}: {v}" for k, v in m.formats.items()))
@@ -232,6 +255,6 @@ def _summary(m, ids, g) -> None:
         n = len(list(m._all_linears()))
         print("linears      " + ("torch float32 (no linear is quantized: --matmul-mode does not apply)"
                                  if plain == n else f"CPU reference: {how[m.matmul_mode]}" +
-                                 (f"; {plain} of {n} linears are not quantized: torch float32" if plain else "")))
+                                 (f"; {plain} of {n} linears {'is' if plain == 1 else 'are'} not quantized: torch float32" if plain else "")))
     sys.stdout.flush()
     return 0

@@ -29,6 +29,7 @@ Destinations, by the name of DST and --format:
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -313,6 +314,10 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
         # and the part save_file was writing when it failed (a full disk: up to SHARD_BYTES)
         (dst / f"shard-{len(shards)}.part").unlink(missing_ok=True)
         raise
+    umask = os.umask(0)
+    os.umask(umask)
+    for part, _, _ in shards:   # (save_file writes 0600; the other files of DST get the umask's mode)
+        os.chmod(part, 0o666 & ~umask)
     if len(shards) == 1:
         shards[0][0].replace(dst / "model.safetensors")
     else:

@@ -201,8 +201,8 @@ def prepare(model, prompt_tokens: int, max_new_tokens: int, keep: bool = False) 
     need = prompt_tokens + max(max_new_tokens - 1, 0)
     if model.k_cache is None or model.k_cache.shape[3] < need:
         if need > model.max_seq:
-            raise ValueError(f"prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) takes {need} positions; "
-                             f"that exceeds the model's max_seq {model.max_seq}")
+            raise ValueError(f"prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) takes {need} positions "
+                             f"(the last new token is not fed back); that exceeds the model's max_seq {model.max_seq}")
         model.setup_cache(min(model.max_seq, max(256, -(-need // 256) * 256)), keep=keep)
     model.ensure_graph()   # once per cache size, outside the timed region
 
