@@ -574,7 +574,7 @@ def run(args) -> int:
         if f in fmts[:i]:
             raise ValueError(f"--formats {args.formats}: {f} named twice")
     # the arguments first: a mistake should fail here, not once per format after minutes of setup
-    # (--tiny's defaults keep a CPU run to a minute or so)
+    # (--tiny's defaults keep a CPU run to seconds: 10 s on 2 cores)
     if args.layers is None:
         args.layers = 2 if args.tiny else QWEN3_8B["num_layers"]
     if args.prompt_lens is None:
@@ -717,7 +717,8 @@ def render(out: dict, args) -> str:
            + ([f"decode after {lc_n} tokens"] if lc_n else [])
            + ["decode, no PDL", "decode eager", "graph gain", "decode, torch layer ops"]
            + [f"prefill {n}" for n in lens] +
-           ["peak GiB decode / prefill (vs W+emb+KV)"] + (["llama.cpp H100 tg128/pp512/pp2048"] if eight_b else []))
+           ["peak GiB decode / prefill (vs W+emb+KV)"]
+           + (["llama.cpp H100 tg128/pp512/pp2048"] if eight_b else []))
     s = tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
     bw = out.get("copy_bandwidth_bytes_s")
     shaped = "Qwen3-8B-shaped" if c["hidden_size"] == QWEN3_8B["hidden_size"] else "A tiny smoke-test model"

@@ -27,9 +27,8 @@ def register(sub) -> None:
 def run(args) -> int:
     import os
 
-    from quantzoo.model.export import awq_group_of, export
-
     from quantzoo.formats.awq import GROUP_SIZES
+    from quantzoo.model.export import awq_group_of, export
 
     if args.group_size is not None and args.format != "awq":
         raise ValueError(f"--group-size applies to --format awq only (here --format {args.format})")

@@ -255,6 +255,7 @@ def _summary(m, ids, g) -> None:
         n = len(list(m._all_linears()))
         print("linears      " + ("torch float32 (no linear is quantized: --matmul-mode does not apply)"
                                  if plain == n else f"CPU reference: {how[m.matmul_mode]}" +
-                                 (f"; {plain} of {n} linears {'is' if plain == 1 else 'are'} not quantized: torch float32" if plain else "")))
+                                 (f"; {plain} of {n} linears {'is' if plain == 1 else 'are'} not quantized: "
+                                  "torch float32" if plain else "")))
     sys.stdout.flush()
     return 0
