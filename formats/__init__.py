@@ -2,7 +2,8 @@
 
     names()         registered format names, weight formats first
     get(name)       the Format instance (KeyError listing the known names otherwise)
-    get_stored(name, what)  the same for a format that stores weights (ValueError naming `what`)
+    get_stored(name, what)  the same for a format that stores weights (naming `what`: a KeyError for
+                            an unknown name, a ValueError for an activation format)
 
 Each module below registers its classes on import (gguf-py style, `class X(Format, name=...)`).
 """

@@ -191,7 +191,7 @@ def test_run_summary_without_new_tokens(tiny_run, capsys):
 
     assert main(["run", "model", "--device", "cpu", "--prompt", "a", "--max-new-tokens", "0"]) == 0
     out = capsys.readouterr().out
-    assert "prompt       1 tokens, not run (--max-new-tokens 0)\n" in out
+    assert "prompt       1 token, not run (--max-new-tokens 0)\n" in out
     assert "generated    0 tokens (--max-new-tokens 0)\n" in out and "first token" not in out, out
     assert main(["run", "model", "--device", "cpu", "--prompt", "a", "--max-new-tokens", "1"]) == 0
     assert "no decode step (the first token comes from the prefill)" in capsys.readouterr().out
@@ -477,23 +477,33 @@ def test_interactive_ctrl_c_ends_a_reply_or_the_chat(tiny_run, monkeypatch, caps
 
 
 def test_interactive_chat_at_the_end_of_the_context(tiny_run, monkeypatch, capsys):
-    """A reply is cut where the model's context ends (a turn had ended the whole chat with the
-    prepare error), and a turn whose prompt fills the context ends the chat with a line saying so,
-    the summary of the last finished turn after it."""
+    """A reply is cut where the model's context ends, which the turn line names as the stop and
+    which ends the chat (no later turn fits; a turn past the context had ended the whole chat
+    with prepare's error); a first message that does not fit is refused before it is shown."""
     import io
 
     from quantzoo.cli import main
 
     tok = tiny_run.tokenizer
-    tiny_run.max_seq = len(tok.encode_chat([{"role": "user", "content": "hi"}])) + 5
-    monkeypatch.setattr("sys.stdin", io.StringIO("a longer second message than the room left\n"))
+    n = len(tok.encode_chat([{"role": "user", "content": "hi"}]))
+    tiny_run.max_seq = n + 5
+    monkeypatch.setattr("sys.stdin", io.StringIO("never read\n"))
     assert main(["run", "model", "--device", "cpu", "--interactive", "--prompt", "hi", "--max-new-tokens", "20",
                  "--temperature", "1", "--seed", "1"]) == 0
     out, err = capsys.readouterr()
-    assert "[turn 1: the reply is cut at 6 tokens, where the model's context" in err, err
-    assert re.search(r"\[turn 1: \d+ prompt tokens, [1-6] new \(stop: ", err), err
-    assert "fills the model's context" in err and "[turn 2" not in err and "generated    " in out
+    turn = re.search(r"\[turn 1: (\d+) prompt tokens, (\d) new \(stop: ([^)]*)\)", err)
+    assert turn and int(turn[1]) == n, err
+    # six new tokens fit (the last is never fed back): cut there, unless an end token came first
+    assert (turn[2], turn[3]) == ("6", f"the model's context, {n + 5} positions") or \
+        turn[3] == "end-of-generation token", err
+    if turn[2] == "6":
+        assert "the chat ends]" in err and "[turn 2" not in err and "never read" not in out
+        assert f"(stop: the model's context, {n + 5} positions)" in out   # the summary's line too
+    tiny_run.max_seq = 3
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
-    tiny_run.max_seq = 3   # the first prompt does not fit: refused as a --prompt is
     assert main(["run", "model", "--device", "cpu", "--interactive", "--prompt", "hi there"]) == 2
-    assert "exceeds the model's max_seq 3" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    k = len(tok.encode_chat([{"role": "user", "content": "hi there"}]))
+    assert err.strip().endswith(f"the first message takes {k} tokens with the chat template; the model's "
+                                "context holds 3 positions"), err
+    assert "hi there" not in out

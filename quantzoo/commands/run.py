@@ -163,17 +163,17 @@ def _chat_turns(m, args, variables):
     the turns before (generate's reuse_cache): the rendering of the earlier messages, and of the
     last reply as far as its tokens are the ones generated.
     Ctrl-C during a reply ends that reply (what was shown of it is kept as the turn's answer); at
-    the prompt it ends the chat. A reply is cut where the model's context (max_seq) ends, and once
-    a later turn's prompt fills it the chat ends (the first turn's prompt is refused like a
-    --prompt that does not fit). Returns the last finished turn's (Generation, ids), or (None,
+    the prompt it ends the chat. A reply is cut where the model's context (max_seq) ends, which
+    ends the chat, as a later turn's prompt that fills the context does; a first prompt that does
+    not fit is refused. Returns the last finished turn's (Generation, ids), or (None,
     None) when none finished."""
     msgs = [{"role": "system", "content": args.system}] if args.system is not None else []
     last = (None, None)
     first, n = args.prompt, 0
     while True:
+        echo = first   # (--prompt's line, shown once it is known to fit)
         if first is not None:
             line, first = first, None
-            print(f"> {line}", flush=True)
         else:
             try:
                 line = input("> ")
@@ -187,17 +187,18 @@ def _chat_turns(m, args, variables):
         msgs.append({"role": "user", "content": line})
         ids = m.tokenizer.encode_chat(msgs, add_generation_prompt=True, template=args.chat_template, **variables)
         room = m.max_seq - len(ids) + 1   # new tokens that fit (the last is never fed back)
-        if room < 1 and n > 0:
-            print(f"[the conversation ({len(ids)} tokens) fills the model's context ({m.max_seq} positions): "
-                  "the chat ends]", file=sys.stderr, flush=True)
+        if room < 1:
+            if n == 0:
+                raise ValueError(f"the first message takes {_plural(len(ids), 'token')} with the chat template; the "
+                                 f"model's context holds {m.max_seq} positions")
+            print(f"[the conversation ({_plural(len(ids), 'token')}) fills the model's context ({m.max_seq} "
+                  "positions): the chat ends]", file=sys.stderr, flush=True)
             break
-        if 0 < room < args.max_new_tokens:
-            print(f"[turn {n + 1}: the reply is cut at {room} tokens, where the model's context "
-                  f"({m.max_seq} positions) ends]", file=sys.stderr, flush=True)
+        if echo is not None:
+            print(f"> {echo}", flush=True)
         shown = []
         try:
-            g = _generate(m, ids, args, first=n == 0, shown=shown,
-                          max_new=min(args.max_new_tokens, room) if room > 0 else None)
+            g = _generate(m, ids, args, first=n == 0, shown=shown, max_new=min(args.max_new_tokens, room))
         except KeyboardInterrupt:
             g = None
         n += 1
@@ -207,13 +208,23 @@ def _chat_turns(m, args, variables):
             print(f"[turn {n}: interrupted]", file=sys.stderr, flush=True)
             continue
         last = (g, ids)
+        if g.stop_reason == "length" and room < args.max_new_tokens:
+            g.extra["stop"] = f"the model's context, {m.max_seq} positions"
         cached = f" ({g.cached_tokens} of them in the KV cache already)" if g.cached_tokens else ""
-        print(f"[turn {n}: {len(ids)} prompt tokens{cached}, {len(g.tokens)} new (stop: {STOPPED[g.stop_reason]})"
+        print(f"[turn {n}: {_plural(len(ids), 'prompt token')}{cached}, {len(g.tokens)} new (stop: {_stopped(g)})"
               + (f", decode {g.decode_tok_s:,.1f} tok/s]" if g.decode_tokens else "]"), file=sys.stderr, flush=True)
+        if "stop" in g.extra:   # (no later turn can fit)
+            print("[the conversation fills the model's context: the chat ends]", file=sys.stderr, flush=True)
+            break
     return last
 
 
 STOPPED = {"eos": "end-of-generation token", "stop": "stop string", "length": "--max-new-tokens"}
+
+
+def _stopped(g) -> str:
+    """What ended a generation, in words (--interactive notes a reply cut at the context's end)."""
+    return g.extra.get("stop", STOPPED[g.stop_reason])
 
 
 def _plural(n: int, word: str) -> str:
@@ -229,10 +240,10 @@ def _summary(m, ids, g) -> None:
     warm = " after one untimed warm-up prefill" if m.is_cuda else ""
     if g.cached_tokens:
         warm = f", {len(ids) - g.cached_tokens} tokens after {g.cached_tokens} in the KV cache"
-    print(f"prompt       {len(ids)} tokens, " + (f"prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})"
+    print(f"prompt       {_plural(len(ids), 'token')}, " + (f"prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})"
                                                   if g.prefill_s else "not run (--max-new-tokens 0)"))
-    print(f"generated    {len(g.tokens)} tokens " + (
-        "(--max-new-tokens 0)" if not g.prefill_s else f"(stop: {STOPPED[g.stop_reason]}), " +
+    print(f"generated    {_plural(len(g.tokens), 'token')} " + (
+        "(--max-new-tokens 0)" if not g.prefill_s else f"(stop: {_stopped(g)}), " +
         (f"decode {g.decode_tok_s:,.1f} tok/s ({graph}, {_plural(g.decode_tokens, 'step')} after the first token)"
          if g.decode_tokens else "no decode step (the first token comes from the prefill)")))
     print(f"peak memory  {_peak_memory(m)}")

@@ -317,7 +317,10 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
     umask = os.umask(0)
     os.umask(umask)
     for part, _, _ in shards:   # (save_file writes 0600; the other files of DST get the umask's mode)
-        os.chmod(part, 0o666 & ~umask)
+        try:
+            os.chmod(part, 0o666 & ~umask)
+        except OSError:   # (a file system without modes: the weights are written all the same)
+            pass
     if len(shards) == 1:
         shards[0][0].replace(dst / "model.safetensors")
     else:
