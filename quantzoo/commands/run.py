@@ -237,10 +237,11 @@ def _summary(m, ids, g) -> None:
     print("\n")
     graph = "CUDA graph" if m.use_graph else "eager"
     print(f"device       {m.device} ({torch.cuda.get_device_name(m.device) if m.is_cuda else 'torch CPU'})")
-    warm = " after one untimed warm-up prefill" if m.is_cuda else ""
     if g.cached_tokens:
-        warm = f", {len(ids) - g.cached_tokens} tokens after {g.cached_tokens} in the KV cache"
-    print(f"prompt       {_plural(len(ids), 'token')}, " + (f"prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{warm})"
+        note = f", {len(ids) - g.cached_tokens} tokens after {g.cached_tokens} in the KV cache"
+    else:
+        note = " after one untimed warm-up prefill" if m.is_cuda else ""
+    print(f"prompt       {_plural(len(ids), 'token')}, " + (f"prefill {g.prefill_tok_s:,.1f} tok/s ({g.prefill_s * 1e3:.1f} ms{note})"
                                                   if g.prefill_s else "not run (--max-new-tokens 0)"))
     print(f"generated    {_plural(len(g.tokens), 'token')} " + (
         "(--max-new-tokens 0)" if not g.prefill_s else f"(stop: {_stopped(g)}), " +

@@ -56,8 +56,9 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     microseconds of Python per call). Never inside a CUDA graph capture, whose workspaces are
     the graph's own (nor inside cuda_launch.fresh_workspaces()); a workspace (re)allocation or
     release (cuda_launch.workspaces_changed) drops every plan, and the next call records anew.
-    The weight must have passed checked_once, which holds the plans (cuda_launch.PlanCache). y must not overlap x (the callers refuse a
-    given out that does, check_out_overlap; a plan could not tell their pointers apart)."""
+    The weight must have passed checked_once, which holds the plans (cuda_launch.PlanCache). y
+    must not overlap x (the callers refuse a given out that does, check_out_overlap; a plan could
+    not tell their pointers apart)."""
     from quantzoo import cuda_launch as cl
 
     memo = qt.__dict__.get("_kernels_checked")
