@@ -126,17 +126,17 @@ def bench_mmvq_split(fmt, ms=(1, 2, 4, 8), detail=True):
     return res
 
 
-MMVQ16_VARIANTS = [(16, True), (16, False)]  # (load width, L1::no_allocate); 8-byte loads lost in round 3
+MMVQ16_NOALLOC_VARIANTS = (True, False)  # L1::no_allocate on the weight stream (16-byte loads; 8-byte ones lost in round 3)
 
 
 def bench_mmvq16_variants(fmt, ms=(1, 8), detail=True):
     """us per call (Q8_1 quantization included, rotated weights) of the vector-load mmvq for
-    every (load width, no_allocate) variant x rows per warp, against the scalar-load mmvq; each
+    each no_allocate variant x rows per warp, against the scalar-load mmvq; each
     variant's output is checked against the scalar kernel's (flag 'BAD' in the table if off)."""
     nbytes = qz.formats.get(fmt).nbytes((N, K))
     qts = make_weights(fmt, n_copies(nbytes))
-    exprs = tuple(G.mmvq16_name(fmt, m, r, lw, na) for m in ms for r in G.MMVQ_ROW_CHOICES
-                  for lw, na in MMVQ16_VARIANTS)
+    exprs = tuple(G.mmvq16_name(fmt, m, r, na) for m in ms for r in G.MMVQ_ROW_CHOICES
+                  for na in MMVQ16_NOALLOC_VARIANTS)
     nb = K // G.QK
     res, bad = {}, set()
     for m in ms:
@@ -149,26 +149,26 @@ def bench_mmvq16_variants(fmt, ms=(1, 8), detail=True):
                      for i in range(max(12, len(qts)))]
             res[(m, "scalar", r)] = time_calls(calls)
 
-        def vcall(qt, r, lw, na, quant=True):
+        def vcall(qt, r, na, quant=True):
             if quant:
                 G._launch_quantize(x, xq, m * nb, split=True)
             G.launch_mmvq16(fmt, qt.data, xq.data_ptr(), xq.data_ptr() + m * nb * 32, y.data_ptr(), N, nb, m, r,
-                            lw=lw, noalloc=na, name_expressions=exprs)
+                            noalloc=na, name_expressions=exprs)
 
-        for lw, na in MMVQ16_VARIANTS:
+        for na in MMVQ16_NOALLOC_VARIANTS:
             for r in G.MMVQ_ROW_CHOICES:
                 y.fill_(float("nan"))
-                vcall(qts[0], r, lw, na)
+                vcall(qts[0], r, na)
                 err = (y.float() - ref).abs()
                 if not bool(torch.all(err <= ref.abs() * 2.0 ** -9 + 1e-3)):
-                    bad.add((m, f"vec{lw}{'na' if na else ''}", r))
-                calls = [lambda qt=qts[i % len(qts)], r=r, lw=lw, na=na: vcall(qt, r, lw, na) for i in range(max(12, len(qts)))]
-                key = f"vec{lw}{'na' if na else ''}"
+                    bad.add((m, f"vec16{'na' if na else ''}", r))
+                calls = [lambda qt=qts[i % len(qts)], r=r, na=na: vcall(qt, r, na) for i in range(max(12, len(qts)))]
+                key = f"vec16{'na' if na else ''}"
                 res[(m, key, r)] = time_calls(calls)
-                if detail and lw == 16 and m == 1:
-                    res[(m, key + " reused", r)] = time_calls([lambda r=r, lw=lw, na=na: vcall(qts[0], r, lw, na)] * 12)
+                if detail and m == 1:
+                    res[(m, key + " reused", r)] = time_calls([lambda r=r, na=na: vcall(qts[0], r, na)] * 12)
                     res[(m, key + " kernel only", r)] = time_calls(
-                        [lambda qt=qts[i % len(qts)], r=r, lw=lw, na=na: vcall(qt, r, lw, na, False) for i in range(max(12, len(qts)))])
+                        [lambda qt=qts[i % len(qts)], r=r, na=na: vcall(qt, r, na, False) for i in range(max(12, len(qts)))])
         if detail and m == 1:
             for r in G.MMVQ_ROW_CHOICES:
                 res[(m, "scalar reused", r)] = time_calls(

@@ -283,7 +283,7 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
         for (int j = 0; j < PIECE / 32; ++j) {
           const int b = lane + 32 * j;
           if (b < nbp) {
-            vec16::Window<F, 16, false, true> win;
+            vec16::Window<F, false, true> win;
             win.load(piece, (long long)b * F::BYTES);
             float dw, mw;
             int qw[8];

@@ -104,7 +104,7 @@ mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const _
     const bool has_a = tid < BM * BK;
     const long long arow = (long long)min(m0 + lr, M - 1) * nb;
 
-    vec16::Window<F, 16, false> win[WSLOTS];
+    vec16::Window<F, false> win[WSLOTS];
     uint4 aq0, aq1;
     uint32_t adsw = 0;
     bool valid = false;
@@ -128,7 +128,7 @@ mma_gemm(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const _
             win[i].finish();
             int q[8];
             float d, m;
-            const vec16::Window<F, 16, false>& wi = win[i];
+            const vec16::Window<F, false>& wi = win[i];
             F::unpack_from([&](int k) { return wi.get(k); }, d, m, q);
             if (!valid) {
 #pragma unroll

@@ -14,11 +14,11 @@
 // wavefronts per 1152 weight bytes, and the SM's load pipeline -- not DRAM -- set the speed
 // (66-78 % of the H100's copy bandwidth). Here:
 //  * Weights (gguf_window.cuh): lane l still owns block b = 32 i + l of its row, but reads the 16-byte-aligned
-//    window that covers the block with 16-byte `ld.global.nc` loads (LW = 16; LW = 8 is the
-//    8-byte variant): 2 loads for Q4_0/Q4_1/Q5_1, 2-3 for Q5_0, 3 for Q8_0, each spanning the
+//    window that covers the block with 16-byte `ld.global.nc` loads (LW = 16; 8-byte loads were
+//    slower): 2 loads for Q4_0/Q4_1/Q5_1, 2-3 for Q5_0, 3 for Q8_0, each spanning the
 //    same ~5 lines as before but carrying 8x the bytes. The block sits at a run-time byte offset
 //    o (even) inside that window; it is shifted into place in registers with selects on the word
-//    index (o / 4: 2 levels at LW = 16, at most 1 at LW = 8) and one byte_perm per word for the
+//    index (o / 4: 2 levels) and one byte_perm per word for the
 //    half-word part (o & 2) -- no dynamic register indexing (that would spill to local memory).
 //  * Activations: the Q8_1 workspace is in a split layout (q8_1_quantize.cu,
 //    quantize_q8_1_split): qs of block i at 32 i (two aligned 16-byte loads; a warp reads one
@@ -47,7 +47,7 @@ constexpr int MMVQ16_WARPS = 4;
 // blocks per row a lane has in flight (U = 1: the next block loads while this one is used;
 // dispatch takes U = 2 only at M = 1 on rows of >= 256 blocks, for q4_0 and q8_0:
 // gguf.MMVQ1_LONG). U does not change the order of a lane's sum: blocks lane, lane + 32, ...
-template <class F, int M, int R, int LW, bool NOALLOC, int U = 1>
+template <class F, int M, int R, bool NOALLOC, int U = 1>
 __global__ void __launch_bounds__(MMVQ16_WARPS * 32)
 mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __half2* __restrict__ Ads,
        __half* __restrict__ y, int N, int nb) {
@@ -69,7 +69,7 @@ mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __h
     // lane + 32 (i U + u) of step i; once it is decoded, the same slot loads the block U steps
     // ahead, so each warp always has U loads per row in flight (with none, a warp's K loop was
     // a chain of nb/32 full memory latencies with idle gaps between).
-    vec16::Window<F, LW, NOALLOC> win[U][R];
+    vec16::Window<F, NOALLOC> win[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u)
         if (lane + 32 * u < nb) {
@@ -86,7 +86,7 @@ mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __h
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 win[u][r].finish();
-                const vec16::Window<F, LW, NOALLOC>& wr = win[u][r];
+                const vec16::Window<F, NOALLOC>& wr = win[u][r];
                 F::unpack_from([&](int k) { return wr.get(k); }, dw[r], mw[r], q[r]);
             }
             if (kb + 32 * U < nb) {

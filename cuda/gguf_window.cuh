@@ -3,7 +3,7 @@
 //
 // Q4_0 / Q5_0 / Q8_0 blocks are 18 / 22 / 34 bytes, so a block is only 2-byte aligned and
 // element-wise loads are 2 bytes wide. Here a block is read as the LW-byte-aligned window that
-// covers it (LW = 16 or 8; 2-3 loads of 16 bytes for every format), then shifted to its start
+// covers it (LW = 16: 2-3 16-byte loads for every format), then shifted to its start
 // in registers: the block's byte offset o in the window is a run-time value, so the shift is a
 // few levels of selects on the word index o / 4 (one per bit) and one byte_perm per word for the
 // half-word part o & 2 -- never a run-time index into a register array, which would put the
@@ -17,34 +17,27 @@ namespace vec16 {
 
 constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 
-// One LW-byte load (LW = 16 or 8) of read-only data into words w[0 .. LW/4 - 1]; SHARED: p
-// points into shared memory (the persistent decode kernel's weight ring, decode_persistent.cu).
-template <int LW, bool NOALLOC, bool SHARED = false>
+constexpr int LW = 16;   // window load width in bytes (8-byte loads were slower: bench/notes-gguf.md)
+
+// One 16-byte load of read-only data into words w[0 .. 3]; SHARED: p points into shared memory
+// (the persistent decode kernel's weight ring, decode_persistent.cu).
+template <bool NOALLOC, bool SHARED = false>
 __device__ __forceinline__ void load_chunk(const uint8_t* p, uint32_t* w) {
     if constexpr (SHARED) {
         const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-        if constexpr (LW == 16)
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a) : "memory");
-        else
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(a) : "memory");
-    } else if constexpr (LW == 16) {
-        if constexpr (NOALLOC)
-            asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
-        else
-            asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a) : "memory");
+    } else if constexpr (NOALLOC) {
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
     } else {
-        if constexpr (NOALLOC)
-            asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
-        else
-            asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+        asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
     }
 }
 
 // A weight block held as an LW-aligned byte window in registers, shifted to its start.
-template <class F, int LW, bool NOALLOC, bool SHARED = false>
+template <class F, bool NOALLOC, bool SHARED = false>
 struct Window {
     static constexpr int G = gcd(F::BYTES, LW);
     static constexpr int OMAX = LW - G;                        // largest offset of a block in its window
@@ -70,7 +63,7 @@ struct Window {
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             if (c * LW < F::BYTES || c * LW < o + F::BYTES) {  // the first test is compile-time
-                load_chunk<LW, NOALLOC, SHARED>(base + c * LW, &w[c * LW / 4]);
+                load_chunk<NOALLOC, SHARED>(base + c * LW, &w[c * LW / 4]);
             } else {
 #pragma unroll
                 for (int i = 0; i < LW / 4; ++i) w[c * LW / 4 + i] = 0u;

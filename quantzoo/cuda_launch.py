@@ -63,7 +63,7 @@ def import_cupy():
 
 
 @lru_cache(maxsize=None)
-def _module(source: str, name_expressions: tuple, options: tuple, arch: str, device: int):
+def _module(source: str, name_expressions: tuple, arch: str, device: int):
     """The module compiled for arch and loaded into `device`'s context: each device gets its own
     (a CUDA module and its function handles belong to the context they were loaded into)."""
     cupy = import_cupy()
@@ -72,7 +72,7 @@ def _module(source: str, name_expressions: tuple, options: tuple, arch: str, dev
     # lose to it): every kernel flushes fp32 subnormals to zero. fp16 values, their products and
     # sums never are one; the Q8_1 quantizer of fp32 x can meet them (gguf_blocks.flush_subnormals
     # models it), and the attention's exp() of scores ~87 below the maximum (weights < 2^-126).
-    opts = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{source_dir()}") + options
+    opts = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{source_dir()}")
     with cupy.cuda.Device(device):
         mod = cupy.RawModule(code=read_source(source), options=opts, name_expressions=name_expressions)
         mod.get_function(name_expressions[0])   # load it here, in this device's context
@@ -82,8 +82,7 @@ def _module(source: str, name_expressions: tuple, options: tuple, arch: str, dev
 _KERNELS: dict = {}
 
 
-def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tuple = (),
-               arch_specific: bool = False):
+def get_kernel(source: str, name: str, name_expressions: tuple = (), arch_specific: bool = False):
     """The compiled kernel `name` (a name expression for templates) from cuda/<source>.
 
     Compiled for torch's current device (its architecture, loaded into its context: the
@@ -93,14 +92,14 @@ def get_kernel(source: str, name: str, name_expressions: tuple = (), options: tu
     the architecture-specific target (sm_90a: wgmma) instead of the portable one.
     """
     dev = current_device()
-    key = (dev, source, name, options)
+    key = (dev, source, name)
     fn = _KERNELS.get(key)
     if fn is None:
         import torch
 
         major, minor = torch.cuda.get_device_capability(dev)
         arch = f"sm_{major}{minor}" + ("a" if arch_specific else "")
-        mod = _module(source, tuple(name_expressions) or (name,), tuple(options), arch, dev)
+        mod = _module(source, tuple(name_expressions) or (name,), arch, dev)
         fn = _KERNELS[key] = mod.get_function(name)
     return fn
 

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 from quantzoo.kernels import gguf as G  # noqa: E402  (imports CuPy lazily, at the first launch)
+from test_q8_1 import near_tie_blocks  # noqa: E402
 
 FORMATS = list(G.BLOCKS)  # every registry weight format whose kernels live in kernels/gguf.py
 MS = [1, 2, 3, 5, 8, 9, 17, 64, 100, 512, 2048]
@@ -44,8 +45,8 @@ def _weight(fmt, n, k, rng, scale=0.02):
     return w, qz.formats.get(fmt).quantize(w)
 
 
-def _poisoned(shape, dtype=torch.float16):
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+def _poisoned(shape, dtype=torch.float16, fill=float("nan")):
+    return torch.full(shape, fill, dtype=dtype, device=DEV)
 
 
 def _nmse(y, ref):
@@ -67,9 +68,10 @@ def _check_emulated(y, x16, qt_cpu, what):
     return ye
 
 
-def _run(x_t, qt, path):
+def _run(x_t, qt, path, fill=float("nan")):
+    """matmul on `path` into an output first filled with `fill` (NaN: an unwritten element shows)."""
     m, n = x_t.shape[0], qt.shape[0]
-    out = _poisoned((m, n))
+    out = _poisoned((m, n), fill=fill)
     y = G.matmul(x_t, qt, out=out, path=path)
     assert y.data_ptr() == out.data_ptr()
     torch.cuda.synchronize()
@@ -157,8 +159,9 @@ def test_quantize_q8_1_fp32_tiny_blocks(amax):
     want = qz.formats.get("q8_1").quantize(x).data
     for split in (False, True):
         fn = G.quantize_q8_1_split if split else G.quantize_q8_1
-        got = fn(torch.from_numpy(x).to(DEV)).cpu().numpy()
         n = x.size // 32
+        # most of these blocks are all zero bytes: a poisoned output shows a block left unwritten
+        got = fn(torch.from_numpy(x).to(DEV), out=_poisoned(n * 36, torch.uint8, 0xAB)).cpu().numpy()
         if split:
             got = np.concatenate([got[32 * n:].reshape(n, 4), got[: 32 * n].reshape(n, 32)], axis=1)
         g, w = got.reshape(-1, 36), want.reshape(-1, 36)
@@ -167,36 +170,15 @@ def test_quantize_q8_1_fp32_tiny_blocks(amax):
                                f"kernel {g[bad[0][0]][4:12].view(np.int8)} codec {w[bad[0][0]][4:12].view(np.int8)}")
 
 
-def _near_tie_blocks(rng, n_blocks=64):
-    """fp16 Q8_1 blocks whose values x have fl(x / d) at or within 3.1e-5 of a half-integer --
-    where q8_1.cuh's q8_1_round falls back from x * (1 / d) to the division: exact ties (d a
-    power of two) and near ones found by search over all fp16 values under a random amax."""
-    pos = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
-    out = []
-    while len(out) < n_blocks:
-        amax = np.float32(127 * 2.0 ** rng.integers(-8, 4)) if len(out) % 4 == 0 else \
-            np.float32(rng.choice(pos[(pos > 1e-3) & (pos < 1000)]))   # s = sum x stays in fp16
-        d = amax / np.float32(127)
-        cand = pos[pos <= amax]
-        r = cand / d
-        near = cand[np.abs(r - np.floor(r) - np.float32(0.5)) <= 3.1e-5]
-        if near.size == 0:
-            continue
-        blk = rng.choice(near, 32) * rng.choice(np.float32([-1, 1]), 32)
-        blk[rng.integers(32)] = amax * rng.choice([-1, 1])
-        out.append(blk)
-    return np.stack(out).astype(np.float16)
-
-
 def test_quantize_q8_1_near_ties():
     """Values at and next to roundf's half-integer boundaries: the kernels' reciprocal shortcut
     (q8_1.cuh) gives the codec's bytes, in both layouts."""
-    x = _near_tie_blocks(RNG).reshape(1, -1)
+    x = near_tie_blocks(RNG).reshape(1, -1)
     want = qz.formats.get("q8_1").quantize(x.astype(np.float32)).data
-    got = G.quantize_q8_1(torch.from_numpy(x).to(DEV)).cpu().numpy()
-    assert np.array_equal(got, want)
     n = x.size // 32
-    split = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV)).cpu().numpy()
+    got = G.quantize_q8_1(torch.from_numpy(x).to(DEV), out=_poisoned((1, n * 36), torch.uint8, 0xAB)).cpu().numpy()
+    assert np.array_equal(got, want)
+    split = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV), out=_poisoned(n * 36, torch.uint8, 0xAB)).cpu().numpy()
     assert np.array_equal(split[: 32 * n].reshape(n, 32), want.reshape(n, 36)[:, 4:])
 
 
@@ -264,7 +246,8 @@ def test_nan_activation_gives_nan_on_every_path(fmt):
     assert np.isnan(ye[:2]).all() and np.isfinite(ye[2]).all()
     for m in (1, 3):
         for path in _paths(m, qt):
-            y = _run(torch.from_numpy(x16[:m].copy()).to(DEV), qt, path)
+            # the output starts finite here (NaN is the value expected), so an unwritten row shows
+            y = _run(torch.from_numpy(x16[:m].copy()).to(DEV), qt, path, fill=1234.0)
             assert np.isnan(y[: min(m, 2)]).all(), f"{fmt} {path} M={m}: a NaN in x gave finite outputs"
             if m == 3:
                 assert np.isfinite(y[2]).all(), f"{fmt} {path}: a finite row gave non-finite outputs"

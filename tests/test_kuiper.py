@@ -47,24 +47,40 @@ def test_header_bytes_follow_the_seed(files):
     assert read_header(files["qwen3-gqa-hd64-tied"][2])["shared_classifier"] is True
 
 
-def test_region_order_a_b_c(files):
-    """Region A starts with the layer-0 input norm; B with layer 0's q_proj qweight; C ends with
-    the last k_norm. Checked on raw bytes at offsets computed by hand from the seed's table."""
-    path, awq, binf = files["qwen3-hd128-untied"]
-    spec = H.SPECS["qwen3-hd128-untied"]
+@pytest.mark.parametrize("spec", ["qwen3-gqa-hd64-tied", "qwen3-hd128-untied"])
+def test_every_tensor_sits_where_the_seed_table_puts_it(files, spec):
+    """The whole file walked in the seed's order (§8.1.4), written out here by hand rather than
+    taken from kuiper._layout (the writer and reader share that, so a round trip cannot see an
+    order both get wrong): A = every input norm, every post-attention norm, the final norm, the
+    embedding; B = for wq, wk, wv, wo, w1 (gate), w2 (down), w3 (up) in turn, every layer's
+    qweight, qzeros, scales; C = lm_head when untied, every q_norm, every k_norm. Each tensor's
+    bytes equal the HF AWQ directory's, and the walk ends exactly at the end of the file."""
+    path, awq, binf = files[spec]
+    sp = H.SPECS[spec]
+    L = sp.layers
     raw = binf.read_bytes()
-    orig = H.read_safetensors_dir(path)
-    h, L, v = spec.hidden, spec.layers, spec.vocab
-    a0 = np.frombuffer(raw, np.float16, h, HEADER_BYTES)
-    np.testing.assert_array_equal(a0, orig["model.layers.0.input_layernorm.weight"].astype(np.float16))
-    off_b = HEADER_BYTES + 2 * (2 * L * h + h + v * h)
     from safetensors.numpy import load_file
 
     t = load_file(str(awq / "model.safetensors"))
-    qw = t["model.layers.0.self_attn.q_proj.qweight"]
-    np.testing.assert_array_equal(np.frombuffer(raw, np.int32, qw.size, off_b).reshape(qw.shape), qw)
-    kn = orig[f"model.layers.{L - 1}.self_attn.k_norm.weight"].astype(np.float16)
-    np.testing.assert_array_equal(np.frombuffer(raw[-2 * spec.head_dim:], np.float16), kn)
+    order = [f"model.layers.{i}.input_layernorm.weight" for i in range(L)]
+    order += [f"model.layers.{i}.post_attention_layernorm.weight" for i in range(L)]
+    order += ["model.norm.weight", "model.embed_tokens.weight"]
+    for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.down_proj", "mlp.up_proj"):
+        for i in range(L):
+            order += [f"model.layers.{i}.{module}.{f}" for f in ("qweight", "qzeros", "scales")]
+    if not sp.tied:
+        order.append("lm_head.weight")
+    order += [f"model.layers.{i}.self_attn.q_norm.weight" for i in range(L)]
+    order += [f"model.layers.{i}.self_attn.k_norm.weight" for i in range(L)]
+    off = HEADER_BYTES
+    for name in order:
+        want = t[name]
+        want = want if want.dtype == np.int32 else want.astype(np.float16)
+        got = raw[off:off + want.nbytes]
+        assert got == want.tobytes(), f"{name} at byte {off}"
+        off += want.nbytes
+    assert off == len(raw)
 
 
 @pytest.mark.parametrize("spec", ["qwen3-gqa-hd64-tied", "qwen3-hd128-untied"])

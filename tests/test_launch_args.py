@@ -293,7 +293,7 @@ def test_get_kernel_compiles_and_caches_per_device(fake_devices, monkeypatch):
         def get_function(self, name):
             return (name, self.arch, self.dev)
 
-    def module(source, name_expressions, options, arch, device):
+    def module(source, name_expressions, arch, device):
         built.append((arch, device))
         return Mod(arch, device)
 

@@ -59,7 +59,7 @@ def test_add_rms_norm(rng, T, D, add):
     w = (torch.rand(D, device="cuda", generator=g) * 2).half()
     h0 = h.clone()
     out = lo.add_rms_norm(h, delta, w, 1e-6)
-    assert not out.isnan().any(), "NaN outputs (a chunk left unwritten?)"
+    assert not out.isnan().any(), "NaN outputs"   # (an unwritten chunk fails the comparison below)
     want_h = h0 + delta if add else h0
     assert torch.equal(h, want_h), "residual add is not torch's fp16 add"
     # two roundings (h*r, then w*that): an rsqrt or summation-order difference of an ulp in r

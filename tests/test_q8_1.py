@@ -28,6 +28,39 @@ def half_ulp(v: float) -> float:
     return float(np.spacing(np.float16(abs(v)))) / 2 if v else float(np.spacing(np.float16(0)))
 
 
+def near_tie_blocks(rng, n_blocks=64):
+    """fp16 Q8_1 blocks whose values x have fl(x / d) at or within 3.1e-5 of a half-integer --
+    where q8_1.cuh's q8_1_round falls back from x * (1 / d) to the division, and where a codec
+    rounding x * (1 / d) would differ: exact ties (d a power of two) and near ones found by
+    search over all fp16 values under a random amax. (test_gguf_gpu.py runs them on the GPU.)"""
+    pos = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
+    out = []
+    while len(out) < n_blocks:
+        amax = np.float32(127 * 2.0 ** rng.integers(-8, 4)) if len(out) % 4 == 0 else \
+            np.float32(rng.choice(pos[(pos > 1e-3) & (pos < 1000)]))   # s = sum x stays in fp16
+        d = amax / np.float32(127)
+        cand = pos[pos <= amax]
+        r = cand / d
+        near = cand[np.abs(r - np.floor(r) - np.float32(0.5)) <= 3.1e-5]
+        if near.size == 0:
+            continue
+        blk = rng.choice(near, 32) * rng.choice(np.float32([-1, 1]), 32)
+        blk[rng.integers(32)] = amax * rng.choice([-1, 1])
+        out.append(blk)
+    return np.stack(out).astype(np.float16)
+
+
+def test_near_ties_against_straightforward(rng):
+    """x / d at and next to roundf's half-integer boundaries: the codec divides, as the
+    straightforward computation does (x * (1 / d) rounds some of these to the other integer)."""
+    x = near_tie_blocks(rng).astype(np.float32)
+    f = Q81.unpack(Q81.quantize(x.reshape(1, -1)).data)
+    for b, block in enumerate(x):
+        d, q, _ = straightforward(block)
+        assert f["d"][0, b] == np.float16(d)
+        assert f["q"][0, b].tolist() == q, b
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e-3, 40.0])
 def test_against_straightforward(scale, rng):
     x = (rng.standard_normal((6, 256)) * scale).astype(np.float32)

@@ -54,6 +54,22 @@ def test_gguf_emulation_is_q8_1_times_dequantized_weight(name, xscale, rng):
     assert np.all(np.abs(y - exact) <= allow * (1 + 1e-6) + 1e-30)
 
 
+@pytest.mark.parametrize("name", GGUF)
+def test_gguf_emulation_in_chunks_equals_one_pass(name, rng):
+    """emulate_matmul walks N in chunks of rows to bound its memory (the GPU tier's Qwen3 shapes,
+    and the CPU runner's emulate mode on an lm_head, take several); chunks of 7 rows (N = 40: five
+    whole and a tail of 5) give the same y and bound, bit for bit, as one chunk."""
+    from reference.gguf_dot import emulate_matmul
+
+    fmt = get(name)
+    m, n, k = 3, 40, 128
+    qt = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y1, b1 = emulate_matmul(x, qt, return_bound=True)
+    y7, b7 = emulate_matmul(x, qt, return_bound=True, chunk_elems=7 * m * (k // 32))
+    assert np.array_equal(y1, y7) and np.array_equal(b1, b7)
+
+
 @pytest.mark.parametrize("name", ["awq", "fp16"])
 def test_fp16_emulation_against_float64(name, rng):
     fmt = get(name)

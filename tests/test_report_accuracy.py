@@ -69,3 +69,25 @@ def test_accuracy_takes_no_more_tokens_than_the_context(tmp_path):
     src, _, _ = H.make_model_dir("qwen3-gqa-hd64-tied", tmp_path)
     r = accuracy.accuracy(["q8_0"], path=src, text="ab cd " * 400, max_tokens=100_000)
     assert r["tokens"] == 512 and r["rows"][0]["top1"] > 0.5
+
+
+def test_compare_on_hand_made_distributions():
+    """compare()'s numbers on distributions worked out by hand: KL is KL(ref || this) (0.5108
+    here; the other direction would read 0.3681), top-1 counts argmax agreements, perplexity is
+    exp of the mean negative log-probability of each next id."""
+    import torch
+
+    from quantzoo.report.accuracy import compare
+
+    ref = torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]], dtype=torch.float64).log()
+    this = torch.tensor([[0.9, 0.1], [0.9, 0.1], [0.6, 0.4]], dtype=torch.float64).log()
+    ids = [0, 1, 0]
+    r = compare(ref, this, ids)
+    kl0 = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    kl2 = 0.2 * math.log(0.2 / 0.6) + 0.8 * math.log(0.8 / 0.4)
+    assert r["kl_max"] == pytest.approx(kl0, abs=1e-12) and kl0 == pytest.approx(0.5108, abs=1e-4)
+    assert r["kl_mean"] == pytest.approx((kl0 + 0 + kl2) / 3, abs=1e-12)
+    # rows 0 (ref's tie goes to index 0, as does this) and 1 agree; row 2 does not
+    assert r["top1"] == pytest.approx(2 / 3)
+    # next ids 1 (from row 0: p 0.1) and 0 (from row 1: p 0.9)
+    assert r["ppl"] == pytest.approx(math.exp(-(math.log(0.1) + math.log(0.9)) / 2), rel=1e-12)

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 from typing import Callable
 
-DEFAULT_L2_BYTES = 50 * 1024 * 1024  # H100 SXM; used only when the device does not say
+DEFAULT_L2_BYTES = 50 * 1024 * 1024  # H100 SXM: rotation_copies' default, l2_cache_bytes' when the device does not say
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,15 +280,9 @@ def machine_info() -> dict:
         "cuda_available": bool(torch.cuda.is_available()),
     }
     try:
-        try:
-            from quantzoo.cuda_launch import import_cupy  # past the repo's own cuda/ folder
-        except ImportError:
-            import_cupy = None
-        if import_cupy is not None:
-            cupy = import_cupy()
-        else:
-            import cupy
-        info["cupy"] = cupy.__version__
+        from quantzoo.cuda_launch import import_cupy  # past the repo's own cuda/ folder
+
+        info["cupy"] = import_cupy().__version__
     except Exception as e:  # noqa: BLE001 - CuPy is optional; say why it is missing
         info["cupy"] = None
         info["cupy_error"] = f"{type(e).__name__}: {e}"[:200]

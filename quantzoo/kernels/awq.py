@@ -97,15 +97,15 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 4096->24576 M = 128 68.7 vs 152 -- ties on some at M = 32, loses at M = 16 (mma 21.8 vs 24.0)
 # and on 4096->4096 / 4096->1024 (too few tiles to hide its per-stage latency: 4096->1024
 # M = 128 18.9 vs 13.4).
-# Since its x tiles come by TMA (session 13, .scratch/disp13.py, us) it also wins at M = 257..512
+# Since its x tiles come by TMA (bench/NOTES.md session 13, us) it also wins at M = 257..512
 # on every weight of 6144 x 4096 and up, whole waves or not: M = 512 4096->6144 52.9 vs 61.2
 # (dequant + cuBLAS), 4096->12288 109.7 vs 122.0, 12288->4096 109.3 vs 122.5, 4096->24576 190.2 vs
 # 246.0; it loses on 4096->4096 (47.6 vs 41.7). With the last wave's tiles split
-# (wgmma_tiles.schedule, .scratch/wg_ab13.py) it also wins or ties to M = 1024 on weights of
+# (wgmma_tiles.schedule, session 13) it also wins or ties to M = 1024 on weights of
 # 12288 x 4096 and up: M = 768 4096->12288 149.6 vs 155.9, 12288->4096 159.2 vs 159.6, 4096->24576
 # 296.8 vs 342.0; M = 1024 196.9 vs 206.9, 184.2 vs 191.8, 384.1 vs 426.4 -- but not on 4096->6144
 # (M = 768: 89.4 vs 78.8), nor at M = 1536 (4096->12288 321.6 vs 273.0).
-# Small M (session 18, .scratch/awqs18.py, us, rotated weights, graph-timed): with a 16-token tile
+# Small M (bench/NOTES.md session 18, us, rotated weights, graph-timed): with a 16-token tile
 # and 16 stages, (2, 16, 16), its time is nearly flat over M = 1..16 -- 4096->12288 19.1-19.4,
 # 12288->4096 16.7-17.5, 4096->4096 10.0-10.3, 4096->6144 11.5-11.7, 4096->24576 29.7-30.6 -- and
 # it beats dispatch's small-M / mma kernels from M = 8 on weights of 4096 x 4096 and up
@@ -135,7 +135,7 @@ GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 GEMV_DEFAULT = (2, 8, 4)
 GEMV_MIN_STEPS = 8      # gemv_plan: fewest k-steps (8 rows) per warp
 # (K, N) -> ((NW, WARPS, D), K splits). The runner's fused gate/up: (4, 4, 4) with 4 splits, picked
-# in the decode graph itself (session 27, .scratch/bound27/awq_ab.py: 36-layer Qwen3-8B shape,
+# in the decode graph itself (bench/NOTES.md session 27: 36-layer Qwen3-8B shape,
 # four alternations, with o_proj's 8 splits below: 352.1 tok/s against 349.4 with session 12's
 # (2, 8, 4) and one split, which had won timed alone).
 GEMV_TUNED = {(4096, 24576): ((4, 4, 4), 4)}

@@ -69,7 +69,7 @@ MMVQ_ROW_CHOICES = (1, 2, 4)
 MMQ_TILE = 64          # the tiled GEMM's output tile is MMQ_TILE x MMQ_TILE (cuda/gguf_mmq.cu)
 MMQ_THREADS = 256
 # The vector-load mmvq (cuda/gguf_mmvq16.cu): weight windows read with MMVQ16_LW-byte loads
-# (16 or 8), L1::no_allocate on the weight stream (MMVQ16_NOALLOC), Q8_1 activations in the
+# (cuda/gguf_window.cuh's LW), L1::no_allocate on the weight stream (MMVQ16_NOALLOC), Q8_1 activations in the
 # split layout. It needs the weight's base address and byte size to be multiples of MMVQ16_LW;
 # other weights (a view at an odd offset, N * K/32 * bytes not a multiple of 16) run the
 # scalar-load mmvq (cuda/gguf_mmvq.cu).
@@ -197,12 +197,10 @@ WGMMA_MAX_M = 2048
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
-def mmvq16_name(fmt: str, m: int, r: int, lw: int | None = None, noalloc: bool | None = None,
-                u: int = 1) -> str:
-    lw = MMVQ16_LW if lw is None else lw
+def mmvq16_name(fmt: str, m: int, r: int, noalloc: bool | None = None, u: int = 1) -> str:
     noalloc = MMVQ16_NOALLOC if noalloc is None else noalloc
     tail = "" if u == 1 else f", {u}"
-    return f"mmvq16<{BLOCKS[fmt]}, {m}, {r}, {lw}, {'true' if noalloc else 'false'}{tail}>"
+    return f"mmvq16<{BLOCKS[fmt]}, {m}, {r}, {'true' if noalloc else 'false'}{tail}>"
 
 
 SOURCES = {
@@ -405,7 +403,7 @@ def choose_path(m: int, qt, x=None) -> str:
     m = int(m)
     if m < 0:
         raise ValueError(f"m: {m} rows")
-    if m <= max(MMVQ_COLS, MMVQ_MAX_M[fmt]):
+    if m <= MMVQ_MAX_M[fmt]:
         return "mmvq"
     if (fmt in WGMMA_FORMATS and m >= WGMMA_MIN_M and not isinstance(qt, str) and wgmma_ok(qt)
             and (x is None or x.data_ptr() % 16 == 0)):
@@ -701,11 +699,10 @@ def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
 
 
 def launch_mmvq16(fmt, w, aqs_ptr: int, ads_ptr: int, y_ptr: int, n: int, nb: int, m: int, r: int,
-                  lw: int | None = None, noalloc: bool | None = None, name_expressions=None,
-                  u: int | None = None):
+                  noalloc: bool | None = None, name_expressions=None, u: int | None = None):
     """One vector-load mmvq launch (no checks: matmul validated everything). The bench passes
-    lw / noalloc / u / name_expressions to time variants that SOURCES does not list."""
-    name = mmvq16_name(fmt, m, r, lw, noalloc, u)
+    noalloc / u / name_expressions to time variants that SOURCES does not list."""
+    name = mmvq16_name(fmt, m, r, noalloc, u)
     if name_expressions:
         kern = get_kernel("gguf_mmvq16.cu", name, tuple(name_expressions))
     else:

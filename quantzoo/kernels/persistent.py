@@ -37,7 +37,7 @@ CONSUMER_THREADS = 16 * 32  # persist::CW warps
 THREADS = CONSUMER_THREADS + 32
 SMEM_BUDGET = 200 * 1024    # dynamic shared memory the ring may grow to (of 227 KB per SM)
 MAX_STAGES = 64
-LAYER_PTRS = 9
+LAYER_PTRS = 9              # pointers a layer's row of the table holds (decode_persistent.cu)
 
 
 def kernel_name(fmt: str, e: int, g: int, norm: bool, v: int, scalar: bool) -> str:
@@ -145,7 +145,7 @@ class PersistentDecode:
         self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def layers_table(self, model):
-        """The L x 9 pointer table (qkv, o, gate_up, down, the two norms, q/k norm, k and v cache).
+        """The L x LAYER_PTRS pointer table (qkv, o, gate_up, down, the two norms, q/k norm, k and v cache).
         The runner makes a new PersistentDecode whenever it reallocates the KV cache."""
         import torch
 
@@ -156,6 +156,7 @@ class PersistentDecode:
                          lay.down.qt.data.data_ptr(), lay.attn_norm.data_ptr(), lay.mlp_norm.data_ptr(),
                          lay.qk_norm.data_ptr() if lay.qk_norm is not None else 0,
                          kc[i, 0].data_ptr(), vc[i, 0].data_ptr()])
+            assert len(rows[-1]) == LAYER_PTRS
         self.table = torch.tensor(np.array(rows, dtype=np.uint64).view(np.int64), device=model.device)
         self.cache, self.work = kc, model._decode_work   # what the table and the launch point at
 

@@ -120,10 +120,11 @@ def read_source(src, progress: bool = True) -> Source:
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such file or directory")
     if src.suffix.lower() == ".gguf":   # (suffixes in any case: Q.GGUF, K.Bin)
-        from .gguf_loader import load_gguf
+        from .gguf_loader import load_gguf, open_gguf
 
-        config, weights, tok = load_gguf(str(src), progress=progress)
-        return Source(src, config, weights, tokenizer=tok, gguf_meta=_gguf_tokenizer_fields(src))
+        reader = open_gguf(str(src))   # (once: parsing its metadata takes seconds)
+        config, weights, tok = load_gguf(str(src), progress=progress, reader=reader)
+        return Source(src, config, weights, tokenizer=tok, gguf_meta=_gguf_tokenizer_fields(reader))
     if src.suffix.lower() == ".bin":
         from .kuiper import load_kuiper
 
@@ -133,12 +134,9 @@ def read_source(src, progress: bool = True) -> Source:
     raise ValueError(f"SRC={src}: expected an HF model directory, a .gguf file or a KuiperLLama .bin")
 
 
-def _gguf_tokenizer_fields(path: Path) -> list:
-    import gguf
-
-    r = gguf.GGUFReader(str(path))
+def _gguf_tokenizer_fields(reader) -> list:
     out = []
-    for name, f in r.fields.items():
+    for name, f in reader.fields.items():
         if name.startswith("tokenizer."):
             out.append((name, f.contents(), list(f.types)))
     return out

@@ -183,7 +183,7 @@ def _reader(path: str):
     return Reader(path)
 
 
-def _open(path: str):
+def open_gguf(path: str):
     from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
     with open(path, "rb") as f:
@@ -341,12 +341,14 @@ def with_rope_freqs(cfg: ModelConfig, t, path: str) -> ModelConfig:
         raise ValueError(f"{path}: tensor 'rope_freqs.weight': {e}") from None
 
 
-def load_gguf(path, progress: bool = True):
-    """-> (ModelConfig, weights {HF name: torch tensor | QuantizedTensor}, Tokenizer | None)."""
+def load_gguf(path, progress: bool = True, reader=None):
+    """-> (ModelConfig, weights {HF name: torch tensor | QuantizedTensor}, Tokenizer | None).
+    reader: the file's open_gguf(path), where the caller reads more of it (parsing the metadata
+    of a 49k-token vocabulary takes gguf-py seconds)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file")
-    reader = _open(path)
+    reader = reader or open_gguf(path)
     meta = read_metadata(reader, path)
     for k, item in (("tokenizer.ggml.token_type", "INT32"), ("tokenizer.ggml.scores", "FLOAT32")):
         types = [t.name for t in reader.fields[k].types] if k in reader.fields else ["ARRAY", item]
