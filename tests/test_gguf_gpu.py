@@ -161,7 +161,8 @@ def test_quantize_q8_1_fp32_tiny_blocks(amax):
         fn = G.quantize_q8_1_split if split else G.quantize_q8_1
         n = x.size // 32
         # most of these blocks are all zero bytes: a poisoned output shows a block left unwritten
-        got = fn(torch.from_numpy(x).to(DEV), out=_poisoned(n * 36, torch.uint8, 0xAB)).cpu().numpy()
+        shape = (n * 36,) if split else (x.shape[0], x.shape[1] // 32 * 36)
+        got = fn(torch.from_numpy(x).to(DEV), out=_poisoned(shape, torch.uint8, 0xAB)).cpu().numpy()
         if split:
             got = np.concatenate([got[32 * n:].reshape(n, 4), got[: 32 * n].reshape(n, 32)], axis=1)
         g, w = got.reshape(-1, 36), want.reshape(-1, 36)
@@ -178,7 +179,7 @@ def test_quantize_q8_1_near_ties():
     n = x.size // 32
     got = G.quantize_q8_1(torch.from_numpy(x).to(DEV), out=_poisoned((1, n * 36), torch.uint8, 0xAB)).cpu().numpy()
     assert np.array_equal(got, want)
-    split = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV), out=_poisoned(n * 36, torch.uint8, 0xAB)).cpu().numpy()
+    split = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV), out=_poisoned((n * 36,), torch.uint8, 0xAB)).cpu().numpy()
     assert np.array_equal(split[: 32 * n].reshape(n, 32), want.reshape(n, 36)[:, 4:])
 
 
