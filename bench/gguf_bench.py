@@ -126,7 +126,8 @@ def bench_mmvq_split(fmt, ms=(1, 2, 4, 8), detail=True):
     return res
 
 
-MMVQ16_NOALLOC_VARIANTS = (True, False)  # L1::no_allocate on the weight stream (16-byte loads; 8-byte ones lost in round 3)
+# L1::no_allocate on the weight stream or not (16-byte loads; 8-byte ones lost in round 3)
+MMVQ16_NOALLOC_VARIANTS = (True, False)
 
 
 def bench_mmvq16_variants(fmt, ms=(1, 8), detail=True):

@@ -179,7 +179,8 @@ def test_quantize_q8_1_near_ties():
     n = x.size // 32
     got = G.quantize_q8_1(torch.from_numpy(x).to(DEV), out=_poisoned((1, n * 36), torch.uint8, 0xAB)).cpu().numpy()
     assert np.array_equal(got, want)
-    split = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV), out=_poisoned((n * 36,), torch.uint8, 0xAB)).cpu().numpy()
+    split = G.quantize_q8_1_split(torch.from_numpy(x).to(DEV), out=_poisoned((n * 36,), torch.uint8, 0xAB))
+    split = split.cpu().numpy()
     assert np.array_equal(split[: 32 * n].reshape(n, 32), want.reshape(n, 36)[:, 4:])
 
 

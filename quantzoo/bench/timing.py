@@ -28,7 +28,8 @@ import statistics
 import subprocess
 from typing import Callable
 
-DEFAULT_L2_BYTES = 50 * 1024 * 1024  # H100 SXM: rotation_copies' default, l2_cache_bytes' when the device does not say
+# H100 SXM: rotation_copies' default, and l2_cache_bytes' where the device does not say
+DEFAULT_L2_BYTES = 50 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------------------------
