@@ -51,6 +51,47 @@ def test_llama_cpp_vectors(name):
         assert tok.decode(tok.encode(text, add_bos=False)) == text
 
 
+def test_a_byte_the_vocabulary_lacks_still_parts_its_neighbours():
+    """llama.cpp drops a byte its vocabulary has no token for (SmolLM2's lacks 21), but only after
+    the merges, so the characters around it do not merge across it: "!\\x04!" is "!", "!", not
+    "!!". Here gpt-2's vocabulary with the token for byte 0x04 renamed (and its merges dropped)."""
+    import gguf
+
+    from quantzoo.model.gguf_loader import read_metadata
+    from quantzoo.model.tokenizer import Tokenizer
+
+    path = VOCAB / "ggml-vocab-gpt-2.gguf"
+    meta = read_metadata(gguf.GGUFReader(path), str(path), prefix="tokenizer.")
+    _, whole = _load("gpt-2")
+    bang, bangbang = whole.encode("!", add_bos=False), whole.encode("!!", add_bos=False)
+    assert len(bang) == 1 and len(bangbang) == 1                    # "!!" is one token when whole
+    b04 = chr(0x100 + 4)                                            # byte 0x04 in GPT-2's byte-level alphabet
+    toks = list(meta["tokenizer.ggml.tokens"])
+    toks[toks.index(b04)] = "<no byte 04>"
+    meta["tokenizer.ggml.tokens"] = toks
+    meta["tokenizer.ggml.merges"] = [m for m in meta["tokenizer.ggml.merges"] if b04 not in m]
+    tok = Tokenizer.from_gguf_fields(meta, str(path))
+    assert tok.encode("!\x04!", add_bos=False) == bang * 2
+    assert tok.encode("!!", add_bos=False) == bangbang
+    assert tok.decode(tok.encode("a\x04b", add_bos=False)) == "ab"   # dropped, as llama.cpp drops it
+
+
+def test_contractions_match_an_apostrophe_and_s_not_the_long_s():
+    """The splitters' 's is [sS] in llama.cpp; a case-insensitive (?i:'s) also takes the long s
+    U+017F, which would make "'\u017fx" two pieces where llama.cpp keeps one."""
+    for name in ("qwen2", "llama-bpe"):
+        _, tok = _load(name)
+
+        def pieces(text):
+            return [p for p, _ in tok.tok.pre_tokenizer.pre_tokenize_str(text)]
+
+        assert pieces("'\u017fx") == ["'\u00c5\u00bfx"], name          # U+017F is bytes C5 BF
+        for c in "sStTmMdD":
+            assert pieces(f"'{c}x") == [f"'{c}", "x"], (name, c)
+        for c in ("re", "RE", "ve", "Ve", "ll", "LL"):
+            assert pieces(f"'{c}x") == [f"'{c}", "x"], (name, c)
+
+
 def test_add_bos_defaults_as_llama_cpp():
     """None of the three vocab files says tokenizer.ggml.add_bos_token; llama.cpp's
     llama-vocab.cpp then adds BOS for the llama3 pre-tokenizer family only (add_bos = true

@@ -23,8 +23,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from .config import check_bool, is_int, special_token_id, token_ids
 
 # The split regexes llama.cpp uses per `tokenizer.ggml.pre` value (same patterns as the
-# models' own tokenizer.json files; written with inline case-folding for the contractions).
-_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+# models' own tokenizer.json files). The contractions' letters are spelled [sS], not by (?i):
+# case-folding would also match the long s U+017F as 's', which llama.cpp's splitters do not.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -460,6 +461,15 @@ class Tokenizer:
                 raise ValueError(f"{path}: tokenizer.ggml.tokens / merges do not make a BPE ({e})") from None
             tok = HFTokenizer(bpe)
             tok.pre_tokenizer = make_pre()
+            # a byte the vocabulary has no token for (SmolLM2's lacks 21: some control bytes, the
+            # UTF-8 lead bytes C0, C1, F1, F2, F5-FF) is dropped, as llama.cpp drops it -- but there
+            # it stays a symbol until then, so its neighbours never merge across it ("!\x04!" is
+            # "!", "!", not "!!"): split it off as a piece of its own
+            missing = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab]
+            if missing:
+                alone = Regex("[" + "".join(f"\\x{{{ord(c):x}}}" for c in sorted(missing)) + "]")
+                tok.pre_tokenizer = pre_tokenizers.Sequence(
+                    [tok.pre_tokenizer, pre_tokenizers.Split(alone, behavior="isolated")])
             tok.decoder = decoders.ByteLevel()
             add_bos_default = ignore_merges   # llama.cpp: true for the llama3 family only
 
