@@ -218,6 +218,22 @@ def test_values_the_header_cannot_carry_are_refused(files, tmp_path, capsys, key
     assert not dst.exists() and not list(tmp_path.glob("*.part"))
 
 
+@pytest.mark.parametrize("key,value,needle", [
+    ("max_position_embeddings", 2**32, "max_position=4294967296 does not fit GGUF's u32 field"),
+    ("rope_theta", 1e300, "rope_theta=1e+300 is not a positive float32 (GGUF stores it as F32)"),
+    ("rms_norm_eps", 1e-50, "rms_norm_eps=1e-50 is not a positive float32 (GGUF stores it as F32)"),
+])
+def test_values_a_gguf_cannot_carry_are_refused(files, tmp_path, capsys, key, value, needle):
+    """A value past GGUF's u32 / f32 fields was a struct.error traceback from gguf-py, or (an eps
+    of 1e-50) an F32 0 that the file's reader then refused."""
+    src = _edited_copy(files["qwen3-hd128-untied"][0], tmp_path / "src", **{key: value})
+    dst = tmp_path / "m.gguf"
+    assert cli(["quantize", str(src), str(dst), "--format", "q8_0", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(src) in err and len(err.strip().splitlines()) == 1, err
+    assert not dst.exists() and not list(tmp_path.glob("*.part"))
+
+
 def test_gguf_source_with_qwen3_values_exports_to_bin(files, tmp_path):
     """A GGUF stores rms_norm_eps as F32 (1e-6 -> 9.9999997e-07): still Qwen3's, not refused."""
     import gguf

@@ -835,3 +835,46 @@ def test_a_corrupt_array_count_or_value_type_names_the_key(tmp_path):
         with pytest.raises(ValueError) as e:
             qz.load_model(bad, progress=False)
         assert str(e.value).startswith(f"{bad}: {needle}"), str(e.value)
+
+
+def test_counts_lengths_and_a_shrunk_last_tensor_are_refused(tmp_path, monkeypatch):
+    """Corruptions a fuzzer found passing: a token_type count that fits in the file but not the
+    vocabulary (gguf-py then parsed it item by item for minutes, growing gigabytes), any metadata
+    array past MAX_ARRAY_ITEMS (lowered here), a key length of 90 MB (it went into the message
+    whole), and the last tensor's type shrunk F32 -> F16 or bytes appended to the file (the bytes
+    left over were ignored: a one-bit flip made the real model talk nonsense)."""
+    from quantzoo.model import gguf_loader
+
+    good = tmp_path / "good.gguf"
+    write_gguf(good, hf_model("llama"), "llama",
+               kv={**TOK_KV, "tokenizer.ggml.token_type": [1] * len(TOK_KV["tokenizer.ggml.tokens"])})
+    r = gguf.GGUFReader(str(good))
+    base = r.data.ctypes.data
+
+    def at(arr):   # an array's byte offset in the file (gguf-py's parts are views of its memmap)
+        return arr.ctypes.data - base
+
+    ntok = int(r.fields["tokenizer.ggml.tokens"].parts[4][0])
+    last = r.tensors[-1]
+    cases = [("count", at(r.fields["tokenizer.ggml.token_type"].parts[4]), np.uint64(ntok + 1).tobytes(),
+              f"metadata key 'tokenizer.ggml.token_type' has {ntok + 1} entries, tokenizer.ggml.tokens {ntok}"),
+             ("keylen", at(r.fields["general.architecture"].parts[0]), np.uint64(90_000_000).tobytes(),
+              "the metadata key at byte "),
+             ("append", len(r.data), b"\0", "1 byte(s) follow the last tensor's data")]
+    if last.tensor_type == gguf.GGMLQuantizationType.F32:
+        cases.append(("shrunk", at(last.field.parts[4]), np.uint32(gguf.GGMLQuantizationType.F16).tobytes(),
+                      f"{last.n_elements * 2} byte(s) follow the last tensor's data (tensor {last.name!r}, F16"))
+    assert len(cases) == 4, "the last tensor is expected in F32 (a norm)"
+    del r, last
+    for what, pos, value, needle in cases:
+        data = bytearray(good.read_bytes())
+        data[pos:pos + len(value)] = value
+        bad = tmp_path / f"{what}.gguf"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ValueError) as e:
+            qz.load_model(bad, progress=False)
+        assert str(e.value).startswith(f"{bad}: {needle}"), str(e.value)
+        assert len(str(e.value)) < 300
+    monkeypatch.setattr(gguf_loader, "MAX_ARRAY_ITEMS", ntok - 1)
+    with pytest.raises(ValueError, match=r"metadata key 'tokenizer.ggml.tokens': an array of \d+ items, more than"):
+        qz.load_model(good, progress=False)

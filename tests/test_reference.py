@@ -59,7 +59,7 @@ def test_gguf_emulation_in_chunks_equals_one_pass(name, rng):
     """emulate_matmul walks N in chunks of rows to bound its memory (the GPU tier's Qwen3 shapes,
     and the CPU runner's emulate mode on an lm_head, take several); chunks of 7 rows (N = 40: five
     whole and a tail of 5) give the same y and bound, bit for bit, as one chunk."""
-    from reference.gguf_dot import emulate_matmul
+    from quantzoo.reference.gguf_dot import emulate_matmul
 
     fmt = get(name)
     m, n, k = 3, 40, 128

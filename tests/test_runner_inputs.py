@@ -471,6 +471,15 @@ def test_chat_template_renders_as_transformers_does(template):
             tok.apply_chat_template(calls, tools=bad)
 
 
+def test_an_empty_chat_template_is_said():
+    """An empty template (tokenizer.chat_template = "") read as "no default" beside the named
+    list ['default'], which contradicted itself; it is named as empty now."""
+    raw = H.build_tokenizer(300)
+    tok = Tokenizer.from_tokenizer_json(raw.to_str(), {"chat_template": ""})
+    with pytest.raises(ValueError, match=r"^this model's chat template is empty \(tokenizer.chat_template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 _NAMED = [{"name": "default", "template": "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"},
           {"name": "tool_use", "template": "{% for m in messages %}<tool>{{ m.content }}{% endfor %}"}]
 

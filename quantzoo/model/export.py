@@ -529,6 +529,18 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     for name, shape in shapes.items():
         if len(shape) == 2 and fmt != "fp16" and shape[1] % 32:
             raise ValueError(f"{name}: in_features={shape[1]} is not a multiple of 32, the {fmt} block size")
+    # the fields GGUF stores as u32 / f32 (llama.cpp reads them so): a value they cannot hold is
+    # refused here, naming it, rather than by gguf-py's struct.pack or as an f32 rounded to 0 / inf
+    for name in ("max_position", "hidden_size", "num_layers", "intermediate_size", "num_heads",
+                 "num_kv_heads", "head_dim", "vocab_size"):
+        if not 0 <= getattr(c, name) < 2**32:
+            raise ValueError(f"{src.path}: {name}={getattr(c, name)} does not fit GGUF's u32 field")
+    for name in ("rope_theta", "rms_norm_eps"):
+        v = float(getattr(c, name))
+        with np.errstate(over="ignore"):
+            v32 = np.float32(v)
+        if not (np.isfinite(v32) and v32 > 0):
+            raise ValueError(f"{src.path}: {name}={v} is not a positive float32 (GGUF stores it as F32)")
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".part")

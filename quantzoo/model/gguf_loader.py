@@ -92,6 +92,9 @@ class TensorInfoError(ValueError):
     the tensor or the key)."""
 
 
+MAX_ARRAY_ITEMS = 1 << 22   # metadata arrays longer than this are refused (gguf-py parses item by item)
+
+
 def _reader(path: str):
     """GGUFReader that checks every tensor's byte range before mapping it (names the tensor)."""
     from gguf import GGUFReader
@@ -102,12 +105,18 @@ def _reader(path: str):
         # back empty without moving on: a corrupt count (2**40) looped until the OOM killer. The
         # count is checked against the bytes left first, and a value that fails to parse is named
         # by its key (the last string read outside any value: gguf-py reads the key, then its value).
-        _depth, _key = 0, None
+        _depth, _key, _ntokens = 0, None, None
 
         def _get_str(self, offset):
+            if self._depth == 0:   # a key: the GGUF spec caps them at 65535 bytes (a corrupt length
+                n = int(self.data[offset:offset + 8].view("<u8")[0]) if offset + 8 <= len(self.data) else 0
+                if n > 65535:      # would put the rest of the file into the key, and every message)
+                    raise TensorInfoError(f"the metadata key at byte {offset} is {n} bytes long (GGUF keys "
+                                          "are at most 65535): corrupt file?")
             out = super()._get_str(offset)
             if self._depth == 0:
-                self._key = bytes(out[1]).decode("utf-8", "replace")
+                key = bytes(out[1]).decode("utf-8", "replace")
+                self._key = key if len(key) <= 80 else key[:77] + "..."
             return out
 
         def _get_field_parts(self, orig_offs, raw_type):
@@ -122,6 +131,17 @@ def _reader(path: str):
                     if count * least > len(self.data) - orig_offs - 12:
                         raise TensorInfoError(f"metadata key {key!r}: an array of {count} items of type "
                                               f"{itype} runs past the end of the file")
+                    # gguf-py parses an array item by item (~30k items a second): a corrupt count
+                    # that still fits in the file would run for minutes, and grow gigabytes
+                    if self._depth == 1 and key == "tokenizer.ggml.tokens":
+                        self._ntokens = count
+                    if (self._depth == 1 and key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+                            and self._ntokens is not None and count != self._ntokens):
+                        raise TensorInfoError(f"metadata key {key!r} has {count} entries, tokenizer.ggml.tokens "
+                                              f"{self._ntokens}")
+                    if count > MAX_ARRAY_ITEMS:
+                        raise TensorInfoError(f"metadata key {key!r}: an array of {count} items, more than "
+                                              f"{MAX_ARRAY_ITEMS} (a vocabulary's are ~10^5): corrupt file?")
                 return super()._get_field_parts(orig_offs, raw_type)
             except TensorInfoError:
                 raise
@@ -178,6 +198,13 @@ def _reader(path: str):
                                           "wants the tensors back to back, padded): corrupt tensor info?")
                 expect += -(-nbytes // int(self.alignment)) * int(self.alignment)
                 prev = (name, what)
+            # and the file ends where the last tensor's (padded) data does, as gguf-py and llama.cpp
+            # write it: a last tensor whose type or shape shrank (F32 read as F16) leaves bytes over
+            if order and size > int(start_offs) + expect:
+                end = int(start_offs) + expect
+                raise TensorInfoError(f"{size - end} byte(s) follow the last tensor's data (tensor {prev[0]!r}, "
+                                      f"{prev[1]}, ends at byte {end} of {size}): corrupt tensor info, or data "
+                                      "appended to the file?")
             return super()._build_tensors(start_offs, fields)
 
     return Reader(path)

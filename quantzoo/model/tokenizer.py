@@ -261,6 +261,9 @@ class Tokenizer:
             source = self.chat_templates[template]
         elif self.chat_template:
             source = self.chat_template
+        elif self.chat_template == "":
+            raise ValueError("this model's chat template is empty (tokenizer.chat_template / "
+                             "tokenizer_config.json chat_template): prompt it without --chat")
         elif names:
             raise ValueError(f"this model has the named chat templates {names} and no default: name "
                              "one (--chat-template NAME)")
