@@ -859,7 +859,7 @@ def test_counts_lengths_and_a_shrunk_last_tensor_are_refused(tmp_path, monkeypat
     cases = [("count", at(r.fields["tokenizer.ggml.token_type"].parts[4]), np.uint64(ntok + 1).tobytes(),
               f"metadata key 'tokenizer.ggml.token_type' has {ntok + 1} entries, tokenizer.ggml.tokens {ntok}"),
              ("keylen", at(r.fields["general.architecture"].parts[0]), np.uint64(90_000_000).tobytes(),
-              "the metadata key at byte "),
+              "the metadata key (or tensor name) at byte "),
              ("append", len(r.data), b"\0", "1 byte(s) follow the last tensor's data")]
     if last.tensor_type == gguf.GGMLQuantizationType.F32:
         cases.append(("shrunk", at(last.field.parts[4]), np.uint32(gguf.GGMLQuantizationType.F16).tobytes(),

@@ -70,8 +70,8 @@ MMQ_TILE = 64          # the tiled GEMM's output tile is MMQ_TILE x MMQ_TILE (cu
 MMQ_THREADS = 256
 # The vector-load mmvq (cuda/gguf_mmvq16.cu): weight windows read with MMVQ16_LW-byte loads
 # (cuda/gguf_window.cuh's LW), L1::no_allocate on the weight stream (MMVQ16_NOALLOC), Q8_1
-# activations in the split layout. It needs the weight's base address and byte size to be multiples of MMVQ16_LW;
-# other weights (a view at an odd offset, N * K/32 * bytes not a multiple of 16) run the
+# activations in the split layout. It needs the weight's base address and byte size to be
+# multiples of MMVQ16_LW; other weights (a view at an odd offset, N * K/32 * bytes not a multiple of 16) run the
 # scalar-load mmvq (cuda/gguf_mmvq.cu).
 MMVQ16_LW = 16
 MMVQ16_NOALLOC = False

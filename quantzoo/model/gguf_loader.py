@@ -108,11 +108,11 @@ def _reader(path: str):
         _depth, _key, _ntokens = 0, None, None
 
         def _get_str(self, offset):
-            if self._depth == 0:   # a key: the GGUF spec caps them at 65535 bytes (a corrupt length
+            if self._depth == 0:   # a key or tensor name: GGUF caps keys at 65535 bytes (a corrupt
                 n = int(self.data[offset:offset + 8].view("<u8")[0]) if offset + 8 <= len(self.data) else 0
-                if n > 65535:      # would put the rest of the file into the key, and every message)
-                    raise TensorInfoError(f"the metadata key at byte {offset} is {n} bytes long (GGUF keys "
-                                          "are at most 65535): corrupt file?")
+                if n > 65535:      # length put the rest of the file into the key, and every message)
+                    raise TensorInfoError(f"the metadata key (or tensor name) at byte {offset} is {n} bytes "
+                                          "long (GGUF keys are at most 65535): corrupt file?")
             out = super()._get_str(offset)
             if self._depth == 0:
                 key = bytes(out[1]).decode("utf-8", "replace")
