@@ -230,6 +230,19 @@ def test_unsupported_version(tmp_path, good_file):
         qz.load_model(bad, progress=False)
 
 
+def test_big_endian_is_named(tmp_path):
+    """gguf-py reads a big-endian file (its writer makes one on request); the loader does not, and
+    says so (its checks had read the byte-swapped lengths as corrupt ones)."""
+    path = tmp_path / "be.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"be\.gguf: a big-endian GGUF \(version 3\); only little-endian"):
+        qz.load_model(path, progress=False)
+
+
 @pytest.mark.parametrize("frac", [0.9, 0.5])
 def test_truncated_tensor_data(tmp_path, good_file, frac):
     data = good_file.read_bytes()

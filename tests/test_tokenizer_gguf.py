@@ -7,6 +7,7 @@ tokens not parsed). Every line must match.
 """
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
 NAMES = ["qwen2", "llama-bpe", "gpt-2"]
 
 
+@functools.lru_cache(maxsize=None)   # (parsing a vocabulary takes seconds; the tests only read it)
 def _load(name):
     import gguf
 

@@ -218,8 +218,10 @@ def open_gguf(path: str):
     if head[:4] != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
     version = int.from_bytes(head[4:], "little") if len(head) == 8 else None
+    if version and not version & 0xFFFF:   # a byte-swapped version: gguf-py reads it, the loader does not
+        raise ValueError(f"{path}: a big-endian GGUF (version {int.from_bytes(head[4:], 'big')}); only "
+                         "little-endian files are supported")
     if version is not None and version not in READER_SUPPORTED_VERSIONS and version & 0xFFFF:
-        # (a byte-swapped file's version reads with zero low bits: gguf-py takes those itself)
         raise ValueError(f"{path}: GGUF version {version} is not supported (gguf-py reads versions "
                          f"{', '.join(map(str, READER_SUPPORTED_VERSIONS))})")
     try:

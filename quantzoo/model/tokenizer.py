@@ -467,9 +467,11 @@ class Tokenizer:
             # a byte the vocabulary has no token for (SmolLM2's lacks 21: some control bytes, the
             # UTF-8 lead bytes C0, C1, F1, F2, F5-FF) is dropped, as llama.cpp drops it -- but there
             # it stays a symbol until then, so its neighbours never merge across it ("!\x04!" is
-            # "!", "!", not "!!"): split it off as a piece of its own
+            # "!", "!", not "!!"): split it off as a piece of its own. (Not for the llama3 family,
+            # ignore_merges: there llama.cpp first looks a whole word up, which a split would miss;
+            # their vocabularies hold all 256 bytes.)
             missing = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab]
-            if missing:
+            if missing and not ignore_merges:
                 alone = Regex("[" + "".join(f"\\x{{{ord(c):x}}}" for c in sorted(missing)) + "]")
                 tok.pre_tokenizer = pre_tokenizers.Sequence(
                     [tok.pre_tokenizer, pre_tokenizers.Split(alone, behavior="isolated")])
