@@ -836,18 +836,25 @@ def test_a_corrupt_array_count_or_value_type_names_the_key(tmp_path):
     count_at = parts[4].ctypes.data - r.data.ctypes.data      # [key len, key, type, item type, count, ...]
     type_at = r.fields["llama.block_count"].parts[2].ctypes.data - r.data.ctypes.data
     del r, parts
-    for what, at, value, needle in (
-            ("count", count_at, np.uint64(2**40).tobytes(),
-             "metadata key 'tokenizer.ggml.merges': an array of 1099511627776 items of type 8 runs past the end"),
-            ("type", type_at, np.uint32(99).tobytes(),
-             "metadata key 'llama.block_count' (or the one before it): cannot parse its value")):
+    _refused_with(good, tmp_path, [
+        ("count", count_at, np.uint64(2**40).tobytes(),
+         "metadata key 'tokenizer.ggml.merges': an array of 1099511627776 items of type 8 runs past the end"),
+        ("type", type_at, np.uint32(99).tobytes(),
+         "metadata key 'llama.block_count' (or the one before it): cannot parse its value")])
+
+
+def _refused_with(good, tmp_path, cases):
+    """Each (name, byte offset, bytes, message start): `good` with those bytes written at that
+    offset (past its end: appended) is refused with one short line that starts so, naming it."""
+    for what, pos, value, needle in cases:
         data = bytearray(good.read_bytes())
-        data[at:at + len(value)] = value
+        data[pos:pos + len(value)] = value
         bad = tmp_path / f"{what}.gguf"
         bad.write_bytes(bytes(data))
         with pytest.raises(ValueError) as e:
             qz.load_model(bad, progress=False)
         assert str(e.value).startswith(f"{bad}: {needle}"), str(e.value)
+        assert len(str(e.value)) < 300 and "\n" not in str(e.value)
 
 
 def test_counts_lengths_and_a_shrunk_last_tensor_are_refused(tmp_path, monkeypatch):
@@ -879,15 +886,7 @@ def test_counts_lengths_and_a_shrunk_last_tensor_are_refused(tmp_path, monkeypat
                       f"{last.n_elements * 2} byte(s) follow the last tensor's data (tensor {last.name!r}, F16"))
     assert len(cases) == 4, "the last tensor is expected in F32 (a norm)"
     del r, last
-    for what, pos, value, needle in cases:
-        data = bytearray(good.read_bytes())
-        data[pos:pos + len(value)] = value
-        bad = tmp_path / f"{what}.gguf"
-        bad.write_bytes(bytes(data))
-        with pytest.raises(ValueError) as e:
-            qz.load_model(bad, progress=False)
-        assert str(e.value).startswith(f"{bad}: {needle}"), str(e.value)
-        assert len(str(e.value)) < 300
+    _refused_with(good, tmp_path, cases)
     monkeypatch.setattr(gguf_loader, "MAX_ARRAY_ITEMS", ntok - 1)
     with pytest.raises(ValueError, match=r"metadata key 'tokenizer.ggml.tokens': an array of \d+ items, more than"):
         qz.load_model(good, progress=False)
