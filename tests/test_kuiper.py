@@ -200,35 +200,25 @@ def _edited_copy(src, dst, **changes):
     return dst
 
 
-@pytest.mark.parametrize("key,value,needle", [
-    ("rope_theta", 1e4, "rope_theta=10000, but a KuiperLLama .bin implies 1e+06 (its header cannot carry rope_theta)"),
-    ("rms_norm_eps", 1e-5, "rms_norm_eps=1e-05, but a KuiperLLama .bin implies 1e-06 (its header cannot carry "
-                           "rms_norm_eps)"),
-    ("max_position_embeddings", 2**31, "max_position=2147483648 does not fit the .bin header's int32 field"),
+@pytest.mark.parametrize("dst,fmt,key,value,needle", [
+    ("m.bin", "awq", "rope_theta", 1e4,
+     "rope_theta=10000, but a KuiperLLama .bin implies 1e+06 (its header cannot carry rope_theta)"),
+    ("m.bin", "awq", "rms_norm_eps", 1e-5,
+     "rms_norm_eps=1e-05, but a KuiperLLama .bin implies 1e-06 (its header cannot carry rms_norm_eps)"),
+    ("m.bin", "awq", "max_position_embeddings", 2**31,
+     "max_position=2147483648 does not fit the .bin header's int32 field"),
+    ("m.gguf", "q8_0", "max_position_embeddings", 2**32, "max_position=4294967296 does not fit GGUF's u32 field"),
+    ("m.gguf", "q8_0", "rope_theta", 1e300, "rope_theta=1e+300 is not a positive float32 (GGUF stores it as F32)"),
+    ("m.gguf", "q8_0", "rms_norm_eps", 1e-50, "rms_norm_eps=1e-50 is not a positive float32 (GGUF stores it as F32)"),
 ])
-def test_values_the_header_cannot_carry_are_refused(files, tmp_path, capsys, key, value, needle):
-    """The header has no rope_theta / rms_norm_eps field and a reader assumes Qwen3's: a model with
-    others is refused (it had been written and came back with 1e6 / 1e-6 and other logits). A
-    dimension past the header's int32 fields is refused too (it was a struct.error traceback)."""
+def test_values_the_file_cannot_carry_are_refused(files, tmp_path, capsys, dst, fmt, key, value, needle):
+    """The .bin header has no rope_theta / rms_norm_eps field and a reader assumes Qwen3's: a model
+    with others is refused (it had been written and came back with 1e6 / 1e-6 and other logits). A
+    dimension past the header's int32 fields, or a GGUF's u32 / f32 ones, is refused too (it was a
+    struct.error traceback; an eps of 1e-50 was written as an F32 0 the file's reader refused)."""
     src = _edited_copy(files["qwen3-hd128-untied"][0], tmp_path / "src", **{key: value})
-    dst = tmp_path / "m.bin"
-    assert cli(["quantize", str(src), str(dst), "--format", "awq", "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and str(src) in err and len(err.strip().splitlines()) == 1, err
-    assert not dst.exists() and not list(tmp_path.glob("*.part"))
-
-
-@pytest.mark.parametrize("key,value,needle", [
-    ("max_position_embeddings", 2**32, "max_position=4294967296 does not fit GGUF's u32 field"),
-    ("rope_theta", 1e300, "rope_theta=1e+300 is not a positive float32 (GGUF stores it as F32)"),
-    ("rms_norm_eps", 1e-50, "rms_norm_eps=1e-50 is not a positive float32 (GGUF stores it as F32)"),
-])
-def test_values_a_gguf_cannot_carry_are_refused(files, tmp_path, capsys, key, value, needle):
-    """A value past GGUF's u32 / f32 fields was a struct.error traceback from gguf-py, or (an eps
-    of 1e-50) an F32 0 that the file's reader then refused."""
-    src = _edited_copy(files["qwen3-hd128-untied"][0], tmp_path / "src", **{key: value})
-    dst = tmp_path / "m.gguf"
-    assert cli(["quantize", str(src), str(dst), "--format", "q8_0", "--quiet"]) == 2
+    dst = tmp_path / dst
+    assert cli(["quantize", str(src), str(dst), "--format", fmt, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert needle in err and str(src) in err and len(err.strip().splitlines()) == 1, err
     assert not dst.exists() and not list(tmp_path.glob("*.part"))

@@ -188,6 +188,15 @@ def check_group_size(config, group_size: int, modules=None) -> None:
                          f"({len(bad)} linears affected); {hint}")
 
 
+def check_dims_fit(config, path, limit: int, field: str) -> None:
+    """Every dimension a file header stores as an integer field is below `limit` (the config
+    holds them as positive ints already); else one error naming it and the field."""
+    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "vocab_size", "max_position", "head_dim"):
+        if getattr(config, name) >= limit:
+            raise ValueError(f"{path}: {name}={getattr(config, name)} does not fit {field}")
+
+
 def check_finite(w: np.ndarray, name: str) -> np.ndarray:
     """w, if every value is finite; else one error naming the tensor and the first bad index.
     For the float tensors an export writes as they are (fp16 and F32): a quantizing codec refuses
@@ -531,10 +540,7 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
             raise ValueError(f"{name}: in_features={shape[1]} is not a multiple of 32, the {fmt} block size")
     # the fields GGUF stores as u32 / f32 (llama.cpp reads them so): a value they cannot hold is
     # refused here, naming it, rather than by gguf-py's struct.pack or as an f32 rounded to 0 / inf
-    for name in ("max_position", "hidden_size", "num_layers", "intermediate_size", "num_heads",
-                 "num_kv_heads", "head_dim", "vocab_size"):
-        if not 0 <= getattr(c, name) < 2**32:
-            raise ValueError(f"{src.path}: {name}={getattr(c, name)} does not fit GGUF's u32 field")
+    check_dims_fit(c, src.path, 2**32, "GGUF's u32 field")
     for name in ("rope_theta", "rms_norm_eps"):
         v = float(getattr(c, name))
         with np.errstate(over="ignore"):

@@ -221,7 +221,7 @@ def open_gguf(path: str):
     if version and not version & 0xFFFF:   # a byte-swapped version: gguf-py reads it, the loader does not
         raise ValueError(f"{path}: a big-endian GGUF (version {int.from_bytes(head[4:], 'big')}); only "
                          "little-endian files are supported")
-    if version is not None and version not in READER_SUPPORTED_VERSIONS and version & 0xFFFF:
+    if version is not None and version not in READER_SUPPORTED_VERSIONS:
         raise ValueError(f"{path}: GGUF version {version} is not supported (gguf-py reads versions "
                          f"{', '.join(map(str, READER_SUPPORTED_VERSIONS))})")
     try:

@@ -174,7 +174,7 @@ def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path
     """Source (export.Source) -> .bin; AWQ linears quantized by the registry's codec."""
     from tqdm import tqdm
 
-    from .export import _fp16, check_group_size
+    from .export import _fp16, check_dims_fit, check_group_size
 
     c = src.config
     if c.arch != "qwen3" or not c.qk_norm:
@@ -195,10 +195,7 @@ def write_kuiper(src, dst, group_size: int = 128, progress: bool = True) -> Path
     items = _layout(c, group_size)
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
-                 "max_position", "head_dim"):   # the header's int32 fields
-        if not 0 < getattr(c, name) < 2**31:
-            raise ValueError(f"{src.path}: {name}={getattr(c, name)} does not fit the .bin header's int32 field")
+    check_dims_fit(c, src.path, 2**31, "the .bin header's int32 field")
     header = _HEAD.pack(MAGIC, VERSION, c.hidden_size, c.intermediate_size, c.num_layers,
                         c.num_heads, c.num_kv_heads, c.vocab_size, c.max_position,
                         int(c.tie_word_embeddings), c.head_dim, group_size)
