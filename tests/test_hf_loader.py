@@ -258,6 +258,8 @@ def _copy_and(src, dst, edit):
      "tokenizer.json: the tokenizer fails to encode with its special tokens"),
     # a raw UnicodeDecodeError; a bad special_tokens_map.json value blamed on tokenizer_config.json
     (lambda d: (d / "chat_template.jinja").write_bytes(b"\xff{{ x }}"), "chat_template.jinja: not UTF-8 text"),
+    # a directory of that name: a bare "[Errno 21] Is a directory"
+    (lambda d: (d / "chat_template.jinja").mkdir(), "chat_template.jinja: cannot be read as a chat template (Is a directory)"),
     # a named template file is named, not chat_template.jinja; an entry of the list without a
     # name is the list's error (transformers: a KeyError 'name'), not a KeyError
     (lambda d: ((d / "additional_chat_templates").mkdir(), (d / "additional_chat_templates" / "bad.jinja")

@@ -208,7 +208,8 @@ def _edited_copy(src, dst, **changes):
     ("m.bin", "awq", "max_position_embeddings", 2**31,
      "max_position=2147483648 does not fit the .bin header's int32 field"),
     ("m.gguf", "q8_0", "max_position_embeddings", 2**32, "max_position=4294967296 does not fit GGUF's u32 field"),
-    ("m.gguf", "q8_0", "rope_theta", 1e300, "rope_theta=1e+300 is not a positive float32 (GGUF stores it as F32)"),
+    # (the runner computes RoPE in float32: such a source is refused as it loads)
+    ("m.gguf", "q8_0", "rope_theta", 1e300, "rope_theta=1e+300 (the RoPE base) is outside float32's normal range"),
     ("m.gguf", "q8_0", "rms_norm_eps", 1e-50, "rms_norm_eps=1e-50 is not a positive float32 (GGUF stores it as F32)"),
 ])
 def test_values_the_file_cannot_carry_are_refused(files, tmp_path, capsys, dst, fmt, key, value, needle):

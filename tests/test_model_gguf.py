@@ -442,6 +442,11 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
     ({"llama.attention.layer_norm_rms_epsilon": -1.0},
      "'llama.attention.layer_norm_rms_epsilon'=-1.0 must be a positive number"),
     ({"llama.rope.freq_base": 0.0}, "'llama.rope.freq_base'=0.0 must be a positive number"),
+    # a base whose RoPE frequencies are inf in float32 had loaded, then NaN logits blamed the weights
+    ({"llama.rope.freq_base": 1e-45}, "e-45 (the RoPE base) is outside float32's normal range"),
+    ({"llama.rope.freq_base": 2e-38, "llama.context_length": 1 << 20},
+     "(the RoPE base): with head_dim 32 its frequencies theta^(-2i/head_dim) (1 to 2.2e+35) leave "
+     "float32's range over 1048576 positions"),
     ({"llama.attention.head_count_kv": [2, 4]}, "'llama.attention.head_count_kv' varies per layer"),
     ({"llama.attention.head_count_kv": 3}, "num_heads=4 is not a multiple of num_kv_heads=3"),
     ({"llama.context_length": None}, "'llama.context_length' is missing"),

@@ -478,3 +478,24 @@ def test_suffixes_pick_the_kind_in_any_case(src, tmp_path):
     for p in (g, b):
         assert load_model(p, progress=False).logits([1, 2, 3]).shape[0] == 3
     assert cli(["quantize", str(b), str(tmp_path / "again.GGUF"), "--format", "q8_0", "--quiet"]) == 0   # a .Bin SRC
+
+
+@pytest.mark.parametrize("edit,needle", [
+    # gguf-py's SpecialVocab raised this unnamed
+    (("config.json", lambda c: {**c, "eos_token_id": -1}),
+     "its config / tokenizer files do not convert to GGUF (invalid value for special token type eos: -1)"),
+    # gguf-py only logged it and wrote a file llama.cpp refuses ("cannot find tokenizer merges")
+    (("tokenizer.json", lambda t: {**t, "model": {**t["model"], "merges": []}}),
+     "tokenizer.json: a byte-level BPE without merges; llama.cpp cannot load"),
+])
+def test_tokenizer_gguf_cannot_carry_is_refused_by_name(src, tmp_path, capsys, edit, needle):
+    import shutil
+
+    d = tmp_path / "src"
+    shutil.copytree(src["dir"], d)
+    name, change = edit
+    (d / name).write_text(json.dumps(change(json.loads((d / name).read_text()))))
+    assert cli(["quantize", str(d), str(tmp_path / "out.gguf"), "--format", "q8_0", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(d) in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out.gguf").exists()

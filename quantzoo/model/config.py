@@ -159,7 +159,28 @@ class ModelConfig:
                 raise ValueError(f"rope_freq_factors: {len(f)} values; head_dim {self.head_dim} has "
                                  f"{self.head_dim // 2} rotation frequencies")
             self.rope_freq_factors = tuple(positive(v, float, f"rope_freq_factors[{i}]") for i, v in enumerate(f))
+        self.check_rope()
         self.check_token_ids()
+
+    def check_rope(self) -> None:
+        """The runner's RoPE angles, position x theta^(-2i/head_dim) / factor_i, are float32
+        (llm.rope_tables, as HF computes them): a base whose frequencies overflow there (1e-45
+        gives inf, then NaN at position 0) or vanish would rotate nothing right, so it is refused
+        here rather than blamed on the weights later."""
+        f32 = np.finfo(np.float32)
+        if not f32.tiny <= self.rope_theta <= f32.max:
+            raise ValueError(f"rope_theta={self.rope_theta!r} (the RoPE base) is outside float32's "
+                             "normal range, in which the runner computes RoPE")
+        with np.errstate(all="ignore"):
+            inv = 1.0 / float(self.rope_theta) ** (np.arange(0, self.head_dim, 2) / self.head_dim)
+            if self.rope_freq_factors is not None:
+                inv = inv / np.asarray(self.rope_freq_factors)
+            ok = np.all(inv >= f32.tiny) and np.all(inv * self.max_position <= f32.max)
+        if not ok:
+            raise ValueError(f"rope_theta={self.rope_theta!r} (the RoPE base): with head_dim "
+                             f"{self.head_dim} its frequencies theta^(-2i/head_dim) "
+                             f"({inv.min():.3g} to {inv.max():.3g}) leave float32's range over "
+                             f"{self.max_position} positions")
 
     def check_token_ids(self) -> None:
         """bos / eos ids are rows of the embedding (an id past it would crash the first lookup)."""

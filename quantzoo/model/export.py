@@ -449,7 +449,13 @@ def add_hf_tokenizer(writer, src: Source) -> None:
     writer.add_token_types(types)
     # merges (byte-level only), special ids (bos/eos/pad/unk from tokenizer_config + config),
     # add_bos, chat template
-    special = gguf.SpecialVocab(src.tokenizer_dir, load_merges=space_prefix is None, n_vocab=n_vocab)
+    try:
+        special = gguf.SpecialVocab(src.tokenizer_dir, load_merges=space_prefix is None, n_vocab=n_vocab)
+    except ValueError as e:   # gguf-py's own words, e.g. "invalid value for special token type eos: -1"
+        raise ValueError(f"{src.tokenizer_dir}: its config / tokenizer files do not convert to GGUF ({e})") from None
+    if space_prefix is None and not special.merges:   # gguf-py would only log it
+        raise ValueError(f"{tj}: a byte-level BPE without merges; llama.cpp cannot load a 'gpt2' "
+                         "GGUF tokenizer without tokenizer.ggml.merges")
     special.add_to_gguf(writer, quiet=True)
 
 
@@ -541,12 +547,12 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     # the fields GGUF stores as u32 / f32 (llama.cpp reads them so): a value they cannot hold is
     # refused here, naming it, rather than by gguf-py's struct.pack or as an f32 rounded to 0 / inf
     check_dims_fit(c, src.path, 2**32, "GGUF's u32 field")
-    for name in ("rope_theta", "rms_norm_eps"):
-        v = float(getattr(c, name))
-        with np.errstate(over="ignore"):
-            v32 = np.float32(v)
-        if not (np.isfinite(v32) and v32 > 0):
-            raise ValueError(f"{src.path}: {name}={v} is not a positive float32 (GGUF stores it as F32)")
+    # (rope_theta: ModelConfig.check_rope already holds it to float32's normal range)
+    with np.errstate(over="ignore"):
+        eps32 = np.float32(c.rms_norm_eps)
+    if not (np.isfinite(eps32) and eps32 > 0):
+        raise ValueError(f"{src.path}: rms_norm_eps={c.rms_norm_eps} is not a positive float32 "
+                         "(GGUF stores it as F32)")
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".part")

@@ -349,6 +349,8 @@ def load_tokenizer(path: Path):
             texts[name] = f.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{f}: not UTF-8 text ({e})") from None
+        except OSError as e:   # a directory of that name, no permission, ...
+            raise ValueError(f"{f}: cannot be read as a chat template ({e.strerror or e})") from None
     if texts:
         tc["chat_template"] = [{"name": n, "template": t} for n, t in texts.items()]
     return Tokenizer.from_tokenizer_json(str(tj), tc)
