@@ -11,9 +11,11 @@ Two ways in:
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
+import re
 import warnings
 from datetime import datetime
 
@@ -131,8 +133,12 @@ def check_template_variables(variables: dict, what: str = "chat template variabl
 
 
 def sentencepiece_merges(tokens: list, vocab: dict, scores: list, types: list) -> list:
-    """Every split of a NORMAL (or UNUSED) token into two tokens, highest-scoring token first."""
-    mergeable = sorted((i for i, ty in enumerate(types) if ty in (NORMAL, UNUSED) and vocab[tokens[i]] == i),
+    """Every split of a NORMAL, UNUSED or USER_DEFINED token into two tokens, highest-scoring token
+    first. (llama.cpp joins a pair into whatever token its text is; a user-defined token is also
+    cut out of the raw text before, which misses one that holds U+2581 (a space's mark, as in
+    U+2581 "the"): the merges then make it, as llama.cpp's do.)"""
+    mergeable = sorted((i for i, ty in enumerate(types)
+                        if ty in (NORMAL, UNUSED, USER_DEFINED) and vocab[tokens[i]] == i),
                        key=lambda i: -scores[i])
     merges = []
     for i in mergeable:
@@ -191,6 +197,7 @@ class Tokenizer:
         if chat_template is not None:
             self.chat_templates.setdefault("default", chat_template)
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.piece_bytes: SentencePieceText | None = None   # a GGUF SentencePiece vocabulary's decode
 
     @property
     def chat_template(self) -> str | None:
@@ -229,7 +236,10 @@ class Tokenizer:
     # have padding rows past the tokenizer's) decodes to nothing, as in `tokenizers` itself.
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = token_ids(ids, 2**32, bound=_U32, empty_ok=True)
-        return self.tok.decode(ids, skip_special_tokens=check_bool(skip_special_tokens, "skip_special_tokens"))
+        skip = check_bool(skip_special_tokens, "skip_special_tokens")
+        if self.piece_bytes is not None:
+            return self.piece_bytes.decode(ids, skip)
+        return self.tok.decode(ids, skip_special_tokens=skip)
 
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(token_ids([i], 2**32, "id", bound=_U32)[0])
@@ -541,9 +551,41 @@ class Tokenizer:
                 raise ValueError(f"{path}: tokenizer.chat_templates names {name!r}, but "
                                  f"tokenizer.chat_template.{name} is {'missing' if t is None else 'not a string'}")
             named[name] = t
-        return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=add_bos and bos is not None,
-                   add_eos=add_eos, chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
-                   eos_token="" if eos is None else tokens[eos], chat_templates=named)
+        out = cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=add_bos and bos is not None,
+                  add_eos=add_eos, chat_template=tmpl, bos_token="" if bos is None else tokens[bos],
+                  eos_token="" if eos is None else tokens[eos], chat_templates=named)
+        if model == "llama":
+            out.piece_bytes = SentencePieceText(tokens, types, add_space_prefix)
+        return out
+
+
+# sentencepiece's (and `tokenizers`' ByteFallback's) count: one U+FFFD for every byte of an invalid
+# stretch, where Python's "replace" writes one for each maximal invalid subsequence
+_ONE_FFFD_A_BYTE = "quantzoo.one_fffd_a_byte"
+codecs.register_error(_ONE_FFFD_A_BYTE, lambda e: ("\ufffd" * (e.end - e.start), e.end))
+
+
+class SentencePieceText:
+    """decode for a GGUF SentencePiece vocabulary: the pieces' bytes (U+2581 as a space, a BYTE
+    token <0xXX> as that byte) joined, then read as UTF-8 with one U+FFFD per invalid byte, as
+    sentencepiece does (llama.cpp hands the raw bytes over); one leading space dropped where the
+    encoder puts one in front (add_space_prefix). The `tokenizers` decoder this replaces turned a
+    whole run of byte tokens into one U+FFFD per byte when any byte of the run was invalid, so
+    <0x0A> <0xE6> lost its newline, and a stream that began inside such a run printed U+FFFDs for
+    a whole emoji."""
+
+    def __init__(self, tokens: list, types: list, add_space_prefix: bool):
+        self.pieces = [bytes([int(t[3:5], 16)]) if ty == BYTE and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t)
+                       else t.replace("\u2581", " ").encode("utf-8") for t, ty in zip(tokens, types)]
+        # skip_special_tokens drops what the `tokenizers` object holds as special added tokens
+        self.special = {i for i, ty in enumerate(types) if ty in (CONTROL, UNKNOWN)}
+        self.strip = add_space_prefix
+
+    def decode(self, ids: list, skip_special_tokens: bool) -> str:
+        n = len(self.pieces)   # an id past the vocabulary decodes to nothing, as in `tokenizers`
+        text = b"".join(self.pieces[i] for i in ids if i < n and not (skip_special_tokens and i in self.special)
+                        ).decode("utf-8", _ONE_FFFD_A_BYTE)
+        return text[1:] if self.strip and text.startswith(" ") else text
 
 
 class TextSoFar:
@@ -564,15 +606,19 @@ class TextSoFar:
     context: the ids before the text (a prompt). The text begins after the context's last whole
     character: context ids that leave a character unfinished (up to 8) belong to the text, which
     then starts with the character the new ids finish, not with U+FFFD; the context id before
-    them starts the first window (so a first-token rule applies to it, not to the text)."""
+    them starts the first window (so a first-token rule applies to it, not to the text); all the
+    ids of that character where it was spelled in byte tokens."""
 
     def __init__(self, decode, context=()):
         ctx = [int(i) for i in list(context)[-9:]]
         cut = len(ctx)
         while cut and decode(ctx[:cut]).endswith("\ufffd"):
             cut -= 1
-        self.decode, self.ids, self.text = decode, ctx[max(cut - 1, 0):], ""
-        self._p, self._c = 0, min(cut, 1)
+        start = max(cut - 1, 0)   # back to where the character before the text begins: a window
+        while start and decode(ctx[start:cut]).startswith("\ufffd"):   # from its last byte token
+            start -= 1            # alone would start with U+FFFD, and a decoder may then spoil more
+        self.decode, self.ids, self.text = decode, ctx[start:], ""
+        self._p, self._c = 0, cut - start
         self._done, self._head = "", decode(self.ids[:self._c])
         self._context_text = self._head
 
