@@ -499,3 +499,178 @@ def test_tokenizer_gguf_cannot_carry_is_refused_by_name(src, tmp_path, capsys, e
     err = capsys.readouterr().err
     assert needle in err and str(d) in err and err.count("\n") == 1, err
     assert not (tmp_path / "out.gguf").exists()
+
+
+def _copy_with_tokenizer(src_dir, d, tj_edit=None, tc_edit=None):
+    """A copy of an HF dir with its tokenizer.json / tokenizer_config.json edited."""
+    import shutil
+
+    shutil.copytree(src_dir, d)
+    for name, edit in (("tokenizer.json", tj_edit), ("tokenizer_config.json", tc_edit)):
+        if edit is not None:
+            data = json.loads((d / name).read_text())
+            edit(data)
+            (d / name).write_text(json.dumps(data))
+    return d
+
+
+@pytest.mark.parametrize("add_eos", [False, True])
+def test_gguf_to_hf_tokenizer_adds_bos_and_eos_as_the_gguf_says(src, tmp_path, add_eos):
+    """A GGUF whose tokenizer adds BOS (tokenizer.ggml.add_bos_token, and add_eos_token) exported
+    to an HF dir: transformers' AutoTokenizer on it adds them as the runner does on the GGUF and
+    as transformers does on the original HF dir (Llama 3's TemplateProcessing here). The written
+    tokenizer.json had no post_processor, and AutoTokenizer then added neither."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from quantzoo.model.gguf_loader import load_gguf
+
+    bos, eos = "<|endoftext|>", "<|im_end|>"
+
+    def post_processor(tj):
+        ids = {t["content"]: t["id"] for t in tj["added_tokens"]}
+
+        def part(seq, type_id):
+            return ([{"SpecialToken": {"id": bos, "type_id": type_id}},
+                     {"Sequence": {"id": seq, "type_id": type_id}}]
+                    + [{"SpecialToken": {"id": eos, "type_id": type_id}}] * add_eos)
+
+        special = {t: {"id": t, "ids": [ids[t]], "tokens": [t]} for t in (bos, eos)}
+        tj["post_processor"] = {"type": "TemplateProcessing", "single": part("A", 0),
+                                "pair": part("A", 0) + part("B", 1), "special_tokens": special}
+
+    def config(tc):
+        tc["bos_token"] = bos
+        del tc["add_bos_token"]   # (the post_processor says it)
+
+    hf = _copy_with_tokenizer(src["dir"], tmp_path / "hf", post_processor, config)
+    g, out = tmp_path / "m.gguf", tmp_path / "out"
+    assert cli(["quantize", str(hf), str(g), "--format", "q8_0", "--quiet"]) == 0
+    f = _fields(gguf.GGUFReader(str(g)))
+    assert f["tokenizer.ggml.add_bos_token"] is True and f.get("tokenizer.ggml.add_eos_token", False) is add_eos
+    assert cli(["quantize", str(g), str(out), "--format", "fp16", "--quiet"]) == 0
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    assert (tc["add_bos_token"], tc["add_eos_token"]) == (True, add_eos)
+    gtok = load_gguf(str(g), progress=False)[2]
+    want, theirs = AutoTokenizer.from_pretrained(hf), AutoTokenizer.from_pretrained(out)
+    ids = gtok.encode(H.PROMPT)
+    assert ids[0] == gtok.bos_token_id and (ids[-1] == gtok.eos_token_ids[0]) is add_eos
+    for text in (H.PROMPT, "", "<|im_start|>user\nhi<|im_end|>"):
+        assert theirs(text)["input_ids"] == gtok.encode(text) == want(text)["input_ids"], text
+        assert theirs(text, "x")["input_ids"] == want(text, "x")["input_ids"], text
+
+
+def test_gguf_to_hf_keeps_pad_and_unk_tokens(src, tmp_path):
+    """tokenizer.ggml.padding_token_id / unknown_token_id of a GGUF reach the HF dir it is
+    exported to (tokenizer_config.json's pad_token / unk_token, config.json's pad_token_id), so
+    transformers sees the pad and unk tokens of the original HF dir; an id that is none of the
+    tokenizer's is left out. Only BOS and EOS had been carried over."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    def tokens(tj):
+        n = len(tj["model"]["vocab"]) + len(tj["added_tokens"])
+        tj["added_tokens"] += [{"id": n + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                                "normalized": False, "special": True} for i, t in enumerate(("<pad>", "<unk>"))]
+
+    def config(tc):
+        tc.update(pad_token="<pad>", unk_token="<unk>")
+
+    hf = _copy_with_tokenizer(src["dir"], tmp_path / "hf", tokens, config)
+    g, out = tmp_path / "m.gguf", tmp_path / "out"
+    assert cli(["quantize", str(hf), str(g), "--format", "q8_0", "--quiet"]) == 0
+    assert cli(["quantize", str(g), str(out), "--format", "fp16", "--quiet"]) == 0
+    want, theirs = AutoTokenizer.from_pretrained(hf), AutoTokenizer.from_pretrained(out)
+    assert (theirs.pad_token, theirs.pad_token_id, theirs.unk_token, theirs.unk_token_id) == \
+        (want.pad_token, want.pad_token_id, want.unk_token, want.unk_token_id) == \
+        ("<pad>", want.convert_tokens_to_ids("<pad>"), "<unk>", want.convert_tokens_to_ids("<unk>"))
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == want.pad_token_id
+    from quantzoo.model.export import gguf_token_id
+
+    tok = SimpleNamespace(vocab_size=10)
+    for i, ok in ((9, True), (10, False), (-1, False), (True, False), ("3", False)):
+        s = SimpleNamespace(gguf_meta=[("tokenizer.ggml.padding_token_id", i, [])], tokenizer=tok)
+        assert gguf_token_id(s, "padding") == (i if ok else None), i
+
+
+def test_hf_to_gguf_carries_the_chat_templates_the_loader_reads(src, tmp_path):
+    """An HF dir with a chat_template in tokenizer_config.json and another in chat_template.jinja
+    (and a named one in additional_chat_templates/): the GGUF carries the templates that
+    transformers and the runner's HF loader use -- the files' -- in llama.cpp's keys. gguf-py's
+    SpecialVocab had written tokenizer_config.json's and dropped the named one."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from quantzoo.model.gguf_loader import load_gguf
+    from quantzoo.model.hf_loader import load_tokenizer
+
+    hf = _copy_with_tokenizer(src["dir"], tmp_path / "hf")
+    default = "FILE:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (hf / "chat_template.jinja").write_text(default)
+    (hf / "additional_chat_templates").mkdir()
+    (hf / "additional_chat_templates" / "tool_use.jinja").write_text("<tool>{{ messages[0]['content'] }}")
+    assert json.loads((hf / "tokenizer_config.json").read_text())["chat_template"] == H.CHATML
+    g = tmp_path / "m.gguf"
+    assert cli(["quantize", str(hf), str(g), "--format", "q8_0", "--quiet"]) == 0
+    f = _fields(gguf.GGUFReader(str(g)))
+    assert f["tokenizer.chat_template"] == default and f["tokenizer.chat_templates"] == ["tool_use"]
+    assert f["tokenizer.chat_template.tool_use"] == "<tool>{{ messages[0]['content'] }}"
+    gtok = load_gguf(str(g), progress=False)[2]
+    assert gtok.chat_templates == load_tokenizer(hf).chat_templates
+    theirs, msgs = AutoTokenizer.from_pretrained(hf), [{"role": "user", "content": "hi"}]
+    assert gtok.apply_chat_template(msgs) == theirs.apply_chat_template(msgs, tokenize=False) == "FILE:hi"
+    assert gtok.apply_chat_template(msgs, template="tool_use") == \
+        theirs.apply_chat_template(msgs, chat_template="tool_use", tokenize=False) == "<tool>hi"
+
+
+@pytest.mark.parametrize("link", ["hard", "sym", "sym-entries"])
+def test_hf_export_into_a_linked_copy_leaves_the_source_alone(src, tmp_path, link):
+    """DST a copy of SRC made of hard links (`cp -al SRC DST`) or symlinks (`cp -as`, or `ln -s
+    SRC/* DST/`, its folder too): every file the export writes replaces DST's link, never writes
+    through it. config.json was written in place, so the source's own config.json became the AWQ
+    one and the source no longer loaded."""
+    import os
+    import shutil
+
+    from quantzoo.model.hf_loader import load_hf
+
+    hf = _copy_with_tokenizer(src["dir"], tmp_path / "hf")
+    (hf / "additional_chat_templates").mkdir()
+    (hf / "additional_chat_templates" / "tool_use.jinja").write_text("<tool>")
+    before = {p: p.read_bytes() for p in hf.rglob("*") if p.is_file()}
+    out = tmp_path / "out"
+    if link != "sym-entries":
+        shutil.copytree(hf, out, copy_function=os.link if link == "hard" else os.symlink)
+    else:
+        out.mkdir()
+        for p in hf.iterdir():
+            (out / p.name).symlink_to(p)
+    assert cli(["quantize", str(hf), str(out), "--format", "awq", "--group-size", "64", "--quiet"]) == 0
+    assert {p: p.read_bytes() for p in hf.rglob("*") if p.is_file()} == before
+    assert "quantization_config" in json.loads((out / "config.json").read_text())
+    for p in out.rglob("*"):
+        assert not p.is_symlink() and (p.is_dir() or p.stat().st_nlink == 1), p
+    load_hf(hf, progress=False)
+
+
+def test_dst_is_checked_as_given(src, tmp_path, monkeypatch, capsys):
+    """DST's checks see the path as given: "" (pathlib's ".", which wrote the model into the
+    current directory), "keep.gguf/" (pathlib drops the "/": an existing keep.gguf was replaced)
+    and a DST directory whose config.json is a directory (a bare '[Errno 21]' after every weight
+    was written) are each refused in one line before anything is written."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    keep, half = tmp_path / "keep.gguf", tmp_path / "half"
+    keep.write_bytes(b"precious")
+    (half / "config.json").mkdir(parents=True)
+    for dst, fmt, needle in (("", "fp16", "DST: an empty path"),
+                             (f"{keep}/", "q8_0", f"DST={keep}/: is a directory; give the file to write"),
+                             (str(half), "fp16", f"DST={half}: {half}/config.json is a directory, where the "
+                                                 "config.json file goes")):
+        assert cli(["quantize", str(src["dir"]), dst, "--format", fmt, "--quiet"]) == 2, dst
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(needle) and "\n" not in err, (dst, err)
+    assert list(cwd.iterdir()) == [] and keep.read_bytes() == b"precious"
+    assert [p.name for p in half.rglob("*")] == ["config.json"]

@@ -15,7 +15,9 @@ Destinations, by the name of DST and --format:
                          decoder linears as `<module>.qweight/.qzeros/.scales`, embeddings,
                          norms and lm_head in fp16, config.json with quantization_config
                          {quant_method awq, bits 4, group_size, zero_point true, version gemm},
-                         tokenizer files alongside.
+                         tokenizer files alongside (from a GGUF source: a tokenizer.json whose
+                         post_processor adds BOS / EOS as the GGUF's add_bos/add_eos say, its
+                         pad and unk tokens). Every file is written anew, never through a link.
   DST directory, fp16    a plain fp16 HF checkpoint (the baseline for comparisons).
   DST .gguf, q4_0..q8_0  GGUF written by gguf-py's GGUFWriter with llama.cpp's arch keys and
   (or fp16)              tensor names; every 2-D weight (embeddings included) in the chosen
@@ -23,7 +25,8 @@ Destinations, by the name of DST and --format:
                          Q and K rows get the converter's permutation (pairs for "normal" RoPE);
                          qwen3 is not permuted. Tokenizer metadata: copied from a GGUF source, or
                          built from tokenizer.json (an HF source's, or the one beside a .bin) the
-                         way llama.cpp's converter does for BPE.
+                         way llama.cpp's converter does for BPE, with the chat templates the
+                         runner's HF loader reads (chat_template.jinja over tokenizer_config.json's).
   DST .bin, awq          KuiperLLama's "ak48" AWQ file (quantzoo/model/kuiper.py).
 """
 from __future__ import annotations
@@ -41,7 +44,8 @@ from quantzoo.formats import get, names
 from quantzoo.paths import check_no_symlink_loop, check_out_dir, check_out_file
 
 from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
-from .hf_loader import CHAT_TEMPLATE_DIR, LINEARS, not_converted, parse_quantization_config, to_numpy_float
+from .hf_loader import (CHAT_TEMPLATE_DIR, LINEARS, load_tokenizer, not_converted, parse_quantization_config,
+                        to_numpy_float)
 
 # Every stored (non-activation) format of the registry can be exported.
 FORMATS = tuple(n for n in names() if get(n).kind != "activation")
@@ -50,6 +54,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 SHARD_BYTES = 4 << 30   # an HF export's safetensors shards hold at most this (or one larger tensor)
 SHARD_INDEX = "model.safetensors.index.json"
+HF_FILES = ("config.json", "model.safetensors", SHARD_INDEX) + TOKENIZER_FILES   # write_hf's (or removes)
 DEFAULT_GROUP = 128     # the AWQ group of a source that is not AWQ itself
 HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
 
@@ -237,15 +242,68 @@ def hf_config_dict(src: Source, dtype: str = "float16") -> dict:
                "hidden_act": "silu", "attention_bias": False,
                "bos_token_id": c.bos_token_id,
                "eos_token_id": (c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids or None)}
+        pad = gguf_token_id(src, "padding")
+        if pad is not None:   # (transformers' generate pads batches with it)
+            cfg["pad_token_id"] = pad
     cfg["torch_dtype"] = dtype          # AutoAWQ / transformers 4 name
     if "dtype" in cfg:
         cfg["dtype"] = dtype            # transformers 5 name
     return cfg
 
 
+def gguf_token_id(src: Source, what: str) -> int | None:
+    """tokenizer.ggml.<what>_token_id of a GGUF source (padding, unknown, ...), where it is one of
+    its tokenizer's ids; else None."""
+    meta = {k: v for k, v, _ in getattr(src, "gguf_meta", ())}   # (getattr: a stand-in for a Source may lack it)
+    i = meta.get(f"tokenizer.ggml.{what}_token_id")
+    n = src.tokenizer.vocab_size if src.tokenizer is not None else 0
+    return i if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n else None
+
+
+def special_tokens_post_processor(tok) -> dict:
+    """tokenizer.json's post_processor adding BOS / EOS as the runner's Tokenizer does (add_bos,
+    add_eos): a TemplateProcessing as transformers' own converters write it (single: BOS? $A EOS?;
+    pair: the same again for $B, type id 1). transformers' AutoTokenizer adds special tokens by
+    the post_processor alone, not by tokenizer_config.json's add_bos_token."""
+    bos = tok.bos_token_id if tok.add_bos else None
+    eos = tok.eos_token_ids[0] if tok.add_eos else None
+
+    def part(seq: str, type_id: int) -> list:
+        out = [{"Sequence": {"id": seq, "type_id": type_id}}]
+        if bos is not None:
+            out.insert(0, {"SpecialToken": {"id": tok.tok.id_to_token(bos), "type_id": type_id}})
+        if eos is not None:
+            out.append({"SpecialToken": {"id": tok.tok.id_to_token(eos), "type_id": type_id}})
+        return out
+
+    special = {}
+    for i in (bos, eos):
+        if i is not None:
+            t = tok.tok.id_to_token(i)
+            special[t] = {"id": t, "ids": [i], "tokens": [t]}
+    return {"type": "TemplateProcessing", "single": part("A", 0), "pair": part("A", 0) + part("B", 1),
+            "special_tokens": special}
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write `path` as a new file (a temp file beside it, renamed over it): a DST file that is a
+    hard link or symlink to the source's (DST made by `cp -al SRC DST` or `cp -as`) is replaced,
+    never written through -- which had rewritten the source's own config.json."""
+    tmp = path.with_name(path.name + ".part")
+    tmp.unlink(missing_ok=True)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _write_tokenizer_files(src: Source, dst: Path) -> None:
     for name in TOKENIZER_FILES:   # an earlier export's files must not outlive this one's
         (dst / name).unlink(missing_ok=True)
+    if (dst / CHAT_TEMPLATE_DIR).is_symlink():   # (a link, as rmtree refuses it, to the source's own)
+        (dst / CHAT_TEMPLATE_DIR).unlink()
     shutil.rmtree(dst / CHAT_TEMPLATE_DIR, ignore_errors=True)
     if src.hf_config is not None:
         for name in TOKENIZER_FILES:
@@ -257,10 +315,18 @@ def _write_tokenizer_files(src: Source, dst: Path) -> None:
     tok = src.tokenizer
     if tok is None:
         return
-    (dst / "tokenizer.json").write_text(tok.tok.to_str(), encoding="utf-8")
+    text = tok.tok.to_str()
+    if tok.tok.encode("a", add_special_tokens=True).ids != tok.encode("a"):   # (a GGUF's has no post_processor)
+        text = json.dumps({**json.loads(text), "post_processor": special_tokens_post_processor(tok)},
+                          ensure_ascii=False)
+    (dst / "tokenizer.json").write_text(text, encoding="utf-8")
     tc = {"bos_token": tok.bos_token or None, "eos_token": tok.eos_token or None,
           "add_bos_token": bool(tok.add_bos),
           "add_eos_token": bool(tok.add_eos), "clean_up_tokenization_spaces": False}
+    for key, what in (("pad_token", "padding"), ("unk_token", "unknown")):   # as HF -> GGUF writes them
+        i = gguf_token_id(src, what)
+        if i is not None:
+            tc[key] = tok.tok.id_to_token(i)
     if set(tok.chat_templates) - {"default"}:   # named templates: transformers' list form
         tc["chat_template"] = [{"name": n, "template": t} for n, t in tok.chat_templates.items()]
     elif tok.chat_template:
@@ -295,6 +361,7 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
         nonlocal tensors, size
         if tensors:
             part = dst / f"shard-{len(shards)}.part"
+            part.unlink(missing_ok=True)   # (save_file would write through a link of that name)
             save_file(tensors, str(part), metadata={"format": "pt"})
             shards.append((part, list(tensors), size))
             tensors, size = {}, 0
@@ -337,13 +404,13 @@ def write_hf(src: Source, dst: Path, fmt: str = "awq", group_size: int = 128, pr
             part.replace(dst / final)
             weight_map.update(dict.fromkeys(keys, final))
         index = {"metadata": {"total_size": sum(n for _, _, n in shards)}, "weight_map": weight_map}
-        (dst / SHARD_INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
+        _write_new(dst / SHARD_INDEX, json.dumps(index, indent=2))
     if fmt == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
                                       "zero_point": True, "version": "gemm",
                                       "modules_to_not_convert": skip or None}
     _write_tokenizer_files(src, dst)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    _write_new(dst / "config.json", json.dumps(cfg, indent=2))
     return dst
 
 
@@ -448,7 +515,7 @@ def add_hf_tokenizer(writer, src: Source) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     # merges (byte-level only), special ids (bos/eos/pad/unk from tokenizer_config + config),
-    # add_bos, chat template
+    # add_bos (the chat templates: below)
     try:
         special = gguf.SpecialVocab(src.tokenizer_dir, load_merges=space_prefix is None, n_vocab=n_vocab)
     except ValueError as e:   # gguf-py's own words, e.g. "invalid value for special token type eos: -1"
@@ -456,7 +523,27 @@ def add_hf_tokenizer(writer, src: Source) -> None:
     if space_prefix is None and not special.merges:   # gguf-py would only log it
         raise ValueError(f"{tj}: a byte-level BPE without merges; llama.cpp cannot load a 'gpt2' "
                          "GGUF tokenizer without tokenizer.ggml.merges")
+    # the chat templates: those the runner's loader reads for this directory, not SpecialVocab's
+    # (it takes tokenizer_config.json's chat_template over chat_template.jinja, where transformers
+    # and load_tokenizer let the file win)
+    special.chat_template = None
     special.add_to_gguf(writer, quiet=True)
+    add_chat_templates(writer, (src.tokenizer or load_tokenizer(src.tokenizer_dir)).chat_templates)
+
+
+def add_chat_templates(writer, templates: dict) -> None:
+    """A Tokenizer's chat_templates as llama.cpp keeps them: the default in tokenizer.chat_template,
+    each named one in tokenizer.chat_template.NAME, listed in tokenizer.chat_templates (what the
+    GGUF loader reads back: the names as they are, in the loader's order)."""
+    import gguf
+
+    named = [n for n in templates if n != "default"]
+    if named:
+        writer.add_array(gguf.Keys.Tokenizer.CHAT_TEMPLATES, named)
+        for n in named:
+            writer.add_string(gguf.Keys.Tokenizer.CHAT_TEMPLATE_N.format(name=n), templates[n])
+    if "default" in templates:
+        writer.add_chat_template(templates["default"])
 
 
 def sentencepiece_style(data: dict, tj: Path) -> bool | None:
@@ -638,6 +725,11 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
     re-quantized from their dequantized values: that moved a g64 model's logits by ~1), else 128."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: choose one of {FORMATS}")
+    # DST as given for the path checks: Path() makes "" the current directory and drops the "/"
+    # of "x.gguf/" (which then replaced an existing file x.gguf)
+    given = os.fspath(dst)
+    if not given:
+        raise ValueError("DST: an empty path")
     dst = Path(dst)
     check_no_symlink_loop(src, f"SRC={src}")   # (before resolve(), which raises RuntimeError on one)
     check_no_symlink_loop(dst, f"DST={dst}")
@@ -663,10 +755,10 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
             raise ValueError(f"DST={dst} already holds other checkpoint files ({', '.join(sorted(stale)[:3])}"
                              f"{', ...' if len(stale) > 3 else ''}); write to an empty directory")
     # where DST goes must take it (its folders are made as needed): checked before the source is read
-    if kind == "dir":
-        check_out_dir(dst, f"DST={dst}")
+    if kind == "dir":   # (a directory where one of its files goes had failed after all the weights)
+        check_out_dir(given, f"DST={given}", files=HF_FILES)
     else:   # (a .gguf or .bin is written beside DST and renamed over it)
-        check_out_file(dst, f"DST={dst}", make_parent=True, replaced=True)
+        check_out_file(given, f"DST={given}", make_parent=True, replaced=True)
     src_m = read_source(src, progress=progress)
     if group_size is None:   # (after read_source: a bad source's own error comes first)
         group_size = awq_group_of(src) or DEFAULT_GROUP
