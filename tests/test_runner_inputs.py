@@ -523,7 +523,7 @@ def test_named_chat_templates_as_transformers_and_llama_cpp_store_them(tmp_path)
         assert g.chat_templates == tok.chat_templates and g.chat_template == tok.chat_template
         out = tmp_path / f"hf{len(named)}"   # a GGUF's named templates exported to an HF dir
         out.mkdir()
-        _write_tokenizer_files(SimpleNamespace(hf_config=None, path=tmp_path, tokenizer=tok), out)
+        _write_tokenizer_files(SimpleNamespace(hf_config=None, path=tmp_path, tokenizer=tok, gguf_meta=[]), out)
         tc = json.loads((out / "tokenizer_config.json").read_text())
         back = Tokenizer.from_tokenizer_json(str(out / "tokenizer.json"), tc)
         assert back.chat_templates == tok.chat_templates and back.chat_template == tok.chat_template
@@ -556,7 +556,7 @@ def test_named_chat_templates_saved_as_files_as_transformers_does(tmp_path):
         assert (src / "additional_chat_templates" / "tool_use.jinja").exists()
         hf = AutoTokenizer.from_pretrained(src)
         out.mkdir()
-        _write_tokenizer_files(SimpleNamespace(hf_config={}, path=src, tokenizer=None), out)
+        _write_tokenizer_files(SimpleNamespace(hf_config={}, path=src, tokenizer=None, gguf_meta=[]), out)
         for d in (src, out):
             tok = load_tokenizer(d)
             assert tok.chat_templates == {t["name"]: t["template"] for t in named}, d
@@ -638,7 +638,7 @@ def test_a_single_gguf_chat_template_exported_as_transformers_writes_it(tmp_path
     assert tok.chat_templates == {"default": H.CHATML}
     out = tmp_path / "hf"
     out.mkdir()
-    _write_tokenizer_files(SimpleNamespace(hf_config=None, path=tmp_path, tokenizer=tok), out)
+    _write_tokenizer_files(SimpleNamespace(hf_config=None, path=tmp_path, tokenizer=tok, gguf_meta=[]), out)
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == H.CHATML
     msgs = [{"role": "user", "content": "hi"}]
     assert AutoTokenizer.from_pretrained(out).apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) \

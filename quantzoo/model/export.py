@@ -254,7 +254,7 @@ def hf_config_dict(src: Source, dtype: str = "float16") -> dict:
 def gguf_token_id(src: Source, what: str) -> int | None:
     """tokenizer.ggml.<what>_token_id of a GGUF source (padding, unknown, ...), where it is one of
     its tokenizer's ids; else None."""
-    meta = {k: v for k, v, _ in getattr(src, "gguf_meta", ())}   # (getattr: a stand-in for a Source may lack it)
+    meta = {k: v for k, v, _ in src.gguf_meta}
     i = meta.get(f"tokenizer.ggml.{what}_token_id")
     n = src.tokenizer.vocab_size if src.tokenizer is not None else 0
     return i if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n else None
