@@ -1,5 +1,7 @@
 """AWQ CUDA entry points, the parts that run without a GPU: input validation happens in Python
 before any launch (a clear ValueError naming the argument), dispatch names, kernel declarations."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -43,6 +45,13 @@ def test_group_size_and_shape_errors():
         awq.gemm(x, qw.T.contiguous().T, sc, qz, 64)
     with pytest.raises(ValueError, match="scales: 7 groups"):
         awq.check_weights(qw, sc[:7], qz[:7])
+    # an int, said with its repr: "64" was refused as "64 is not supported", 64.0 passed (64.0 == 64)
+    for bad in ("64", 64.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"group_size: {bad!r} is not supported; choose an int, "
+                                                       "one of (32, 64, 128)")):
+            ops.awq_gemm(x, qw, sc, qz, bad)
+    with pytest.raises(ValueError, match="qweight: on cpu"):   # a numpy integer is an int: past the check
+        ops.awq_gemm(x, qw, sc, qz, np.int64(64))
 
 
 def test_cpu_tensors_are_refused():

@@ -225,8 +225,11 @@ def check_weights(qweight, scales, qzeros, group_size=None):
         if scales.shape[0] == 0 or k % scales.shape[0]:
             raise ValueError(f"scales: {scales.shape[0]} groups do not divide K={k}")
         group_size = k // scales.shape[0]
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size: {group_size} is not supported; choose one of {GROUP_SIZES}")
+    # an int (numpy's too), as formats.awq.check_shape asks: "32" and 32.0 had passed or been refused
+    # as "32 is not supported" (32.0 == 32), and the operator's schema refuses both
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: {group_size!r} is not supported; choose an int, one of {GROUP_SIZES}")
+    group_size = int(group_size)
     if scales.shape[0] * group_size != k:
         raise ValueError(f"group_size: {group_size} disagrees with scales' {scales.shape[0]} groups "
                          f"over qweight's K={k} rows")
