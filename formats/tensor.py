@@ -40,6 +40,17 @@ class QuantizedTensor:
     data: Any
     params: dict = field(default_factory=dict)  # format options, e.g. {"group_size": 128}
 
+    def __post_init__(self):
+        # numpy integers (gguf.GGUFReader's uint64 shapes, a group size read with numpy) become
+        # ints, which the rest take: the operator's JSON layout, the fake kernel's n and k under
+        # torch.compile, state_dict under torch.load(weights_only=True). Nothing else is changed:
+        # Format.check names what is wrong
+        if isinstance(self.shape, tuple) and any(isinstance(d, np.integer) for d in self.shape):
+            object.__setattr__(self, "shape", tuple(int(d) if isinstance(d, np.integer) else d for d in self.shape))
+        if isinstance(self.params, dict) and any(isinstance(v, np.integer) for v in self.params.values()):
+            object.__setattr__(self, "params", {k: int(v) if isinstance(v, np.integer) else v
+                                                for k, v in self.params.items()})
+
     @property
     def fmt(self):
         from . import get

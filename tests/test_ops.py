@@ -78,6 +78,30 @@ def test_quant_linear_checks_its_arguments():
     assert meta.bias.device.type == "meta"
 
 
+def test_numpy_integer_shape_and_params_are_ints(rng, tmp_path):
+    """A shape of numpy integers (gguf.GGUFReader reports uint64) and a numpy group size become
+    ints in the QuantizedTensor: QuantLinear takes an np.int64 group size (json refused it), and
+    its state_dict loads with torch.load's default weights_only=True (numpy scalars were refused)."""
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    aq = get("awq").quantize(w, group_size=32)
+    qts = [qz.QuantizedTensor("q8_0", tuple(np.array([16, 128], np.uint64)), get("q8_0").quantize(w).data),
+           get("awq").from_arrays(aq.data["qweight"], aq.data["qzeros"], aq.data["scales"], group_size=np.int64(32)),
+           qz.QuantizedTensor("awq", (np.int32(16), 128), aq.data, {"group_size": np.uint8(32)})]
+    x = torch.from_numpy(rng.standard_normal((3, 128)).astype(np.float32))
+    for qt in qts:
+        assert qt.shape == (16, 128) and all(type(d) is int for d in qt.shape)
+        assert all(type(v) is int for v in qt.params.values())
+        a = qz.QuantLinear(qt, mode="dequant")
+        torch.save(a.state_dict(), tmp_path / "ql.pt")
+        b = qz.QuantLinear(get(qt.format).quantize(np.zeros_like(w), **qt.params), mode="dequant")
+        b.load_state_dict(torch.load(tmp_path / "ql.pt", weights_only=True))
+        want = x.double().numpy() @ get(qt.format).dequantize(qt).astype(np.float64).T
+        np.testing.assert_allclose(b(x).numpy(), want, rtol=1e-5, atol=1e-5)
+    bad = qz.QuantizedTensor("awq", (16, 128), aq.data, {"group_size": np.float64(32)})   # not an integer: named
+    with pytest.raises(ValueError, match=r"group_size=np.float64\(32.0\) is not supported"):
+        qz.QuantLinear(bad)
+
+
 def test_matmul_refuses_an_input_that_requires_grad():
     """The result had come back detached: the gradient cut without a word."""
     qt = get("q4_0").quantize(np.zeros((8, 64), np.float32))

@@ -4,6 +4,7 @@ model of QuantLinear layers in every stored format compiles whole (fullgraph: a 
 is an error) and computes exactly what it computes eagerly. GPU: tests/test_torch_compile_gpu.py."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.library import opcheck
@@ -190,3 +191,30 @@ def test_a_reloaded_weight_is_used_after_compiling(rng):
             got = c(x)
             assert torch.equal(got, m(x)) and not torch.equal(got, first), fmt
 
+
+def _oracle(x, qt):
+    """x @ W.T in float64 on the dequantized weight (what mode="dequant" computes in float32)."""
+    k = qt.shape[1]
+    x64 = np.asarray(x, np.float64)
+    return (x64.reshape(-1, k) @ get(qt.format).dequantize(qt).astype(np.float64).T).reshape(*x64.shape[:-1], -1)
+
+
+def test_numpy_integer_shape_and_group_size_compile(rng):
+    """A shape of numpy integers (gguf.GGUFReader's uint64) and a numpy group size are ints in
+    the QuantizedTensor: QuantLinear is made (json had refused np.int64) and compiles whole (the
+    fake kernel had been given uint64 tensors for n and k)."""
+    from quantzoo.formats import QuantizedTensor
+
+    w = rng.standard_normal((64, 128)).astype("float32")
+    q8 = get("q8_0").quantize(w)
+    aq = get("awq").quantize(w, group_size=32)
+    a = aq.data
+    for qt in (QuantizedTensor("q8_0", tuple(np.array([64, 128], np.uint64)), q8.data),
+               get("awq").from_arrays(a["qweight"], a["qzeros"], a["scales"], group_size=np.int64(32))):
+        assert all(type(d) is int for d in qt.shape) and all(type(v) is int for v in qt.params.values())
+        layer = QuantLinear(qt, mode="dequant")
+        x = torch.from_numpy(rng.standard_normal((3, 128)).astype("float32"))
+        torch._dynamo.reset()
+        with torch.no_grad():
+            y = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+        np.testing.assert_allclose(y.numpy(), _oracle(x, qt), rtol=1e-5, atol=1e-5)
