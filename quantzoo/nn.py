@@ -100,14 +100,16 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch tensor, got {type(x).__name__}")
-        if torch.compiler.is_compiling():   # one opaque node in the traced graph (torch_ops)
+        if torch_ops.via_operator(x):   # as ops.matmul routes: torch.compile tracing (one opaque
+            # node in the graph), make_fx / FakeTensorMode (the node, the fake kernel), torch.func
+            # and forward AD (refused by name)
             if x.requires_grad and torch.is_grad_enabled():
                 raise ValueError("x requires grad, but QuantLinear has no backward; run it under "
                                  "torch.no_grad() or pass x.detach()")
             y = torch.ops.quantzoo.qmatmul(x, self._op_storage, self._qt.format, self.out_features,
                                            self.in_features, self._op_layout, self.mode)
-        else:
-            y = ops.matmul(x, self.qt, mode=self.mode)   # (which refuses an x that requires grad)
+        else:   # (ops._matmul: via_operator is answered; it refuses an x that requires grad)
+            y = ops._matmul(x, self.qt, self.mode)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -3,7 +3,10 @@
 CPU (numpy, or torch on CPU) runs the reference: by default the bit-faithful emulation of what
 the GPU kernel computes (reference/), or with mode="dequant" a float32 matmul on the
 dequantized weight. CUDA (torch fp16 on a GPU, weight moved there with qt.to("cuda")) runs the
-format's kernels, quantzoo.kernels.<fmt.kernels>.matmul.
+format's kernels, quantzoo.kernels.<fmt.kernels>.matmul. While torch.compile traces, under make_fx
+or FakeTensorMode, for torch.func and forward-mode AD, and on meta, the call goes through the
+operator torch.ops.quantzoo.qmatmul instead (quantzoo.torch_ops: a graph node, the fake kernel,
+derivatives refused by name).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import importlib
 
 import numpy as np
 
+from . import torch_ops
 from .formats import QuantizedTensor, get_stored
 from .formats.base import cast_warn, warn
 
@@ -35,19 +39,32 @@ def kernels_for(fmt):
     return mod
 
 
-def matmul(x, qt, *, mode: str = "emulate"):
-    """y = x @ W.T; x (..., K) torch or numpy; same kind of array out (torch keeps x's dtype)."""
+def _check_args(qt, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: choose one of {MODES}")
     if not isinstance(qt, QuantizedTensor):
         raise ValueError(f"qt: expected a QuantizedTensor (formats.get(name).quantize(w)), "
                          f"got {type(qt).__name__}")
+
+
+def matmul(x, qt, *, mode: str = "emulate"):
+    """y = x @ W.T; x (..., K) torch or numpy; same kind of array out (torch keeps x's dtype)."""
+    if hasattr(x, "detach") and torch_ops.via_operator(x):
+        # torch.compile tracing, make_fx / FakeTensorMode, torch.func, forward AD: through the
+        # operator (an opaque node, its fake kernel, its refusals) before anything reads x's data
+        _check_args(qt, mode)
+        return torch_ops.qmatmul(x, qt, mode)
+    return _matmul(x, qt, mode)
+
+
+def _matmul(x, qt, mode: str):
+    """matmul's direct dispatch (the operator's kernel calls it: no second routing)."""
+    _check_args(qt, mode)
     if getattr(x, "requires_grad", False):
         import torch
 
         if torch.is_grad_enabled():
-            raise ValueError("x requires grad, but quantzoo.ops.matmul has no backward (the result "
-                             "would be silently detached); run it under torch.no_grad() or pass x.detach()")
+            raise ValueError(torch_ops.GRAD_REFUSED.format("quantzoo.ops.matmul"))
     if getattr(x, "is_cuda", False):
         # The runner's hot path (~150 calls per forward, a 512-token prefill is partly bound
         # by their Python time): the kernel module checks x and the weight itself (shapes,
@@ -78,13 +95,16 @@ def matmul(x, qt, *, mode: str = "emulate"):
     if not _same_device(xdev, qt.device):
         raise ValueError(f"x is on {xdev} but the {qt.format} weight is on {qt.device}; "
                          "move one with qt.to(device) or x.to(device)")
-    if xdev != "cpu":   # a non-CUDA torch device (meta, ...) with the weight there too
+    if xdev == "meta":   # the operator's fake kernel: the result's shape and dtype, on meta
+        return torch_ops.qmatmul(x, qt, mode)
+    if xdev != "cpu":   # a non-CUDA torch device with the weight there too
         return kernels_for(qt.fmt).matmul(x, qt)
     # The CPU computes in float32 at most (the kernels take fp16 x; GGUF's Q8_1 quantizer fp32 too): a finite x past
     # float32's range (float64 in) becomes inf, said by row and column as GGUF's Q8_1 overflow is
     if is_torch:
         x64 = x.element_size() > 4   # float64; float16/bfloat16 always fit in float32
-        xn = x.detach().numpy() if x64 else x.detach().float().numpy()
+        xd = x.detach().resolve_neg()   # (z.conj().imag: a lazily negated view, which .numpy() refuses)
+        xn = xd.numpy() if x64 else xd.float().numpy()
     else:
         xn = x
     xn = cast_warn(xn, np.float32, "the CPU reference computes in float32 (the GPU kernels take fp16 x, "
@@ -125,9 +145,9 @@ def awq_gemm(x, qweight, scales, qzeros, group_size):
     (qweight int32 [K, N/8], scales fp16 [K/G, N], qzeros int32 [K/G, N/8]) on CUDA."""
     import torch
 
-    if torch.compiler.is_compiling():   # one opaque node in the traced graph (quantzoo.torch_ops)
-        from . import torch_ops  # noqa: F401  (registers the op)
-
+    # as matmul: through the operator while torch.compile traces (one opaque node), under make_fx
+    # or FakeTensorMode (the node, the fake kernel), torch.func and forward AD (its refusals)
+    if isinstance(x, torch.Tensor) and torch_ops.via_operator(x):
         return torch.ops.quantzoo.awq_gemm(x, qweight, scales, qzeros, group_size)
     from quantzoo.kernels import awq
 

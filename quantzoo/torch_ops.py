@@ -14,11 +14,11 @@ captures the kernels, which launch on torch's current stream and allocate throug
   once, not per block, and a weight loaded into a compiled model is the one read. The operator finds W itself (its checks and launch
   plans are kept on it) by the addresses of that storage, in a registry that holds W weakly
   (`register(qt)`; QuantLinear registers its weight), and builds a QuantizedTensor from the
-  tensors where none is registered. QuantLinear.forward goes through the operator while
-  torch.compile traces and calls quantzoo.ops.matmul directly otherwise (no dispatcher cost in
-  eager mode).
+  tensors where none is registered. QuantLinear.forward and quantzoo.ops.matmul go through the
+  operator where `via_operator(x)` says so (torch.compile tracing, make_fx / FakeTensorMode,
+  torch.func, forward-mode AD) and compute directly otherwise (no dispatcher cost in eager mode).
 - `torch.ops.quantzoo.awq_gemm(x, qweight, scales, qzeros, group_size)`: the vLLM-style AWQ GEMM
-  on its tensors (CUDA); quantzoo.ops.awq_gemm calls it while tracing.
+  on its tensors (CUDA); quantzoo.ops.awq_gemm calls it where `via_operator(x)` says so.
 - On a stream other than the default one, the operators allocate the kernels' workspaces per
   call (a split-K partial buffer, tile counters zeroed by a memset, Q8_1 activations) and leave
   launch plans off (cuda_launch.fresh_workspaces): torch.compile's CUDA graphs warm up and record
@@ -26,7 +26,9 @@ captures the kernels, which launch on torch's current stream and allocate throug
   be refused ("tensor(s) in the cudagraph pool not tracked as outputs"). Captured, that costs
   nothing; run eagerly on a side stream it costs host time and a memset per call.
 
-Inference only, as the functions they wrap: no autograd formula is registered.
+Inference only, as the functions they wrap: their Autograd kernel refuses, by name, an x that
+requires grad or carries a forward-mode tangent (torch.func.grad and jvp included), where
+torch's fallback gave zero or missing derivatives without a word; vmap has no batching rule.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import weakref
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad
 
 # storage address -> weak references to the QuantizedTensors registered with that storage, and
 # each one's layout (several may share it: qt and a dataclasses.replace copy of it)
@@ -66,8 +69,17 @@ def _address(tensors) -> tuple:
 def layout(qt) -> str:
     """What, besides its storage tensors, makes qt: the names of its arrays and its params (JSON;
     a constant that identical layers share)."""
-    names = list(qt.data) if isinstance(qt.data, dict) else []
-    return json.dumps({"names": names, "params": qt.params}, sort_keys=True)
+    return _layout(tuple(qt.data) if isinstance(qt.data, dict) else (), qt.params)
+
+
+def _layout(names: tuple, params: dict) -> str:
+    return json.dumps({"names": list(names), "params": params}, sort_keys=True)
+
+
+# torch.compile cannot trace json: Dynamo runs _layout while tracing and makes its result a
+# constant of the graph, guarded on the arguments (what torch._dynamo.assume_constant_result
+# sets; importing torch._dynamo for it would add ~2 s to `import quantzoo`)
+_layout._dynamo_marked_constant = True
 
 
 def register(qt) -> tuple:
@@ -117,6 +129,41 @@ def _weight(tensors, fmt: str, n: int, k: int, lay: str):
     return qt
 
 
+_is_compiling = torch.compiler.is_compiling
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_modes = torch._C._len_torch_dispatch_stack   # (Python dispatch modes, FakeTensorMode's included)
+
+
+def via_operator(x) -> bool:
+    """Whether the torch tensor x must reach the weight through the operator instead of
+    ops.matmul's direct dispatch (x.numpy() into the reference, or the CUDA kernels on x's
+    memory): while torch.compile traces (one opaque node); under a Python dispatch mode (make_fx
+    recorded the numpy result as a constant of its graph; FakeTensorMode got .numpy()'s error:
+    the node and the fake kernel instead); an x that torch.func wraps (its transforms name what
+    they lack: no batching rule; the Autograd kernel's refusal); an x with a forward-mode tangent
+    (refused there, where the result came back without one). is_compiling first: while
+    tracing, nothing else is read. Cost where all are false: 0.41 us a call (best of 15 on the
+    2-core CPU box that runs the CPU tests, torch 2.13); ops.matmul's path to the CUDA kernels
+    went from 1.3 to 2.1 us there with it and its call layers (22-43 us per CUDA call, README)."""
+    return (_is_compiling() or _modes() > 0 or _is_wrapped(x)
+            or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None))
+
+
+def qmatmul(x, qt, mode: str = "emulate"):
+    """torch.ops.quantzoo.qmatmul(x, ...) on the weight qt, ops.matmul's route where via_operator(x).
+    Tracing with torch.compile, qt's numpy arrays become the graph's inputs through
+    torch.from_numpy (views, as `storage` makes); a weight that is not registered (QuantLinear
+    registers its own) is rebuilt from them and checked at each call, and on CUDA its storage is
+    not marked static (torch_ops.register(qt) before compiling does both). An array that runs
+    backwards (a[::-1]) cannot be traced (Dynamo does not convert it): QuantLinear copies it."""
+    n, k = qt.shape
+    if _is_compiling():   # (storage's strides test and warning filter are not traceable)
+        st = tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in qt.arrays().values())
+    else:
+        st = storage(qt)
+    return torch.ops.quantzoo.qmatmul(x, st, qt.format, n, k, layout(qt), mode)
+
+
 def _on_cuda_graph_stream(x, call):
     """call(), with the kernels' workspaces per call and launch plans off where torch.compile's
     CUDA graphs may be warming up or recording: on any stream but the device's default one (they
@@ -134,10 +181,13 @@ def _qmatmul(x, storage, format, n, k, layout, mode="emulate"):
     from . import ops
 
     qt = _weight(storage, format, n, k, layout)
-    return _on_cuda_graph_stream(x, lambda: ops.matmul(x, qt, mode=mode))
+    # (ops._matmul: the direct dispatch; ops.matmul's via_operator would route back here)
+    return _on_cuda_graph_stream(x, lambda: ops._matmul(x, qt, mode))
 
 
 def _qmatmul_fake(x, storage, format, n, k, layout, mode="emulate"):
+    if x.dim() == 0:   # (as ops.matmul says it eagerly; x.shape[-1] was an IndexError)
+        raise ValueError(f"x: a scalar (0-d); expected shape (..., {k}) for the {format} weight {(n, k)}")
     if x.shape[-1] != k:
         raise ValueError(f"x: last dimension is {x.shape[-1]}, the {format} weight {(n, k)} expects K={k}")
     if any(t.device != x.device for t in storage):
@@ -156,16 +206,58 @@ def _awq_gemm_fake(x, qweight, scales, qzeros, group_size=None):
     return x.new_empty((*x.shape[:-1], scales.shape[-1]), dtype=torch.float16)
 
 
+GRAD_REFUSED = ("x requires grad, but {} has no backward (the result would be silently detached); "
+                "run it under torch.no_grad() or pass x.detach()")
+
+
+def _refuse_derivatives(x, name: str) -> None:
+    """The operators' Autograd kernel: what they cannot differentiate is refused by name."""
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(GRAD_REFUSED.format(name))
+    if forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None:
+        raise ValueError(f"x carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp), but {name} "
+                         "has no derivative (the result would have none); pass the primal alone")
+
+
+def _direct(x, tensors) -> bool:
+    """Whether dispatching below autograd would reach the CPU/CUDA kernel with these very
+    tensors: no Python dispatch mode, plain tensors (no subclass such as FakeTensor, none that
+    torch.func wraps), x not on meta (the fake kernel). Then the Autograd kernel calls the kernel
+    itself: the redispatch cost ~7 us a call on the 2-core CPU box, this test ~0.5."""
+    return (_modes() == 0 and type(x) is torch.Tensor and not x.is_meta and not _is_wrapped(x)
+            and all(type(t) is torch.Tensor for t in tensors))
+
+
+def _qmatmul_autograd(x, storage, *args):
+    _refuse_derivatives(x, "quantzoo.ops.matmul")
+    if _direct(x, storage):
+        return _qmatmul(x, storage, *args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.quantzoo.qmatmul.default(x, storage, *args)
+
+
+def _awq_gemm_autograd(x, qweight, scales, qzeros, *args):
+    _refuse_derivatives(x, "quantzoo.ops.awq_gemm")
+    if _direct(x, (qweight, scales, qzeros)):
+        return _awq_gemm(x, qweight, scales, qzeros, *args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.quantzoo.awq_gemm.default(x, qweight, scales, qzeros, *args)
+
+
 # Defined on the dispatcher directly (torch.library.Library): torch.library.custom_op's Python
 # layers cost ~25 us more per call on this project's CPU host (46 against 19 over the call
 # itself). The one kernel for every backend (CompositeExplicitAutograd) is quantzoo's own
-# dispatch by device; with autograd on, an x that requires grad is refused by name there
-# (ops.matmul), as in eager mode.
+# dispatch by device. The Autograd kernel refuses derivatives by name (torch's fallback for an
+# operator without one warned once and gave func.grad a zero gradient, func.jvp and forward_ad a
+# zero or no tangent): a call of the operator went from 4.5 to ~6 us (best of 15; noisy) on the
+# 2-core CPU box, the redispatch below autograd skipped where it changes nothing (_direct).
 _LIB = torch.library.Library("quantzoo", "DEF")
 _LIB.define("qmatmul(Tensor x, Tensor[] storage, str format, int n, int k, str layout, "
             "str mode='emulate') -> Tensor")
 _LIB.impl("qmatmul", _qmatmul, "CompositeExplicitAutograd")
+_LIB.impl("qmatmul", _qmatmul_autograd, "Autograd")
 torch.library.register_fake("quantzoo::qmatmul", _qmatmul_fake, lib=_LIB)
 _LIB.define("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int? group_size=None) -> Tensor")
 _LIB.impl("awq_gemm", _awq_gemm, "CompositeExplicitAutograd")
+_LIB.impl("awq_gemm", _awq_gemm_autograd, "Autograd")
 torch.library.register_fake("quantzoo::awq_gemm", _awq_gemm_fake, lib=_LIB)

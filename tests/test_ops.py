@@ -78,6 +78,31 @@ def test_quant_linear_checks_its_arguments():
     assert meta.bias.device.type == "meta"
 
 
+def test_a_lazily_negated_x_is_read_by_its_values(rng):
+    """z.conj().imag is a float tensor with the negative bit set, which F.linear takes; .numpy()
+    refused it with torch's RuntimeError deep in ops.matmul. Now it is read as the values it holds."""
+    qt = get("q8_0").quantize(rng.standard_normal((16, 64)).astype(np.float32))
+    w64 = get("q8_0").dequantize(qt).astype(np.float64)
+    for dtype in (torch.complex64, torch.complex128):
+        z = torch.from_numpy(rng.standard_normal((3, 64)) + 1j * rng.standard_normal((3, 64))).to(dtype)
+        x = z.conj().imag
+        assert x.is_neg()
+        want = -z.imag.double().numpy() @ w64.T
+        np.testing.assert_allclose(qz.ops.matmul(x, qt, mode="dequant").double().numpy(), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(qz.QuantLinear(qt)(x), qz.ops.matmul(x.resolve_neg(), qt))
+
+
+def test_meta_forward_gives_a_meta_result():
+    """x and the weight on meta (shape inference): the operator's fake kernel gives the result's
+    shape and dtype, as nn.Linear on meta does; it advised moving the weight with qt.to('cuda')."""
+    qt = get("q4_0").quantize(np.ones((16, 64), np.float32)).to("meta")
+    for f in (qz.QuantLinear(qt, torch.ones(16)), lambda t: qz.ops.matmul(t, qt)):
+        y = f(torch.ones(2, 3, 64, device="meta", dtype=torch.float16))
+        assert y.device.type == "meta" and y.shape == (2, 3, 16) and y.dtype == torch.float16
+    with pytest.raises(ValueError, match="x: last dimension is 32, the q4_0 weight"):
+        qz.ops.matmul(torch.ones(2, 32, device="meta"), qt)
+
+
 def test_numpy_integer_shape_and_params_are_ints(rng, tmp_path):
     """A shape of numpy integers (gguf.GGUFReader reports uint64) and a numpy group size become
     ints in the QuantizedTensor: QuantLinear takes an np.int64 group size (json refused it), and

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from quantzoo import torch_ops
+from quantzoo import ops, torch_ops
 from quantzoo.formats import get, names
 from quantzoo.nn import QuantLinear
 
@@ -97,6 +97,11 @@ def test_op_errors_are_named(rng):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="x requires grad, but QuantLinear has no backward"):
         torch.compile(m, backend="aot_eager", fullgraph=True)(torch.zeros(2, 96, requires_grad=True))
+    # a 0-d x: the eager ValueError from the fake kernel too (it was an IndexError there)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match=r"x: a scalar \(0-d\); expected shape \(\.\.\., 96\) "
+                                                         r"for the q8_0 weight \(40, 96\)"):
+        torch.compile(QuantLinear(qt), backend="aot_eager", fullgraph=True)(torch.tensor(1.0))
 
 
 def test_blocks_compiled_one_by_one_share_one_graph(rng):
@@ -192,11 +197,45 @@ def test_a_reloaded_weight_is_used_after_compiling(rng):
             assert torch.equal(got, m(x)) and not torch.equal(got, first), fmt
 
 
+
 def _oracle(x, qt):
     """x @ W.T in float64 on the dequantized weight (what mode="dequant" computes in float32)."""
     k = qt.shape[1]
     x64 = np.asarray(x, np.float64)
     return (x64.reshape(-1, k) @ get(qt.format).dequantize(qt).astype(np.float64).T).reshape(*x64.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_bare_ops_matmul_compiles_to_the_operator(fmt, rng):
+    """README: qz.ops.matmul is a custom operator under torch.compile. Dynamo had traced into the
+    numpy reference instead (fullgraph=True failed for every format). Now one qmatmul node, the
+    weight's arrays its inputs, not constants: bytes written into them after compiling are read."""
+    qt = get(fmt).quantize(rng.standard_normal((40, 96)).astype("float32"), **OPTS.get(fmt, {}))
+    x = torch.from_numpy(rng.standard_normal((2, 3, 96)).astype("float32"))
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: ops.matmul(x, qt, mode="dequant"), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        y = f(x)
+        op = torch.ops.quantzoo.qmatmul
+        calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+        # (and torch.as_tensor of each numpy array, which Dynamo made a tensor input: no copy)
+        assert len(graphs) == 1 and sum(t in (op, op.default) for t in calls) == 1, calls
+        assert all(t in (op, op.default, torch.as_tensor) for t in calls), calls
+        np.testing.assert_allclose(y.numpy(), _oracle(x, qt), rtol=1e-5, atol=1e-5)
+        assert torch.equal(y, ops.matmul(x, qt, mode="dequant"))
+        other = get(fmt).quantize(rng.standard_normal((40, 96)).astype("float32"), **OPTS.get(fmt, {}))
+        for name, a in other.arrays().items():
+            qt.arrays()[name][...] = a
+        np.testing.assert_allclose(f(x).numpy(), _oracle(x, other), rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()   # the default mode too, through aot_eager: the eager bits
+        assert torch.equal(torch.compile(lambda x: ops.matmul(x, qt), backend="aot_eager", fullgraph=True)(x),
+                           ops.matmul(x, qt))
 
 
 def test_numpy_integer_shape_and_group_size_compile(rng):
@@ -218,3 +257,58 @@ def test_numpy_integer_shape_and_group_size_compile(rng):
         with torch.no_grad():
             y = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
         np.testing.assert_allclose(y.numpy(), _oracle(x, qt), rtol=1e-5, atol=1e-5)
+
+
+def test_derivatives_are_refused_not_zero(rng):
+    """What has no derivative says so: forward-mode AD through QuantLinear, ops.matmul and the
+    operator had returned no tangent, torch.func.grad and jvp through the operator all-zero
+    results, without an error. torch.func.vmap names the missing batching rule."""
+    import torch.autograd.forward_ad as fwAD
+
+    qt = get("q8_0").quantize(rng.standard_normal((40, 96)).astype("float32"))
+    st, lay = torch_ops.register(qt), torch_ops.layout(qt)
+    layer = QuantLinear(qt, mode="dequant")
+    x = torch.from_numpy(rng.standard_normal((3, 96)).astype("float32"))
+    calls = {"QuantLinear": layer, "ops.matmul": lambda t: ops.matmul(t, qt, mode="dequant"),
+             "operator": lambda t: torch.ops.quantzoo.qmatmul(t, st, "q8_0", 40, 96, lay, "dequant")}
+    tangent = "x carries a forward-mode tangent .* has no derivative"
+    grad = "x requires grad, but (QuantLinear|quantzoo.ops.matmul) has no backward"
+    for name, f in calls.items():
+        with fwAD.dual_level():
+            with pytest.raises(ValueError, match=tangent):
+                f(fwAD.make_dual(x, torch.ones_like(x)))
+            # at a dual level, an x without a tangent computes as ever
+            np.testing.assert_allclose(f(x).numpy(), _oracle(x, qt), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=grad):
+            torch.func.grad(lambda t: f(t).sum())(x)
+        with pytest.raises(ValueError, match=tangent):
+            torch.func.jvp(f, (x,), (torch.ones_like(x),))
+        with pytest.raises(RuntimeError, match="Batching rule not implemented for quantzoo::qmatmul"):
+            torch.func.vmap(f)(x[None])
+    aq = {k: torch.from_numpy(v) for k, v in get("awq").quantize(rng.standard_normal((64, 128)).astype("float32"),
+                                                                  group_size=32).data.items()}
+    with fwAD.dual_level(), pytest.raises(ValueError, match="x carries a forward-mode tangent .* "
+                                                           "quantzoo.ops.awq_gemm has no derivative"):
+        x16 = torch.ones(2, 128, dtype=torch.float16)
+        ops.awq_gemm(fwAD.make_dual(x16, x16), aq["qweight"], aq["scales"], aq["qzeros"], 32)
+
+
+def test_tracers_record_the_operator(rng):
+    """make_fx of a QuantLinear or ops.matmul records the qmatmul node (it had baked the numpy
+    result of its example input into the graph as a constant: every input got that answer);
+    FakeTensorMode gets the fake kernel's result (.numpy() had refused a fake tensor);
+    torch.func.functionalize computes with x's values (it had read the wrapper's bytes)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    qt = get("q4_0").quantize(rng.standard_normal((40, 96)).astype("float32"))
+    layer = QuantLinear(qt, mode="dequant")
+    x1, x2 = (torch.from_numpy(rng.standard_normal((3, 96)).astype("float32")) for _ in range(2))
+    for f in (layer, lambda t: ops.matmul(t, qt, mode="dequant")):
+        gm = make_fx(f)(x1)
+        assert torch.ops.quantzoo.qmatmul.default in [n.target for n in gm.graph.nodes]
+        np.testing.assert_allclose(gm(x2).numpy(), _oracle(x2, qt), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(torch.func.functionalize(f)(x2).numpy(), _oracle(x2, qt), rtol=1e-5, atol=1e-5)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:   # (the weight's tensors are real)
+            y = f(mode.from_tensor(x1))
+        assert isinstance(y, FakeTensor) and y.shape == (3, 40) and y.dtype == torch.float32
