@@ -197,7 +197,6 @@ def test_a_reloaded_weight_is_used_after_compiling(rng):
             assert torch.equal(got, m(x)) and not torch.equal(got, first), fmt
 
 
-
 def _oracle(x, qt):
     """x @ W.T in float64 on the dequantized weight (what mode="dequant" computes in float32)."""
     k = qt.shape[1]
