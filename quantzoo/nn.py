@@ -79,6 +79,15 @@ class QuantLinear(torch.nn.Module):
         return {"format": q.format, "shape": tuple(q.shape), "params": dict(q.params),
                 "arrays": {k: torch.from_numpy(np.array(v)) for k, v in q.arrays().items()}}
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kw):
+        # load_state_dict(assign=True): the weight takes the state's device, as assigned parameters
+        # do (a module made on meta and loaded so had its weight moved to meta: the bytes lost)
+        self._assign = bool(local_metadata.get("assign_to_params_buffers", False))
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kw)
+        finally:
+            del self._assign
+
     def set_extra_state(self, state: dict) -> None:
         try:
             # (.cpu(): torch.load's map_location may have put them on a GPU)
@@ -95,7 +104,8 @@ class QuantLinear(torch.nn.Module):
         if qt.shape != (self.out_features, self.in_features):
             raise ValueError(f"QuantLinear state: weight shape {qt.shape}, this module is "
                              f"{(self.out_features, self.in_features)}")
-        self.qt = qt.to(self.qt.device)
+        assigned = getattr(self, "_assign", False)
+        self.qt = qt.to(str(next(iter(state["arrays"].values())).device) if assigned else self.qt.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

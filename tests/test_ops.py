@@ -399,3 +399,23 @@ def test_assigned_weight_is_checked_and_a_loaded_one_is_a_copy(rng):
     want = other(x)
     sd["_extra_state"]["arrays"]["data"].zero_()
     assert torch.equal(other(x), want) and other.qt.data.any()
+
+
+def test_a_meta_module_loaded_with_assign_takes_the_weight(rng):
+    """The usual lazy-init flow: a QuantLinear made on meta, then load_state_dict(sd, assign=True),
+    ends with the checkpoint's weight and bias where the state dict holds them, as nn.Linear's
+    parameters do (the weight had been moved to the module's device, meta, and its bytes lost,
+    while the bias loaded). Without assign, a meta module stays on meta, as nn.Linear's does."""
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    src = qz.QuantLinear(get("q8_0").quantize(w), torch.from_numpy(rng.standard_normal(16).astype(np.float32)),
+                         mode="dequant")
+    sd = src.state_dict()
+    x = torch.from_numpy(rng.standard_normal((3, 128)).astype(np.float32))
+    meta = qz.QuantLinear(get("q8_0").quantize(np.zeros_like(w)), torch.zeros(16), mode="dequant").to("meta")
+    meta.load_state_dict(sd, assign=True)
+    assert meta.qt.device == "cpu" and meta.bias.device.type == "cpu"
+    want = x.double().numpy() @ get("q8_0").dequantize(src.qt).astype(np.float64).T + src.bias.double().numpy()
+    np.testing.assert_allclose(meta(x).numpy(), want, rtol=1e-5, atol=1e-5)
+    stay = qz.QuantLinear(get("q8_0").quantize(np.zeros_like(w)), torch.zeros(16)).to("meta")
+    stay.load_state_dict(src.state_dict())   # (a fresh one: torch writes assign into sd's metadata)
+    assert stay.qt.device == "meta" and stay.bias.device.type == "meta"
