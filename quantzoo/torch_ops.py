@@ -155,7 +155,9 @@ def qmatmul(x, qt, mode: str = "emulate"):
     torch.from_numpy (views, as `storage` makes); a weight that is not registered (QuantLinear
     registers its own) is rebuilt from them and checked at each call, and on CUDA its storage is
     not marked static (torch_ops.register(qt) before compiling does both). An array that runs
-    backwards (a[::-1]) cannot be traced (Dynamo does not convert it): QuantLinear copies it."""
+    backwards (a[::-1]) or views a memory map (the GGUF loader's weights) cannot be traced (Dynamo
+    does not convert it: "Expected np.nditer base"): QuantLinear, which builds its storage
+    eagerly, takes both."""
     n, k = qt.shape
     if _is_compiling():   # (storage's strides test and warning filter are not traceable)
         st = tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in qt.arrays().values())
@@ -210,10 +212,15 @@ GRAD_REFUSED = ("x requires grad, but {} has no backward (the result would be si
                 "run it under torch.no_grad() or pass x.detach()")
 
 
-def _refuse_derivatives(x, name: str) -> None:
-    """The operators' Autograd kernel: what they cannot differentiate is refused by name."""
-    if x.requires_grad and torch.is_grad_enabled():
-        raise ValueError(GRAD_REFUSED.format(name))
+def _refuse_derivatives(x, name: str, weights=()) -> None:
+    """The operators' Autograd kernel: what they cannot differentiate is refused by name (a weight
+    tensor that requires grad too: its result would carry no grad_fn, the gradient silently none)."""
+    if torch.is_grad_enabled():
+        if x.requires_grad:
+            raise ValueError(GRAD_REFUSED.format(name))
+        if any(t.requires_grad for t in weights):
+            raise ValueError(f"a weight tensor requires grad, but {name} has no backward (it would get no "
+                             "gradient); run it under torch.no_grad() or pass the weights detached")
     if forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None:
         raise ValueError(f"x carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp), but {name} "
                          "has no derivative (the result would have none); pass the primal alone")
@@ -229,7 +236,7 @@ def _direct(x, tensors) -> bool:
 
 
 def _qmatmul_autograd(x, storage, *args):
-    _refuse_derivatives(x, "quantzoo.ops.matmul")
+    _refuse_derivatives(x, "quantzoo.ops.matmul", storage)
     if _direct(x, storage):
         return _qmatmul(x, storage, *args)
     with torch._C._AutoDispatchBelowAutograd():
@@ -237,7 +244,7 @@ def _qmatmul_autograd(x, storage, *args):
 
 
 def _awq_gemm_autograd(x, qweight, scales, qzeros, *args):
-    _refuse_derivatives(x, "quantzoo.ops.awq_gemm")
+    _refuse_derivatives(x, "quantzoo.ops.awq_gemm", (qweight, scales, qzeros))
     if _direct(x, (qweight, scales, qzeros)):
         return _awq_gemm(x, qweight, scales, qzeros, *args)
     with torch._C._AutoDispatchBelowAutograd():

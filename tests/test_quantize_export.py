@@ -674,3 +674,17 @@ def test_dst_is_checked_as_given(src, tmp_path, monkeypatch, capsys):
         assert err.endswith(needle) and "\n" not in err, (dst, err)
     assert list(cwd.iterdir()) == [] and keep.read_bytes() == b"precious"
     assert [p.name for p in half.rglob("*")] == ["config.json"]
+
+
+def test_hf_to_gguf_keeps_a_processor_chat_template(src, tmp_path):
+    """A directory whose only chat template is a processor's chat_template.json (which the runner's
+    HF loader and transformers' AutoTokenizer do not read): the GGUF carries it, as gguf-py's
+    SpecialVocab and llama.cpp's converter take it. (Writing the loader's templates had dropped it.)"""
+    import gguf
+
+    hf = _copy_with_tokenizer(src["dir"], tmp_path / "hf", tc_edit=lambda tc: tc.pop("chat_template"))
+    (hf / "chat_template.json").write_text(json.dumps({"chat_template": "JSON:{{ messages[0]['content'] }}"}))
+    g = tmp_path / "m.gguf"
+    assert cli(["quantize", str(hf), str(g), "--format", "q8_0", "--quiet"]) == 0
+    f = _fields(gguf.GGUFReader(str(g)))
+    assert f["tokenizer.chat_template"] == "JSON:{{ messages[0]['content'] }}" and "tokenizer.chat_templates" not in f

@@ -284,8 +284,19 @@ def test_derivatives_are_refused_not_zero(rng):
             torch.func.jvp(f, (x,), (torch.ones_like(x),))
         with pytest.raises(RuntimeError, match="Batching rule not implemented for quantzoo::qmatmul"):
             torch.func.vmap(f)(x[None])
+    # a weight tensor that requires grad (an fp16 weight as a Parameter): its result had no grad_fn
+    fp = get("fp16").quantize(rng.standard_normal((40, 96)).astype("float32"))
+    w = torch.nn.Parameter(torch.from_numpy(fp.data.copy()))
+    with pytest.raises(ValueError, match="a weight tensor requires grad, but quantzoo.ops.matmul has no backward"):
+        torch.ops.quantzoo.qmatmul(x, [w], "fp16", 40, 96, torch_ops.layout(fp), "dequant")
+    with torch.no_grad():
+        np.testing.assert_allclose(torch.ops.quantzoo.qmatmul(x, [w], "fp16", 40, 96, torch_ops.layout(fp),
+                                                              "dequant").numpy(), _oracle(x, fp), rtol=1e-5, atol=1e-5)
     aq = {k: torch.from_numpy(v) for k, v in get("awq").quantize(rng.standard_normal((64, 128)).astype("float32"),
                                                                   group_size=32).data.items()}
+    with pytest.raises(ValueError, match="a weight tensor requires grad, but quantzoo.ops.awq_gemm has no backward"):
+        torch.ops.quantzoo.awq_gemm(torch.ones(2, 128, dtype=torch.float16), aq["qweight"],
+                                    aq["scales"].clone().requires_grad_(), aq["qzeros"], 32)
     with fwAD.dual_level(), pytest.raises(ValueError, match="x carries a forward-mode tangent .* "
                                                            "quantzoo.ops.awq_gemm has no derivative"):
         x16 = torch.ones(2, 128, dtype=torch.float16)

@@ -525,10 +525,13 @@ def add_hf_tokenizer(writer, src: Source) -> None:
                          "GGUF tokenizer without tokenizer.ggml.merges")
     # the chat templates: those the runner's loader reads for this directory, not SpecialVocab's
     # (it takes tokenizer_config.json's chat_template over chat_template.jinja, where transformers
-    # and load_tokenizer let the file win)
-    special.chat_template = None
+    # and load_tokenizer let the file win); where the loader finds none, SpecialVocab's own (it
+    # also reads a processor's chat_template.json, as llama.cpp's converter does)
+    templates = (src.tokenizer or load_tokenizer(src.tokenizer_dir)).chat_templates
+    if templates:
+        special.chat_template = None
     special.add_to_gguf(writer, quiet=True)
-    add_chat_templates(writer, (src.tokenizer or load_tokenizer(src.tokenizer_dir)).chat_templates)
+    add_chat_templates(writer, templates)
 
 
 def add_chat_templates(writer, templates: dict) -> None:
