@@ -143,8 +143,9 @@ def via_operator(x) -> bool:
     they lack: no batching rule; the Autograd kernel's refusal); an x with a forward-mode tangent
     (refused there, where the result came back without one). is_compiling first: while
     tracing, nothing else is read. Cost where all are false: 0.41 us a call (best of 15 on the
-    2-core CPU box that runs the CPU tests, torch 2.13); ops.matmul's path to the CUDA kernels
-    went from 1.3 to 2.1 us there with it and its call layers (22-43 us per CUDA call, README)."""
+    2-core CPU box that runs the CPU tests, torch 2.13), 0.61 us on the lent H100's host, where
+    an ops.matmul q4_0 M = 1 call took 36.3 us of host time with it and 36.4 without (bench/NOTES.md
+    session 42)."""
     return (_is_compiling() or _modes() > 0 or _is_wrapped(x)
             or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None))
 
