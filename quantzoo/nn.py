@@ -2,6 +2,8 @@
 only: the quantized weight has no gradient, and neither does x through it (refused, not cut)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -69,15 +71,27 @@ class QuantLinear(torch.nn.Module):
     def _apply(self, fn, *args, **kw):
         dev = fn(torch.empty(0)).device  # where .to()/.cuda()/.cpu() sends tensors
         if not ops._same_device(str(dev), self.qt.device):
-            self.qt = self.qt.to(str(dev))
+            if self.qt.device == "meta":
+                # to_empty(device=...): fn makes the arrays' uninitialized storage there, as for
+                # parameters (.to() from meta: fn raises torch's own "Cannot copy out of meta tensor")
+                arrays = {k: fn(v) for k, v in self.qt.arrays().items()}
+                if dev.type == "cpu":
+                    arrays = {k: v.numpy() for k, v in arrays.items()}
+                self.qt = dataclasses.replace(
+                    self.qt, data=arrays if isinstance(self.qt.data, dict) else arrays["data"])
+            else:
+                self.qt = self.qt.to(str(dev))
         return super()._apply(fn, *args, **kw)
 
     def get_extra_state(self) -> dict:
         """The quantized weight in state_dict (it is no Parameter): format, shape, params and its
         storage arrays as CPU tensors, so torch.save and load_state_dict carry it."""
-        q = self.qt.numpy()
-        return {"format": q.format, "shape": tuple(q.shape), "params": dict(q.params),
-                "arrays": {k: torch.from_numpy(np.array(v)) for k, v in q.arrays().items()}}
+        if self.qt.device == "meta":   # meta tensors, as a meta module's parameters are in its state_dict
+            q, arrays = self.qt, {k: v.detach() for k, v in self.qt.arrays().items()}
+        else:
+            q = self.qt.numpy()
+            arrays = {k: torch.from_numpy(np.array(v)) for k, v in q.arrays().items()}
+        return {"format": q.format, "shape": tuple(q.shape), "params": dict(q.params), "arrays": arrays}
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kw):
         # load_state_dict(assign=True): the weight takes the state's device, as assigned parameters

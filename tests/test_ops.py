@@ -419,3 +419,27 @@ def test_a_meta_module_loaded_with_assign_takes_the_weight(rng):
     stay = qz.QuantLinear(get("q8_0").quantize(np.zeros_like(w)), torch.zeros(16)).to("meta")
     stay.load_state_dict(src.state_dict())   # (a fresh one: torch writes assign into sd's metadata)
     assert stay.qt.device == "meta" and stay.bias.device.type == "meta"
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "awq"])
+def test_a_meta_module_takes_to_empty_and_state_dict(rng, fmt):
+    """The rest of the lazy-init flow: a QuantLinear on meta gives a state_dict (meta tensors, as
+    nn.Linear's on meta; it raised), `to_empty(device="cpu")` allocates its storage there (it
+    raised), and a load_state_dict then computes the checkpoint's product. `.to("cpu")` from meta
+    is refused with torch's own words, as for parameters."""
+    opts = {"group_size": 32} if fmt == "awq" else {}
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    src = qz.QuantLinear(get(fmt).quantize(w, **opts), torch.ones(16), mode="dequant")
+    meta = qz.QuantLinear(get(fmt).quantize(np.zeros_like(w), **opts), torch.zeros(16), mode="dequant").to("meta")
+    arrays = meta.state_dict()["_extra_state"]["arrays"]
+    assert arrays and all(a.device.type == "meta" for a in arrays.values())
+    assert {k: (a.shape, a.dtype) for k, a in arrays.items()} == \
+        {k: (a.shape, a.dtype) for k, a in src.state_dict()["_extra_state"]["arrays"].items()}
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        meta.to("cpu")
+    m = meta.to_empty(device="cpu")
+    assert m.qt.device == "cpu" and m.bias.device.type == "cpu"
+    m.load_state_dict(src.state_dict())
+    x = torch.from_numpy(rng.standard_normal((3, 128)).astype(np.float32))
+    want = x.double().numpy() @ get(fmt).dequantize(src.qt).astype(np.float64).T + 1
+    np.testing.assert_allclose(m(x).numpy(), want, rtol=1e-5, atol=1e-5)
