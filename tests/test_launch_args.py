@@ -306,3 +306,60 @@ def test_get_kernel_compiles_and_caches_per_device(fake_devices, monkeypatch):
     fake_devices[0] = 0
     assert cl.get_kernel("k.cu", "k") == ("k", "sm_90", 0)
     assert built == [("sm_90", 0), ("sm_80", 1)]
+
+
+@pytest.mark.parametrize("other", ["unplanned call", "forced path", "release"])
+def test_no_other_thread_between_a_calls_launches(monkeypatch, other):
+    """The workspaces are cached per (kind, device, stream), and host threads share a stream (each
+    one's default stream is the device's): another thread's unplanned call (x or y off a 16-byte
+    boundary, a forced path, plans off) or release_workspaces ran between one call's launches --
+    its quantize between the first call's quantize and GEMV, which then read the other call's Q8_1
+    activations, or the workspace freed under a plan being recorded, which kept pointing into it."""
+    import threading
+    import types
+
+    import torch
+
+    from quantzoo import cuda_launch as cl
+    from quantzoo.formats import get
+    from quantzoo.kernels import checked_once, gguf, run_planned
+
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    monkeypatch.setattr(cl, "current_stream_ptr", lambda: 0)
+    log, inside, done = [], threading.Event(), threading.Event()
+
+    def other_call():   # what the second thread does, logged; done once it is over
+        log.append(f"{other}: start")
+        log.append(f"{other}: end")
+        done.set()
+
+    x = torch.zeros(4, 64, dtype=torch.float16)
+    if other == "unplanned call":
+        qb = get("q8_0").quantize(np.zeros((8, 64), np.float32))
+        checked_once(qb, lambda q: None)
+        yb = torch.zeros(64, dtype=torch.float16)[1:33].view(4, 8)   # 2 bytes past a 16-byte boundary
+        call = lambda: run_planned(qb, 4, x, yb, other_call)  # noqa: E731
+    elif other == "forced path":
+        qb = types.SimpleNamespace(format="q4_0", shape=(8, 64), data=torch.zeros(8, 36, dtype=torch.uint8))
+        monkeypatch.setattr(gguf, "checked_once", lambda qt, check: ("q4_0", 8, 64))
+        monkeypatch.setattr(gguf, "_check_act", lambda x, k, arg: (4, 64))
+        monkeypatch.setattr(gguf, "_queue", lambda *a: other_call())
+        call = lambda: gguf.matmul(x, qb, path="mmvq")  # noqa: E731
+    else:
+        monkeypatch.setattr(gguf, "_WORKSPACES", {})
+        monkeypatch.setattr(gguf, "workspaces_changed", other_call)
+        call = gguf.release_buffers
+
+    def first():   # a planned call's launches, with time for the other thread to get between them
+        log.append("quantize")
+        inside.set()
+        done.wait(0.3)
+        log.append("gemv")
+
+    t = threading.Thread(target=lambda: (inside.wait(5), call()))
+    t.start()
+    qa = get("q8_0").quantize(np.zeros((8, 64), np.float32))
+    checked_once(qa, lambda q: None)
+    run_planned(qa, 4, x, torch.zeros(4, 8, dtype=torch.float16), first)
+    t.join(5)
+    assert log == ["quantize", "gemv", f"{other}: start", f"{other}: end"]

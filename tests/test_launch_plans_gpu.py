@@ -104,3 +104,38 @@ def test_out_overlapping_x_is_refused(weights, fmt):
     mod.matmul(torch.randn(m, KD, device="cuda").half(), qt)     # a plan for M = 8 exists
     with pytest.raises(ValueError, match="out: overlaps x"):
         mod.matmul(x, qt, out=out)
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "awq"])
+def test_two_threads_on_one_stream(weights, fmt):
+    """Host threads share the device's default stream, and with it the workspaces cached per
+    (kind, device, stream): one thread's planned M = 1 calls and another's unplanned M = 8 ones
+    (a forced path) must not get between each other's launches -- a quantize of one between the
+    quantize and the GEMV of the other gave the GEMV the other call's Q8_1 activations."""
+    import sys
+    import threading
+
+    qt = weights[fmt]
+    mod = ops.kernels_for(qt.fmt)
+    xs = [torch.randn(m, KD, device="cuda").half() for m in (1, 8)]
+    refs = [_unplanned(x, qt) for x in xs]
+    calls = [lambda: ops.matmul(xs[0], qt), lambda: mod.matmul(xs[1], qt, path="mmvq")]
+    torch.cuda.synchronize()
+    wrong = []
+
+    def loop(i):
+        for _ in range(300):
+            if not torch.equal(calls[i](), refs[i]):
+                wrong.append(i)
+
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # a thread switch between two launches of one call, often
+    try:
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(saved)
+    assert not wrong, f"{fmt}: {len(wrong)} of 600 calls gave another call's product"

@@ -47,6 +47,10 @@ def check_out_overlap(x, out) -> None:
 
 
 PLANS = True            # run_planned replays recorded launches (False: every call runs queue())
+# Held around every launch sequence that uses the cached workspaces (a plan's replay or recording,
+# an unplanned call, a release): they are per (kind, device, stream), and host threads share a
+# stream (every thread's default one is the device's), so one call's quantize -> GEMV (or split-K
+# partials -> reduce) must not have another thread's launches, or its workspace growth, between them.
 _LOCK = threading.Lock()
 
 
@@ -64,15 +68,16 @@ def run_planned(qt, m: int, x, y, queue) -> None:
     from quantzoo import cuda_launch as cl
 
     memo = qt.__dict__.get("_kernels_checked")
-    if not PLANS or memo is None or cl.uncached_workspaces():
+    if cl.uncached_workspaces():   # workspaces of the call's own: nothing shared
         queue()
         return
     xp, xb, yp, yb = x.data_ptr(), x.numel() * x.element_size(), y.data_ptr(), y.numel() * y.element_size()
-    if (xp | yp) % 16:
-        # a plan replays launch choices made for the recorded addresses (gguf's split-K reduce
-        # writes 8 bytes at a time into an 8-byte-aligned y): a view off a 16-byte boundary runs
-        # unplanned, its launches chosen for its own address
-        queue()
+    if not PLANS or memo is None or (xp | yp) % 16:
+        # (off a 16-byte boundary: a plan replays launch choices made for the recorded addresses
+        # -- gguf's split-K reduce writes 8 bytes at a time into an 8-byte-aligned y -- so such a
+        # view runs unplanned, its launches chosen for its own address)
+        with _LOCK:   # unplanned, but on the shared workspaces all the same
+            queue()
         return
     plans = memo[3]
     key = (m, cl.current_stream_ptr())
