@@ -69,7 +69,9 @@ class QuantLinear(torch.nn.Module):
         self.qt = self.__dict__.pop("qt") if "qt" in self.__dict__ else self._qt
 
     def _apply(self, fn, *args, **kw):
-        dev = fn(torch.empty(0)).device  # where .to()/.cuda()/.cpu() sends tensors
+        # where .to()/.cuda()/.cpu() sends a tensor on the weight's device (one made on the default
+        # device moved a CUDA weight to the CPU under .half() / .to(dtype), which move nothing)
+        dev = fn(torch.empty(0, device=self.qt.device)).device
         if not ops._same_device(str(dev), self.qt.device):
             if self.qt.device == "meta":
                 # to_empty(device=...): fn makes the arrays' uninitialized storage there, as for

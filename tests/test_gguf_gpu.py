@@ -968,3 +968,13 @@ def test_quant_linear_state_dict_on_cuda(tmp_path):
     b.load_state_dict(torch.load(tmp_path / "ql.pt", map_location=DEV))
     x = torch.randn(5, 256, device=DEV, dtype=torch.float16)
     assert b.qt.device.startswith("cuda") and torch.equal(a(x), b(x))
+
+
+def test_quant_linear_half_keeps_its_cuda_weight():
+    """A CUDA QuantLinear (with a float32 bias) made fp16 by .half(): its weight stays on the GPU
+    (it went back to the CPU, and the forward then refused the module's own CUDA input)."""
+    w = (RNG.standard_normal((96, 256)) * 0.02).astype(np.float32)
+    ql = qz.QuantLinear(qz.formats.get("q4_0").quantize(w), torch.zeros(96)).to(DEV).half()
+    x = torch.randn(5, 256, device=DEV, dtype=torch.float16)
+    assert ql.qt.device.startswith("cuda") and ql.bias.dtype == torch.float16
+    assert torch.equal(ql(x), G.matmul(x, ql.qt))

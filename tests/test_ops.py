@@ -443,3 +443,17 @@ def test_a_meta_module_takes_to_empty_and_state_dict(rng, fmt):
     x = torch.from_numpy(rng.standard_normal((3, 128)).astype(np.float32))
     want = x.double().numpy() @ get(fmt).dequantize(src.qt).astype(np.float64).T + 1
     np.testing.assert_allclose(m(x).numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dtype_change_leaves_the_weight_where_it_is(rng):
+    """.half() / .float() / .to(dtype) move no tensor: the weight stays on its device. They moved
+    it to torch's default device (the CPU; a CUDA module's weight went back to the host, and its
+    forward then refused the module's own CUDA input), because where a call sends tensors was
+    asked of an empty tensor made there, not on the weight's device."""
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    meta = qz.QuantLinear(get("q8_0").quantize(w), torch.zeros(16)).to("meta")   # a weight off the CPU
+    assert meta.half().qt.device == "meta" and meta.bias.dtype == torch.float16
+    cpu = qz.QuantLinear(get("q8_0").quantize(w), torch.zeros(16))
+    with torch.device("meta"):                    # a default device of another kind: the bytes stay
+        cpu.to(torch.float64)
+    assert cpu.qt.device == "cpu" and np.array_equal(cpu.qt.data, get("q8_0").quantize(w).data)
