@@ -138,3 +138,42 @@ def test_an_interrupted_or_refused_growth_keeps_no_stale_rows(model, monkeypatch
     model.setup_cache(model.k_cache.shape[3] + 64, keep=True)
     assert len(calls) == 1 and model.cached_prefix(ids) == 40
 
+
+
+def test_two_threads_generating_on_one_model(model):
+    """A generation is many calls on the model's one KV cache and sequence. A second thread's
+    generate ran between the first one's steps (here: while its first decode step waits), whose
+    prefill rewrote the cache: the first got another prompt's tokens, or a "skips positions"
+    error. Now the second waits for the first, and both get what each gets alone."""
+    import threading
+
+    pa, pb = [(7 * i + 3) % 1000 for i in range(40)], [(11 * i + 5) % 1000 for i in range(30)]
+    want = [generate(model, p, max_new_tokens=6, eos_token_ids=[]).tokens for p in (pa, pb)]
+    forward, started, b_done = model._forward, threading.Event(), threading.Event()
+
+    def slow_first_step(ids, pos, *a, **k):   # the first thread's first decode step: time for the second
+        if threading.current_thread() is threading.main_thread() and len(ids) == 1 and not started.is_set():
+            started.set()
+            b_done.wait(0.3)
+        return forward(ids, pos, *a, **k)
+
+    got = {}
+
+    def second():
+        started.wait(5)
+        try:
+            got["b"] = generate(model, pb, max_new_tokens=6, eos_token_ids=[]).tokens
+        finally:
+            b_done.set()
+
+    model._forward = slow_first_step
+    try:
+        t = threading.Thread(target=second)
+        t.start()
+        try:
+            got["a"] = generate(model, pa, max_new_tokens=6, eos_token_ids=[]).tokens
+        finally:
+            t.join(5)
+    finally:
+        del model._forward
+    assert [got["a"], got.get("b")] == want

@@ -207,6 +207,22 @@ def prepare(model, prompt_tokens: int, max_new_tokens: int, keep: bool = False) 
     model.ensure_graph()   # once per cache size, outside the timed region
 
 
+def _holding_the_model(fn):
+    """fn(model, ...) with the model's lock held throughout: a generation is many calls on the
+    model's one KV cache and sequence, and another thread's prefill or step between two of them
+    gave both wrong tokens (or a "skips positions" error); the other thread now waits. (An
+    object that only looks like a Model, with no lock, is run as it is.)"""
+    import contextlib
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        with getattr(model, "_lock", None) or contextlib.nullcontext():
+            return fn(model, *args, **kwargs)
+    return wrapper
+
+
+@_holding_the_model
 def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop=None, stream=None,
              eos_token_ids=None, look_ahead: bool | None = None, min_p: float = 0.0,

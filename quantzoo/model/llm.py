@@ -29,6 +29,8 @@ applied in float16, as HF does for fp16 models.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -303,12 +305,16 @@ def _placement(cfg: ModelConfig, weights: dict, fuse: bool) -> list:
 def _on_model_device(method):
     """Run a Model method with the model's GPU current (torch.cuda.device), whatever device the
     caller has current: the decode graph's capture stream, its replay and every kernel launch
-    follow the current device. Free when it is current already."""
+    follow the current device. Free when it is current already. One thread at a time (the
+    model's lock, which generate() holds for a whole generation): the KV cache, the sequence it
+    holds and the decode graph's static buffers are the model's one state, and two threads'
+    steps between each other's gave wrong tokens or a "skips positions" error."""
     import functools
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        return call_on_device(self._cuda_index, method, self, *args, **kwargs)
+        with self._lock:
+            return call_on_device(self._cuda_index, method, self, *args, **kwargs)
     return wrapper
 
 
@@ -328,6 +334,7 @@ class Model:
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
         self.config, self.tokenizer, self.device = config, tokenizer, device
+        self._lock = threading.RLock()   # one thread at a time (_on_model_device, generate)
         self.is_cuda = device.startswith("cuda")
         self._cuda_index = torch.device(device).index if self.is_cuda else None
         native = torch.float16 if self.is_cuda else torch.float32
