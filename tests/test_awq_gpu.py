@@ -461,7 +461,7 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
     assert {tuple(c) for c in awq.WGMMA_CFGS} <= set(SPLIT_K_CFGS), "a wgmma config this test does not run"
-    from quantzoo.cuda_launch import workspaces_changed
+    from quantzoo.cuda_launch import current_stream_ptr, workspaces_changed
     from quantzoo.kernels import wgmma_tiles
 
     seen = []   # (tiles_m, dp_tiles, splits) of each launch
@@ -484,12 +484,12 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
         cols = wgmma_tiles.columns(*cfg[:2])   # a tile's; the split tiles are column tiles dp / tiles_m on
         need = (tiles - dp_run) * cfg[1] * cols if splits_run == 2 else splits_run * m * (n - dp_run // tiles_m * cols)
         if call == 0:   # the cached workspace, replaced by one of exactly `need` floats and a guard
-            assert splits_run > 1 and awq._WS["cuda:0"]["ws"].numel() >= need
+            assert splits_run > 1 and awq._WS[("cuda:0", current_stream_ptr())]["ws"].numel() >= need
             guard = torch.full((need + 4096,), 1234.5, dtype=torch.float32, device="cuda")
-            awq._WS["cuda:0"]["ws"] = guard[:need]
+            awq._WS[("cuda:0", current_stream_ptr())]["ws"] = guard[:need]
             workspaces_changed()   # as _buffer does on a new buffer
         else:
-            assert awq._WS["cuda:0"]["ws"].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
+            assert awq._WS[("cuda:0", current_stream_ptr())]["ws"].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
             assert bool((guard[need:] == 1234.5).all()), f"wgmma {cfg}: partials written past the workspace"
 
 

@@ -65,6 +65,42 @@ def test_replay_equals_an_unplanned_call(weights, fmt, m):
     assert isinstance(plan, Plan) and plan.steps, f"{fmt} M={m} ({_path(qt, m)}): no plan was recorded"
 
 
+@pytest.fixture(scope="module")
+def other_weights():
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    return {f: random_weight(f, N, KD, "cuda", gen) for f in FORMATS}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", MS)
+def test_two_streams_at_once(weights, other_weights, fmt, m):
+    """Two streams running matmuls at the same time (each its own weight and x) get each its own
+    products: no workspace (split-K partials, tile counters, Q8_1 activations, the dequant
+    buffer) is shared between streams. Both streams first sleep on the GPU, so that every launch
+    is queued before either runs and their kernels overlap."""
+    jobs = [(weights[fmt], torch.randn(m, KD, device="cuda").half()),
+            (other_weights[fmt], torch.randn(m, KD, device="cuda").half())]
+    refs = [_unplanned(x, qt) for qt, x in jobs]
+    streams = [torch.cuda.Stream() for _ in jobs]
+    for rnd in range(2):          # the first round records the plans, the second replays them
+        outs = [[] for _ in jobs]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(50_000_000)   # ~25 ms at 2 GHz: the host queues all below first
+        for _ in range(6):
+            for i, (s, (qt, x)) in enumerate(zip(streams, jobs)):
+                with torch.cuda.stream(s):
+                    outs[i].append(ops.matmul(x, qt))
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for i, ys in enumerate(outs):
+            for j, y in enumerate(ys):
+                assert torch.equal(y, refs[i]), (f"{fmt} M={m} ({_path(jobs[i][0], m)}), round {rnd}: stream {i}'s "
+                                                 f"call {j} differs from its product computed alone")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_release_stream_pdl_and_capture(weights, fmt):
     qt, m = weights[fmt], 40

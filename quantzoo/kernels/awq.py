@@ -44,9 +44,9 @@ from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.cuda_launch import launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
-from quantzoo.cuda_launch import uncached_workspaces, workspaces_changed
+from quantzoo.cuda_launch import current_stream_ptr, uncached_workspaces, workspaces_changed
 from quantzoo.cuda_launch import wgmma_available
-from quantzoo.kernels import check_out_overlap, checked_once, run_planned, wgmma_tiles
+from quantzoo.kernels import _LOCK, check_out_overlap, checked_once, run_planned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -285,32 +285,40 @@ def _unpack_qt(qt):
 
 
 # ------------------------------------------------------------------ launch plumbing
-_WS: dict = {}   # per device: reusable torch buffers
+_WS: dict = {}   # per (device, stream): reusable torch buffers
 
 
 def _buffer(dev, key, numel, dtype, zero=False):
-    """A cached torch buffer of at least numel elements (grown, never shrunk)."""
-    cache = _WS.setdefault(str(dev), {})
+    """A cached torch buffer of at least numel elements (grown, never shrunk), one per device and
+    torch's current stream there (as gguf._workspace): kernels queued on two streams at once
+    must not share split-K partials, tile counters or the dequant buffer."""
+    cuda = torch.device(dev).type == "cuda"
+    cache = _WS.setdefault((str(dev), current_stream_ptr() if cuda else None), {})
     buf = cache.get(key)
+    capturing = cuda and uncached_workspaces()
     if buf is None or buf.numel() < numel:
         alloc = torch.zeros if zero else torch.empty
-        if torch.device(dev).type == "cuda" and uncached_workspaces():
+        if capturing:
             # a capture's own buffer, from its pool (as gguf._workspace): torch.zeros' fill is
             # captured, not run now, so cached it would hand eager calls unzeroed tile counters
             # (or inside cuda_launch.fresh_workspaces(): torch.compile's CUDA graphs)
             return alloc(max(numel, 1), dtype=dtype, device=dev)
-        if buf is not None:   # keep the old one alive: a captured CUDA graph may still use it
-            cache.setdefault("retired", []).append(buf)
         buf = alloc(max(numel, 1), dtype=dtype, device=dev)
-        cache[key] = buf
+        cache[key] = buf   # the old one is freed, unless a graph holds it (below)
         workspaces_changed()   # launch plans may point into the old buffer
+    elif capturing and not any(b is buf for b in cache.setdefault("in_graphs", [])):
+        # a cached buffer large enough goes into the graph (no memset node for the counters):
+        # kept alive for the graph's replays even once a larger one replaces it
+        cache["in_graphs"].append(buf)
     return buf
 
 
 def release_buffers():
-    """Drop the cached workspaces (the dequant buffer can be as large as the largest weight)."""
-    _WS.clear()
-    workspaces_changed()
+    """Drop the cached workspaces (the dequant buffer can be as large as the largest weight); not
+    while another thread's call is between its launches (kernels._LOCK)."""
+    with _LOCK:
+        _WS.clear()
+        workspaces_changed()
 
 
 def _kernel(source, name):
@@ -674,8 +682,13 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
             choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales, qzeros, out.view(m, ny), m, k, n, g,
             glu))
         return out
-    _queue(path or choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales, qzeros, out.view(m, ny),
-           m, k, n, g, glu)
+    args = (path or choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales, qzeros, out.view(m, ny),
+            m, k, n, g, glu)
+    if uncached_workspaces():
+        _queue(*args)
+    else:
+        with _LOCK:   # the cached workspaces, as run_planned's calls use them (threads share a stream)
+            _queue(*args)
     return out
 
 
