@@ -163,6 +163,7 @@ def wgmma_available(device) -> bool:
 
 
 _SMEM_MAX: dict = {}   # kernel's function handle -> the dynamic shared memory it may take so far
+_SMEM_LOCK = threading.Lock()
 
 
 def set_max_dynamic_smem(kernel, nbytes: int) -> None:
@@ -176,11 +177,14 @@ def set_max_dynamic_smem(kernel, nbytes: int) -> None:
         return
     cupy = import_cupy()
     attr = getattr(cupy.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
-    if ptr is None:
-        kernel.max_dynamic_shared_size_bytes = nbytes
-    else:
-        cupy.cuda.driver.funcSetAttribute(ptr, attr, nbytes)
-    _SMEM_MAX[key] = nbytes
+    with _SMEM_LOCK:   # two threads raising it at once must not leave the driver below the record
+        if nbytes <= _SMEM_MAX.get(key, 0):
+            return
+        if ptr is None:
+            kernel.max_dynamic_shared_size_bytes = nbytes
+        else:
+            cupy.cuda.driver.funcSetAttribute(ptr, attr, nbytes)
+        _SMEM_MAX[key] = nbytes
 
 
 _RESIDENT: dict = {}
@@ -253,7 +257,7 @@ def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
     `programmatic_launches()` with programmatic dependent launch (cuda/pdl.cuh); inside a
     `recording()` as a PackedLaunch it keeps. Arguments are int pointers and numpy scalars; a
     kernel that takes a TensorMap goes through `launch_tma`."""
-    if _PDL or getattr(_RECORDING, "launches", None) is not None:
+    if pdl_enabled() or getattr(_RECORDING, "launches", None) is not None:
         launch_tma(kernel, grid, block, args, shared_mem)
         return
     # cupy.cuda.Function takes the stream per call; entering it as CuPy's current stream instead
@@ -268,7 +272,7 @@ def launch(kernel, grid, block, args, shared_mem: int = 0) -> None:
 # go to the driver through ctypes. Building the ctypes structures costs a few microseconds of
 # Python per launch, which is why PDL is opt-in (`programmatic_launches()`): the runner turns it
 # on while it captures its decode graph, where Python cost is paid once and replays are free.
-_PDL = False
+_PDL = threading.local()   # .on: inside programmatic_launches() on this thread
 _ATTR_COOPERATIVE = 2                         # CUlaunchAttributeID (cuda.h, CUDA >= 12.0)
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -277,20 +281,25 @@ class programmatic_launches:
     """Context manager: kernels launched inside it use programmatic dependent launch, so each
     may start while the previous kernel on the stream finishes (every kernel of cuda/ waits
     for its predecessor with griddepcontrol.wait before touching memory it could share).
-    Nested uses keep the outer setting on exit."""
+    Nested uses keep the outer setting on exit. The setting is the calling thread's: two
+    threads' blocks that overlap (two models capturing their decode graphs) leave each other's
+    launches as they were."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
 
     def __enter__(self):
-        global _PDL
-        self._saved, _PDL = _PDL, self.enabled
+        self._saved, _PDL.on = pdl_enabled(), self.enabled
         return self
 
     def __exit__(self, *exc):
-        global _PDL
-        _PDL = self._saved
+        _PDL.on = self._saved
         return False
+
+
+def pdl_enabled() -> bool:
+    """Whether this thread's launches use programmatic dependent launch (programmatic_launches)."""
+    return getattr(_PDL, "on", False)
 
 
 @lru_cache(maxsize=1)
@@ -536,11 +545,12 @@ class PackedLaunch:
     def __call__(self) -> None:
         cfg = self.cfg
         cfg.stream = current_stream_ptr()
-        cfg.num_attrs = 1 if _PDL or self.cooperative else 0
+        pdl = pdl_enabled()
+        cfg.num_attrs = 1 if pdl or self.cooperative else 0
         err = _driver()[4](self.cfg_ref, self.func, self.params, None)
         if err:
             ctypes, lib, *_ = _driver()
-            how = " (cooperative)" if self.cooperative else " (programmatic dependent launch)" if _PDL else ""
+            how = " (cooperative)" if self.cooperative else " (programmatic dependent launch)" if pdl else ""
             raise RuntimeError(f"cuLaunchKernelEx{how} failed: {_driver_error(ctypes, lib, err)}")
 
 

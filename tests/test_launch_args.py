@@ -372,3 +372,69 @@ def test_no_other_thread_between_a_calls_launches(monkeypatch, other):
     run_planned(qa, 4, x, torch.zeros(4, 8, dtype=torch.float16), first)
     t.join(5)
     assert log == ["quantize", "gemv", f"{other}: start", f"{other}: end"]
+
+
+def test_programmatic_launches_is_per_thread():
+    """Two threads' programmatic_launches() blocks that overlap (two models capturing decode
+    graphs) each see their own setting, and neither leaves it on: a process-wide flag ended
+    True after both blocks had exited (every later launch then went through the slower ctypes
+    path with PDL)."""
+    import threading
+
+    from quantzoo import cuda_launch as cl
+
+    entered, exited, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        with cl.programmatic_launches():
+            entered.set()
+            exited.wait(5)
+            seen["other inside"] = cl.pdl_enabled()
+        seen["other after"] = cl.pdl_enabled()
+
+    t = threading.Thread(target=other)
+    t.start()
+    entered.wait(5)
+    seen["main while other is inside"] = cl.pdl_enabled()
+    with cl.programmatic_launches():
+        exited.set()
+        t.join(5)
+        seen["main inside"] = cl.pdl_enabled()
+    seen["main after"] = cl.pdl_enabled()
+    assert seen == {"main while other is inside": False, "other inside": True, "other after": False,
+                    "main inside": True, "main after": False}
+
+
+def test_raising_a_kernels_shared_memory_limit_from_two_threads(monkeypatch):
+    """Two threads raising one kernel's dynamic shared memory limit at once: the record of the
+    limit must never exceed the driver's setting (a later launch that trusts the record would
+    fail). Here the larger setting returns late, so without the lock the smaller one was set
+    after it and the record kept the larger one."""
+    import threading
+    import time
+    import types
+
+    from quantzoo import cuda_launch as cl
+
+    class Kernel:   # ptr None: the limit is this attribute, as on a CuPy RawKernel
+        set_to = 0
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            return self.set_to
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, nbytes):
+            self.set_to = nbytes
+            if nbytes == 150_000:
+                time.sleep(0.2)   # the larger call is slow to come back
+
+    monkeypatch.setattr(cl, "import_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(driver=None)))
+    monkeypatch.setattr(cl, "_SMEM_MAX", {})
+    kern = Kernel()
+    big = threading.Thread(target=cl.set_max_dynamic_smem, args=(kern, 150_000))
+    big.start()
+    time.sleep(0.05)
+    cl.set_max_dynamic_smem(kern, 100_000)
+    big.join(5)
+    assert cl._SMEM_MAX[id(kern)] <= kern.set_to == 150_000

@@ -125,10 +125,10 @@ def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
 def test_programmatic_launches_nests_and_restores():
     from quantzoo import cuda_launch
 
-    assert cuda_launch._PDL is False
+    assert cuda_launch.pdl_enabled() is False
     with programmatic_launches():
-        assert cuda_launch._PDL is True
+        assert cuda_launch.pdl_enabled() is True
         with programmatic_launches(False):
-            assert cuda_launch._PDL is False
-        assert cuda_launch._PDL is True
-    assert cuda_launch._PDL is False
+            assert cuda_launch.pdl_enabled() is False
+        assert cuda_launch.pdl_enabled() is True
+    assert cuda_launch.pdl_enabled() is False
