@@ -163,6 +163,42 @@ def test_graph_decode_equals_eager(synthetic_path):
             f"step {i}: graph and eager logits differ, max |diff| {float((eager - graph_logits[i]).abs().max()):.3g}"
 
 
+def test_graph_capture_beside_another_threads_allocations(synthetic_path):
+    """Another thread allocating device memory (a second model's prefill, any torch work) while
+    this model captures its decode graph: in torch's default capture mode ("global") its
+    cudaMalloc was refused there and broke this capture, leaving the model eager for good; the
+    runner captures in "thread_local" mode, so both go on. The other thread mallocs and frees
+    raw device memory in a loop for the whole capture."""
+    import threading
+
+    from quantzoo.cuda_launch import import_cupy
+
+    rt = import_cupy().cuda.runtime
+    m = qz.load_model(synthetic_path, device="cuda", progress=False)
+    ids = [(11 * i + 2) % 512 for i in range(9)]
+    stop, errors, rounds = threading.Event(), [], [0]
+
+    def allocate():
+        torch.cuda.set_device(m._cuda_index)
+        while not stop.is_set():
+            try:
+                rt.free(rt.malloc(1 << 20))
+                rounds[0] += 1
+            except Exception as e:   # noqa: BLE001 -- what the capture made of this thread's calls
+                errors.append(f"{type(e).__name__}: {e}")
+                return
+
+    t = threading.Thread(target=allocate)
+    t.start()
+    try:
+        m.generate(ids, max_new_tokens=4, eos_token_ids=[])   # captures the decode graph
+    finally:
+        stop.set()
+        t.join(10)
+    assert m._graph is not None and not m.fallbacks, m.fallbacks
+    assert not errors and rounds[0] > 0, (errors, rounds)
+
+
 def test_a_next_turn_reuses_the_cache_on_gpu(synthetic_path):
     """A chat's next turn on CUDA (generate(reuse_cache=True), as `run model --interactive` calls
     it): the prompt's tail is prefilled from a position past 0 (the fused ops' masked attention

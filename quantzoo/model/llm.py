@@ -751,8 +751,10 @@ class Model:
         # captured on s, a stream of this model's device: torch.cuda.graph's default capture
         # stream is made once per process, on whichever device was current then, and entering it
         # makes that device current -- a second model's kernels then left the capture (on
-        # another GPU: an empty graph, a decode of zeros)
-        with torch.cuda.graph(g, stream=s), programmatic_launches(self.pdl):
+        # another GPU: an empty graph, a decode of zeros). capture_error_mode "thread_local": in
+        # torch's default ("global") another thread's cudaMalloc during the capture (a second
+        # model's prefill) failed there and broke this capture, leaving this model eager for good
+        with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"), programmatic_launches(self.pdl):
             self._g_out = self._forward(self._g_tok, self._g_pos, False)
         self._graph = g
 
