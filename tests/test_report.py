@@ -753,3 +753,38 @@ def test_model_table_shows_peak_memory(errors):
     hdr, _ = report.model_bench_rows(mb)
     assert hdr[-5:] == ["peak_decode_GiB", "peak_decode_over_weights_kv", "kv_cache_GiB", "peak_gpu_GiB",
                         "peak_over_weights_kv"]
+
+
+# ------------------------------------------------------------------------------------------
+# the layer the headline sums, the prompt lengths the model table names, formats not benched
+
+
+QWEN3_LAYER = {(4096, 4096): 2, (4096, 1024): 2, (4096, 12288): 2, (12288, 4096): 1}
+
+
+def test_layer_mix_is_the_qwen3_8b_one_whatever_the_file_says(tmp_path, capsys, monkeypatch, errors):
+    """The headline sums one Qwen3-8B layer (2, 2, 2, 1 over the four shapes) and says so in
+    words. A file whose settings.qwen3_8b_layer said otherwise was summed with its counts under
+    that same text (every headline figure moved, nothing said); a file without the key (a bench
+    from before it was written) was summed once per shape and said 'not to cover all four
+    Qwen3-8B shapes', which it did."""
+    from quantzoo.bench.kernels import QWEN3_8B_SHAPES
+
+    base, old = fixture_doc(), fixture_doc()
+    del old["settings"]["qwen3_8b_layer"]
+    checks.check_kernels_bench(old)
+    assert speed.layer_weights(old) == speed.layer_weights(base) == (QWEN3_LAYER, True)
+    mds = [report.render(report.build(d, None, accuracy=False, errors=errors)) for d in (base, old)]
+    assert "did not cover" not in mds[1] and "one Qwen3-8B decoder layer" in mds[1]
+    assert table_with(mds[0], "M=1 % roofline") == table_with(mds[1], "M=1 % roofline")
+    assert "**4096 -> 1024** (k_proj, v_proj)" in mds[1]   # the per-shape headings keep their names
+    doc = fixture_doc()
+    doc["settings"]["qwen3_8b_layer"][0][3] = 3
+    err = refused(tmp_path, capsys, monkeypatch, bench=doc)
+    assert "bench.json: settings.qwen3_8b_layer = [[4096, 4096, 3], [4096, 1024, 2]" in err, err
+    assert err.endswith("is not one Qwen3-8B decoder layer's linears (2x 4096->4096, 2x 4096->1024, "
+                        "2x 4096->12288, 1x 12288->4096)"), err
+    # one source for the mix, the words and the bench's shapes
+    assert speed.qwen3_layer() == QWEN3_LAYER == {(k, n): c for k, n, _, c in QWEN3_8B_SHAPES}
+    assert report.layer_text() == ("its 7 linears (2x 4096->4096 q/o, 2x 4096->1024 k/v, "
+                                   "2x 4096->12288 gate/up, 1x 12288->4096 down)")

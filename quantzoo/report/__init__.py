@@ -223,6 +223,17 @@ def build(bench: dict | None = None, model_bench: dict | None = None, *, accurac
 # markdown
 
 
+def layer_text() -> str:
+    """'its 7 linears (2x 4096->4096 q/o, ...)': the layer speed.aggregate sums, in words."""
+    from quantzoo.bench.kernels import QWEN3_8B_SHAPES
+
+    layer = speed.qwen3_layer()
+    names = {(k, n): "/".join(s.strip().removesuffix("_proj") for s in w.split(","))
+             for k, n, w, _ in QWEN3_8B_SHAPES}
+    return (f"its {sum(layer.values())} linears ("
+            + ", ".join(f"{c}x {k}->{n} {names.get((k, n), '?')}" for (k, n), c in layer.items()) + ")")
+
+
 def _table(rows, headers) -> str:
     from tabulate import tabulate
 
@@ -304,8 +315,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                     r["paths"] or (r["error"][:80] if r["error"] else "")]
             rows.append(row)
         L.append(_table(rows, hdr))
-        L.append("\n" + ("Each figure is for **one Qwen3-8B decoder layer**: its 7 linears (2x 4096->4096 "
-                         "q/o, 2x 4096->1024 k/v, 2x 4096->12288 gate/up, 1x 12288->4096 down) summed. "
+        L.append("\n" + (f"Each figure is for **one Qwen3-8B decoder layer**: {layer_text()} summed. "
                          if real else "Figures sum the bench's shapes once each (the bench did not "
                                       "cover all four Qwen3-8B shapes). ")
                  + "% roofline = the time the ceilings allow (max of bytes / copy bandwidth and flops / "
@@ -410,7 +420,9 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         for r in bench["results"]:
             if (r["k"], r["n"]) not in shapes:
                 shapes.append((r["k"], r["n"]))
-        what = {(k, n): w for k, n, w, _ in bench["settings"].get("qwen3_8b_layer", [])}
+        from quantzoo.bench.kernels import QWEN3_8B_SHAPES   # (the file's own list, if any, is the same: checks)
+
+        what = {(k, n): w for k, n, w, _ in QWEN3_8B_SHAPES}
         for (k, n) in shapes:
             L.append(f"**{k} -> {n}**" + (f" ({what[(k, n)]})" if (k, n) in what else "") + "\n")
             rows = []

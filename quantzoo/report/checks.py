@@ -116,6 +116,16 @@ def check_kernels_bench(res, what: str = "bench") -> None:
                     and isinstance(e[2], str) and _positive_int(e[3])):
                 _bad(what, f"settings.qwen3_8b_layer[{j}]", e,
                      "is not [K, N, names, count] (positive integers K, N and count)")
+        from .speed import qwen3_layer
+
+        mix: dict = {}
+        for k, n, _names, c in layer:
+            mix[(k, n)] = mix.get((k, n), 0) + c
+        real = qwen3_layer()
+        if mix != real:   # the report sums its headline over qwen3_layer() and says so
+            _bad(what, "settings.qwen3_8b_layer", [[k, n, c] for (k, n), c in mix.items()],
+                 "is not one Qwen3-8B decoder layer's linears ("
+                 + ", ".join(f"{c}x {k}->{n}" for (k, n), c in real.items()) + ")")
     if s.get("power") is not None:
         if not isinstance(s["power"], dict):
             _bad(what, "settings.power", s["power"], "is not a JSON object")

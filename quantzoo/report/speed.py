@@ -38,11 +38,25 @@ def ok_rows(res: dict) -> list[dict]:
     return [r for r in res["results"] if r.get("status") == "ok"]
 
 
+def qwen3_layer() -> dict:
+    """{(K, N): count} of one Qwen3-8B decoder layer's linears, from quantzoo.report.sizes (the
+    one place the report keeps that model's shapes): what the headline figures sum."""
+    from .sizes import qwen3_linears
+
+    out: dict = {}
+    for _name, n, k in qwen3_linears():
+        out[(k, n)] = out.get((k, n), 0) + 1
+    return out
+
+
 def layer_weights(res: dict) -> tuple[dict, bool]:
-    """{(k, n): count per layer} and whether that is the real Qwen3-8B layer mix."""
-    layer = {(k, n): c for k, n, _what, c in res["settings"].get("qwen3_8b_layer", [])}
+    """{(k, n): count per layer} and whether that is the real Qwen3-8B layer mix: the mix of
+    qwen3_layer() wherever the bench covered its four shapes, whether or not the file has
+    settings.qwen3_8b_layer (older benches lack it; checks refuse one that disagrees), else
+    every bench shape once."""
+    layer = qwen3_layer()
     present = {(r["k"], r["n"]) for r in res["results"]}
-    if layer and set(layer) <= present:
+    if set(layer) <= present:
         return layer, True
     return {s: 1 for s in sorted(present)}, False
 
