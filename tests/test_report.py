@@ -788,3 +788,39 @@ def test_layer_mix_is_the_qwen3_8b_one_whatever_the_file_says(tmp_path, capsys, 
     assert speed.qwen3_layer() == QWEN3_LAYER == {(k, n): c for k, n, _, c in QWEN3_8B_SHAPES}
     assert report.layer_text() == ("its 7 linears (2x 4096->4096 q/o, 2x 4096->1024 k/v, "
                                    "2x 4096->12288 gate/up, 1x 12288->4096 down)")
+
+
+def test_prefill_columns_name_the_prompt_lengths_the_bench_timed(errors):
+    """`quantzoo bench model --prompt-lens` (64,256 with --tiny) sets the lengths; its
+    prefill_breakdown profiles the shortest. The comparison with fp16 named its columns 512 and
+    2048 whatever the file held: the GPU ms of a 64-token prefill was shown as 'prefill 512 GPU
+    ms' beside wall columns of '-', with prose about 512- and 2048-token prefills."""
+    doc = model_bench_doc()
+    for r in doc["results"]:
+        r["prefill_tok_s_64"], r["prefill_tok_s_256"] = r.pop("prefill_tok_s_512"), r.pop("prefill_tok_s_2048")
+    doc["prefill_side_by_side"]["tok_s"] = {f: {"64": 6400.0 * (i + 1), "256": 25600.0}
+                                            for i, f in enumerate(("awq", "q4_0", "fp16"))}
+    md = report.render(report.build(None, doc, accuracy=False, errors=errors))
+    t = table_with(md, "prefill 64 GPU ms")
+    awq = t[0]
+    assert awq["format"] == "awq" and finite(awq["prefill 64 GPU ms"]) == pytest.approx(13.8, abs=0.05)
+    assert finite(awq["prefill 64 wall ms"]) == pytest.approx(10.0, abs=0.05)      # 64 / 6400 s
+    assert awq["wall x fp16"] == "0.33" and awq["256 x fp16"] == "1.00"   # fp16: 3x the tok/s
+    assert finite(awq["prefill 256 wall tok/s"]) == 25600.0
+    assert not any("512" in h or "2048" in h for h in awq)
+    assert "The 64-token prefill by the wall clock" in md and "The 256-token columns" in md
+    assert "512-token" not in md and "2048-token" not in md
+    # one prompt length: no second pair of columns; none (--prompt-lens ''): decode alone
+    for r in doc["results"]:
+        del r["prefill_tok_s_256"]
+    doc["prefill_side_by_side"]["tok_s"] = {f: {"64": 6400.0} for f in ("awq", "q4_0", "fp16")}
+    hdr, _ = report.model_vs_fp16_rows(doc)
+    assert hdr == ["format", "decode tok/s", "decode x fp16", "prefill 64 wall ms", "wall x fp16",
+                   "prefill 64 GPU ms", "GPU x fp16", "wall / GPU"]
+    for r in doc["results"]:
+        del r["prefill_tok_s_64"], r["prefill_breakdown"]
+    del doc["prefill_side_by_side"]
+    hdr, rows = report.model_vs_fp16_rows(doc)
+    assert hdr == ["format", "decode tok/s", "decode x fp16"] and rows[0] == ["awq", 358.0, "2.02"]
+    md = report.render(report.build(None, doc, accuracy=False, errors=errors))
+    assert "(x fp16 above 1: faster than fp16).\n" in md

@@ -139,12 +139,26 @@ def load_model_bench(path) -> dict:
     return checks.check_model_bench(speed.load_json(path, "`quantzoo bench model`"), str(path))
 
 
+def prefill_lens(mb: dict) -> list[int]:
+    """The prompt lengths a model bench timed, ascending: its records' prefill_tok_s_N and its
+    round-robin run's keys (`quantzoo bench model --prompt-lens`, 512,2048 by default, 64,256
+    with --tiny). Its prefill_breakdown profiled the shortest (bench.model.bench_format)."""
+    recs = mb.get("results") if isinstance(mb, dict) else mb
+    lens = {int(k[len("prefill_tok_s_"):]) for r in recs or [] if isinstance(r, dict)
+            for k in r if k.startswith("prefill_tok_s_") and k[len("prefill_tok_s_"):].isdigit()}
+    sbs = mb.get("prefill_side_by_side") if isinstance(mb, dict) else None
+    for per in ((sbs.get("tok_s") if isinstance(sbs, dict) else None) or {}).values():
+        lens |= {int(n) for n in (per if isinstance(per, dict) else {}) if str(n).isdigit()}
+    return sorted(lens)
+
+
 def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
     """Each format's runner speed against the fp16 runner's in the same model bench: decode
     tok/s, and prefill both by the wall clock (tok/s, what a user waits; from the round-robin
     `prefill_side_by_side` where the bench has it) and by the GPU time of the profiled
-    512-token prefill (`prefill_breakdown`). wall / GPU > 1 means the host's Python,
-    not the GPU, set the 512-token wall time. None without an fp16 record."""
+    prefill of the shortest prompt (`prefill_breakdown`), the longest prompt by the wall clock
+    (prefill_lens: 512 and 2048 tokens in the default run). wall / GPU > 1 means the host's
+    Python, not the GPU, set the short prompt's wall time. None without an fp16 record."""
     recs = [r for r in (mb.get("results") if isinstance(mb, dict) else mb) or []
             if isinstance(r, dict) and not r.get("error")]
     base = next((r for r in recs if r.get("format") == "fp16"), None)
@@ -175,15 +189,24 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
         tps = tok_s(r, n)
         return 1e3 * n / tps if tps else None
 
-    hdr = ["format", "decode tok/s", "decode x fp16", "prefill 512 wall ms", "wall x fp16",
-           "prefill 512 GPU ms", "GPU x fp16", "wall / GPU", "prefill 2048 wall tok/s", "2048 x fp16"]
+    lens = prefill_lens(mb)
+    short = lens[0] if lens else None            # the one prefill_breakdown profiled
+    long = lens[-1] if len(lens) > 1 else None
+    hdr = ["format", "decode tok/s", "decode x fp16"]
+    if short:
+        hdr += [f"prefill {short} wall ms", "wall x fp16", f"prefill {short} GPU ms", "GPU x fp16", "wall / GPU"]
+    if long:
+        hdr += [f"prefill {long} wall tok/s", f"{long} x fp16"]
     rows = []
     for r in recs:
-        g, w = gpu_ms(r), wall_ms(r, 512)
-        rows.append([r.get("format", "?"), r.get("decode_tok_s_graph"),
-                     ratio(r.get("decode_tok_s_graph"), base.get("decode_tok_s_graph")),
-                     w, ratio(wall_ms(base, 512), w), g, ratio(gpu_ms(base), g), ratio(w, g),
-                     tok_s(r, 2048), ratio(tok_s(r, 2048), tok_s(base, 2048))])
+        row = [r.get("format", "?"), r.get("decode_tok_s_graph"),
+               ratio(r.get("decode_tok_s_graph"), base.get("decode_tok_s_graph"))]
+        if short:
+            g, w = gpu_ms(r), wall_ms(r, short)
+            row += [w, ratio(wall_ms(base, short), w), g, ratio(gpu_ms(base), g), ratio(w, g)]
+        if long:
+            row += [tok_s(r, long), ratio(tok_s(r, long), tok_s(base, long))]
+        rows.append(row)
     return hdr, rows
 
 
@@ -528,20 +551,24 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             sb = "tok_s" in sbs
             lens = {str(n) for per in (sbs.get("tok_s") or {}).values() for n in per}
             gaps = sb and any(str(n) not in sbs["tok_s"].get(r[0], {}) for r in vs[1] for n in lens)
-            L.append("\nAgainst the fp16 runner of the same run (x fp16 above 1: faster than fp16). The "
-                     "512-token prefill by the wall clock" +
-                     (" (every format's model held at once and timed round-robin, so that the host's "
-                      "drift within the run falls on all of them alike)" if sb else
-                      " (the table above's prefill_tok_s_512, each format timed after the other: the bench's "
-                      "round-robin run is not in this file"
-                      + (f", it was skipped: {sbs['skipped'][:200]}" if sbs.get("skipped") else "") + ")") +
-                     " and by the GPU time of its profiled run; wall / GPU well above 1 means the "
-                     "host's Python, not the GPU, set that time (it moves up to 2x between runs on "
-                     "the lent machine). The 2048-token columns are "
-                     + ("the same round-robin wall figures (not the table above's prefill_tok_s_2048, "
-                        "timed one format after another)" if sb else "the table above's prefill_tok_s_2048")
-                     + ("; '-' where the round-robin run has no figure for a format" if gaps else "")
-                     + ".\n")
+            pl = prefill_lens(mb)   # (the columns' prompt lengths: model_vs_fp16_rows)
+            short, long = (pl[0] if pl else None), (pl[-1] if len(pl) > 1 else None)
+            txt = "\nAgainst the fp16 runner of the same run (x fp16 above 1: faster than fp16)"
+            if short:
+                txt += (f". The {short}-token prefill by the wall clock" +
+                        (" (every format's model held at once and timed round-robin, so that the host's "
+                         "drift within the run falls on all of them alike)" if sb else
+                         f" (the table above's prefill_tok_s_{short}, each format timed after the other: the "
+                         "bench's round-robin run is not in this file"
+                         + (f", it was skipped: {sbs['skipped'][:200]}" if sbs.get("skipped") else "") + ")") +
+                        " and by the GPU time of its profiled run; wall / GPU well above 1 means the "
+                        "host's Python, not the GPU, set that time (it moves up to 2x between runs on "
+                        "the lent machine)")
+            if long:
+                txt += (f". The {long}-token columns are "
+                        + (f"the same round-robin wall figures (not the table above's prefill_tok_s_{long}, "
+                           "timed one format after another)" if sb else f"the table above's prefill_tok_s_{long}"))
+            L.append(txt + ("; '-' where the round-robin run has no figure for a format" if gaps else "") + ".\n")
             L.append(_table([[_num(v) if isinstance(v, (int, float)) else ("-" if v is None else str(v))
                               for v in r] for r in vs[1]], vs[0]))
         L.append("")
