@@ -704,7 +704,9 @@ def test_never_slower_needs_a_comparison(errors, bench):
     nofp16["results"] = [r for r in nofp16["results"] if r["format"] != "fp16"]
     md = md_of(nofp16)
     assert "never" not in md and "(the bench lacks fp16 rows)" in md
-    assert {r["slower than fp16 from M"] for r in table_with(md, "slower than fp16 from M")} == {"n/a"}
+    t = table_with(md, "slower than fp16 from M")
+    assert {r["slower than fp16 from M"] for r in t if r["format"] != "fp16"} == {"n/a"}
+    assert [r["status"] for r in t if r["format"] == "fp16"] == ["not benched"]
     # the per-shape cells take x cuBLAS from this file's fp16 rows, not the one the row stored
     detail = [t for t in md_tables(md) if t and "M=4096" in t[0]]
     assert all(c.endswith("(-)") for t in detail for r in t for h, c in r.items() if h != "format")
@@ -824,3 +826,22 @@ def test_prefill_columns_name_the_prompt_lengths_the_bench_timed(errors):
     assert hdr == ["format", "decode tok/s", "decode x fp16"] and rows[0] == ["awq", 358.0, "2.02"]
     md = report.render(report.build(None, doc, accuracy=False, errors=errors))
     assert "(x fp16 above 1: faster than fp16).\n" in md
+
+
+def test_a_format_the_bench_lacks_is_said_to_be_missing(errors):
+    """A bench without some registry format (`quantzoo bench kernels --formats q4_0,fp16`, a
+    file older than the format) gave speed tables that left the format out without a word,
+    while the size table above them lists every format; the model bench (awq, q4_0, q8_0, fp16
+    by design) did the same for q4_1, q5_0 and q5_1."""
+    doc = fixture_doc()
+    doc["results"] = [r for r in doc["results"] if r["format"] not in ("awq", "q5_1")]
+    md = report.render(report.build(doc, model_bench_doc(), accuracy=False, errors=errors))
+    t = table_with(md, "M=1 % roofline")
+    assert [r["format"] for r in t] == [n for n in REPORT_FORMATS if n not in ("awq", "q5_1")] + ["awq", "q5_1"]
+    for r in t[-2:]:
+        assert r["status"] == "not benched" and r["M=1 % roofline"] == "-" and r["slower than fp16 from M"] == "-"
+    assert "- `awq`: not benched — the bench file has no row of this format" in md
+    assert "'n/a' where" not in md   # (the prose for a format benched with gaps)
+    assert "Not in this model bench: `q4_1`, `q5_0`, `q5_1`, `q8_0` (`quantzoo bench model` runs " in md
+    full = report.render(report.build(fixture_doc(), None, accuracy=False, errors=errors))
+    assert "not benched" not in full

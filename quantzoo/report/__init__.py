@@ -104,7 +104,25 @@ def speed_rows(bench: dict) -> list[dict]:
         row["paths"] = speed.crossover_text(bench, name)
         row["error"] = speed.first_error(bench, name) if row["status"] != "ok" else ""
         rows.append(row)
+    # a registry format the bench has no row of (`quantzoo bench kernels --formats`, a bench
+    # older than the format): a row that says so, not a table that leaves it out unsaid
+    for name in not_benched(speed.formats_in(bench)):
+        row = {"format": name, "status": "not benched"}
+        row.update({k: None for k in rows[0] if k not in row} if rows else {})
+        row.update(compared_with_fp16=None, paths="", error="the bench file has no row of this format")
+        rows.append(row)
     return rows
+
+
+def QWEN3_MODEL_FORMATS() -> tuple:   # noqa: N802 - the bench's constant, imported late
+    from quantzoo.bench.model import FORMATS
+
+    return FORMATS
+
+
+def not_benched(names) -> list[str]:
+    """The registry's weight formats and fp16 (checks.stored_format_names) missing from `names`."""
+    return [n for n in checks.stored_format_names() if n not in names]
 
 
 def model_bench_rows(mb: dict) -> tuple[list[str], list[list]]:
@@ -333,7 +351,8 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             row = [r["format"], r["status"]]
             for m in HEADLINE_M:
                 row += [_f(r[f"m{m}_pct_roofline"], ".1f"), _f(r[f"m{m}_x_cublas"], ".2f")]
-            row += ["-" if r["format"] == speed.BASELINE else "n/a" if not r["compared_with_fp16"] else
+            row += ["-" if r["format"] == speed.BASELINE or r["status"] == "not benched" else
+                    "n/a" if not r["compared_with_fp16"] else
                     (str(r["slower_than_fp16_from_m"]) if r["slower_than_fp16_from_m"] else "never"),
                     r["paths"] or (r["error"][:80] if r["error"] else "")]
             rows.append(row)
@@ -545,6 +564,10 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
         for r in mb["results"]:
             if r.get("error"):
                 L.append(f"\n- `{r.get('format')}`: {r['error'][:200]}")
+        missing = not_benched([r.get("format") for r in mb["results"]])
+        if missing:
+            L.append("\nNot in this model bench: " + ", ".join(f"`{n}`" for n in missing)
+                     + " (`quantzoo bench model` runs " + ", ".join(QWEN3_MODEL_FORMATS()) + ").\n")
         vs = model_vs_fp16_rows(mb)
         if vs:
             sbs = mb.get("prefill_side_by_side") or {}
