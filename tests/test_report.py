@@ -845,3 +845,15 @@ def test_a_format_the_bench_lacks_is_said_to_be_missing(errors):
     assert "Not in this model bench: `q4_1`, `q5_0`, `q5_1`, `q8_0` (`quantzoo bench model` runs " in md
     full = report.render(report.build(fixture_doc(), None, accuracy=False, errors=errors))
     assert "not benched" not in full
+
+
+@pytest.mark.parametrize("version", [2, "1", None, True])
+def test_a_bench_of_another_schema_version_is_refused(tmp_path, capsys, monkeypatch, version):
+    """The bench writes "version": 1 and the report never read it: a file of another schema
+    was rendered as if it were version 1. (A file without the field is taken as version 1.)"""
+    doc = fixture_doc()
+    doc["version"] = version
+    err = refused(tmp_path, capsys, monkeypatch, bench=doc)
+    assert f"bench.json: version = {json.dumps(version)} is not 1, the `quantzoo bench kernels` schema" in err, err
+    del doc["version"]
+    checks.check_kernels_bench(doc)

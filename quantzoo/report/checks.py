@@ -17,6 +17,7 @@ import json
 import math
 
 KERNELS_KIND = "quantzoo-bench-kernels"
+KERNELS_VERSION = 1   # quantzoo.bench.kernels.run_bench's "version"
 BASELINE = "fp16"
 STATUSES = ("ok", "error", "missing")
 
@@ -87,6 +88,10 @@ def check_kernels_bench(res, what: str = "bench") -> None:
         if isinstance(res, (dict, list)) and looks_like_model_bench(res):
             hint = " (it looks like a `quantzoo bench model` JSON: give that as --model-bench)"
         raise ValueError(f"{what}: not a `quantzoo bench kernels` JSON (kind != '{KERNELS_KIND}'){hint}")
+    v = res.get("version", KERNELS_VERSION)   # (files from before the field: the same schema)
+    if v != KERNELS_VERSION or isinstance(v, bool):
+        _bad(what, "version", v, f"is not {KERNELS_VERSION}, the `quantzoo bench kernels` schema this "
+             "quantzoo reads (a newer quantzoo wrote it?)")
     for key, kind in (("machine", dict), ("ceilings", dict), ("settings", dict), ("results", list)):
         if not isinstance(res.get(key), kind):
             raise ValueError(f"{what}: {key!r} is missing or not a JSON {'object' if kind is dict else 'array'}")
