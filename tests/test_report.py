@@ -857,3 +857,17 @@ def test_a_bench_of_another_schema_version_is_refused(tmp_path, capsys, monkeypa
     assert f"bench.json: version = {json.dumps(version)} is not 1, the `quantzoo bench kernels` schema" in err, err
     del doc["version"]
     checks.check_kernels_bench(doc)
+
+
+def test_a_crossover_next_to_an_untimed_m_is_not_pinned_on_it():
+    """The path change was reported at the first M with an ok row of the new path: with the
+    q4_0 4096->1024 row at M=16 failed, 'mmq from M=32' -- a threshold said to lie between 16
+    and 32 when the bench only knows it lies between 8 and 32."""
+    doc = fixture_doc()
+    assert speed.crossover_text(doc, "q4_0") == "mmvq, mmq from M=16"
+    i = row_index(doc, "q4_0", 4096, 1024, 16)
+    doc["results"][i] = {k: doc["results"][i][k] for k in ("format", "k", "n", "m")}
+    doc["results"][i].update(status="error", error="RuntimeError: boom")
+    checks.check_kernels_bench(doc)
+    txt = speed.crossover_text(doc, "q4_0")
+    assert "4096->1024: mmvq, mmq from M<=32;" in txt and "4096->4096: mmvq, mmq from M=16;" in txt, txt

@@ -183,11 +183,19 @@ def path_changes(res: dict, fmt: str) -> dict:
 
 def crossover_text(res: dict, fmt: str) -> str:
     """'mmvq, mmq from M=16, dequant from M=64' (the bench's M grid) when every shape switches
-    at the same M; per shape otherwise."""
+    at the same M; per shape otherwise. 'from M<=32' where the grid's M before 32 has no ok row
+    of the format and shape (the change may have come there)."""
     ch = path_changes(res, fmt)
     if not ch:
         return ""
-    texts = {shape: ", ".join(p if i == 0 else f"{p} from M={m}" for i, (m, p) in enumerate(pts))
+    grid = ms_in(res)
+    timed = {(f"{r['k']}->{r['n']}", r["m"]) for r in ok_rows(res) if r["format"] == fmt}
+
+    def since(shape, m):   # 'M<=32' where the grid's M before it has no ok row: the path there is unknown
+        i = grid.index(m)
+        return f"M={m}" if i == 0 or (shape, grid[i - 1]) in timed else f"M<={m}"
+
+    texts = {shape: ", ".join(p if i == 0 else f"{p} from {since(shape, m)}" for i, (m, p) in enumerate(pts))
              for shape, pts in ch.items()}
     uniq = set(texts.values())
     if len(uniq) == 1:
