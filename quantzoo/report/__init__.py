@@ -114,12 +114,6 @@ def speed_rows(bench: dict) -> list[dict]:
     return rows
 
 
-def QWEN3_MODEL_FORMATS() -> tuple:   # noqa: N802 - the bench's constant, imported late
-    from quantzoo.bench.model import FORMATS
-
-    return FORMATS
-
-
 def not_benched(names) -> list[str]:
     """The registry's weight formats and fp16 (checks.stored_format_names) missing from `names`."""
     return [n for n in checks.stored_format_names() if n not in names]
@@ -566,8 +560,10 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                 L.append(f"\n- `{r.get('format')}`: {r['error'][:200]}")
         missing = not_benched([r.get("format") for r in mb["results"]])
         if missing:
+            from quantzoo.bench.model import FORMATS as MODEL_FORMATS
+
             L.append("\nNot in this model bench: " + ", ".join(f"`{n}`" for n in missing)
-                     + " (`quantzoo bench model` runs " + ", ".join(QWEN3_MODEL_FORMATS()) + ").\n")
+                     + " (`quantzoo bench model` runs " + ", ".join(MODEL_FORMATS) + ").\n")
         vs = model_vs_fp16_rows(mb)
         if vs:
             sbs = mb.get("prefill_side_by_side") or {}
