@@ -18,6 +18,7 @@ def quantzoo_cli(*args, cwd):
 def test_formats_table(tmp_path):
     out = quantzoo_cli("formats", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    assert re.search(r"\| awq +\| weight +\| 4.156 +\| 128 +\| 66.5 +\|", out.stdout), out.stdout   # 64 + 2 + 0.5 bytes
     again = subprocess.run([sys.executable, "-m", "quantzoo", "formats"], capture_output=True, text=True,
                            timeout=300, cwd=tmp_path)   # python -m quantzoo: the same command
     assert again.returncode == 0 and again.stdout == out.stdout, again.stderr
@@ -28,6 +29,8 @@ def test_formats_table(tmp_path):
         cells = [c.strip() for c in rows[name].split("|")[1:-1]]
         assert float(cells[2]) == round(get(name).bits_per_weight, 3) or \
             abs(float(cells[2]) - get(name).bits_per_weight) < 1e-3
+        # bytes of one block (AWQ: one column's group along K), its scale and zero / min counted
+        assert float(cells[4]) * 8 == get(name).bits_per_weight * int(cells[3]), cells
         if get(name).kind == "weight":
             nmse_w, nmse_k = float(cells[6]), float(cells[7])
             assert 0 < nmse_w <= nmse_k * 1.02 and nmse_k < 100 * get(name).nmse_ceiling

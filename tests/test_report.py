@@ -242,6 +242,24 @@ def test_bad_accuracy_arguments_are_errors(capsys, monkeypatch, args, needle):
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+def test_a_write_that_fails_names_out(tmp_path, capsys, monkeypatch):
+    """--out passes its checks and the write still fails (a full disk; /proc, which os.access
+    calls writable for root): one line naming --out, after the report was built."""
+    import errno
+
+    from quantzoo import report
+    from quantzoo.cli import main
+
+    def full(rep, out, plots=True):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r" / "report.json"))
+
+    monkeypatch.setattr(report, "write", full)
+    assert main(["report", "--no-bench", "--no-accuracy", "--no-plots", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--out {tmp_path / 'r'}: could not write " in err \
+        and "report.json: No space left on device" in err, err
+
+
 def test_layer_aggregate_by_hand():
     """% roofline and x cuBLAS for a Qwen3-8B layer: sums over 7 linears, checked by hand."""
     shapes = [(4096, 4096, "qo", 2), (4096, 1024, "kv", 2), (4096, 12288, "gu", 2), (12288, 4096, "d", 1)]

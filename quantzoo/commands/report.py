@@ -79,7 +79,10 @@ def run(args) -> int:
                        accuracy_tokens=args.accuracy_tokens, model_path=args.model, command=command,
                        log=log)
     if args.out is not None:
-        files = report.write(rep, args.out, plots=not args.no_plots)
+        try:
+            files = report.write(rep, args.out, plots=not args.no_plots)
+        except OSError as e:   # what check_out could not foresee (a full disk, /proc as root)
+            raise OSError(f"--out {args.out}: could not write {e.filename or args.out}: {e.strerror or e}") from None
         log(f"wrote {files['md']} and {len(files['plots'])} plots"
             + (f" ({rep['plots_skipped']})" if rep.get("plots_skipped") else ""))
     else:

@@ -546,9 +546,12 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                      "cost.\n")
         ctx = next((h for h in hdr if h.startswith("decode_tok_s_graph_ctx")), None)
         if ctx:
-            L.append(f"\n`{ctx}`: the graph decode after a {ctx[len('decode_tok_s_graph_ctx'):]}-token "
-                     "prompt, where each step's attention also reads the whole KV cache (for the "
-                     "Qwen3-8B shape 147 KB a token: 0.6 GB a step at 4096 tokens).\n")
+            n_ctx = ctx[len("decode_tok_s_graph_ctx"):]
+            per_token = 36 * 8 * 128 * 2 * 2   # Qwen3-8B: layers x KV heads x head dim x (K, V) x fp16
+            at = f": {int(n_ctx) * per_token / 1e9:.2g} GB a step at {n_ctx} tokens" if n_ctx.isdigit() else ""
+            L.append(f"\n`{ctx}`: the graph decode after a {n_ctx}-token prompt, where each step's "
+                     f"attention also reads the whole KV cache (for the Qwen3-8B shape {per_token / 1e3:.0f} KB "
+                     f"a token{at}).\n")
         if any("decode_tok_s_graph_persistent" in h for h in hdr):
             L.append("\n`decode_tok_s_graph_persistent` (GGUF formats): the same decode through the "
                      "experimental persistent kernel (cuda/decode_persistent.cu: every decoder layer of "
