@@ -1,12 +1,17 @@
 // awq_common.cuh -- pieces shared by the AWQ W4A16 kernels (awq_dequant.cu, awq_gemv.cu,
-// awq_small.cu, awq_mma.cu, awq_wgmma.cu; gguf_wgmma.cu borrows smem_addr, as_h2 and lop3_and_or).
+// awq_small.cu, awq_mma.cu, awq_wgmma.cu; gguf_wgmma.cu borrows smem_addr, as_h2, as_u32,
+// lop3_and_or and kMagic).
 //
 // Layout (HF AWQ "gemm"): qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N].
 // Nibble slot j (bits 4j..4j+3) of a word holds column 8c + ORDER[j], ORDER = 0 2 4 6 1 3 5 7.
 // So slots (0,4) are columns (0,1), slots (1,5) columns (2,3), slots (2,6) columns (4,5) and
 // slots (3,7) columns (6,7): each pair sits 16 bits apart, exactly the two lanes of a half2.
 //
-// Math every kernel computes for one weight:   w16 = fp16((q - z) * s)
+// Math of the kernels that form an fp16 weight (awq_dequant.cu, awq_mma.cu, awq_wgmma.cu):
+//     w16 = fp16((q - z) * s)
+// (awq_small.cu and awq_gemv.cu never round a weight to fp16: they read masked nibbles as fp16
+// subnormals and apply s once per group to fp32 partials; awq_small's MODE 1 uses the conversion
+// below for the exact q - z only.)
 // LOP3 trick (the one vLLM's AWQ dequantize kernel uses; project seed 002): (word & 0x000f000f) |
 // 0x64006400, read as half2, is (1024 + q0, 1024 + q1):
 // 0x6400 is 1024.0 in fp16, whose ulp is exactly 1, so the nibble lands in the mantissa.

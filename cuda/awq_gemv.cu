@@ -25,11 +25,13 @@
 //   and zero elsewhere. Then C[g][2t] (this lane's own accumulator) = w[r0][c0] x[r0] +
 //   w[r1][c0] x[r1] for the lane's column c0, C[g][2t+1] the same for c1, C[g + 8][.] for the
 //   0x00f000f0 columns: each lane's four accumulators are its own four columns. B is the lane's
-//   x pair (x[r0], x[r1]) moved into place by one byte permute, whose selector depends only on
-//   the lane (g == 2t: low halves, g == 2t + 1: high halves, other lanes: zero).
+//   x pair (x[r0], x[r1]) moved into place by one byte permute per B register (b0 takes x[r0],
+//   b1 x[r1]), whose selector depends only on the lane (g == 2t: low halves, g == 2t + 1: high
+//   halves, other lanes: zero).
 // * No magic number, no subtraction (as awq_small.cu MODE 0): a masked nibble read as a half is
 //   the subnormal q * 2^-24 (or q * 2^-20 under the high mask), which the tensor cores multiply
-//   exactly. One SHF and four LOPs per word, one MMA per half word. The zero point is fixed per
+//   exactly. One SHF and four LOPs per word, one MMA per word (an MMA takes the same half of the
+//   step's two row words, r0's and r1's). The zero point is fixed per
 //   group, acc += s * (P - z' sum x), with sum x from one more MMA with an all-ones A (its C[g][2t]
 //   is x[r0] + x[r1], the lane's own rows); z' comes from the zero word through the same masks.
 // * Loads in flight without a deep ring: the steps run in rounds of D, and ptxas issues a whole

@@ -12,10 +12,12 @@
 // Why the tricks:
 // * Pipeline: x, qweight, scales and zeros of a stage go to shared memory with cp.async
 //   (16-byte copies; 4-byte ones for the zero words, and for qweight where N/8 % 4 != 0;
-//   zero-filled past M, K, N); STAGES-1 stages are in flight while one is
-//   computed, so the weight stream overlaps the math. x rows are padded by 16 bytes so that
-//   ldmatrix.x4 (A fragments) is bank-conflict free; qweight rows are padded to 8*NG+4 words, so
-//   the 4 rows 2t (t = lane%4) a warp reads in one LDS fall in distinct banks.
+//   zero-filled past M, K, N); STAGES-1 stages (STAGES = 4, 3 at OCC >= 4) are in flight while
+//   one is computed, so the weight stream overlaps the math. A stage carries one row of scales
+//   and zeros per warp slice: G >= 32, so a warp's 32 rows lie in one group. x rows are padded
+//   by 16 bytes so that ldmatrix.x4 (A fragments) is bank-conflict free; qweight rows are padded
+//   to 8*NG+4 words, so the 4 rows 2t (t = lane%4) a warp reads in one LDS fall in distinct
+//   banks.
 // * No repacked weight: the MMA B fragment wants pairs of consecutive k for one column
 //   (b0 = B[2t, 2t+1][g], g = lane/4) while a dequantised AWQ word gives pairs of consecutive
 //   columns for one k. Each thread reads the words of rows 2t, 2t+1, 2t+8, 2t+9 of one column

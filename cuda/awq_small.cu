@@ -93,7 +93,7 @@ __device__ __forceinline__ void unpack_a(const unsigned* w, unsigned (&a)[4][4],
 }  // namespace awq_small
 
 // Shared memory ring of one warp: D stages of 16 rows x RS words (8*NW words used; padded so
-// that the LDS of rows 2t (t = 0..3) x words 2g.. fall in distinct banks).
+// that the LDS of rows 2t (t = 0..3) x words NW g.. fall in distinct banks).
 template <int MB, int NW, int D>
 struct SmallRing {
   static constexpr int RS = 8 * NW + 4;

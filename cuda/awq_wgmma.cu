@@ -57,7 +57,8 @@
 //   addresses and predicates of copies.
 //   Against session 13's kernel (every thread cp.async'ing its weight chunk, then
 //   cp.async.wait + fence + one __syncthreads a stage, a wgmma group per k-step):
-//   4096->12288 M = 512 101-105 -> 97 us, M = 2048 395 -> 329 us (bench/NOTES.md, session 15).
+//   4096->12288 M = 512 101-105 -> 97 us, M = 2048 395 -> 329-356 us (bench/notes-awq.md and
+//   bench/NOTES.md, session 15).
 //   The producer needs its own warpgroup: a single producer warp (9 warps) puts 3 warps on one
 //   SM sub-partition and caps every thread at 168 registers, and the batched stage then spills.
 // * The weight tile is what TMA writes: 64 rows of WORDS words, dense, with the 128-byte swizzle

@@ -5,7 +5,7 @@
 // What it computes is exactly the runner's decode step with fused layer ops (quantzoo/model/
 // llm.py, _forward_fused at T = 1), the same values bit for bit: per layer,
 //   x    = Q8_1(rms_norm(h) * attn_norm)                 layer_ops::rms_norm_row
-//   qkv  = W_qkv x                                       the GEMV below (mmvq16's arithmetic)
+//   qkv  = W_qkv x                                       the GEMV below (the one-token mmvq's)
 //   q, k = rope(q/k-norm(q, k)); k, v -> cache row pos   layer_ops::rope_item
 //   a    = attention(q, cache rows 0..pos)               layer_ops::attn_run, attn_merge
 //   h   += W_o Q8_1(a)

@@ -83,7 +83,7 @@
 // Compiled only for sm_90a; for any other target the kernel body is empty and the host
 // (quantzoo/kernels/gguf.py) never launches it there.
 #include "gguf_common.cuh"
-#include "awq_common.cuh"   // smem_addr, as_h2, lop3_and_or
+#include "awq_common.cuh"   // smem_addr, as_h2, as_u32, lop3_and_or, kMagic
 #include "wgmma_sm90.cuh"   // and swiglu.cuh
 
 namespace ggw {

@@ -1,5 +1,5 @@
 // layer_ops.cu -- the small per-layer operations of the decoder (quantzoo/model/llm.py) fused into
-// four kernels, so that a decode step is matmuls plus a handful of launches per layer instead of
+// four operations (five kernels: silu_mul_q8_1 is silu_mul with a Q8_1 output too), so that a decode step is matmuls plus a handful of launches per layer instead of
 // ~25 torch kernels (bench/notes-runner.md: those cost as much GPU time as the weights did).
 //
 // Each kernel computes what the torch / HF code computes, with the same fp16 roundings, in fp32

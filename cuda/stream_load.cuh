@@ -1,6 +1,7 @@
 // stream_load.cuh -- a 16-byte global load for bytes a kernel reads exactly once (a weight
 // streamed by a GEMV): ld.global.nc (the read-only path) with L1::no_allocate, so the stream
-// does not evict what L1 holds for reuse, such as the activations every warp re-reads.
+// does not evict what L1 holds for reuse, such as the activations every warp re-reads. Used by
+// fp16_gemv.cu and stream_read.cu (gguf_window.cuh has its own copy of the load, NOALLOC).
 #pragma once
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
