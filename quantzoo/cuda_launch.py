@@ -502,7 +502,12 @@ def uncached_workspaces() -> bool:
     capture (the graph's pool holds it for the replays) and inside fresh_workspaces()."""
     import torch
 
-    return getattr(_FRESH, "on", False) or torch._C._cuda_isCurrentStreamCapturing()
+    if getattr(_FRESH, "on", False):
+        return True
+    try:
+        return torch._C._cuda_isCurrentStreamCapturing()
+    except RuntimeError:   # a CPU-only torch build (its CUDA bindings are stubs that raise)
+        return False
 
 
 def workspace_generation() -> int:
