@@ -42,10 +42,14 @@ def _path(qt, m):
     return ops.kernels_for(qt.fmt).choose_path(m, qt)
 
 
-@pytest.fixture(scope="module")
-def weights():
+def _random_weights():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     return {f: random_weight(f, N, KD, "cuda", gen) for f in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return _random_weights()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -66,9 +70,8 @@ def test_replay_equals_an_unplanned_call(weights, fmt, m):
 
 
 @pytest.fixture(scope="module")
-def other_weights():
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    return {f: random_weight(f, N, KD, "cuda", gen) for f in FORMATS}
+def other_weights():   # a second stream's
+    return _random_weights()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
