@@ -28,6 +28,15 @@ class Format:
     def __init_subclass__(cls, *, name: str | None = None, **kw):
         super().__init_subclass__(**kw)
         if name is not None:
+            # a second entry of a name or of a GGUF type would replace the first one silently:
+            # the GGUF loader maps a ggml type to one format and the CUDA kernels instantiate
+            # one template per block struct (Block<gguf_type>)
+            if name in _REGISTRY:
+                raise TypeError(f"format {name!r} is registered already ({type(_REGISTRY[name]).__name__})")
+            twin = next((f for f in _REGISTRY.values() if cls.gguf_type and f.gguf_type == cls.gguf_type), None)
+            if twin is not None:
+                raise TypeError(f"format {name!r}: gguf_type {cls.gguf_type} is already the type of {twin.name!r} "
+                                "(a ggml type names one storage layout)")
             cls.name = name
             _REGISTRY[name] = cls()
 

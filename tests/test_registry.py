@@ -27,6 +27,22 @@ def test_unknown_name_lists_the_known():
     assert "q3_k" in msg and all(n in msg for n in names())
 
 
+def test_a_second_entry_of_a_name_or_gguf_type_is_refused():
+    """A format registered under a taken name, or with a taken gguf_type (a Q4_0 variant under
+    a new name), replaced the first silently: the GGUF loader then read every Q4_0 tensor as the
+    variant and the CUDA kernels instantiated the Q4_0 templates twice. Both are refused, and
+    the registry is left as it was."""
+    from quantzoo.formats.gguf_blocks import GGUFBlockFormat
+
+    before = names()
+    with pytest.raises(TypeError, match="format 'q4_0' is registered already"):
+        type("Again", (GGUFBlockFormat,), {"bits": 4, "offset": 8, "bytes_per_block": 18}, name="q4_0")
+    with pytest.raises(TypeError, match="format 'q4_0_twin': gguf_type Q4_0 is already the type of 'q4_0'"):
+        type("Twin", (GGUFBlockFormat,), {"bits": 4, "offset": 8, "bytes_per_block": 18, "gguf_type": "Q4_0"},
+             name="q4_0_twin")
+    assert names() == before and type(get("q4_0")).__name__ == "Q4_0"
+
+
 @pytest.mark.parametrize("name", STORED)
 def test_bits_per_weight_is_what_storage_takes(name, rng):
     """bits_per_weight (metadata counted) equals 8 * stored bytes / elements at default options."""
