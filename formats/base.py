@@ -31,6 +31,8 @@ class Format:
             # a second entry of a name or of a GGUF type would replace the first one silently:
             # the GGUF loader maps a ggml type to one format and the CUDA kernels instantiate
             # one template per block struct (Block<gguf_type>)
+            if cls.kind not in KINDS:
+                raise TypeError(f"format {name!r}: kind {cls.kind!r} is not one of {KINDS}")
             if name in _REGISTRY:
                 raise TypeError(f"format {name!r} is registered already ({type(_REGISTRY[name]).__name__})")
             twin = next((f for f in _REGISTRY.values() if cls.gguf_type and f.gguf_type == cls.gguf_type), None)
@@ -178,18 +180,23 @@ def cast_warn(x, dtype, consequence: str, underflow: str | None = None, what: st
 LOSS = 2.0 ** -8
 
 
+KINDS = ("weight", "activation", "baseline")   # names()' order: weight formats first
+
+
 def names() -> list[str]:
-    return list(_REGISTRY)
+    """Registered names by kind (KINDS), each kind in registration order: a format module
+    imported after fp16 is still listed with the weight formats."""
+    return sorted(_REGISTRY, key=lambda n: KINDS.index(_REGISTRY[n].kind))
 
 
 def get(name: str) -> Format:
     if not isinstance(name, str):
         raise KeyError(f"format name: expected a str such as 'q4_0', got {type(name).__name__}; "
-                       f"known formats: {', '.join(_REGISTRY)}")
+                       f"known formats: {', '.join(names())}")
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown format {name!r}; known formats: {', '.join(_REGISTRY)}") from None
+        raise KeyError(f"unknown format {name!r}; known formats: {', '.join(names())}") from None
 
 
 def get_stored(name: str, what: str) -> Format:
@@ -197,7 +204,7 @@ def get_stored(name: str, what: str) -> Format:
     activation format); `what` names the argument in the error (a KeyError for an unknown name,
     listing the formats that store weights)."""
     if not isinstance(name, str) or name not in _REGISTRY:
-        stored = [n for n, f in _REGISTRY.items() if f.kind != "activation"]
+        stored = [n for n in names() if _REGISTRY[n].kind != "activation"]
         raise KeyError(f"{what}: unknown format {name!r}; formats that store weights: {', '.join(stored)}")
     f = get(name)
     if f.kind == "activation":
@@ -206,7 +213,7 @@ def get_stored(name: str, what: str) -> Format:
 
 
 def weight_formats() -> list[Format]:
-    return [f for f in _REGISTRY.values() if f.kind == "weight"]
+    return [_REGISTRY[n] for n in names() if _REGISTRY[n].kind == "weight"]
 
 
 def as_float_matrix(w, what: str = "w") -> np.ndarray:

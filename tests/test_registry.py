@@ -40,7 +40,24 @@ def test_a_second_entry_of_a_name_or_gguf_type_is_refused():
     with pytest.raises(TypeError, match="format 'q4_0_twin': gguf_type Q4_0 is already the type of 'q4_0'"):
         type("Twin", (GGUFBlockFormat,), {"bits": 4, "offset": 8, "bytes_per_block": 18, "gguf_type": "Q4_0"},
              name="q4_0_twin")
+    with pytest.raises(TypeError, match=r"format 'w3': kind 'weights' is not one of \('weight', "):
+        type("W3", (GGUFBlockFormat,), {"kind": "weights"}, name="w3")
     assert names() == before and type(get("q4_0")).__name__ == "Q4_0"
+
+
+def test_names_list_weight_formats_first_whatever_the_import_order(monkeypatch):
+    """names() (and with it `quantzoo formats`, the report, the bench) lists the weight formats,
+    then the activation format, then the baseline, each in registration order: a weight format
+    registered after fp16 (a module imported later) is not listed after the baseline."""
+    from quantzoo.formats import base
+
+    kinds = [get(n).kind for n in names()]
+    assert kinds == sorted(kinds, key=base.KINDS.index)
+    late = type("Late", (base.Format,), {"name": "late"})()
+    monkeypatch.setitem(base._REGISTRY, "late", late)   # registered last
+    assert names()[:len(qz.formats.weight_formats())] == [f.name for f in qz.formats.weight_formats()]
+    assert names().index("late") < names().index("q8_1") < names().index("fp16")
+    assert qz.formats.weight_formats()[-1] is late
 
 
 @pytest.mark.parametrize("name", STORED)
