@@ -192,6 +192,31 @@ def test_format_destination_mismatch(src, capsys, dst, fmt, needle):
     assert needle in capsys.readouterr().err
 
 
+def test_formats_offered_are_the_ones_a_dst_writes(tmp_path, capsys):
+    """--format offers the registry's stored formats that some DST is written in: every one with a
+    ggml type as .gguf, AWQ and fp16 as a directory, AWQ as a .bin. A registry format none of
+    them writes (numpy reference only, no ggml type) was offered too, and then every DST refused
+    it with an error that named another (\"llama.cpp formats are written as GGUF\")."""
+    from quantzoo.formats import base, names
+    from quantzoo.model.export import DESTINATIONS, FORMATS
+
+    stored = [n for n in names() if get(n).kind != "activation"]
+    assert set(DESTINATIONS["gguf"]) == {n for n in stored if get(n).gguf_type}
+    assert list(FORMATS) == [n for n in stored if any(n in d for d in DESTINATIONS.values())]
+    plain = type("Plain", (base.Format,), {"name": "plain"})()   # a format no DST writes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(base._REGISTRY, "plain", plain)
+        for dst in ("o.gguf", "odir", "o.bin"):
+            with pytest.raises(SystemExit):   # argparse: not one of the choices
+                cli(["quantize", str(tmp_path / "absent"), str(tmp_path / dst), "--format", "plain"])
+            assert "invalid choice: 'plain'" in capsys.readouterr().err
+            from quantzoo.model.export import export
+
+            with pytest.raises(ValueError, match="--format plain: no DST is written in it"):
+                export(tmp_path / "absent", tmp_path / dst, "plain")
+    assert not list(tmp_path.iterdir())
+
+
 def test_missing_source_and_gguf_block_constraint(src, capsys):
     assert cli(["quantize", str(src["root"] / "nope"), str(src["root"] / "o.gguf"), "--format", "q4_0"]) == 2
     assert "no such file or directory" in capsys.readouterr().err

@@ -10,12 +10,14 @@ from __future__ import annotations
 def register(sub) -> None:
     import argparse
 
-    from quantzoo.model.export import FORMATS
+    from quantzoo.model.export import DESTINATIONS, FORMATS
 
     p = sub.add_parser("quantize", help="convert a model to an HF AWQ dir, a GGUF file or a KuiperLLama .bin",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="HF model directory, .gguf file or KuiperLLama .bin")
-    p.add_argument("dst", metavar="DST", help="output: directory (awq, fp16), .gguf (q4_0..q8_0, fp16), .bin (awq)")
+    where = {"dir": "directory", "gguf": ".gguf", "bin": ".bin"}
+    p.add_argument("dst", metavar="DST", help="output: " + ", ".join(
+        f"{where[kind]} ({', '.join(fmts)})" for kind, fmts in DESTINATIONS.items()))
     p.add_argument("--format", required=True, choices=FORMATS, help="weight format of the linears")
     p.add_argument("--group-size", type=int, default=None,
                    help="AWQ group size along in_features: 32, 64 or 128 (default: an AWQ SRC's own "

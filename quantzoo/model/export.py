@@ -47,8 +47,15 @@ from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
 from .hf_loader import (CHAT_TEMPLATE_DIR, LINEARS, load_tokenizer, not_converted, parse_quantization_config,
                         to_numpy_float)
 
-# Every stored (non-activation) format of the registry can be exported.
-FORMATS = tuple(n for n in names() if get(n).kind != "activation")
+# The formats each kind of DST is written in: a .gguf holds every format of the registry with a
+# ggml type (write_gguf), a directory AutoAWQ's AWQ or plain fp16 (write_hf), a .bin KuiperLLama's
+# AWQ (kuiper.write_kuiper). FORMATS: the registry's stored formats one of them writes, in
+# registry order (a format with no writer is not offered: every DST would refuse it).
+DESTINATIONS = {"dir": ("awq", "fp16"),
+                "gguf": tuple(n for n in names() if get(n).kind != "activation" and get(n).gguf_type),
+                "bin": ("awq",)}
+FORMATS = tuple(n for n in names() if get(n).kind != "activation"
+                and any(n in fmts for fmts in DESTINATIONS.values()))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
@@ -632,8 +639,9 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
         raise ValueError(f"{src.path}: Llama 3 RoPE scaling on a {c.arch} model has no GGUF form "
                          "(llama.cpp reads rope_freqs.weight for llama only)")
     for name, shape in shapes.items():
-        if len(shape) == 2 and fmt != "fp16" and shape[1] % 32:
-            raise ValueError(f"{name}: in_features={shape[1]} is not a multiple of 32, the {fmt} block size")
+        if len(shape) == 2 and shape[1] % qfmt.block_size:
+            raise ValueError(f"{name}: in_features={shape[1]} is not a multiple of {qfmt.block_size}, "
+                             f"the {fmt} block size")
     # the fields GGUF stores as u32 / f32 (llama.cpp reads them so): a value they cannot hold is
     # refused here, naming it, rather than by gguf-py's struct.pack or as an f32 rounded to 0 / inf
     check_dims_fit(c, src.path, 2**32, "GGUF's u32 field")
@@ -727,6 +735,9 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
     group_size (AWQ): None = an AWQ source's own group (its weights are then copied, not
     re-quantized from their dequantized values: that moved a g64 model's logits by ~1), else 128."""
     if fmt not in FORMATS:
+        if fmt in names() and get(fmt).kind != "activation":   # a registry format with no writer
+            raise ValueError(f"--format {fmt}: no DST is written in it (a .gguf holds the formats with a "
+                             f"ggml type); choose one of {FORMATS}")
         raise ValueError(f"--format {fmt!r}: choose one of {FORMATS}")
     # DST as given for the path checks: Path() makes "" the current directory and drops the "/"
     # of "x.gguf/" (which then replaced an existing file x.gguf)
@@ -739,12 +750,12 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
     if Path(src).resolve() == dst.resolve():
         raise ValueError(f"DST={dst} is the source itself; write somewhere else")
     kind = {".gguf": "gguf", ".bin": "bin"}.get(dst.suffix.lower(), "dir")   # (UP.GGUF, o.Bin too)
-    if kind == "gguf" and get(fmt).gguf_type is None:
+    if kind == "gguf" and fmt not in DESTINATIONS["gguf"]:
         raise ValueError(f"--format {fmt}: a .gguf file cannot hold {fmt.upper()} weights; give DST as a directory "
                          "(HF AWQ checkpoint) or a .bin file (KuiperLLama)")
-    if kind == "dir" and fmt not in ("awq", "fp16"):
+    if kind == "dir" and fmt not in DESTINATIONS["dir"]:
         raise ValueError(f"--format {fmt}: llama.cpp formats are written as GGUF; give DST a .gguf name")
-    if kind == "bin" and fmt != "awq":
+    if kind == "bin" and fmt not in DESTINATIONS["bin"]:
         raise ValueError(f"--format {fmt}: a KuiperLLama .bin holds AWQ weights only (--format awq)")
     if kind == "dir" and dst.exists() and not dst.is_dir():
         raise ValueError(f"DST={dst} exists and is not a directory")
