@@ -9,16 +9,26 @@ import numpy as np
 import pytest
 import torch
 
+from quantzoo.formats import get, names
 
-@pytest.mark.parametrize("fmt", ["awq", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp16"])
+
+STORED = [n for n in names() if get(n).kind != "activation"]
+
+
+@pytest.mark.parametrize("fmt", STORED)
 def test_random_weights_are_valid(fmt):
-    from quantzoo.bench.model import random_weight
+    """Every stored format of the registry (the list was written out, and a format of no GGUF
+    block layout was taken for one: an AttributeError on has_min)."""
+    from quantzoo.bench.model import model_bytes, make_config, random_weight
 
     g = torch.Generator().manual_seed(0)
     qt = random_weight(fmt, 64, 256, "cpu", g, group_size=64)
+    assert qt.format == fmt and qt.shape == (64, 256)
     w = qt.dequantize()
     assert w.shape == (64, 256) and np.isfinite(w).all() and 0 < np.abs(w).max() < 1
     assert w.std() > 1e-3   # not constant
+    cfg = make_config(1, tiny=True)
+    assert model_bytes(fmt, cfg, "cuda", 16)[0] > 0
 
 
 def test_bench_model_cpu_smoke(tmp_path, capsys):

@@ -72,11 +72,14 @@ def add_arguments(p) -> None:
 
 # ---- random weights in each format, built on the device ------------------------------------
 def random_weight(fmt: str, n: int, k: int, device, gen, group_size: int = 128, std: float = 0.02):
-    """A QuantizedTensor (n, k) of random contents, valid for its format, on `device`."""
+    """A QuantizedTensor (n, k) of random contents, valid for its format, on `device`: built there
+    for fp16, AWQ and the GGUF block formats; any other format of the registry quantizes a
+    Gaussian with its own codec (on the CPU: minutes for a Qwen3-8B-sized model)."""
     import torch
 
     from .. import formats
     from ..formats import QuantizedTensor
+    from ..formats.gguf_blocks import GGUFBlockFormat
 
     if fmt == "fp16":
         w = (torch.randn(n, k, device=device, generator=gen, dtype=torch.float32) * std).half()
@@ -91,9 +94,13 @@ def random_weight(fmt: str, n: int, k: int, device, gen, group_size: int = 128, 
             data = {a: b.numpy() for a, b in data.items()}
         return QuantizedTensor("awq", (n, k), data, {"group_size": g})
     f = formats.get(fmt)
-    B, nb = f.bytes_per_block, k // 32
+    if not isinstance(f, GGUFBlockFormat):
+        w = (torch.randn(n, k, device=device, generator=gen, dtype=torch.float32) * std).cpu().numpy()
+        qt = f.quantize(w, **({"group_size": group_size} if "group_size" in f.param_names else {}))
+        return qt if device == "cpu" else qt.to(device)
+    B, nb = f.bytes_per_block, k // f.block_size
     raw = torch.randint(0, 256, (n, nb, B), device=device, generator=gen, dtype=torch.int32).to(torch.uint8)
-    scale = std / (127 if fmt == "q8_0" else 8)
+    scale = std / (127 if f.bits == 8 else 8)
     raw[..., 0:2] = torch.full((n, nb, 1), scale, dtype=torch.float16, device=device).view(torch.uint8)
     if f.has_min:
         raw[..., 2:4] = torch.full((n, nb, 1), -8 * scale, dtype=torch.float16, device=device).view(torch.uint8)
@@ -105,6 +112,9 @@ def synthetic_weights(fmt: str, cfg, device, group_size=128, seed=0) -> dict:
     """LoadedWeights (HF names) of a random model: every linear in `fmt` (lm_head fp16 for awq)."""
     import torch
 
+    from .. import formats
+    from ..report.sizes import embedding_format
+
     gen = torch.Generator(device=device).manual_seed(seed)
     h, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     dt = torch.float16 if device != "cpu" else torch.float32
@@ -112,8 +122,9 @@ def synthetic_weights(fmt: str, cfg, device, group_size=128, seed=0) -> dict:
     W = lambda n, k: random_weight(fmt, n, k, device, gen, group_size)  # noqa: E731
     w = {"model.embed_tokens.weight": (torch.randn(v, h, device=device, generator=gen) * 0.02).to(dt),
          "model.norm.weight": ones(h)}
-    # AWQ checkpoints keep lm_head in fp16 (modules_to_not_convert); GGUF files quantize it
-    w["lm_head.weight"] = random_weight("fp16" if fmt == "awq" else fmt, v, h, device, gen)
+    # GGUF files quantize lm_head; AWQ checkpoints keep it in fp16 (modules_to_not_convert), as
+    # every format without a ggml type does here (report.sizes.embedding_format)
+    w["lm_head.weight"] = random_weight(embedding_format(formats.get(fmt)), v, h, device, gen)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = ones(h)
@@ -139,15 +150,17 @@ def synthetic_model(fmt: str, cfg, device, group_size=128, seed=0, **opts):
 
 def model_bytes(fmt: str, cfg, device: str, positions: int) -> tuple[int, int]:
     """(weights, KV cache) bytes one synthetic model of `fmt` holds on `device` with a cache of
-    `positions`: the packed linears (lm_head fp16 for awq) and the embedding in the runner's float
-    dtype (fp16 on CUDA, float32 on the CPU, which also keeps every linear dequantized to float32:
+    `positions`: the packed linears (lm_head fp16 for awq, as for any format without a ggml
+    type: synthetic_weights) and the embedding in the runner's float dtype (fp16 on CUDA, float32 on the CPU, which also keeps every linear dequantized to float32:
     matmul_mode "cached"); the cache in that dtype."""
     from .. import formats
+    from ..report.sizes import embedding_format
 
     h, v, fl = cfg.hidden_size, cfg.vocab_size, 2 if device.startswith("cuda") else 4
     lin = cfg.num_layers * h * (2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size)
     bits = formats.get(fmt).bits_per_weight
-    w = (lin * bits + v * h * (16 if fmt == "awq" else bits)) / 8 + v * h * fl
+    head_bits = formats.get(embedding_format(formats.get(fmt))).bits_per_weight
+    w = (lin * bits + v * h * head_bits) / 8 + v * h * fl
     if fl == 4:
         w += 4 * (lin + v * h)
     return int(w), cfg.kv_cache_bytes(positions, fl)
