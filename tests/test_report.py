@@ -98,8 +98,14 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
     assert "test fixture, not a measurement" in md
     check_format_table(md, with_speed=True)
     t = table_with(md, "M=16 x cuBLAS")
-    assert sorted(r["format"] for r in t) == sorted(speed.formats_in(bench)) == sorted(REPORT_FORMATS)
+    # every registry format: those of the fixture, then any it is older than, said to be so
+    benched = speed.formats_in(bench)
+    assert [r["format"] for r in t] == benched + [n for n in REPORT_FORMATS if n not in benched]
+    assert set(benched) <= set(REPORT_FORMATS)
     for r in t:
+        if r["format"] not in benched:
+            assert r["status"] == "not benched"
+            continue
         assert r["status"] == "ok"
         for m in report.HEADLINE_M:
             assert 0 < finite(r[f"M={m} % roofline"]) <= 100.0
@@ -113,7 +119,7 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
     assert int(q4["slower than fp16 from M"]) == speed.vs_fp16(bench, "q4_0")[0]
     # M = 1 fit: a row per format, the numbers streaming_fit gives
     fit_t = table_with(md, "streaming TB/s")
-    assert sorted(r["format"] for r in fit_t) == sorted(REPORT_FORMATS)
+    assert sorted(r["format"] for r in fit_t) == sorted(benched)
     for r in fit_t:
         fit = speed.streaming_fit(bench, r["format"])
         assert finite(r["streaming TB/s"]) == pytest.approx(fit["rate_tbps"], abs=0.006)
@@ -329,7 +335,7 @@ def test_read_floor_by_hand(errors, bench):
     assert speed.read_floor(res, "q4_0") is None
     md = report.render(report.build(bench, accuracy=False, errors=errors))
     t = table_with(md, "kernel / read")
-    assert sorted(r["format"] for r in t) == sorted(REPORT_FORMATS)
+    assert sorted(r["format"] for r in t) == sorted(speed.formats_in(bench))
     copy_bps = bench["ceilings"]["copy_tbps"] * 1e12
     for r in t:
         fl = speed.read_floor(bench, r["format"])
@@ -358,7 +364,7 @@ def test_sustained_power_by_hand(errors, bench):
     assert [r["sustained_x_cublas"] for r in got] == pytest.approx([36 / 14, 1.0, 0.87, 1.0])
     md = report.render(report.build(bench, accuracy=False, errors=errors))
     t = table_with(md, "energy x cuBLAS")
-    assert sorted({r["format"] for r in t}) == sorted(REPORT_FORMATS)
+    assert sorted({r["format"] for r in t}) == sorted(speed.formats_in(bench))
     rows = {(r["format"], r["k"], r["n"], r["m"]): r for r in speed.ok_rows(bench)}
     for r in t:
         src = rows[(r["format"], 4096, 12288, int(r["M"]))]
@@ -723,7 +729,7 @@ def test_never_slower_needs_a_comparison(errors, bench):
     md = md_of(nofp16)
     assert "never" not in md and "(the bench lacks fp16 rows)" in md
     t = table_with(md, "slower than fp16 from M")
-    assert {r["slower than fp16 from M"] for r in t if r["format"] != "fp16"} == {"n/a"}
+    assert {r["slower than fp16 from M"] for r in t if r["format"] in speed.formats_in(nofp16)} == {"n/a"}
     assert [r["status"] for r in t if r["format"] == "fp16"] == ["not benched"]
     # the per-shape cells take x cuBLAS from this file's fp16 rows, not the one the row stored
     detail = [t for t in md_tables(md) if t and "M=4096" in t[0]]
@@ -855,14 +861,19 @@ def test_a_format_the_bench_lacks_is_said_to_be_missing(errors):
     doc["results"] = [r for r in doc["results"] if r["format"] not in ("awq", "q5_1")]
     md = report.render(report.build(doc, model_bench_doc(), accuracy=False, errors=errors))
     t = table_with(md, "M=1 % roofline")
-    assert [r["format"] for r in t] == [n for n in REPORT_FORMATS if n not in ("awq", "q5_1")] + ["awq", "q5_1"]
-    for r in t[-2:]:
+    benched = speed.formats_in(doc)   # (the fixture's own, in its order: every format it has)
+    assert [r["format"] for r in t] == benched + [n for n in REPORT_FORMATS if n not in benched]
+    assert {"awq", "q5_1"} <= {r["format"] for r in t[len(benched):]}
+    for r in t[len(benched):]:
         assert r["status"] == "not benched" and r["M=1 % roofline"] == "-" and r["slower than fp16 from M"] == "-"
     assert "- `awq`: not benched — the bench file has no row of this format" in md
     assert "'n/a' where" not in md   # (the prose for a format benched with gaps)
-    assert "Not in this model bench: `q4_1`, `q5_0`, `q5_1`, `q8_0` (`quantzoo bench model` runs " in md
+    in_model_bench = {r["format"] for r in model_bench_doc()["results"]}
+    assert ("Not in this model bench: " + ", ".join(f"`{n}`" for n in REPORT_FORMATS if n not in in_model_bench)
+            + " (`quantzoo bench model` runs ") in md
     full = report.render(report.build(fixture_doc(), None, accuracy=False, errors=errors))
-    assert "not benched" not in full
+    for n in REPORT_FORMATS:   # (a format newer than the fixture is not benched there)
+        assert (f"- `{n}`: not benched" in full) == (n not in speed.formats_in(fixture_doc())), n
 
 
 @pytest.mark.parametrize("version", [2, "1", None, True])
