@@ -14,10 +14,12 @@ STORED = ["awq", *GGUF_BYTES, "fp16"]
 
 
 def test_registry_names_get_kind_bits():
-    assert qz.formats.names() == ["awq", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", "fp16"]
+    documented = ["awq", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q8_1", "fp16"]
+    # in this order; a format registered later is listed among those of its kind, not refused here
+    assert [n for n in qz.formats.names() if n in documented] == documented
     with pytest.raises(KeyError, match="known formats: awq, q4_0, .*q8_1, fp16"):
         qz.formats.get("q4_2")
-    kinds = {n: qz.formats.get(n).kind for n in qz.formats.names()}
+    kinds = {n: qz.formats.get(n).kind for n in documented}
     assert kinds == {**{n: "weight" for n in ["awq", *GGUF_BYTES]}, "q8_1": "activation", "fp16": "baseline"}
     assert qz.formats.get("q4_0").bits_per_weight == 4.5
     assert qz.formats.get("awq").bits_per_weight == 4 + 20 / 128        # "4.125+": scales and zeros

@@ -17,9 +17,15 @@ WEIGHTS = [n for n in names() if get(n).kind in ("weight", "baseline")]   # (not
 OPTS = {"awq": {"group_size": 32}}
 
 
+def k_of(fmt, blocks: int = 3) -> int:
+    """in_features of `blocks` blocks of 32, or of the format's block (group) where that is
+    larger: 96 and 64 for every format here at first, a multiple of 64 for a 64-element block."""
+    return blocks * max(32, OPTS.get(fmt, {}).get("group_size", get(fmt).block_size))
+
+
 def mlp(fmt, seed=0):
     g = torch.Generator().manual_seed(seed)
-    a, b = torch.nn.Linear(96, 64), torch.nn.Linear(64, 40, bias=False)
+    a, b = torch.nn.Linear(k_of(fmt), k_of(fmt, 2)), torch.nn.Linear(k_of(fmt, 2), 40, bias=False)
     with torch.no_grad():
         for p in (*a.parameters(), b.weight):
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
@@ -31,19 +37,20 @@ def mlp(fmt, seed=0):
 def test_qmatmul_passes_torch_library_opcheck(fmt, rng):
     """opcheck calls the operator on copies of its inputs: it must be a function of them (the
     registry only keeps a weight's checks and launch plans)."""
-    qt = get(fmt).quantize(rng.standard_normal((40, 96)).astype("float32"), **OPTS.get(fmt, {}))
+    k = k_of(fmt)
+    qt = get(fmt).quantize(rng.standard_normal((40, k)).astype("float32"), **OPTS.get(fmt, {}))
     st, lay = torch_ops.register(qt), torch_ops.layout(qt)
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(st, torch_ops.storage(qt)))   # views, no copy
-    assert torch_ops._weight(st, fmt, 40, 96, lay) is qt
-    for shape in ((3, 96), (2, 5, 96), (1, 96)):
+    assert torch_ops._weight(st, fmt, 40, k, lay) is qt
+    for shape in ((3, k), (2, 5, k), (1, k)):
         x = torch.from_numpy(rng.standard_normal(shape).astype("float32"))
-        opcheck(torch.ops.quantzoo.qmatmul.default, (x, st, fmt, 40, 96, lay, "emulate"))
+        opcheck(torch.ops.quantzoo.qmatmul.default, (x, st, fmt, 40, k, lay, "emulate"))
         # (as the operator computes it: one 2-D product; numpy 2.4's batched matmul rounds another way)
-        want = torch.from_numpy(x.numpy().reshape(-1, 96) @ get(fmt).dequantize(qt).T).reshape(*shape[:-1], 40)
-        torch.testing.assert_close(torch.ops.quantzoo.qmatmul(x, st, fmt, 40, 96, lay, "dequant"), want,
+        want = torch.from_numpy(x.numpy().reshape(-1, k) @ get(fmt).dequantize(qt).T).reshape(*shape[:-1], 40)
+        torch.testing.assert_close(torch.ops.quantzoo.qmatmul(x, st, fmt, 40, k, lay, "dequant"), want,
                                    rtol=0, atol=0)
         copies = [t.clone() for t in st]   # storage no weight is registered with: built from it
-        torch.testing.assert_close(torch.ops.quantzoo.qmatmul(x, copies, fmt, 40, 96, lay, "dequant"), want,
+        torch.testing.assert_close(torch.ops.quantzoo.qmatmul(x, copies, fmt, 40, k, lay, "dequant"), want,
                                    rtol=0, atol=0)
 
 
@@ -51,7 +58,7 @@ def test_qmatmul_passes_torch_library_opcheck(fmt, rng):
 def test_compiled_quantlinear_model_equals_eager(fmt, rng):
     """fullgraph=True: the compiled forward holds each QuantLinear as one qmatmul node."""
     m = mlp(fmt)
-    x = torch.from_numpy(rng.standard_normal((7, 96)).astype("float32"))
+    x = torch.from_numpy(rng.standard_normal((7, k_of(fmt))).astype("float32"))
     torch._dynamo.reset()
     c = torch.compile(m, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
@@ -209,8 +216,9 @@ def test_bare_ops_matmul_compiles_to_the_operator(fmt, rng):
     """README: qz.ops.matmul is a custom operator under torch.compile. Dynamo had traced into the
     numpy reference instead (fullgraph=True failed for every format). Now one qmatmul node, the
     weight's arrays its inputs, not constants: bytes written into them after compiling are read."""
-    qt = get(fmt).quantize(rng.standard_normal((40, 96)).astype("float32"), **OPTS.get(fmt, {}))
-    x = torch.from_numpy(rng.standard_normal((2, 3, 96)).astype("float32"))
+    k = k_of(fmt)
+    qt = get(fmt).quantize(rng.standard_normal((40, k)).astype("float32"), **OPTS.get(fmt, {}))
+    x = torch.from_numpy(rng.standard_normal((2, 3, k)).astype("float32"))
     graphs = []
 
     def backend(gm, inputs):
@@ -228,7 +236,7 @@ def test_bare_ops_matmul_compiles_to_the_operator(fmt, rng):
         assert all(t in (op, op.default, torch.as_tensor) for t in calls), calls
         np.testing.assert_allclose(y.numpy(), _oracle(x, qt), rtol=1e-5, atol=1e-5)
         assert torch.equal(y, ops.matmul(x, qt, mode="dequant"))
-        other = get(fmt).quantize(rng.standard_normal((40, 96)).astype("float32"), **OPTS.get(fmt, {}))
+        other = get(fmt).quantize(rng.standard_normal((40, k)).astype("float32"), **OPTS.get(fmt, {}))
         for name, a in other.arrays().items():
             qt.arrays()[name][...] = a
         np.testing.assert_allclose(f(x).numpy(), _oracle(x, other), rtol=1e-5, atol=1e-5)
