@@ -33,9 +33,13 @@ class Format:
             # one template per block struct (Block<gguf_type>)
             if cls.kind not in KINDS:
                 raise TypeError(f"format {name!r}: kind {cls.kind!r} is not one of {KINDS}")
-            if name in _REGISTRY:
+            # (the same class defined again -- importlib.reload, autoreload -- replaces its entry)
+            def same(f):
+                return (type(f).__module__, type(f).__qualname__) == (cls.__module__, cls.__qualname__)
+            if name in _REGISTRY and not same(_REGISTRY[name]):
                 raise TypeError(f"format {name!r} is registered already ({type(_REGISTRY[name]).__name__})")
-            twin = next((f for f in _REGISTRY.values() if cls.gguf_type and f.gguf_type == cls.gguf_type), None)
+            twin = next((f for f in _REGISTRY.values() if cls.gguf_type and f.gguf_type == cls.gguf_type
+                         and not same(f)), None)
             if twin is not None:
                 raise TypeError(f"format {name!r}: gguf_type {cls.gguf_type} is already the type of {twin.name!r} "
                                 "(a ggml type names one storage layout)")

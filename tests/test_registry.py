@@ -45,6 +45,22 @@ def test_a_second_entry_of_a_name_or_gguf_type_is_refused():
     assert names() == before and type(get("q4_0")).__name__ == "Q4_0"
 
 
+def test_a_module_defining_its_format_again_replaces_the_entry(monkeypatch):
+    """importlib.reload (an autoreload in a notebook) defines a module's format classes again:
+    the same module and class name replace their entry (name and GGUF type alike), where
+    another class is refused. (A throwaway module's class, so that the real ones stay.)"""
+    from quantzoo.formats import base
+    from quantzoo.formats.gguf_blocks import GGUFBlockFormat
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    body = {"__module__": "probe_module", "bits": 4, "offset": 8, "bytes_per_block": 18, "gguf_type": "Q4_0_PROBE"}
+    first = type("Probe", (GGUFBlockFormat,), dict(body), name="probe")
+    again = type("Probe", (GGUFBlockFormat,), dict(body), name="probe")   # the module reloaded
+    assert type(get("probe")) is again is not first
+    with pytest.raises(TypeError, match="gguf_type Q4_0_PROBE is already the type of 'probe'"):
+        type("Other", (GGUFBlockFormat,), dict(body), name="probe2")
+
+
 def test_names_list_weight_formats_first_whatever_the_import_order(monkeypatch):
     """names() (and with it `quantzoo formats`, the report, the bench) lists the weight formats,
     then the activation format, then the baseline, each in registration order: a weight format
