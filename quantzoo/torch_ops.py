@@ -92,14 +92,17 @@ def register(qt) -> tuple:
     for t in tensors:
         torch._dynamo.mark_static_address(t, guard=False)   # (unguarded: no recompile per layer)
     key = _address(tensors)
-    live = [(r, lay) for r, lay in _WEIGHTS.get(key, ()) if r() is not None and r() is not qt]
-    _WEIGHTS[key] = live + [(weakref.ref(qt, lambda _, key=key: _prune(key)), layout(qt))]
+    live = [e for e in _WEIGHTS.get(key, ()) if e[0]() is not None and e[0]() is not qt]
+    # the entry holds the tensors (not qt): the key is their address, which must not be freed and
+    # reused by another weight while qt lives -- a copy (an array running backwards) had no
+    # other owner when the caller dropped what register returned
+    _WEIGHTS[key] = live + [(weakref.ref(qt, lambda _, key=key: _prune(key)), layout(qt), tensors)]
     return tensors
 
 
 def _prune(key) -> None:
     """A registered weight was freed: drop it (and the key, once none is left)."""
-    live = [(r, lay) for r, lay in _WEIGHTS.get(key, ()) if r() is not None]
+    live = [e for e in _WEIGHTS.get(key, ()) if e[0]() is not None]
     if live:
         _WEIGHTS[key] = live
     else:
@@ -112,7 +115,7 @@ def _weight(tensors, fmt: str, n: int, k: int, lay: str):
     (torch's own checks call it on copies of them)."""
     from .formats import QuantizedTensor
 
-    for ref, qt_lay in _WEIGHTS.get(_address(tensors), ()):
+    for ref, qt_lay, _ in _WEIGHTS.get(_address(tensors), ()):
         qt = ref()
         if qt is not None and qt_lay == lay and qt.format == fmt and qt.shape == (n, k):
             return qt

@@ -188,6 +188,30 @@ def test_weights_sharing_an_address_are_told_apart(rng):
     assert len(torch_ops._WEIGHTS) == before
 
 
+def test_a_registered_copy_lives_as_long_as_its_weight(rng):
+    """An array running backwards is registered through a copy (torch cannot view it), keyed by
+    the copy's address: the registry now holds that copy while the weight lives, so its address
+    cannot be freed and taken by another weight's storage (which the registry would then have
+    taken for this weight), and lets it go with the weight."""
+    import gc
+    import weakref
+
+    from quantzoo.formats import QuantizedTensor
+
+    q = get("q8_0").quantize(rng.standard_normal((8, 64)).astype("float32"))
+    rev = QuantizedTensor("q8_0", q.shape, np.ascontiguousarray(q.data[::-1])[::-1], q.params)
+    assert rev.data.strides[0] < 0
+    (copy,) = torch_ops.register(rev)
+    assert copy.data_ptr() != rev.data.__array_interface__["data"][0]   # a copy, not a view
+    held = weakref.ref(copy)
+    del copy
+    gc.collect()
+    assert held() is not None, "the registry's key points at a freed copy"
+    del rev
+    gc.collect()
+    assert held() is None, "the copy outlived its weight"
+
+
 def test_a_reloaded_weight_is_used_after_compiling(rng):
     """load_state_dict into a compiled model: the new weight (the operator's new inputs) is what
     the compiled forward reads, with and without a change of format."""
