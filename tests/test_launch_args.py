@@ -438,3 +438,28 @@ def test_raising_a_kernels_shared_memory_limit_from_two_threads(monkeypatch):
     cl.set_max_dynamic_smem(kern, 100_000)
     big.join(5)
     assert cl._SMEM_MAX[id(kern)] <= kern.set_to == 150_000
+
+
+def test_per_thread_launch_flags_have_a_default_on_every_thread():
+    """The per-thread flags the launch path reads on every launch (a plan's replay too):
+    programmatic_launches' (cuda_launch._PDL), recording's and fresh_workspaces'. A thread that
+    never set one reads its default as a plain attribute: getattr(threading.local(), name,
+    default) there raised and caught an AttributeError inside, ~0.7 us a read on the 2-core CPU
+    box against ~0.1 (pdl_enabled was a global's read, ~0.05, before it became per thread)."""
+    import threading
+
+    from quantzoo import cuda_launch as cl
+
+    seen = {}
+
+    def fresh_thread():
+        try:
+            seen["read"] = (cl._PDL.on, cl._RECORDING.launches, cl._FRESH.on,
+                            cl.pdl_enabled(), cl.uncached_workspaces())
+        except AttributeError as e:
+            seen["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join(10)
+    assert seen == {"read": (False, None, False, False, False)}
