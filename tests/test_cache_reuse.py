@@ -168,12 +168,13 @@ def test_two_threads_generating_on_one_model(model):
 
     model._forward = slow_first_step
     try:
-        t = threading.Thread(target=second)
+        t = threading.Thread(target=second, daemon=True)
         t.start()
         try:
             got["a"] = generate(model, pa, max_new_tokens=6, eos_token_ids=[]).tokens
         finally:
-            t.join(5)
+            t.join(30)
+            assert not t.is_alive(), "the second thread never finished (a deadlock?)"
     finally:
         del model._forward
     assert [got["a"], got.get("b")] == want

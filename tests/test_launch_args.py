@@ -365,7 +365,7 @@ def test_no_other_thread_between_a_calls_launches(monkeypatch, other):
         done.wait(0.3)
         log.append("gemv")
 
-    t = threading.Thread(target=lambda: (inside.wait(5), call()))
+    t = threading.Thread(target=lambda: (inside.wait(5), call()), daemon=True)
     t.start()
     qa = get("q8_0").quantize(np.zeros((8, 64), np.float32))
     checked_once(qa, lambda q: None)
@@ -392,7 +392,7 @@ def test_programmatic_launches_is_per_thread():
             seen["other inside"] = cl.pdl_enabled()
         seen["other after"] = cl.pdl_enabled()
 
-    t = threading.Thread(target=other)
+    t = threading.Thread(target=other, daemon=True)
     t.start()
     entered.wait(5)
     seen["main while other is inside"] = cl.pdl_enabled()
@@ -432,7 +432,7 @@ def test_raising_a_kernels_shared_memory_limit_from_two_threads(monkeypatch):
     monkeypatch.setattr(cl, "import_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(driver=None)))
     monkeypatch.setattr(cl, "_SMEM_MAX", {})
     kern = Kernel()
-    big = threading.Thread(target=cl.set_max_dynamic_smem, args=(kern, 150_000))
+    big = threading.Thread(target=cl.set_max_dynamic_smem, args=(kern, 150_000), daemon=True)
     big.start()
     time.sleep(0.05)
     cl.set_max_dynamic_smem(kern, 100_000)
@@ -459,7 +459,7 @@ def test_per_thread_launch_flags_have_a_default_on_every_thread():
         except AttributeError as e:
             seen["error"] = f"{type(e).__name__}: {e}"
 
-    t = threading.Thread(target=fresh_thread)
+    t = threading.Thread(target=fresh_thread, daemon=True)
     t.start()
     t.join(10)
     assert seen == {"read": (False, None, False, False, False)}

@@ -174,11 +174,12 @@ def test_two_threads_on_one_stream(weights, fmt):
     saved = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)   # a thread switch between two launches of one call, often
     try:
-        threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+        threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), f"{fmt}: a thread never finished (a deadlock?)"
     finally:
         sys.setswitchinterval(saved)
     assert not wrong, f"{fmt}: {len(wrong)} of 600 calls gave another call's product"

@@ -188,7 +188,7 @@ def test_graph_capture_beside_another_threads_allocations(synthetic_path):
                 errors.append(f"{type(e).__name__}: {e}")
                 return
 
-    t = threading.Thread(target=allocate)
+    t = threading.Thread(target=allocate, daemon=True)
     t.start()
     try:
         m.generate(ids, max_new_tokens=4, eos_token_ids=[])   # captures the decode graph

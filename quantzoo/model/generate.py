@@ -234,7 +234,9 @@ def generate(model, ids, max_new_tokens: int = 48, temperature: float = 0.0, top
     the tokens last run at positions 0, 1, ..; after a generation its prompt and the tokens it fed
     back), as a chat's next turn needs. The same sums split at another place: float32 rounding on
     the CPU; on CUDA a piece of another length may take a kernel that sums in another order, so a
-    near-tie may pick another token than a whole prefill (README)."""
+    near-tie may pick another token than a whole prefill (README). The model is held (its lock)
+    for the whole call, `stream` callbacks included: a callback that waits for another thread's
+    call on this model waits for ever."""
     ids = token_ids(ids, model.config.vocab_size)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
