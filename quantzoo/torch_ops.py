@@ -149,8 +149,12 @@ def via_operator(x) -> bool:
     2-core CPU box that runs the CPU tests, torch 2.13), 0.61 us on the lent H100's host, where
     an ops.matmul q4_0 M = 1 call took 36.3 us of host time with it and 36.4 without (bench/NOTES.md
     session 42)."""
-    return (_is_compiling() or _modes() > 0 or _is_wrapped(x)
-            or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None))
+    return _is_compiling() or _modes() > 0 or _is_wrapped(x) or _has_tangent(x)
+
+
+def _has_tangent(x) -> bool:
+    """x carries a forward-mode AD tangent (inside a forward_ad.dual_level, torch.func.jvp)."""
+    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None
 
 
 def qmatmul(x, qt, mode: str = "emulate"):
@@ -225,7 +229,7 @@ def _refuse_derivatives(x, name: str, weights=()) -> None:
         if any(t.requires_grad for t in weights):
             raise ValueError(f"a weight tensor requires grad, but {name} has no backward (it would get no "
                              "gradient); run it under torch.no_grad() or pass the weights detached")
-    if forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None:
+    if _has_tangent(x):
         raise ValueError(f"x carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp), but {name} "
                          "has no derivative (the result would have none); pass the primal alone")
 

@@ -54,6 +54,19 @@ PLANS = True            # run_planned replays recorded launches (False: every ca
 _LOCK = threading.Lock()
 
 
+def run_unplanned(queue) -> None:
+    """queue() (a call's launches, a forced path's or awq_gemm's, which record no plan) under
+    _LOCK, as run_planned's calls: it uses the cached workspaces all the same. Not during a
+    capture or inside cuda_launch.fresh_workspaces(), whose workspaces are the call's own."""
+    from quantzoo import cuda_launch as cl
+
+    if cl.uncached_workspaces():
+        queue()
+        return
+    with _LOCK:
+        queue()
+
+
 def run_planned(qt, m: int, x, y, queue) -> None:
     """Run one matmul of x (M rows) by weight qt into y: queue() launches its kernels, its torch
     work going through cuda_launch.torch_step. The first such call per (M, stream) records them

@@ -46,7 +46,7 @@ from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.cuda_launch import launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
 from quantzoo.cuda_launch import current_stream_ptr, uncached_workspaces, workspaces_changed
 from quantzoo.cuda_launch import wgmma_available
-from quantzoo.kernels import _LOCK, check_out_overlap, checked_once, run_planned, wgmma_tiles
+from quantzoo.kernels import _LOCK, check_out_overlap, checked_once, run_planned, run_unplanned, wgmma_tiles
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -682,13 +682,8 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
             choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales, qzeros, out.view(m, ny), m, k, n, g,
             glu))
         return out
-    args = (path or choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales, qzeros, out.view(m, ny),
-            m, k, n, g, glu)
-    if uncached_workspaces():
-        _queue(*args)
-    else:
-        with _LOCK:   # the cached workspaces, as run_planned's calls use them (threads share a stream)
-            _queue(*args)
+    run_unplanned(lambda: _queue(path or choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales,
+                                 qzeros, out.view(m, ny), m, k, n, g, glu))
     return out
 
 

@@ -54,7 +54,7 @@ from quantzoo.cuda_launch import resident_blocks, uncached_workspaces
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
-from quantzoo.kernels import _LOCK, check_out_overlap, checked_once, run_planned, wgmma_tiles
+from quantzoo.kernels import _LOCK, check_out_overlap, checked_once, run_planned, run_unplanned, wgmma_tiles
 
 QK = 32
 GLU_MATMUL = True   # matmul(..., glu=True): the decoder MLP's silu(gate) * up (the runner asks)
@@ -580,11 +580,7 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
                          f"{MMVQ16_LW} bytes (address % {MMVQ16_LW} = {qt.data.data_ptr() % MMVQ16_LW}, "
                          f"size {qt.data.numel()})")
     if m:
-        if uncached_workspaces():
-            _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu)
-        else:
-            with _LOCK:   # the cached workspaces, as run_planned's calls use them
-                _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu)
+        run_unplanned(lambda: _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu))
     return out
 
 
