@@ -151,17 +151,19 @@ def load_model_bench(path) -> dict:
     return checks.check_model_bench(speed.load_json(path, "`quantzoo bench model`"), str(path))
 
 
-def prefill_lens(mb: dict) -> list[int]:
-    """The prompt lengths a model bench timed, ascending: its records' prefill_tok_s_N and its
-    round-robin run's keys (`quantzoo bench model --prompt-lens`, 512,2048 by default, 64,256
-    with --tiny). Its prefill_breakdown profiled the shortest (bench.model.bench_format)."""
+def prefill_short_long(mb: dict) -> tuple[int | None, int | None]:
+    """The shortest and (where there are two or more) the longest prompt length a model bench
+    timed: its records' prefill_tok_s_N and its round-robin run's keys (`quantzoo bench model
+    --prompt-lens`, 512,2048 by default, 64,256 with --tiny). Its prefill_breakdown profiled the
+    shortest (bench.model.bench_format)."""
     recs = mb.get("results") if isinstance(mb, dict) else mb
     lens = {int(k[len("prefill_tok_s_"):]) for r in recs or [] if isinstance(r, dict)
             for k in r if k.startswith("prefill_tok_s_") and k[len("prefill_tok_s_"):].isdigit()}
     sbs = mb.get("prefill_side_by_side") if isinstance(mb, dict) else None
     for per in ((sbs.get("tok_s") if isinstance(sbs, dict) else None) or {}).values():
         lens |= {int(n) for n in (per if isinstance(per, dict) else {}) if str(n).isdigit()}
-    return sorted(lens)
+    lens = sorted(lens)
+    return (lens[0] if lens else None), (lens[-1] if len(lens) > 1 else None)
 
 
 def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
@@ -169,7 +171,7 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
     tok/s, and prefill both by the wall clock (tok/s, what a user waits; from the round-robin
     `prefill_side_by_side` where the bench has it) and by the GPU time of the profiled
     prefill of the shortest prompt (`prefill_breakdown`), the longest prompt by the wall clock
-    (prefill_lens: 512 and 2048 tokens in the default run). wall / GPU > 1 means the host's
+    (prefill_short_long: 512 and 2048 tokens in the default run). wall / GPU > 1 means the host's
     Python, not the GPU, set the short prompt's wall time. None without an fp16 record."""
     recs = [r for r in (mb.get("results") if isinstance(mb, dict) else mb) or []
             if isinstance(r, dict) and not r.get("error")]
@@ -201,9 +203,7 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
         tps = tok_s(r, n)
         return 1e3 * n / tps if tps else None
 
-    lens = prefill_lens(mb)
-    short = lens[0] if lens else None            # the one prefill_breakdown profiled
-    long = lens[-1] if len(lens) > 1 else None
+    short, long = prefill_short_long(mb)   # (short: the one prefill_breakdown profiled)
     hdr = ["format", "decode tok/s", "decode x fp16"]
     if short:
         hdr += [f"prefill {short} wall ms", "wall x fp16", f"prefill {short} GPU ms", "GPU x fp16", "wall / GPU"]
@@ -573,8 +573,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             sb = "tok_s" in sbs
             lens = {str(n) for per in (sbs.get("tok_s") or {}).values() for n in per}
             gaps = sb and any(str(n) not in sbs["tok_s"].get(r[0], {}) for r in vs[1] for n in lens)
-            pl = prefill_lens(mb)   # (the columns' prompt lengths: model_vs_fp16_rows)
-            short, long = (pl[0] if pl else None), (pl[-1] if len(pl) > 1 else None)
+            short, long = prefill_short_long(mb)   # (the columns' prompt lengths: model_vs_fp16_rows)
             txt = "\nAgainst the fp16 runner of the same run (x fp16 above 1: faster than fp16)"
             if short:
                 txt += (f". The {short}-token prefill by the wall clock" +
