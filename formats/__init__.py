@@ -2,13 +2,15 @@
 
     names()         registered format names, weight formats first
     get(name)       the Format instance (KeyError listing the known names otherwise)
+    stored_names()  the names a weight is stored in (all but the activation format)
     get_stored(name, what)  the same for a format that stores weights (naming `what`: a KeyError for
                             an unknown name, a ValueError for an activation format)
 
 Each module below registers its classes on import (gguf-py style, `class X(Format, name=...)`).
 """
-from .base import Format, as_float_matrix, get, get_stored, names, weight_formats
+from .base import Format, as_float_matrix, get, get_stored, names, stored_names, weight_formats
 from .tensor import QuantizedTensor
 from . import awq, gguf_blocks, fp16  # noqa: F401  (registration)
 
-__all__ = ["Format", "QuantizedTensor", "get", "get_stored", "names", "weight_formats", "as_float_matrix"]
+__all__ = ["Format", "QuantizedTensor", "get", "get_stored", "names", "stored_names", "weight_formats",
+           "as_float_matrix"]

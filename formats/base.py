@@ -28,12 +28,12 @@ class Format:
     def __init_subclass__(cls, *, name: str | None = None, **kw):
         super().__init_subclass__(**kw)
         if name is not None:
-            # a second entry of a name or of a GGUF type would replace the first one silently:
-            # the GGUF loader maps a ggml type to one format and the CUDA kernels instantiate
-            # one template per block struct (Block<gguf_type>)
             if cls.kind not in KINDS:
                 raise TypeError(f"format {name!r}: kind {cls.kind!r} is not one of {KINDS}")
-            # (the same class defined again -- importlib.reload, autoreload -- replaces its entry)
+            # a second entry of a name or of a GGUF type would replace the first one silently:
+            # the GGUF loader maps a ggml type to one format and the CUDA kernels instantiate
+            # one template per block struct (Block<gguf_type>). (The same class defined again
+            # -- importlib.reload, autoreload -- replaces its entry.)
             def same(f):
                 return (type(f).__module__, type(f).__qualname__) == (cls.__module__, cls.__qualname__)
             if name in _REGISTRY and not same(_REGISTRY[name]):
@@ -193,6 +193,11 @@ def names() -> list[str]:
     return sorted(_REGISTRY, key=lambda n: KINDS.index(_REGISTRY[n].kind))
 
 
+def stored_names() -> list[str]:
+    """names() of the formats a weight is stored in: every one but the activation format."""
+    return [n for n in names() if _REGISTRY[n].kind != "activation"]
+
+
 def get(name: str) -> Format:
     if not isinstance(name, str):
         raise KeyError(f"format name: expected a str such as 'q4_0', got {type(name).__name__}; "
@@ -208,8 +213,7 @@ def get_stored(name: str, what: str) -> Format:
     activation format); `what` names the argument in the error (a KeyError for an unknown name,
     listing the formats that store weights)."""
     if not isinstance(name, str) or name not in _REGISTRY:
-        stored = [n for n in names() if _REGISTRY[n].kind != "activation"]
-        raise KeyError(f"{what}: unknown format {name!r}; formats that store weights: {', '.join(stored)}")
+        raise KeyError(f"{what}: unknown format {name!r}; formats that store weights: {', '.join(stored_names())}")
     f = get(name)
     if f.kind == "activation":
         raise ValueError(f"{what}: {name!r} is an activation format, not a weight format")

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantzoo.formats import get, names
+from quantzoo.formats import get, stored_names
 from quantzoo.paths import check_no_symlink_loop, check_out_dir, check_out_file
 
 from .gguf_loader import LAYER_NAMES, TENSOR_NAMES
@@ -51,11 +51,9 @@ from .hf_loader import (CHAT_TEMPLATE_DIR, LINEARS, load_tokenizer, not_converte
 # ggml type (write_gguf), a directory AutoAWQ's AWQ or plain fp16 (write_hf), a .bin KuiperLLama's
 # AWQ (kuiper.write_kuiper). FORMATS: the registry's stored formats one of them writes, in
 # registry order (a format with no writer is not offered: every DST would refuse it).
-DESTINATIONS = {"dir": ("awq", "fp16"),
-                "gguf": tuple(n for n in names() if get(n).kind != "activation" and get(n).gguf_type),
+DESTINATIONS = {"dir": ("awq", "fp16"), "gguf": tuple(n for n in stored_names() if get(n).gguf_type),
                 "bin": ("awq",)}
-FORMATS = tuple(n for n in names() if get(n).kind != "activation"
-                and any(n in fmts for fmts in DESTINATIONS.values()))
+FORMATS = tuple(n for n in stored_names() if any(n in fmts for fmts in DESTINATIONS.values()))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
@@ -735,7 +733,7 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
     group_size (AWQ): None = an AWQ source's own group (its weights are then copied, not
     re-quantized from their dequantized values: that moved a g64 model's logits by ~1), else 128."""
     if fmt not in FORMATS:
-        if fmt in names() and get(fmt).kind != "activation":   # a registry format with no writer
+        if fmt in stored_names():   # a registry format with no writer
             raise ValueError(f"--format {fmt}: no DST is written in it (a .gguf holds the formats with a "
                              f"ggml type); choose one of {FORMATS}")
         raise ValueError(f"--format {fmt!r}: choose one of {FORMATS}")
