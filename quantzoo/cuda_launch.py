@@ -509,6 +509,26 @@ def fresh_workspaces():
         _FRESH.on = was
 
 
+def fresh_workspaces_on() -> bool:
+    """Whether this thread is inside fresh_workspaces()."""
+    return _FRESH.on
+
+
+def capture_id(stream: int) -> int | None:
+    """The id of the CUDA graph capture under way on stream (a raw handle), None when there is
+    none (cuStreamGetCaptureInfo; ids are unique within the process)."""
+    ctypes, lib = _driver()[:2]
+    fn = lib.cuStreamGetCaptureInfo_v2   # (stream, status*, id*, graph*, deps**, n deps*): the last 3 optional
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    status, cid = ctypes.c_int(), ctypes.c_uint64()
+    err = fn(stream, ctypes.byref(status), ctypes.byref(cid), None, None, None)
+    if err:
+        raise RuntimeError(f"cuStreamGetCaptureInfo: {_driver_error(ctypes, lib, err)}")
+    return cid.value if status.value == 1 else None   # CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
 def uncached_workspaces() -> bool:
     """Whether a kernel's workspace must be its own, freed with the call: during a CUDA graph
     capture (the graph's pool holds it for the replays) and inside fresh_workspaces()."""

@@ -129,15 +129,14 @@ def _matmul(x, qt, mode: str):
 
 
 def release_workspaces():
-    """Free the GPU kernels' cached scratch buffers (dequant buffers, split-K partials, Q8_1
-    activations). They are reused across calls and only ever grown, so they outlive the model
-    that needed them. Call this only when no model and no captured CUDA graph uses them any
-    more: a graph replays raw pointers into them."""
-    import sys
+    """Free the GPU kernels' cached scratch buffers (dequant slabs, split-K partials and counters,
+    Q8_1 activations: quantzoo.kernels.workspaces). They are reused across eager calls and only
+    ever grown, so they outlive the model that needed them. Safe at any time: the next call
+    allocates anew, launch plans into the freed buffers are dropped, and captured CUDA graphs
+    never use them (a capture's workspaces are its own)."""
+    from quantzoo.kernels import workspaces
 
-    for name, mod in list(sys.modules.items()):   # only kernel modules already imported hold any
-        if name.startswith("quantzoo.kernels.") and hasattr(mod, "release_buffers"):
-            mod.release_buffers()
+    workspaces.release()
 
 
 def awq_gemm(x, qweight, scales, qzeros, group_size):

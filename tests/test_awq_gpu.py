@@ -462,7 +462,7 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
     assert {tuple(c) for c in awq.WGMMA_CFGS} <= set(SPLIT_K_CFGS), "a wgmma config this test does not run"
     from quantzoo.cuda_launch import current_stream_ptr, workspaces_changed
-    from quantzoo.kernels import wgmma_tiles
+    from quantzoo.kernels import wgmma_tiles, workspaces
 
     seen = []   # (tiles_m, dp_tiles, splits) of each launch
     real = awq.launch_tma
@@ -483,13 +483,14 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
         tiles = tiles_m * wgmma_tiles.grid(m, n, cfg)[1]
         cols = wgmma_tiles.columns(*cfg[:2])   # a tile's; the split tiles are column tiles dp / tiles_m on
         need = (tiles - dp_run) * cfg[1] * cols if splits_run == 2 else splits_run * m * (n - dp_run // tiles_m * cols)
+        key = ("partials", str(x.device), current_stream_ptr())   # workspaces._CACHE: bytes
         if call == 0:   # the cached workspace, replaced by one of exactly `need` floats and a guard
-            assert splits_run > 1 and awq._WS[("cuda:0", current_stream_ptr())]["ws"].numel() >= need
+            assert splits_run > 1 and workspaces._CACHE[key].numel() >= 4 * need
             guard = torch.full((need + 4096,), 1234.5, dtype=torch.float32, device="cuda")
-            awq._WS[("cuda:0", current_stream_ptr())]["ws"] = guard[:need]
-            workspaces_changed()   # as _buffer does on a new buffer
+            workspaces._CACHE[key] = guard[:need].view(torch.uint8)
+            workspaces_changed()   # as workspaces.scratch does on a new buffer
         else:
-            assert awq._WS[("cuda:0", current_stream_ptr())]["ws"].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
+            assert workspaces._CACHE[key].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
             assert bool((guard[need:] == 1234.5).all()), f"wgmma {cfg}: partials written past the workspace"
 
 

@@ -8,7 +8,7 @@ import torch
 
 from quantzoo import ops
 from quantzoo.formats import get
-from quantzoo.kernels import awq
+from quantzoo.kernels import awq, workspaces
 
 
 def tensors(k=576, n=576, g=64):
@@ -271,7 +271,7 @@ def test_rows_past_2_31_outputs_dry_run(monkeypatch):
     bits; only M itself is an int parameter -- and M = 2^31 is refused before any launch. Meta
     tensors (no memory) with the kernels, launches and device queries stubbed."""
     calls = []
-    monkeypatch.setattr(awq, "_WS", {})   # the meta workspaces stay out of the real cache
+    monkeypatch.setattr(workspaces, "_CACHE", {})   # the meta workspaces stay out of the real cache
     monkeypatch.setattr(awq, "_kernel", lambda src, name: name)
     monkeypatch.setattr(awq, "_launch", lambda kern, grid, block, args, smem=0: calls.append((kern, grid, args)))
     monkeypatch.setattr(awq, "launch_tma", lambda kern, grid, block, args, smem=0: calls.append((kern, grid, args)))

@@ -690,7 +690,7 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
     second plain call and the GLU call get one of exactly that size, a sentinel guard after it
     untouched."""
     from quantzoo.cuda_launch import current_stream_ptr, sm_count, workspaces_changed
-    from quantzoo.kernels import layer_ops, wgmma_tiles
+    from quantzoo.kernels import layer_ops, wgmma_tiles, workspaces
 
     seen = []   # (grid, (M, N, nb, tiles_m, dp_tiles, splits, sps)) of each wgmma launch
     real = G.launch_tma
@@ -731,11 +731,11 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
             # untouched by this call and the GLU call
             need = splits * m * (n - dp // tiles_m * rows) * 4
             assert need < splits * m * n * 4 // 10
-            key, = [key for key in G._WORKSPACES if key[0] == "wgmma_part" and key[2] == current_stream_ptr()]
-            assert G._WORKSPACES[key].numel() >= need
+            key = ("partials", str(x.device), current_stream_ptr())   # workspaces._CACHE: bytes
+            assert workspaces._CACHE[key].numel() >= need
             guard = torch.full((need + 16384,), 0xA5, dtype=torch.uint8, device=DEV)
-            G._WORKSPACES[key] = guard[:need]
-            workspaces_changed()   # as _workspace does on a new buffer
+            workspaces._CACHE[key] = guard[:need]
+            workspaces_changed()   # as workspaces.scratch does on a new buffer
             assert np.array_equal(y, _run(x, qt, "wgmma")), f"{what}: a second call differs"
             # glu=True: the GLU launch and the unfused one on the blocked rows, one schedule
             fr = rows // 2
@@ -743,7 +743,7 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
             seen.clear()
             yg = _poisoned((m, f))
             G.matmul(x, qt, out=yg, path="wgmma", glu=True)
-            assert G._WORKSPACES[key].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
+            assert workspaces._CACHE[key].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
             assert bool((guard[need:] == 0xA5).all()), f"{what}: partials written past the workspace"
             yb = G.matmul(x, blocked, path="wgmma").view(m, -1, 2, fr)
             assert len(seen) == 2 and seen[0][0] == seen[1][0] == grid \

@@ -308,7 +308,7 @@ def test_get_kernel_compiles_and_caches_per_device(fake_devices, monkeypatch):
     assert built == [("sm_90", 0), ("sm_80", 1)]
 
 
-@pytest.mark.parametrize("other", ["unplanned call", "forced path", "release", "awq forced path", "awq release"])
+@pytest.mark.parametrize("other", ["unplanned call", "forced path", "release", "awq forced path"])
 def test_no_other_thread_between_a_calls_launches(monkeypatch, other):
     """The workspaces are cached per (kind, device, stream), and host threads share a stream (each
     one's default stream is the device's): another thread's unplanned call (x or y off a 16-byte
@@ -322,7 +322,7 @@ def test_no_other_thread_between_a_calls_launches(monkeypatch, other):
 
     from quantzoo import cuda_launch as cl
     from quantzoo.formats import get
-    from quantzoo.kernels import awq, checked_once, gguf, run_planned
+    from quantzoo.kernels import awq, checked_once, gguf, run_planned, workspaces
 
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
     monkeypatch.setattr(cl, "current_stream_ptr", lambda: 0)
@@ -350,14 +350,10 @@ def test_no_other_thread_between_a_calls_launches(monkeypatch, other):
         monkeypatch.setattr(awq, "_queue", lambda *a: other_call())
         qw = types.SimpleNamespace(device=x.device)
         call = lambda: awq._gemm(x, qw, None, None, 64, 8, 32, None, "small")  # noqa: E731
-    elif other == "awq release":
-        monkeypatch.setattr(awq, "_WS", {})
-        monkeypatch.setattr(awq, "workspaces_changed", other_call)
-        call = awq.release_buffers
     else:
-        monkeypatch.setattr(gguf, "_WORKSPACES", {})
-        monkeypatch.setattr(gguf, "workspaces_changed", other_call)
-        call = gguf.release_buffers
+        monkeypatch.setattr(workspaces, "_CACHE", {})
+        monkeypatch.setattr(cl, "workspaces_changed", other_call)
+        call = workspaces.release
 
     def first():   # a planned call's launches, with time for the other thread to get between them
         log.append("quantize")

@@ -33,9 +33,9 @@ def _unplanned(x, qt):
         K.PLANS = saved
 
 
-def _plan(qt, m):
+def _plan(qt, m, stream=None):
     memo = qt.__dict__.get("_kernels_checked")
-    return memo[3].get((m, torch.cuda.current_stream().cuda_stream)) if memo else None
+    return memo[3].get((m, (stream or torch.cuda.current_stream()).cuda_stream)) if memo else None
 
 
 def _path(qt, m):
@@ -132,6 +132,74 @@ def test_release_stream_pdl_and_capture(weights, fmt):
     torch.cuda.synchronize()
     assert torch.equal(static_y, _unplanned(x, qt))
     assert torch.equal(ops.matmul(x, qt), static_y)
+
+
+def test_capture_id():
+    """cuda_launch.capture_id reads the driver's capture state: None outside a capture, an id
+    inside, another for the next capture."""
+    from quantzoo.cuda_launch import capture_id, current_stream_ptr
+
+    ids = []
+    assert capture_id(current_stream_ptr()) is None
+    for _ in range(2):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ids.append(capture_id(current_stream_ptr()))
+            torch.zeros(1, device="cuda")
+    assert None not in ids and ids[0] != ids[1]
+    assert capture_id(current_stream_ptr()) is None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 40, 600])
+def test_graphs_share_nothing(weights, other_weights, fmt, m):
+    """Two graphs captured on one stream (as torch's stream pool hands a stream out again), then
+    replayed at the same time on two other streams, while eager calls run on the capture stream
+    and after the cached workspaces were released: every product is its own. A capture's split-K
+    partials, Q8_1 activations and dequant slabs come from its own pool, its tile counters are
+    its own (kernels/workspaces.py), and a capture leaves the recorded launch plans in place."""
+    from quantzoo.cuda_launch import workspace_generation
+
+    jobs = [(weights[fmt], torch.randn(m, KD, device="cuda").half()),
+            (other_weights[fmt], torch.randn(m, KD, device="cuda").half())]
+    refs = [_unplanned(x, qt) for qt, x in jobs]
+    eager_x = torch.randn(m, KD, device="cuda").half()
+    eager_ref = _unplanned(eager_x, jobs[0][0])
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        ops.matmul(eager_x, jobs[0][0])                       # a plan, and cached workspaces, on this stream
+    torch.cuda.current_stream().wait_stream(capture)
+    plan, gen = _plan(jobs[0][0], m, capture), workspace_generation()
+    graphs, outs = [], []
+    for qt, x in jobs:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=capture):
+            outs.append(ops.matmul(x, qt))
+        graphs.append(g)
+    assert workspace_generation() == gen and _plan(jobs[0][0], m, capture) is plan, \
+        f"{fmt} M={m}: a capture dropped the launch plans"
+    ops.release_workspaces()                                   # the graphs do not use them
+    streams = [torch.cuda.Stream() for _ in graphs]
+    eager = []
+    for rnd in range(2):
+        for s in streams + [capture]:
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(50_000_000)   # ~25 ms: everything below is queued before any of it runs
+        for _ in range(3):
+            for s, g in zip(streams, graphs):
+                with torch.cuda.stream(s):
+                    g.replay()
+            with torch.cuda.stream(capture):
+                eager.append(ops.matmul(eager_x, jobs[0][0]))
+        for s in streams + [capture]:
+            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for i, (y, r) in enumerate(zip(outs, refs)):
+            assert torch.equal(y, r), f"{fmt} M={m} ({_path(jobs[i][0], m)}), round {rnd}: graph {i} differs"
+        for j, y in enumerate(eager):
+            assert torch.equal(y, eager_ref), f"{fmt} M={m}, round {rnd}: eager call {j} beside the graphs differs"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -180,62 +180,80 @@ def test_quant_linear_state_dict_round_trip(name, rng, tmp_path):
         qz.QuantLinear(get(name).quantize(w[:16])).load_state_dict(a.state_dict(), strict=False)
 
 
-def test_awq_workspaces_per_stream_and_freed_when_grown(monkeypatch):
-    """AWQ's cached buffers are per (device, stream), like gguf's; growing one frees the old one
-    (a chat whose prompts grow turn by turn kept every old dequant buffer: GiBs) unless a CUDA
-    graph capture was handed it, which keeps it alive for the graph's replays. CPU stand-ins
-    for torch's CUDA calls (the policy, not the memory, is what is checked)."""
+def test_workspaces_per_stream_and_per_capture(monkeypatch):
+    """kernels.workspaces: eager scratch and counters are cached per (kind, device, stream), and
+    growing one frees the old one (a chat whose prompts grow turn by turn kept every old dequant
+    buffer: GiBs). During a capture scratch is the call's own and nothing is cached (a graph
+    never points into the eager caches); counters are one zeroed buffer per capture, forgotten
+    once that capture has ended; inside fresh_workspaces() a zeroed buffer per call. CPU
+    stand-ins for torch's CUDA allocations and the driver's capture state."""
     import gc
-    import types
     import weakref
 
-    from quantzoo.kernels import awq
+    from quantzoo import cuda_launch as cl
+    from quantzoo.kernels import workspaces as ws
 
-    class CudaOnCpu:   # torch, except that every device is a CUDA one and memory is the host's
+    class CudaOnCpu:   # torch, except that memory is the host's whatever the device
         def __getattr__(self, name):
             return getattr(torch, name)
 
-        device = staticmethod(lambda d: types.SimpleNamespace(type="cuda"))
-        empty = staticmethod(lambda n, dtype, device: torch.empty(n, dtype=dtype))
-        zeros = staticmethod(lambda n, dtype, device: torch.zeros(n, dtype=dtype))
+        empty = staticmethod(lambda *a, device=None, **kw: torch.empty(*a, **kw))
+        zeros = staticmethod(lambda *a, device=None, **kw: torch.zeros(*a, **kw))
 
-    stream, capturing = [7], [False]
-    monkeypatch.setattr(awq, "torch", CudaOnCpu())
-    monkeypatch.setattr(awq, "_WS", {})
-    monkeypatch.setattr(awq, "current_stream_ptr", lambda: stream[0])
-    monkeypatch.setattr(awq, "uncached_workspaces", lambda: capturing[0])
-    a = awq._buffer("cuda:0", "deq", 100, torch.float16)
-    assert awq._buffer("cuda:0", "deq", 50, torch.float16) is a          # reused while large enough
+    stream, capturing, fresh, live = [7], [False], [False], {}   # live: stream -> its capture's id
+    monkeypatch.setattr(ws, "torch", CudaOnCpu())
+    monkeypatch.setattr(ws, "_CACHE", {})
+    monkeypatch.setattr(ws, "_CAPTURES", {})
+    monkeypatch.setattr(cl, "current_stream_ptr", lambda: stream[0])
+    monkeypatch.setattr(cl, "uncached_workspaces", lambda: capturing[0] or fresh[0])
+    monkeypatch.setattr(cl, "fresh_workspaces_on", lambda: fresh[0])
+    monkeypatch.setattr(cl, "capture_id", lambda s: live.get(s))
+    f16 = torch.float16
+
+    a = ws.scratch("dequant", 100, f16, "cuda:0")
+    assert a.dtype == f16 and a.numel() == 100
+    assert ws.scratch("dequant", 50, f16, "cuda:0").data_ptr() == a.data_ptr()   # reused while large enough
+    assert ws.scratch("glu", 50, f16, "cuda:0").data_ptr() != a.data_ptr()       # another kind: its own
     stream[0] = 8
-    b = awq._buffer("cuda:0", "deq", 50, torch.float16)
-    assert b is not a, "another stream got the same buffer"
+    assert ws.scratch("dequant", 50, f16, "cuda:0").data_ptr() != a.data_ptr(), "another stream got the same buffer"
     stream[0] = 7
-    old = weakref.ref(a)
+    old = weakref.ref(ws._CACHE[("dequant", "cuda:0", 7)])
     del a
-    grown = awq._buffer("cuda:0", "deq", 200, torch.float16)
+    grown = ws.scratch("dequant", ws.MIN_SCRATCH_BYTES, f16, "cuda:0")
     gc.collect()
-    assert grown.numel() >= 200 and old() is None, "the outgrown buffer is still held"
-    capturing[0] = True
-    assert awq._buffer("cuda:0", "deq", 150, torch.float16) is grown     # into the graph
-    fresh = awq._buffer("cuda:0", "deq", 400, torch.float16)             # too small: the capture's own
-    assert fresh is not grown and awq._WS[("cuda:0", 7)]["deq"] is grown, "a capture's own buffer was cached"
-    assert awq._WS[("cuda:0", 7)]["in_graphs"] == [grown]
-    capturing[0] = False
-    in_graph = weakref.ref(grown)
-    del grown, fresh
-    awq._buffer("cuda:0", "deq", 800, torch.float16)
-    gc.collect()
-    assert in_graph() is not None, "a buffer a captured graph uses was freed"
+    assert grown.numel() == ws.MIN_SCRATCH_BYTES and old() is None, "the outgrown buffer is still held"
+    c = ws.counters(10, "cuda:0")
+    assert c.dtype == torch.int32 and c.numel() == ws.MIN_COUNTERS and not c.any()
+    assert ws.counters(20, "cuda:0") is c
+
+    capturing[0], live[7] = True, 100
+    cached = dict(ws._CACHE)
+    s = ws.scratch("dequant", 10, f16, "cuda:0")
+    assert s.data_ptr() != grown.data_ptr() and ws._CACHE == cached, "a capture used or changed the eager cache"
+    c1 = ws.counters(10, "cuda:0")
+    assert c1 is not c and not c1.any() and ws.counters(10, "cuda:0") is c1, "one zeroed buffer per capture"
+    c2 = ws.counters(2 * ws.MIN_COUNTERS, "cuda:0")
+    assert c2.numel() == 2 * ws.MIN_COUNTERS and not c2.any() and ws.counters(1, "cuda:0") is c2
+    stream[0], live[8] = 8, 101   # a second capture, on another stream, while the first goes on
+    c3 = ws.counters(10, "cuda:0")
+    assert c3 is not c2 and set(ws._CAPTURES) == {("cuda:0", 100), ("cuda:0", 101)}
+    del live[7]                   # the first capture ends; a third begins on its stream
+    stream[0], live[7] = 7, 102
+    ws.counters(10, "cuda:0")
+    assert set(ws._CAPTURES) == {("cuda:0", 101), ("cuda:0", 102)}, "an ended capture's counters are still held"
+    fresh[0] = True               # torch.compile's graphs: nothing outlives the call
+    f1, f2 = ws.counters(10, "cuda:0"), ws.counters(10, "cuda:0")
+    assert f1 is not f2 and not f1.any() and set(ws._CAPTURES) == {("cuda:0", 101), ("cuda:0", 102)}
+    assert ws._CACHE == cached
 
 
-def test_release_workspaces():
-    """The kernels' cached buffers go (no GPU needed: the caches are plain dicts)."""
-    from quantzoo.kernels import awq, gguf
+def test_release_workspaces(monkeypatch):
+    """The kernels' cached buffers go (no GPU needed: the cache is a plain dict)."""
+    from quantzoo.kernels import workspaces
 
-    gguf._WORKSPACES[("dequant", "cpu", 0)] = torch.empty(8, dtype=torch.uint8)
-    awq._WS[("cpu", None)] = {"ws": torch.empty(8)}
+    monkeypatch.setattr(workspaces, "_CACHE", {("dequant", "cpu", None): torch.empty(8, dtype=torch.uint8)})
     qz.ops.release_workspaces()
-    assert not gguf._WORKSPACES and not awq._WS
+    assert not workspaces._CACHE
 
 
 def test_weight_checked_once_until_storage_changes(rng):

@@ -1,6 +1,6 @@
 """GPU kernels' Python side: awq, gguf and fp16 expose matmul(x, qt) for CUDA tensors; layer_ops,
 persistent and stream hold the runner's per-layer ops, the persistent decode kernel and the
-stream read; wgmma_tiles the wgmma kernels' tile schedule.
+stream read; wgmma_tiles the wgmma kernels' tile schedule; workspaces their scratch buffers.
 
 Modules here import CuPy lazily (quantzoo.cuda_launch): the package works without CUDA.
 """

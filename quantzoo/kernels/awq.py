@@ -27,10 +27,9 @@ are [gate | up]: on the wgmma path in the kernel's epilogue (cuda/awq_wgmma.cu, 
 the product into a workspace, then layer_ops.silu_mul (the same values either way).
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
-(workspaces cached per device and grown, never shrunk), so after one warm-up call a matmul can
-be captured in a CUDA graph. The split-K workspace is shared per device, so calls must not
-run concurrently on two streams. Inputs are checked here, before any launch: a bad call raises
-ValueError naming the argument.
+(kernels/workspaces.py: cached per stream, a capture's its own), so a matmul can be captured in
+a CUDA graph. Inputs are checked here, before any launch: a bad call raises ValueError naming
+the argument.
 """
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.cuda_launch import launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
-from quantzoo.cuda_launch import current_stream_ptr, uncached_workspaces, workspaces_changed
 from quantzoo.cuda_launch import wgmma_available
-from quantzoo.kernels import _LOCK, check_out_overlap, checked_once, run_planned, run_unplanned, wgmma_tiles
+from quantzoo.kernels import check_out_overlap, checked_once, run_planned, run_unplanned, wgmma_tiles, workspaces
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -285,42 +283,6 @@ def _unpack_qt(qt):
 
 
 # ------------------------------------------------------------------ launch plumbing
-_WS: dict = {}   # per (device, stream): reusable torch buffers
-
-
-def _buffer(dev, key, numel, dtype, zero=False):
-    """A cached torch buffer of at least numel elements (grown, never shrunk), one per device and
-    torch's current stream there (as gguf._workspace): kernels queued on two streams at once
-    must not share split-K partials, tile counters or the dequant buffer."""
-    cuda = torch.device(dev).type == "cuda"
-    cache = _WS.setdefault((str(dev), current_stream_ptr() if cuda else None), {})
-    buf = cache.get(key)
-    capturing = cuda and uncached_workspaces()
-    if buf is None or buf.numel() < numel:
-        alloc = torch.zeros if zero else torch.empty
-        if capturing:
-            # a capture's own buffer, from its pool (as gguf._workspace): torch.zeros' fill is
-            # captured, not run now, so cached it would hand eager calls unzeroed tile counters
-            # (or inside cuda_launch.fresh_workspaces(): torch.compile's CUDA graphs)
-            return alloc(max(numel, 1), dtype=dtype, device=dev)
-        buf = alloc(max(numel, 1), dtype=dtype, device=dev)
-        cache[key] = buf   # the old one is freed, unless a graph holds it (below)
-        workspaces_changed()   # launch plans may point into the old buffer
-    elif capturing and not any(b is buf for b in cache.setdefault("in_graphs", [])):
-        # a cached buffer large enough goes into the graph (no memset node for the counters):
-        # kept alive for the graph's replays even once a larger one replaces it
-        cache["in_graphs"].append(buf)
-    return buf
-
-
-def release_buffers():
-    """Drop the cached workspaces (the dequant buffer can be as large as the largest weight); not
-    while another thread's call is between its launches (kernels._LOCK)."""
-    with _LOCK:
-        _WS.clear()
-        workspaces_changed()
-
-
 def _kernel(source, name):
     from quantzoo.cuda_launch import get_kernel
 
@@ -431,8 +393,8 @@ def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
         splits = gemv_plan(tiles, k, warps, _blocks_per_sm(kern, 0) * _sm_count(dev))
     per = 8 * -(-(k // 8) // max(1, splits))
     splits = -(-k // per)
-    ws = _buffer(dev, "ws", splits * n if splits > 1 else 1, torch.float32)
-    ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
+    ws = workspaces.scratch("partials", splits * n if splits > 1 else 1, torch.float32, dev)
+    ctr = workspaces.counters(tiles, dev)
     _launch(kern, (tiles, splits), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), np.int32(per)))
@@ -464,8 +426,8 @@ def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
     _set_smem(kern, smem)
     slots = _blocks_per_sm(kern, smem) * _sm_count(dev)
     splits, per = _splits(tiles_n * tiles_m, k, 32, slots, min_rows=128)
-    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
-    ctr = _buffer(dev, "ctr", max(tiles_n * tiles_m, 4096), torch.int32, zero=True)
+    ws = workspaces.scratch("partials", splits * m * n if splits > 1 else 1, torch.float32, dev)
+    ctr = workspaces.counters(tiles_n * tiles_m, dev)
     _launch(kern, (tiles_m, tiles_n, splits), (128,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
@@ -484,7 +446,7 @@ def slab_columns(k, n, slab_bytes=None):
 
 def _dequant_cublas(x2, qweight, scales, qzeros, y, m, k, n, g, slab_bytes=None):
     cols = slab_columns(k, n, slab_bytes)
-    buf = _buffer(x2.device, "deq", k * cols, torch.float16)
+    buf = workspaces.scratch("dequant", k * cols, torch.float16, x2.device)
     for c in range(0, n, cols):
         nc = min(cols, n - c)
         w = buf[: k * nc].view(k, nc)
@@ -562,8 +524,8 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
         steps = k // 16
         per = 16 * -(-steps // splits)
         splits = -(-k // per)
-    ws = _buffer(dev, "ws", splits * m * n if splits > 1 else 1, torch.float32)
-    ctr = _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
+    ws = workspaces.scratch("partials", splits * m * n if splits > 1 else 1, torch.float32, dev)
+    ctr = workspaces.counters(tiles, dev)
     _launch(kern, (tiles, splits), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
@@ -620,9 +582,10 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     reduce = splits > 2
     words = wgmma_tiles.columns(nwg, t) // 8
     # past 2 splits the split tiles' columns (wg::SplitParts); at 2 the first half's T x columns a tile
-    ws = _buffer(dev, "ws", 1 if splits == 1 else (tiles - dp) * t * 8 * words if not reduce
-                 else wgmma_tiles.parts_numel(m, n // 2 if glu else n, (nwg, t, d), dp, splits, glu), torch.float32)
-    ctr = None if reduce else _buffer(dev, "ctr", max(tiles, 4096), torch.int32, zero=True)
+    ws = workspaces.scratch("partials", 1 if splits == 1 else (tiles - dp) * t * 8 * words if not reduce
+                            else wgmma_tiles.parts_numel(m, n // 2 if glu else n, (nwg, t, d), dp, splits, glu),
+                            torch.float32, dev)
+    ctr = None if reduce else workspaces.counters(tiles, dev)
     gps = 2 if g == 32 else 1   # groups a 64-row stage spans
     xr = wgmma_tiles.x_rows(m, t)
     # GLU: a stage's weight words come as a gate box and an up box of half the columns; its
@@ -697,7 +660,7 @@ def _queue(path, x2, qweight, scales, qzeros, y, m, k, n, g, glu) -> None:
     else:
         from quantzoo.kernels import layer_ops
 
-        gu = _buffer(x2.device, "glu", m * n, torch.float16)[: m * n].view(m, n)
+        gu = workspaces.scratch("glu", m * n, torch.float16, x2.device).view(m, n)
         _PATHS[path](x2, qweight, scales, qzeros, gu, m, k, n, g)
         layer_ops.silu_mul(gu, out=y)
 

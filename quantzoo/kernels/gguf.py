@@ -39,8 +39,8 @@ without the quantize one. Repeated calls replay their recorded launches (kernels
 
 Everything is checked in Python before a launch (ValueError naming the argument); kernels go on
 torch's current stream; nothing here allocates with CuPy, and the per-stream workspaces (Q8_1
-activations, the dequant buffer, the mma path's split-K partials) are torch tensors reused across calls, so a call can be
-captured in a CUDA graph (during a capture, workspaces come from the graph's own pool).
+activations, the dequant buffer, split-K partials: kernels/workspaces.py) are torch tensors reused
+across calls, so a call can be captured in a CUDA graph (whose workspaces come from its own pool).
 """
 from __future__ import annotations
 
@@ -48,13 +48,13 @@ import functools
 import math
 
 import numpy as np
+import torch
 
-from quantzoo.cuda_launch import current_stream_ptr, get_kernel, launch, launch_tma, on_tensor_device, workspaces_changed
-from quantzoo.cuda_launch import resident_blocks, uncached_workspaces
+from quantzoo.cuda_launch import get_kernel, launch, launch_tma, on_tensor_device, resident_blocks
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
-from quantzoo.kernels import _LOCK, check_out_overlap, checked_once, run_planned, run_unplanned, wgmma_tiles
+from quantzoo.kernels import check_out_overlap, checked_once, run_planned, run_unplanned, wgmma_tiles, workspaces
 
 QK = 32
 GLU_MATMUL = True   # matmul(..., glu=True): the decoder MLP's silu(gate) * up (the runner asks)
@@ -229,8 +229,6 @@ def _kernel(source: str, name: str):
 # ---- validation ---------------------------------------------------------------------------
 def check_weight(qt, arg: str = "qt"):
     """The weight must be a GGUF block format on CUDA, storage exactly (N, K/32 * bytes) uint8."""
-    import torch
-
     fmt_name = getattr(qt, "format", None)
     if fmt_name not in BLOCKS:
         raise ValueError(f"{arg}: format {fmt_name!r} has no GGUF kernel here; one of {sorted(BLOCKS)}")
@@ -263,8 +261,6 @@ def check_weight(qt, arg: str = "qt"):
 
 
 def _check_act(x, k_expect, arg="x", dtypes=None):
-    import torch
-
     dtypes = dtypes or (torch.float16,)
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{arg}: expected a torch CUDA tensor, got {type(x).__name__}")
@@ -285,8 +281,6 @@ def _check_act(x, k_expect, arg="x", dtypes=None):
 
 
 def _check_out(out, shape, dtype, device, arg="out", align=2):
-    import torch
-
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"{arg}: expected a torch tensor")
     if tuple(out.shape) != tuple(shape):
@@ -301,40 +295,10 @@ def _check_out(out, shape, dtype, device, arg="out", align=2):
         raise ValueError(f"{arg}: address not {align}-byte aligned")
 
 
-# ---- workspaces -----------------------------------------------------------------------------
-_WORKSPACES: dict = {}
-
-
-def _workspace(kind: str, nbytes: int, device):
-    """A reused uint8 buffer of >= nbytes for (kind, device, stream); fresh during a graph capture
-    or inside cuda_launch.fresh_workspaces()."""
-    import torch
-
-    if uncached_workspaces():   # a capture's: lives in the graph's pool
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    key = (kind, device, current_stream_ptr())
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < nbytes:
-        buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device)
-        _WORKSPACES[key] = buf
-        workspaces_changed()   # launch plans may point into the old buffer
-    return buf[:nbytes]
-
-
-def release_buffers():
-    """Drop the cached workspaces (the dequant buffer alone is up to DEQUANT_BUFFER_BYTES); not
-    while another thread's call is between its launches (kernels._LOCK)."""
-    with _LOCK:
-        _WORKSPACES.clear()
-        workspaces_changed()
-
-
 # ---- public entry points ----------------------------------------------------------------------
 @on_tensor_device
 def quantize_q8_1(x, out=None):
     """x fp16/fp32 CUDA (..., K), contiguous, K % 32 == 0 -> uint8 (M, K/32*36) Q8_1 blocks."""
-    import torch
-
     m, k = _check_act(x, None, "x", (torch.float16, torch.float32))
     shape = (m, k // QK * Q8_1_BYTES)
     if out is None:
@@ -351,8 +315,6 @@ def quantize_q8_1_split(x, out=None):
     """Like quantize_q8_1, in the split layout the vector-load mmvq reads: a flat uint8 buffer of
     n = M*K/32 blocks, qs of block i at bytes [32 i, 32 i + 32), half2 (d, s) of block i at
     32 n + 4 i (cuda/q8_1_quantize.cu). Same bytes as quantize_q8_1's, placed differently."""
-    import torch
-
     m, k = _check_act(x, None, "x", (torch.float16, torch.float32))
     nbytes = m * (k // QK) * Q8_1_BYTES
     if out is None:
@@ -365,8 +327,6 @@ def quantize_q8_1_split(x, out=None):
 
 
 def _launch_quantize(x, out, n_blocks: int, split: bool = False):
-    import torch
-
     if n_blocks == 0:
         return
     kname = "quantize_q8_1_split" if split else "quantize_q8_1"
@@ -379,8 +339,6 @@ def _launch_quantize(x, out, n_blocks: int, split: bool = False):
 @on_tensor_device
 def dequantize(qt, out=None):
     """qt (GGUF block format on CUDA) -> fp16 (N, K), equal to fmt.dequantize(qt) rounded to half."""
-    import torch
-
     fmt, n, k = check_weight(qt)
     if out is None:
         out = torch.empty((n, k), dtype=torch.float16, device=qt.data.device)
@@ -459,7 +417,8 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False):
     dp, splits, sps = wgmma_tiles.schedule(m, n, 32 * nb, slots, cfg)   # sps: 64-k stages a split
     part = None   # held until both launches are queued (a fresh tensor during graph capture)
     if splits > 1:   # the split tiles' partials: their columns only (wg::SplitParts)
-        part = _workspace("wgmma_part", 4 * wgmma_tiles.parts_numel(m, y2.shape[1], cfg, dp, splits, glu), y2.device)
+        part = workspaces.scratch("partials", wgmma_tiles.parts_numel(m, y2.shape[1], cfg, dp, splits, glu), torch.float32,
+                                  y2.device)
     # the weight as bytes [N, nb BYTES], a stage's box ROWS rows x SLOT bytes; x tiles of T
     # tokens (M when M < T) x 64 k in the 128-byte swizzle
     slot = _wgmma_slot(fmt)   # 64-byte rows (Q5_0) in the 64-byte swizzle (ggw::Cfg::SWIZZLE)
@@ -532,8 +491,6 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     when mmvq16_ok(qt)).
     `mma_split` forces the number of K splits of the mma path (tests and bench).
     """
-    import torch
-
     fmt, n, k = checked_once(qt, check_weight)
     m, _ = _check_act(x, k, "x")
     if x.device != qt.data.device:
@@ -597,11 +554,9 @@ def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu=False)
         _launch_wgmma(fmt, x.view(m, k), qt.data, out.view(m, n // 2), m, n, nb, glu=True)
         return
     if glu:   # the product into a workspace, then silu_mul
-        import torch
-
         from quantzoo.kernels import layer_ops
 
-        gu = _workspace("glu", m * n * 2, x.device).view(torch.float16).view(m, n)
+        gu = workspaces.scratch("glu", m * n, torch.float16, x.device).view(m, n)
         _queue(fmt, x, qt, gu, m, n, k, path, vec, mmvq_rows, mma_split)
         layer_ops.silu_mul(gu, out=out.view(m, n // 2))
         return
@@ -612,7 +567,7 @@ def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu=False)
     if path == "wgmma":
         _launch_wgmma(fmt, x.view(m, k), qt.data, y2, m, n, nb)
         return
-    xq = _workspace("q8_1", m * nb * Q8_1_BYTES, x.device)
+    xq = workspaces.scratch("q8_1", m * nb * Q8_1_BYTES, torch.uint8, x.device)
     w = qt.data
     if path == "mma":
         _launch_quantize(x, xq, m * nb, split=True)
@@ -660,8 +615,6 @@ def matmul_q8_1(xq, qt, m: int, layout: str, out=None):
     """y = x @ W.T from x already quantized to Q8_1: xq uint8 CUDA, M * K/32 blocks of 36 bytes in
     `layout`, which must be q8_1_layout(qt, m); fp16 (M, N) out. The same kernels and result as
     matmul(x, qt) on the x those blocks came from, without its quantize launch."""
-    import torch
-
     fmt, n, k = checked_once(qt, check_weight)
     want = q8_1_layout(qt, m) if isinstance(m, int) and not isinstance(m, bool) else None
     if want is None:
@@ -687,7 +640,7 @@ def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
         raise ValueError(f"x: {m} rows is too many for the mma path")
     part = None   # held until both launches are queued (a fresh tensor during graph capture)
     if split > 1:
-        part = _workspace("mma_part", split * m * n * 4, y2.device)
+        part = workspaces.scratch("partials", split * m * n, torch.float32, y2.device)
     kern = _kernel("gguf_mma.cu", f"mma_gemm<{BLOCKS[fmt]}, {bm}>")
     smem = mma_smem_bytes(bm)   # <= 40 KB: no opt-in above the default 48 KB needed
     launch(kern, grid, (MMA_THREADS,),
@@ -722,13 +675,11 @@ def launch_mmvq(fmt, w, a_ptr: int, y_ptr: int, n: int, nb: int, m: int, r: int)
 
 def _dequant_matmul(fmt, x2, w, y2, n, k, buffer_bytes: int | None = None):
     """y2 = x2 @ dequant(W).T, W converted a slice of rows at a time into one reused buffer."""
-    import torch
-
     budget = DEQUANT_BUFFER_BYTES if buffer_bytes is None else buffer_bytes
     rows = max(1, min(n, budget // (2 * k)))
     if rows < n and rows > 64:
         rows -= rows % 64  # keep cuBLAS's N tiles whole
-    buf = _workspace("dequant", rows * k * 2, x2.device).view(torch.float16)
+    buf = workspaces.scratch("dequant", rows * k, torch.float16, x2.device)
     m = x2.shape[0]
     for r0 in range(0, n, rows):
         r = min(rows, n - r0)
@@ -739,8 +690,6 @@ def _dequant_matmul(fmt, x2, w, y2, n, k, buffer_bytes: int | None = None):
 
 def _slab_mm(wb, m, n, k, r0, x, y):
     """Columns [r0, r0 + rows of wb) of y (M x N) = x (M x K) @ wb.T by cuBLAS."""
-    import torch
-
     if wb.shape[0] == n:
         torch.mm(x.view(m, k), wb.t(), out=y.view(m, n))
     else:

@@ -192,10 +192,11 @@ def _sync(model):
 def prepare(model, prompt_tokens: int, max_new_tokens: int, keep: bool = False) -> None:
     """What generate() sets up before its timed region: a KV cache that holds the whole sequence,
     and on GPU the decode graph for it (keep: a larger cache keeps the current sequence's rows,
-    for reuse_cache). A graph capture allocates workspaces, which drops every
-    recorded launch plan (kernels.run_planned), so a warm-up prefill belongs after this call:
+    for reuse_cache). The warm-up prefill comes after this call: until session 44 a capture grew
+    the cached workspaces, which dropped every recorded launch plan (kernels.run_planned), and
     `quantzoo run model`'s timed 38-token prefill of the default model took 27 ms with its warm-up
-    before the capture, 9 ms after (H100)."""
+    before the capture, 9 ms after (H100); a capture's workspaces are now its own
+    (kernels/workspaces.py)."""
     # the prompt's positions, and one per decode step: the first new token comes from the prefill
     # and the last is never fed back, so max_new_tokens - 1 steps
     need = prompt_tokens + max(max_new_tokens - 1, 0)
