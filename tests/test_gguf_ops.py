@@ -215,7 +215,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
     record = lambda k, grid, block, args, shared_mem=0: calls.append((k, grid, block, args, shared_mem))  # noqa: E731
     monkeypatch.setattr(G, "launch", record)
     monkeypatch.setattr(G, "launch_tma", record)   # the wgmma kernel (a TMA descriptor argument)
-    monkeypatch.setattr(G, "_workspace", lambda kind, nbytes, device: torch.zeros(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(G.workspaces, "_CACHE", {})   # CPU workspaces stay out of the real cache
     monkeypatch.setattr(G, "check_weight", lambda qt, arg="qt": (qt.format, *qt.shape))
     monkeypatch.setattr(G, "mmvq16_ok", lambda qt: True)  # CPU tensors: any alignment will do here
     monkeypatch.setattr(G, "_aligned16", lambda qt: True)
