@@ -45,7 +45,7 @@ def _key(kind: str, device) -> tuple:
 def scratch(kind: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """numel elements of dtype (contents undefined) for this call's launches; hold the tensor
     until the last launch that uses it is queued."""
-    nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
+    nbytes = max(numel, 1) * dtype.itemsize
     if cl.uncached_workspaces():
         return torch.empty(nbytes, dtype=torch.uint8, device=device).view(dtype)
     key = _key(kind, device)
