@@ -65,6 +65,26 @@ def test_cpu_tensors_are_refused():
         ops.awq_dequantize(qw, sc, qz)
 
 
+def test_negated_views_are_refused(monkeypatch):
+    """A tensor with torch's negative bit (z.conj().imag, torch._neg_view) holds the negated values
+    in its memory, which the kernels read and write by address: x or a weight tensor went in with
+    its sign flipped and an `out` read back as -y, without a word. Each is refused by name before a
+    launch (CPU tensors; for x and out, the weight check is stubbed to accept CPU tensors)."""
+    qt, qw, sc, qz = tensors()
+    k = n = 576
+    for name in ("qweight", "scales", "qzeros"):
+        t = {"qweight": qw, "scales": sc, "qzeros": qz}
+        t[name] = torch._neg_view(t[name])
+        with pytest.raises(ValueError, match=f"{name}: .*negative bit"):
+            awq.gemm(torch.zeros(2, k, dtype=torch.float16), t["qweight"], t["scales"], t["qzeros"], 64)
+    monkeypatch.setattr(awq, "_unpack_qt", lambda q: (qw, sc, qz, k, n, 64))   # as CUDA tensors pass
+    x = torch.zeros(2, k, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"x: .*negative bit"):
+        awq.matmul(torch._neg_view(x), qt)
+    with pytest.raises(ValueError, match=r"out: .*negative bit"):
+        awq.matmul(x, qt, out=torch._neg_view(torch.zeros(2, n, dtype=torch.float16)))
+
+
 def test_qt_checks():
     qt, *_ = tensors()
     with pytest.raises(ValueError, match="qt: format 'q4_0'"):

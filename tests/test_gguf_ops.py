@@ -166,6 +166,28 @@ def test_activation_checks():
         G.quantize_q8_1(torch.tensor(1.0, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+def test_negated_views_are_refused(fmt, monkeypatch):
+    """A tensor with torch's negative bit (z.conj().imag, torch._neg_view) holds the negated values
+    in its memory, which the kernels read and write by address: x or the weight went in with its sign
+    flipped and an `out` read back as -y, without a word. Each is refused by name before a launch
+    (CPU tensors; for x past the weight check, that check is stubbed to accept a CPU weight)."""
+    qt = _cpu_qt(fmt)
+    n, k = qt.shape
+    x = torch.zeros(2, k, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"qt\.data: .*negative bit"):
+        G.check_weight(QuantizedTensor(fmt, qt.shape, torch._neg_view(qt.data)))
+    for quantize in (G.quantize_q8_1, G.quantize_q8_1_split):
+        with pytest.raises(ValueError, match=r"x: .*negative bit"):
+            quantize(torch._neg_view(x))
+    neg_out = torch._neg_view(torch.zeros(2, n, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"out: .*negative bit"):
+        G._check_out(neg_out, (2, n), torch.float16, x.device)
+    monkeypatch.setattr(G, "check_weight", lambda q, arg="qt": (fmt, n, k))   # as a CUDA weight passes
+    with pytest.raises(ValueError, match=r"x: .*negative bit"):
+        G.matmul(torch._neg_view(x), qt)
+
+
 def test_import_needs_no_cupy():
     """Importing the kernels (and running the CPU reference through ops.matmul and QuantLinear)
     never asks for CuPy: a fresh interpreter with an import spy first on sys.meta_path records

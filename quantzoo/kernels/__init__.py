@@ -31,6 +31,22 @@ def checked_once(qt, check):
     return result
 
 
+def negated(name: str, written: bool = False) -> str:
+    """The ValueError message for a tensor with torch's negative bit set (a lazily negated view,
+    torch._neg_view): its memory holds the negated values, and the kernels read and write memory
+    by address, so an x or weight went in with its sign flipped and an `out` read back as -y,
+    without a word. (z.conj().imag is one too, but strided: refused as not contiguous, and its
+    .contiguous() copy holds the values.) The checks ask t.is_neg() next to t.is_contiguous():
+    0.15-0.35 us a call on the 2-core CPU box for x (and a given out), the weights once
+    (checked_once). The conjugate bit needs no test: only complex tensors carry it, and the dtype
+    checks refuse those."""
+    if written:
+        return (f"{name}: a lazily negated view (its negative bit is set); the kernels write its memory, "
+                "which would read back negated: pass a tensor without it")
+    return (f"{name}: a lazily negated view (its negative bit is set); the kernels read its memory, which "
+            f"holds the negated values: pass {name}.resolve_neg()")
+
+
 def check_out_overlap(x, out) -> None:
     """ValueError when the output tensor shares bytes with x: every kernel reads x while (or
     after) it writes y, so an aliased output gives a silently wrong product. Checked on every

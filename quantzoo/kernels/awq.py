@@ -44,7 +44,7 @@ from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.cuda_launch import launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
 from quantzoo.cuda_launch import wgmma_available
-from quantzoo.kernels import check_out_overlap, checked_once, run_planned, run_unplanned, wgmma_tiles, workspaces
+from quantzoo.kernels import check_out_overlap, checked_once, negated, run_planned, run_unplanned, wgmma_tiles, workspaces
 from quantzoo.formats.awq import GROUP_SIZES
 
 # ---- the kernels CuPy is asked for (tests/test_compile.py compiles the same list with nvcc)
@@ -201,6 +201,8 @@ def _check_tensor(name, t, dtype, shape, device=None, structure=True, place=True
             raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
+        if t.is_neg():
+            raise ValueError(negated(name, written=name == "out"))
         if t.numel() and t.data_ptr() % 16:
             raise ValueError(f"{name}: data pointer must be 16-byte aligned")
     if place:
@@ -257,6 +259,8 @@ def _check_x(x, k, dev):
         raise ValueError(f"x: on {x.device}, but the weight is on {dev}")
     if not x.is_contiguous():
         raise ValueError("x: must be contiguous")
+    if x.is_neg():
+        raise ValueError(negated("x"))
     if x.numel() and x.data_ptr() % 16:
         raise ValueError("x: data pointer must be 16-byte aligned")
 

@@ -54,7 +54,7 @@ from quantzoo.cuda_launch import get_kernel, launch, launch_tma, on_tensor_devic
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
-from quantzoo.kernels import check_out_overlap, checked_once, run_planned, run_unplanned, wgmma_tiles, workspaces
+from quantzoo.kernels import check_out_overlap, checked_once, negated, run_planned, run_unplanned, wgmma_tiles, workspaces
 
 QK = 32
 GLU_MATMUL = True   # matmul(..., glu=True): the decoder MLP's silu(gate) * up (the runner asks)
@@ -253,6 +253,8 @@ def check_weight(qt, arg: str = "qt"):
         raise ValueError(f"{arg}.data: shape {tuple(data.shape)}, a {fmt_name} ({n}, {k}) weight is {want} bytes")
     if not data.is_contiguous():
         raise ValueError(f"{arg}.data: not contiguous")
+    if data.is_neg():
+        raise ValueError(negated(f"{arg}.data"))
     if not data.is_cuda:
         raise ValueError(f"{arg}.data: on {data.device}; move the weight with qt.to('cuda')")
     if data.data_ptr() % 4:
@@ -275,6 +277,8 @@ def _check_act(x, k_expect, arg="x", dtypes=None):
         raise ValueError(f"{arg}: K={k} must be a positive multiple of {QK}")
     if not x.is_contiguous():
         raise ValueError(f"{arg}: not contiguous (call .contiguous() first)")
+    if x.is_neg():
+        raise ValueError(negated(arg))
     if not x.is_cuda:
         raise ValueError(f"{arg}: on {x.device}, the GGUF kernels need CUDA tensors")
     return x.numel() // k, k
@@ -291,6 +295,8 @@ def _check_out(out, shape, dtype, device, arg="out", align=2):
         raise ValueError(f"{arg}: on {out.device}, expected {device}")
     if not out.is_contiguous():
         raise ValueError(f"{arg}: not contiguous")
+    if out.is_neg():
+        raise ValueError(negated(arg, written=arg == "out"))
     if out.data_ptr() % align:
         raise ValueError(f"{arg}: address not {align}-byte aligned")
 
