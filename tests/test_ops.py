@@ -290,6 +290,37 @@ def test_weight_checked_once_until_storage_changes(rng):
 
 
 @pytest.mark.parametrize("name", STORED)
+def test_weight_checked_again_when_its_storage_is_repointed(name, rng):
+    """A storage tensor re-pointed in place (t.data = other, the weight-loading idiom; set_; a
+    resize_ that reallocates) is the same object at another address: the memo had kept the old
+    check's result and the launch plans that replay the old address (memory the tensor no longer
+    holds: the kernels read whatever is there now). The addresses are part of the memo."""
+    from dataclasses import replace
+
+    from quantzoo.kernels import checked_once
+
+    qt = get(name).quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
+    qt = replace(qt, data={k: torch.from_numpy(v.copy()) for k, v in qt.arrays().items()}
+                 if isinstance(qt.data, dict) else torch.from_numpy(qt.data.copy()))
+    calls = []
+
+    def check(q):
+        calls.append(q)
+        return len(calls)
+
+    first = next(iter(qt.arrays().values()))
+    assert checked_once(qt, check) == 1 and checked_once(qt, check) == 1
+    first.data = first.clone()                            # same object, new memory: checked again
+    assert checked_once(qt, check) == 2 and checked_once(qt, check) == 2
+    first.set_(first.clone())
+    assert checked_once(qt, check) == 3
+    first.resize_(first.shape[0] * 64, *first.shape[1:])   # (grown: reallocated)
+    assert checked_once(qt, check) == 4
+    first[0] = 1                                          # values written in place: read at launch, no re-check
+    assert checked_once(qt, check) == 4
+
+
+@pytest.mark.parametrize("name", STORED)
 def test_quant_linear_refuses_what_matmul_refuses(name, rng):
     """QuantLinear checks the weight before unpacking its shape: a 3-D or None shape gave 'too many
     values to unpack' / TypeError; now the same ValueError as ops.matmul."""
