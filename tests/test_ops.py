@@ -180,16 +180,10 @@ def test_quant_linear_state_dict_round_trip(name, rng, tmp_path):
         qz.QuantLinear(get(name).quantize(w[:16])).load_state_dict(a.state_dict(), strict=False)
 
 
-def test_workspaces_per_stream_and_per_capture(monkeypatch):
-    """kernels.workspaces: eager scratch and counters are cached per (kind, device, stream), and
-    growing one frees the old one (a chat whose prompts grow turn by turn kept every old dequant
-    buffer: GiBs). During a capture scratch is the call's own and nothing is cached (a graph
-    never points into the eager caches); counters are one zeroed buffer per capture, forgotten
-    once that capture has ended; inside fresh_workspaces() a zeroed buffer per call. CPU
-    stand-ins for torch's CUDA allocations and the driver's capture state."""
-    import gc
-    import weakref
-
+def _cpu_workspaces(monkeypatch):
+    """kernels.workspaces with CPU stand-ins for torch's CUDA allocations and the driver's capture
+    state: (the module, [current stream], [capturing], [inside fresh_workspaces()], {stream: the
+    id of the capture under way on it}), each to be changed in place by the test."""
     from quantzoo import cuda_launch as cl
     from quantzoo.kernels import workspaces as ws
 
@@ -200,7 +194,7 @@ def test_workspaces_per_stream_and_per_capture(monkeypatch):
         empty = staticmethod(lambda *a, device=None, **kw: torch.empty(*a, **kw))
         zeros = staticmethod(lambda *a, device=None, **kw: torch.zeros(*a, **kw))
 
-    stream, capturing, fresh, live = [7], [False], [False], {}   # live: stream -> its capture's id
+    stream, capturing, fresh, live = [7], [False], [False], {}
     monkeypatch.setattr(ws, "torch", CudaOnCpu())
     monkeypatch.setattr(ws, "_CACHE", {})
     monkeypatch.setattr(ws, "_CAPTURES", {})
@@ -208,6 +202,20 @@ def test_workspaces_per_stream_and_per_capture(monkeypatch):
     monkeypatch.setattr(cl, "uncached_workspaces", lambda: capturing[0] or fresh[0])
     monkeypatch.setattr(cl, "fresh_workspaces_on", lambda: fresh[0])
     monkeypatch.setattr(cl, "capture_id", lambda s: live.get(s))
+    return ws, stream, capturing, fresh, live
+
+
+def test_workspaces_per_stream_and_per_capture(monkeypatch):
+    """kernels.workspaces: eager scratch and counters are cached per (kind, device, stream), and
+    growing one frees the old one (a chat whose prompts grow turn by turn kept every old dequant
+    buffer: GiBs). During a capture scratch is the call's own and nothing is cached (a graph
+    never points into the eager caches); counters are one zeroed buffer per capture, forgotten
+    once that capture has ended; inside fresh_workspaces() a zeroed buffer per call. CPU
+    stand-ins for torch's CUDA allocations and the driver's capture state."""
+    import gc
+    import weakref
+
+    ws, stream, capturing, fresh, live = _cpu_workspaces(monkeypatch)
     f16 = torch.float16
 
     a = ws.scratch("dequant", 100, f16, "cuda:0")
@@ -245,6 +253,35 @@ def test_workspaces_per_stream_and_per_capture(monkeypatch):
     f1, f2 = ws.counters(10, "cuda:0"), ws.counters(10, "cuda:0")
     assert f1 is not f2 and not f1.any() and set(ws._CAPTURES) == {("cuda:0", 101), ("cuda:0", 102)}
     assert ws._CACHE == cached
+
+
+def test_capture_counters_two_threads_forget_one_capture(monkeypatch):
+    """Two threads beginning captures at once (capture_error_mode="thread_local": two models'
+    decode graphs) both forget the capture that has ended, and capture_id is a driver call
+    through ctypes, which lets the other thread run in between: the second to get there finds
+    the entry gone, and that must not fail its capture (a KeyError left its model decoding
+    eagerly for good)."""
+    from quantzoo import cuda_launch as cl
+
+    ws, stream, capturing, fresh, live = _cpu_workspaces(monkeypatch)
+    capturing[0], live[7] = True, 100
+    ws.counters(10, "cuda:0")
+    del live[7]                   # that capture ends; two threads begin theirs, on streams 8 and 9
+    live[8], live[9] = 101, 102
+    other = []
+
+    def capture_id(s):
+        if s == 7 and not other:  # this thread asks about the ended capture; the other runs meanwhile
+            other.append(None)
+            stream[0] = 9
+            other.append(ws.counters(10, "cuda:0"))
+            stream[0] = 8
+        return live.get(s)
+
+    monkeypatch.setattr(cl, "capture_id", capture_id)
+    stream[0] = 8
+    mine = ws.counters(10, "cuda:0")
+    assert len(other) == 2 and mine is not other[1] and len(ws._CAPTURES) == 2
 
 
 def test_release_workspaces(monkeypatch):

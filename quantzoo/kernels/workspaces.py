@@ -84,8 +84,8 @@ def capture_counters(numel: int, device) -> torch.Tensor:
         # a new capture: forget those that have ended (their graphs' own pools keep the memory;
         # each graph re-zeroes its buffer as it replays)
         for k, (s, _) in list(_CAPTURES.items()):
-            if cl.capture_id(s) != k[1]:
-                del _CAPTURES[k]
+            if cl.capture_id(s) != k[1]:   # (a driver call: another thread may drop k meanwhile)
+                _CAPTURES.pop(k, None)
     if held is None or held[1].numel() < numel:
         held = _CAPTURES[key] = (stream, torch.zeros(numel, dtype=torch.int32, device=device))
     return held[1]
