@@ -209,9 +209,9 @@ def test_workspaces_per_stream_and_per_capture(monkeypatch):
     """kernels.workspaces: eager scratch and counters are cached per (kind, device, stream), and
     growing one frees the old one (a chat whose prompts grow turn by turn kept every old dequant
     buffer: GiBs). During a capture scratch is the call's own and nothing is cached (a graph
-    never points into the eager caches); counters are one zeroed buffer per capture, forgotten
-    once that capture has ended; inside fresh_workspaces() a zeroed buffer per call. CPU
-    stand-ins for torch's CUDA allocations and the driver's capture state."""
+    never points into the eager caches); counters are one zeroed buffer per capture and stream,
+    forgotten once that capture has ended; inside fresh_workspaces() a zeroed buffer per call.
+    CPU stand-ins for torch's CUDA allocations and the driver's capture state."""
     import gc
     import weakref
 
@@ -244,15 +244,37 @@ def test_workspaces_per_stream_and_per_capture(monkeypatch):
     assert c2.numel() == 2 * ws.MIN_COUNTERS and not c2.any() and ws.counters(1, "cuda:0") is c2
     stream[0], live[8] = 8, 101   # a second capture, on another stream, while the first goes on
     c3 = ws.counters(10, "cuda:0")
-    assert c3 is not c2 and set(ws._CAPTURES) == {("cuda:0", 100), ("cuda:0", 101)}
+    assert c3 is not c2 and set(ws._CAPTURES) == {("cuda:0", 100, 7), ("cuda:0", 101, 8)}
     del live[7]                   # the first capture ends; a third begins on its stream
     stream[0], live[7] = 7, 102
     ws.counters(10, "cuda:0")
-    assert set(ws._CAPTURES) == {("cuda:0", 101), ("cuda:0", 102)}, "an ended capture's counters are still held"
+    assert set(ws._CAPTURES) == {("cuda:0", 101, 8), ("cuda:0", 102, 7)}, "an ended capture's counters are still held"
     fresh[0] = True               # torch.compile's graphs: nothing outlives the call
     f1, f2 = ws.counters(10, "cuda:0"), ws.counters(10, "cuda:0")
-    assert f1 is not f2 and not f1.any() and set(ws._CAPTURES) == {("cuda:0", 101), ("cuda:0", 102)}
+    assert f1 is not f2 and not f1.any() and set(ws._CAPTURES) == {("cuda:0", 101, 8), ("cuda:0", 102, 7)}
     assert ws._CACHE == cached
+
+
+def test_capture_counters_per_stream_of_a_capture(monkeypatch):
+    """A capture may fork onto other streams (s2.wait_stream(s1) inside torch.cuda.graph), whose
+    kernels the graph then runs alongside each other: as eager calls on two streams, they must
+    not share tile counters (two kernels counting on one tile's counter each take the other's
+    arrivals for their own: a wrong sum, or wg::hand_over waiting for a count that never comes),
+    and a branch must not use a buffer whose zeroing memset sits on another branch, unordered
+    with it. So a capture's counters are its own per stream."""
+    ws, stream, capturing, fresh, live = _cpu_workspaces(monkeypatch)
+    capturing[0], live[7] = True, 100
+    main = ws.counters(10, "cuda:0")
+    stream[0], live[9] = 9, 100   # stream 9 joins capture 100 (a fork)
+    side = ws.counters(10, "cuda:0")
+    assert side is not main and not side.any(), "two streams of one capture share their tile counters"
+    assert ws.counters(10, "cuda:0") is side
+    stream[0] = 7
+    assert ws.counters(10, "cuda:0") is main
+    del live[7], live[9]          # the capture ends (both streams leave it); the next forgets both
+    live[7] = 101
+    ws.counters(10, "cuda:0")
+    assert len(ws._CAPTURES) == 1, "an ended capture's counters are still held"
 
 
 def test_capture_counters_two_threads_forget_one_capture(monkeypatch):

@@ -18,9 +18,12 @@ replay on another stream shares nothing with eager calls there.
 Counters must read zero when a kernel starts; each kernel leaves the counters it used at zero
 again (cuda/awq_common.cuh's atomicInc wraps, wg::hand_over stores 0), so consecutive launches
 on one stream share one zeroed buffer. Zeroing costs a memset, which in a graph is a node that
-also breaks the programmatic-dependent-launch chain: a capture therefore gets one counter buffer,
-zeroed at its first use (one memset node per graph) and shared by its later calls, kept here
-until the capture is seen to have ended (capture_counters). Inside fresh_workspaces() every call
+also breaks the programmatic-dependent-launch chain: a capture therefore gets one counter buffer
+per stream it runs on, zeroed at its first use there (one memset node per graph and stream) and
+shared by its later calls there, kept here until the capture is seen to have ended
+(capture_counters). Per stream, as eager calls': a capture forked onto a second stream
+(s2.wait_stream(s1) inside it) becomes a graph that runs the two branches' kernels at once, and
+a branch's memset is ordered with that branch only. Inside fresh_workspaces() every call
 zeroes its own (torch's CUDA-graph trees refuse a live buffer in their pool that their outputs
 do not account for, so none may outlive the call).
 """
@@ -34,7 +37,7 @@ MIN_SCRATCH_BYTES = 1 << 16   # a first allocation's least size: small calls gro
 MIN_COUNTERS = 4096           # counters a buffer holds at least (one per output tile)
 
 _CACHE: dict = {}      # (kind, device str, stream handle or None) -> uint8 or int32 tensor
-_CAPTURES: dict = {}   # (device str, capture id) -> (stream handle, zeroed int32 tensor)
+_CAPTURES: dict = {}   # (device str, capture id, stream handle) -> zeroed int32 tensor
 
 
 def _key(kind: str, device) -> tuple:
@@ -71,24 +74,24 @@ def counters(numel: int, device) -> torch.Tensor:
 
 
 def capture_counters(numel: int, device) -> torch.Tensor:
-    """A capture's counters: one buffer per capture (by its id), zeroed when first taken, grown
-    (zeroed again) if a later call needs more. Inside fresh_workspaces(), or a capture whose id
-    cannot be read, a zeroed buffer per call."""
+    """A capture's counters: one buffer per capture (by its id) and stream, zeroed when first
+    taken, grown (zeroed again) if a later call needs more. Inside fresh_workspaces(), or a
+    capture whose id cannot be read, a zeroed buffer per call."""
     stream = cl.current_stream_ptr()
     cid = None if cl.fresh_workspaces_on() else cl.capture_id(stream)
     if cid is None:
         return torch.zeros(numel, dtype=torch.int32, device=device)
-    key = (str(torch.device(device)), cid)
-    held = _CAPTURES.get(key)
-    if held is None:
-        # a new capture: forget those that have ended (their graphs' own pools keep the memory;
-        # each graph re-zeroes its buffer as it replays)
-        for k, (s, _) in list(_CAPTURES.items()):
-            if cl.capture_id(s) != k[1]:   # (a driver call: another thread may drop k meanwhile)
+    key = (str(torch.device(device)), cid, stream)
+    buf = _CAPTURES.get(key)
+    if buf is None:
+        # a new capture (or stream of one): forget those that have ended (their graphs' own pools
+        # keep the memory; each graph re-zeroes its buffer as it replays)
+        for k in list(_CAPTURES):
+            if cl.capture_id(k[2]) != k[1]:   # (a driver call: another thread may drop k meanwhile)
                 _CAPTURES.pop(k, None)
-    if held is None or held[1].numel() < numel:
-        held = _CAPTURES[key] = (stream, torch.zeros(numel, dtype=torch.int32, device=device))
-    return held[1]
+    if buf is None or buf.numel() < numel:
+        buf = _CAPTURES[key] = torch.zeros(numel, dtype=torch.int32, device=device)
+    return buf
 
 
 def release() -> None:
