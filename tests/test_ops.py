@@ -306,6 +306,28 @@ def test_capture_counters_two_threads_forget_one_capture(monkeypatch):
     assert len(other) == 2 and mine is not other[1] and len(ws._CAPTURES) == 2
 
 
+def test_capture_counters_after_a_destroyed_stream(monkeypatch):
+    """An ended capture's stream may have been destroyed since (a CuPy or external stream): the
+    driver then refuses its handle when the next capture forgets the ended ones. That capture
+    must go on, the old entry dropped, not fail with the driver's error."""
+    from quantzoo import cuda_launch as cl
+
+    ws, stream, capturing, fresh, live = _cpu_workspaces(monkeypatch)
+    capturing[0], live[7] = True, 100
+    ws.counters(10, "cuda:0")
+    del live[7]
+
+    def capture_id(s):
+        if s == 7:
+            raise RuntimeError("cuStreamGetCaptureInfo: CUDA_ERROR_INVALID_HANDLE (400)")
+        return live.get(s)
+
+    monkeypatch.setattr(cl, "capture_id", capture_id)
+    stream[0], live[8] = 8, 101
+    ws.counters(10, "cuda:0")
+    assert list(ws._CAPTURES) == [("cuda:0", 101, 8)]
+
+
 def test_release_workspaces(monkeypatch):
     """The kernels' cached buffers go (no GPU needed: the cache is a plain dict)."""
     from quantzoo.kernels import workspaces

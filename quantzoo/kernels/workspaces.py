@@ -87,11 +87,20 @@ def capture_counters(numel: int, device) -> torch.Tensor:
         # a new capture (or stream of one): forget those that have ended (their graphs' own pools
         # keep the memory; each graph re-zeroes its buffer as it replays)
         for k in list(_CAPTURES):
-            if cl.capture_id(k[2]) != k[1]:   # (a driver call: another thread may drop k meanwhile)
+            if _capture_on(k[2]) != k[1]:   # (a driver call: another thread may drop k meanwhile)
                 _CAPTURES.pop(k, None)
     if buf is None or buf.numel() < numel:
         buf = _CAPTURES[key] = torch.zeros(numel, dtype=torch.int32, device=device)
     return buf
+
+
+def _capture_on(stream: int):
+    """The capture id under way on stream; None where there is none or the driver refuses the
+    handle (a stream destroyed since its capture: a CuPy or external one)."""
+    try:
+        return cl.capture_id(stream)
+    except RuntimeError:
+        return None
 
 
 def release() -> None:
