@@ -203,6 +203,30 @@ def test_graphs_share_nothing(weights, other_weights, fmt, m):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 40])
+def test_capture_forked_onto_two_streams(weights, other_weights, fmt, m):
+    """A capture forked onto a second stream: its graph runs the two branches' kernels at once,
+    so each branch has its own split-K tile counters, zeroed on its own branch, and its own
+    scratch (kernels/workspaces.py). Every product is its own, replay after replay."""
+    jobs = [(weights[fmt], torch.randn(m, KD, device="cuda").half()),
+            (other_weights[fmt], torch.randn(m, KD, device="cuda").half())]
+    refs = [_unplanned(x, qt) for qt, x in jobs]   # (also the warm-up: kernels compiled and loaded)
+    main, side = torch.cuda.Stream(), torch.cuda.Stream()
+    main.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=main):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            y1 = ops.matmul(jobs[1][1], jobs[1][0])
+        y0 = ops.matmul(jobs[0][1], jobs[0][0])
+        main.wait_stream(side)
+    for i in range(50):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y0, refs[0]) and torch.equal(y1, refs[1]), f"{fmt} M={m}: replay {i} differs"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_out_overlapping_x_is_refused(weights, fmt):
     qt, m = weights[fmt], 8
     mod = ops.kernels_for(qt.fmt)
