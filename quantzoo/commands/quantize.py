@@ -1,8 +1,10 @@
 """`quantzoo quantize SRC DST --format F`: the same weights into every format.
 
-SRC: an HF model directory (fp16/bf16/fp32, or AWQ: dequantized first), a .gguf file
-(dequantized) or a KuiperLLama .bin. DST: a directory (HF AWQ checkpoint, or plain fp16), a
-.gguf file (llama.cpp block formats, or F16), or a .bin (KuiperLLama AWQ).
+SRC: an HF model directory (fp16/bf16/fp32 or AWQ), a .gguf file or a KuiperLLama .bin; a
+weight it already stores in the target format (AWQ of the same group, the same GGUF type) is
+copied as is, every other one dequantized and quantized again.
+DST: a directory (HF AWQ checkpoint, or plain fp16), a .gguf file (llama.cpp block formats, or
+F16), or a .bin (KuiperLLama AWQ).
 """
 from __future__ import annotations
 
