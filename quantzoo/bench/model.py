@@ -55,7 +55,7 @@ def add_arguments(p) -> None:
                    help=f"comma-separated formats (default: {','.join(FORMATS)})")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default 36 = Qwen3-8B, with --tiny 2; fewer for a quick look)")
-    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=128, help="graph decode steps timed (default 128)")
     p.add_argument("--eager-tokens", type=int, default=32, help="eager decode steps timed (default 32)")
     p.add_argument("--prompt-lens", default=None, help="prefill lengths (default 512,2048, with --tiny 64,256)")
     p.add_argument("--long-context", type=int, default=None, metavar="N",
@@ -65,7 +65,7 @@ def add_arguments(p) -> None:
     p.add_argument("--awq-group-size", type=int, default=None, help="AWQ group size (default 128; needs awq "
                    "in --formats)")
     p.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test, CPU or GPU)")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu with --tiny")
     p.add_argument("--json", default=None, help="write the results as JSON to this path (rewritten after each "
                    "format with \"partial\": true, so that a run cut short keeps the formats it finished)")
 

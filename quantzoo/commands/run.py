@@ -29,11 +29,12 @@ def register(sub) -> None:
     m.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
     m.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    m.add_argument("--top-k", type=int, default=0)
-    m.add_argument("--top-p", type=float, default=1.0)
+    m.add_argument("--top-k", type=int, default=0, help="sample from the TOP_K most likely tokens only (0 = off)")
+    m.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the fewest most likely tokens whose probabilities reach TOP_P (1 = off)")
     m.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens less likely than MIN_P times the most likely one (0 = off)")
-    m.add_argument("--seed", type=int, default=None)
+    m.add_argument("--seed", type=int, default=None, help="seed of the sampling (needs --temperature > 0)")
     m.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     m.add_argument("--no-cuda-graph", action="store_true", help="eager decode on CUDA")
     m.add_argument("--matmul-mode", default=None, choices=("cached", "dequant", "emulate"),
