@@ -189,6 +189,9 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     ({"layer_types": "full_attention"}, "layer_types='full_attention' must be a list"),
     ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": "0", "layer_types": None},
      "max_window_layers='0' must be an integer"),
+    # a corrupt head size: the RoPE check had built an array of head_dim / 2 values before any
+    # tensor's shape was compared (2**31: minutes and 17 GB; 2**40: a MemoryError naming no file)
+    ({"head_dim": 2**40}, "q_proj.weight' has shape [256, 256], config.json implies [4398046511104, 256]"),
 ])
 def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     d = tmp_path / "cfg"

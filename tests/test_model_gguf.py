@@ -477,6 +477,12 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
     ({**TOK_KV, "tokenizer.ggml.token_type": Typed([1] * 5 + [99] + [1] * 154, gguf.GGUFValueType.ARRAY,
                                                     gguf.GGUFValueType.INT32)},
      "tokenizer.ggml.token_type[5] = 99 (token 't5') is no llama.cpp token type (0..6)"),
+    # a corrupt head size: the RoPE check had built an array of head_dim / 2 values before any
+    # tensor's shape was compared (2**31: minutes and 17 GB; 2**40: a MemoryError naming no key)
+    ({"llama.attention.key_length": Typed(2**40, gguf.GGUFValueType.UINT64)},
+     "tensor 'blk.0.attn_q.weight' has shape (128, 128), the config (llama, hidden 128, heads 4/2x1099511627776)"),
+    ({"llama.embedding_length": Typed(2**40, gguf.GGUFValueType.UINT64)},
+     "tensor 'token_embd.weight' has shape (160, 128), the config (llama, hidden 1099511627776"),
 ])
 def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     """Metadata of the wrong type or value: one error naming the file and the key, never a raw

@@ -171,8 +171,12 @@ class ModelConfig:
         if not f32.tiny <= self.rope_theta <= f32.max:
             raise ValueError(f"rope_theta={self.rope_theta!r} (the RoPE base) is outside float32's "
                              "normal range, in which the runner computes RoPE")
+        # theta^(-2i/head_dim) is monotonic in i: without factors its ends i = 0 and i = head_dim/2 - 1
+        # bound it (an array of head_dim/2 values, for a corrupt head_dim of 2^31 before any tensor
+        # shape is compared, had taken minutes and 17 GB; 2^40 a MemoryError naming no key)
+        i = np.arange(0, self.head_dim, 2) if self.rope_freq_factors is not None else np.array([0, self.head_dim - 2])
         with np.errstate(all="ignore"):
-            inv = 1.0 / float(self.rope_theta) ** (np.arange(0, self.head_dim, 2) / self.head_dim)
+            inv = 1.0 / float(self.rope_theta) ** (i / self.head_dim)
             if self.rope_freq_factors is not None:
                 inv = inv / np.asarray(self.rope_freq_factors)
             ok = np.all(inv >= f32.tiny) and np.all(inv * self.max_position <= f32.max)
