@@ -192,6 +192,9 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     # a corrupt head size: the RoPE check had built an array of head_dim / 2 values before any
     # tensor's shape was compared (2**31: minutes and 17 GB; 2**40: a MemoryError naming no file)
     ({"head_dim": 2**40}, "q_proj.weight' has shape [256, 256], config.json implies [4398046511104, 256]"),
+    # had said "head_dim=0: must be a positive integer", a key the file does not have
+    ({"architectures": ["LlamaForCausalLM"], "head_dim": None, "num_attention_heads": 512, "num_key_value_heads": 512},
+     "num_attention_heads=512 is more than hidden_size=256: without head_dim"),
 ])
 def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
     d = tmp_path / "cfg"

@@ -483,6 +483,12 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
      "tensor 'blk.0.attn_q.weight' has shape (128, 128), the config (llama, hidden 128, heads 4/2x1099511627776)"),
     ({"llama.embedding_length": Typed(2**40, gguf.GGUFValueType.UINT64)},
      "tensor 'token_embd.weight' has shape (160, 128), the config (llama, hidden 1099511627776"),
+    # had said "head_dim=0: must be a positive integer", a key the file does not have
+    ({"llama.attention.head_count": 256, "llama.attention.head_count_kv": 256},
+     "llama.attention.head_count=256 is more than llama.embedding_length=128: without llama.attention.key_length"),
+    # had said "(unknown name)" of a name the loader knows
+    ({"llama.block_count": 1}, "unexpected tensor 'blk.1.attn_q.weight' for a llama model (its layer is past "
+     "llama.block_count=1)"),
 ])
 def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     """Metadata of the wrong type or value: one error naming the file and the key, never a raw

@@ -275,6 +275,9 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
         return positive(v, kind, f"{path}: metadata key {k!r}")
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
+    if f"{arch}.attention.key_length" not in meta and heads > hidden:   # (had said "head_dim=0", a key no file has)
+        raise ValueError(f"{path}: {arch}.attention.head_count={heads} is more than {arch}.embedding_length="
+                         f"{hidden}: without {arch}.attention.key_length the head size, their quotient, is 0")
     head_dim = key("attention.key_length", hidden // heads)
     if key("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{path}: {arch}.attention.value_length != key_length is not supported")
@@ -408,8 +411,11 @@ def load_gguf(path, progress: bool = True, reader=None):
     foreign: dict[str, list[str]] = {}   # ggml type -> tensors dequantized at load
     for name, t in tensors.items():
         hf = gguf_to_hf_name(name)
-        if hf is None or hf not in want:
-            raise ValueError(f"{path}: unexpected tensor {name!r} for a {cfg.arch} model (unknown name)")
+        if hf is None or hf not in want:   # (a known name past the layers had been called unknown too)
+            past = hf is not None and name.startswith("blk.") and int(name.split(".")[1]) >= cfg.num_layers
+            why = ("unknown name" if hf is None else f"its layer is past {cfg.arch}.block_count={cfg.num_layers}"
+                   if past else "a name of another architecture")
+            raise ValueError(f"{path}: unexpected tensor {name!r} for a {cfg.arch} model ({why})")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         if shape != want[hf]:
             raise ValueError(f"{path}: tensor {name!r} has shape {shape}, the config "

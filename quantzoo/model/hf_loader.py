@@ -192,6 +192,9 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv}")
     # absent: transformers' default, Qwen3Config's 128, the others' hidden_size / heads
+    if cfg.get("head_dim") is None and arch != "qwen3" and heads > hidden:   # (had said "head_dim=0")
+        raise ValueError(f"{where}: num_attention_heads={heads} is more than hidden_size={hidden}: without "
+                         "head_dim the head size, their quotient, is 0")
     head_dim = need("head_dim", 128 if arch == "qwen3" else hidden // heads)
     theta, factors = _rope(cfg, head_dim, where)
     dims = dict(vocab_size=need("vocab_size"), intermediate_size=need("intermediate_size"),
