@@ -279,6 +279,11 @@ def _copy_and(src, dst, edit):
      "tokenizer_config.json: add_eos_token='false' must be a boolean, not str"),
     (lambda d: (d / "tokenizer_config.json").write_text('{"add_bos_token": [false]}'),
      "tokenizer_config.json: add_bos_token=[False] must be a boolean, not list"),
+    # a BOS / EOS asked for that the vocabulary lacks had been left out of every prompt without a word
+    (lambda d: (d / "tokenizer_config.json").write_text('{"add_bos_token": true, "bos_token": "<s>"}'),
+     "tokenizer_config.json: add_bos_token is true, but bos_token='<s>' is not in tokenizer.json's vocabulary"),
+    (lambda d: (d / "tokenizer_config.json").write_text('{"add_eos_token": true, "eos_token": {"content": "</s>"}}'),
+     "tokenizer_config.json: add_eos_token is true, but eos_token='</s>' is not in tokenizer.json's vocabulary"),
 ])
 def test_bad_side_files_are_clear_errors(dirs, tmp_path, edit, needle):
     """config / generation config / tokenizer files of the wrong shape, and a tokenizer larger
@@ -287,6 +292,17 @@ def test_bad_side_files_are_clear_errors(dirs, tmp_path, edit, needle):
     with pytest.raises(ValueError) as e:
         load_hf(d, progress=False)
     assert needle in str(e.value), str(e.value)
+
+
+def test_add_bos_token_without_a_bos_token_warns(dirs, tmp_path):
+    """add_bos_token true and no bos_token: transformers' Llama tokenizer refuses it, its Qwen2 one
+    adds nothing; the runner adds nothing too, and says so (it had said nothing)."""
+    d = _copy_and(dirs["fp32"], tmp_path / "m",
+                  lambda d: (d / "tokenizer_config.json").write_text('{"add_bos_token": true, "bos_token": null}'))
+    with pytest.warns(UserWarning, match="tokenizer_config.json: add_bos_token is true, but no bos_token is "
+                                         "given: none is added"):
+        _, _, tok, _ = load_hf(d, progress=False)
+    assert not tok.add_bos
 
 
 def test_tokenizer_larger_than_the_embedding_warns(dirs, tmp_path):

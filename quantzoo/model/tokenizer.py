@@ -359,9 +359,17 @@ class Tokenizer:
         if tmpl is not None and not isinstance(tmpl, str):
             raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(tmpl).__name__}")
         add_bos, add_eos = cfg.get("add_bos_token"), cfg.get("add_eos_token")
-        for key, v in (("add_bos_token", add_bos), ("add_eos_token", add_eos)):
+        for key, v, name, found in (("add_bos_token", add_bos, bos, bos_id is not None),
+                                    ("add_eos_token", add_eos, eos, bool(eos_ids))):
             if v is not None:   # null, as no key: unset, found below
                 check_bool(v, f"tokenizer_config.json: {key}")
+            tk = key[4:7] + "_token"
+            if v and name and not found:   # (the token had been left out of every prompt without a word)
+                raise ValueError(f"tokenizer_config.json: {key} is true, but {tk}={name!r} is not in "
+                                 "tokenizer.json's vocabulary")
+            if v and not name:   # (transformers' Llama tokenizer refuses it, its Qwen2 one adds nothing)
+                warnings.warn(f"tokenizer_config.json: {key} is true, but no {tk} is given: none is added",
+                              UserWarning, stacklevel=2)
         if add_bos is None or add_eos is None:   # e.g. Llama 3: tokenizer.json's post_processor adds BOS
             try:
                 with_special = tok.encode("a", add_special_tokens=True).ids
