@@ -187,6 +187,26 @@ def test_an_empty_prompt_without_a_bos_is_named(tiny_run, capsys):
     assert capsys.readouterr().err.strip() == "quantzoo run: error: --chat: the chat template renders no text"
 
 
+def test_a_prompt_the_vocabulary_has_no_token_for_is_not_called_empty(tiny_run, capsys):
+    """A vocabulary without some bytes (SmolLM2's lacks 21, "\\x04" among them) drops them, as
+    llama.cpp does: a prompt of only such bytes encodes to nothing. It had been reported as
+    "--prompt: empty"."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from quantzoo.cli import main
+    from quantzoo.model.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+    hf.pre_tokenizer, hf.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tiny_run.tokenizer = Tokenizer.from_tokenizer_json(hf.to_str())
+    assert tiny_run.tokenizer.encode("\x04") == []
+    assert main(["run", "model", "--device", "cpu", "--prompt", "\x04"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "quantzoo run: error: --prompt: '\\x04' holds nothing the tokenizer has a token for (it drops the rest), "
+        "and this model's tokenizer adds no BOS token: no token to generate from")
+
+
 def test_run_summary_without_new_tokens(tiny_run, capsys):
     """--max-new-tokens 0 runs no prefill: the summary said "no decode step (the first token comes
     from the prefill)" under "not run" -- no first token came from anywhere."""
