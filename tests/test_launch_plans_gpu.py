@@ -181,16 +181,20 @@ def test_graphs_share_nothing(weights, other_weights, fmt, m):
         f"{fmt} M={m}: a capture dropped the launch plans"
     ops.release_workspaces()                                   # the graphs do not use them
     streams = [torch.cuda.Stream() for _ in graphs]
-    eager = []
-    for rnd in range(2):
+    for rnd in range(4):
+        if rnd:   # new x each round: stale outputs or partials of the last replay cannot pass for right
+            for qt, x in jobs:
+                x.copy_(torch.randn(m, KD, device="cuda").half())
+            refs = [_unplanned(x, qt) for qt, x in jobs]
         for s in streams + [capture]:
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 torch.cuda._sleep(50_000_000)   # ~25 ms: everything below is queued before any of it runs
+        for s, g in zip(streams, graphs):
+            with torch.cuda.stream(s):
+                g.replay()
+        eager = []
         for _ in range(3):
-            for s, g in zip(streams, graphs):
-                with torch.cuda.stream(s):
-                    g.replay()
             with torch.cuda.stream(capture):
                 eager.append(ops.matmul(eager_x, jobs[0][0]))
         for s in streams + [capture]:
@@ -207,21 +211,30 @@ def test_graphs_share_nothing(weights, other_weights, fmt, m):
 def test_capture_forked_onto_two_streams(weights, other_weights, fmt, m):
     """A capture forked onto a second stream: its graph runs the two branches' kernels at once,
     so each branch has its own split-K tile counters, zeroed on its own branch, and its own
-    scratch (kernels/workspaces.py). Every product is its own, replay after replay."""
-    jobs = [(weights[fmt], torch.randn(m, KD, device="cuda").half()),
-            (other_weights[fmt], torch.randn(m, KD, device="cuda").half())]
-    refs = [_unplanned(x, qt) for qt, x in jobs]   # (also the warm-up: kernels compiled and loaded)
+    scratch (kernels/workspaces.py). Each branch first sleeps as long, so that their matmuls start
+    together, and x changes between replays: a block that took the other kernel's arrival for
+    its own tile's last sums partials not yet written, or leaves an output unwritten, which
+    stale memory from the previous replay would hide if x stayed the same."""
+    qts = (weights[fmt], other_weights[fmt])
+    xs = [torch.randn(m, KD, device="cuda").half() for _ in qts]
+    for qt, x in zip(qts, xs):
+        _unplanned(x, qt)                            # warm-up: kernels compiled and loaded
     main, side = torch.cuda.Stream(), torch.cuda.Stream()
     main.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=main):
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            y1 = ops.matmul(jobs[1][1], jobs[1][0])
-        y0 = ops.matmul(jobs[0][1], jobs[0][0])
+            torch.cuda._sleep(1_000_000)
+            y1 = ops.matmul(xs[1], qts[1])
+        torch.cuda._sleep(1_000_000)
+        y0 = ops.matmul(xs[0], qts[0])
         main.wait_stream(side)
-    for i in range(50):
+    for i in range(30):
+        for x in xs:
+            x.copy_(torch.randn(m, KD, device="cuda").half())
         g.replay()
+        refs = [_unplanned(x, qt) for qt, x in zip(qts, xs)]
         torch.cuda.synchronize()
         assert torch.equal(y0, refs[0]) and torch.equal(y1, refs[1]), f"{fmt} M={m}: replay {i} differs"
 
