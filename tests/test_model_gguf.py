@@ -501,6 +501,23 @@ def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     assert msg.startswith(str(path)) and msg.count(str(path)) == 1 and needle in msg, msg
 
 
+@pytest.mark.parametrize("name,why", [
+    ("blk.7.attn_q.weight", "its layer is past llama.block_count=2"),
+    ("blk.01.attn_q.weight", "unknown name"),        # had said "a name of another architecture"
+    ("blk.\u00b2.attn_q.weight", "unknown name"),    # (isdigit, but int() refuses it): had been a raw int() error
+    ("blk.\u0661.attn_q.weight", "unknown name"),    # an Arabic-Indic 1: "a name of another architecture"
+])
+def test_a_tensor_of_no_layer_is_named(tmp_path, name, why):
+    """A tensor whose layer index is past block_count is called that; one whose index is no plain
+    decimal (as llama.cpp writes blk.<i>) names no layer at all: an unknown name, one error
+    naming the file."""
+    path = tmp_path / "names.gguf"
+    write_gguf(path, hf_model("llama"), "llama", extra_tensors={name: (np.zeros(4, np.float32), None)})
+    with pytest.raises(ValueError) as e:
+        qz.load_model(path, progress=False)
+    assert str(e.value) == f"{path}: unexpected tensor {name!r} for a llama model ({why})", str(e.value)
+
+
 @pytest.mark.parametrize("kv,needle", [
     # llama.cpp: no rope.scaling.type means linear, the factor from either key
     ({"llama.rope.scaling.factor": 4.0}, "llama.rope.scaling.factor=4.0 asks for linear RoPE scaling"),

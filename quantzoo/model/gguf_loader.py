@@ -412,9 +412,14 @@ def load_gguf(path, progress: bool = True, reader=None):
     for name, t in tensors.items():
         hf = gguf_to_hf_name(name)
         if hf is None or hf not in want:   # (a known name past the layers had been called unknown too)
-            past = hf is not None and name.startswith("blk.") and int(name.split(".")[1]) >= cfg.num_layers
-            why = ("unknown name" if hf is None else f"its layer is past {cfg.arch}.block_count={cfg.num_layers}"
-                   if past else "a name of another architecture")
+            i = name.split(".")[1] if hf is not None and name.startswith("blk.") else None
+            # (llama.cpp writes blk.<i> in plain ASCII decimal: "blk.01", or a digit that str.isdigit
+            # takes and int() refuses (superscript two), names no layer: an unknown name, not a raw
+            # int() error or "another architecture")
+            odd = i is not None and not (i.isascii() and i == str(int(i)))
+            past = i is not None and not odd and int(i) >= cfg.num_layers
+            why = ("unknown name" if hf is None or odd else f"its layer is past {cfg.arch}.block_count="
+                   f"{cfg.num_layers}" if past else "a name of another architecture")
             raise ValueError(f"{path}: unexpected tensor {name!r} for a {cfg.arch} model ({why})")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         if shape != want[hf]:
