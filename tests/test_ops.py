@@ -401,6 +401,24 @@ def test_weight_checked_again_when_its_storage_is_repointed(name, rng):
     assert checked_once(qt, check) == 4
 
 
+def test_weight_pickled_with_an_older_memo_is_checked_again(rng):
+    """A weight pickled (torch.save of a module, copy of a process's weights) carries its memo; one
+    pickled before the memo held the storage addresses has 4 slots, and checked_once's memo[4]
+    had been an IndexError on its first call. It is checked again, and a new memo kept."""
+    import pickle
+    from dataclasses import replace
+
+    from quantzoo.cuda_launch import PlanCache
+    from quantzoo.kernels import checked_once
+
+    qt = get("q4_0").quantize((rng.standard_normal((16, 128)) * 0.02).astype(np.float32))
+    qt = replace(qt, data=torch.from_numpy(qt.data.copy()))
+    object.__setattr__(qt, "_kernels_checked", (id, (qt.data,), "stale", PlanCache()))   # the old layout
+    qt = pickle.loads(pickle.dumps(qt))
+    assert checked_once(qt, id) == id(qt) and len(qt.__dict__["_kernels_checked"]) == 5
+    assert checked_once(qt, id) == id(qt)
+
+
 @pytest.mark.parametrize("name", STORED)
 def test_quant_linear_refuses_what_matmul_refuses(name, rng):
     """QuantLinear checks the weight before unpacking its shape: a 3-D or None shape gave 'too many

@@ -21,7 +21,9 @@ def checked_once(qt, check):
     data = getattr(qt, "data", None)
     parts = tuple(data.values()) if isinstance(data, dict) else (data,)
     memo = getattr(qt, "__dict__", {}).get("_kernels_checked")
-    if memo is not None and memo[0] is check and len(memo[1]) == len(parts):
+    # (len(memo) == 5: a weight pickled before the addresses were kept carries a memo of 4 slots,
+    # whose memo[4] was an IndexError on its first call: checked again instead)
+    if memo is not None and len(memo) == 5 and memo[0] is check and len(memo[1]) == len(parts):
         for a, b, at in zip(memo[1], parts, memo[4]):
             if a is not b or (at is not None and b.data_ptr() != at):
                 break
