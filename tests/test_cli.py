@@ -205,6 +205,12 @@ def test_a_prompt_the_vocabulary_has_no_token_for_is_not_called_empty(tiny_run, 
     assert capsys.readouterr().err.strip() == (
         "quantzoo run: error: --prompt: '\\x04' holds nothing the tokenizer has a token for (it drops the rest), "
         "and this model's tokenizer adds no BOS token: no token to generate from")
+    # with --chat, a template that renders only such bytes: it had said "renders no text"
+    tiny_run.tokenizer.chat_template = "{{ messages[0]['content'] }}"
+    assert main(["run", "model", "--device", "cpu", "--prompt", "\x04", "--chat"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "quantzoo run: error: --chat: the chat template renders '\\x04', which holds nothing the tokenizer has a "
+        "token for (it drops the rest)")
 
 
 def test_run_summary_without_new_tokens(tiny_run, capsys):

@@ -146,8 +146,10 @@ def _one_prompt(m, args, variables):
     else:
         ids = tok.encode(text)
     if not ids:   # (generate's own error named "ids", which is no argument of the command)
-        if args.chat:
-            raise ValueError("--chat: the chat template renders no text")
+        if args.chat:   # (a rendered text the vocabulary has no token for as well: it had been called none)
+            text = tok.apply_chat_template(msgs, True, args.chat_template, **variables)
+            raise ValueError("--chat: the chat template " + ("renders no text" if not text else
+                             f"renders {text!r}, which holds nothing the tokenizer has a token for (it drops the rest)"))
         # (text of bytes the vocabulary has no token for encodes to nothing: it had been called empty)
         what = "empty" if not text else f"{text!r} holds nothing the tokenizer has a token for (it drops the rest)"
         raise ValueError(f"--prompt: {what}, and this model's tokenizer adds no BOS token: no token to generate from")
