@@ -514,16 +514,24 @@ def fresh_workspaces_on() -> bool:
     return _FRESH.on
 
 
+@lru_cache(maxsize=1)
+def _capture_info():
+    """cuStreamGetCaptureInfo_v2, its ctypes signature set once: (stream, status*, id*, graph*,
+    deps**, n deps*), the last three optional."""
+    ctypes, lib = _driver()[:2]
+    fn = lib.cuStreamGetCaptureInfo_v2
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
 def capture_id(stream: int) -> int | None:
     """The id of the CUDA graph capture under way on stream (a raw handle), None when there is
     none (cuStreamGetCaptureInfo; ids are unique within the process)."""
     ctypes, lib = _driver()[:2]
-    fn = lib.cuStreamGetCaptureInfo_v2   # (stream, status*, id*, graph*, deps**, n deps*): the last 3 optional
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     status, cid = ctypes.c_int(), ctypes.c_uint64()
-    err = fn(stream, ctypes.byref(status), ctypes.byref(cid), None, None, None)
+    err = _capture_info()(stream, ctypes.byref(status), ctypes.byref(cid), None, None, None)
     if err:
         raise RuntimeError(f"cuStreamGetCaptureInfo: {_driver_error(ctypes, lib, err)}")
     return cid.value if status.value == 1 else None   # CU_STREAM_CAPTURE_STATUS_ACTIVE
