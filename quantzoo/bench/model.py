@@ -151,8 +151,9 @@ def synthetic_model(fmt: str, cfg, device, group_size=128, seed=0, **opts):
 def model_bytes(fmt: str, cfg, device: str, positions: int) -> tuple[int, int]:
     """(weights, KV cache) bytes one synthetic model of `fmt` holds on `device` with a cache of
     `positions`: the packed linears (lm_head fp16 for awq, as for any format without a ggml
-    type: synthetic_weights) and the embedding in the runner's float dtype (fp16 on CUDA, float32 on the CPU, which also keeps every linear dequantized to float32:
-    matmul_mode "cached"); the cache in that dtype."""
+    type: synthetic_weights) and the embedding in the runner's float dtype (fp16 on CUDA,
+    float32 on the CPU, which also keeps every linear dequantized to float32: matmul_mode
+    "cached"); the cache in that dtype."""
     from .. import formats
     from ..report.sizes import embedding_format
 
