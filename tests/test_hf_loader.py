@@ -192,6 +192,11 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     # a corrupt head size: the RoPE check had built an array of head_dim / 2 values before any
     # tensor's shape was compared (2**31: minutes and 17 GB; 2**40: a MemoryError naming no file)
     ({"head_dim": 2**40}, "q_proj.weight' has shape [256, 256], config.json implies [4398046511104, 256]"),
+    # ... and Llama 3's RoPE factors, a Python loop over head_dim / 2, ran before that comparison
+    # (2**27: ~40 s, then the shape message; 2**40 never ended)
+    ({"head_dim": 2**27, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+     "head_dim=134217728 gives q_proj num_attention_heads x head_dim = "),
     # had said "head_dim=0: must be a positive integer", a key the file does not have
     ({"architectures": ["LlamaForCausalLM"], "head_dim": None, "num_attention_heads": 512, "num_key_value_heads": 512},
      "num_attention_heads=512 is more than hidden_size=256: without head_dim"),

@@ -100,7 +100,7 @@ def parse_quantization_config(qc: dict | None, where: str = "config.json") -> di
     return {"group_size": int(g), "modules_to_not_convert": list(skip)}
 
 
-def _rope(cfg: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...] | None]:
+def _rope(cfg: dict, head_dim: int, where: str, q_rows_ok=None) -> tuple[float, tuple[float, ...] | None]:
     """(rope_theta, rope_freq_factors) from config.json: plain RoPE, or rope_type "llama3"
     (Llama 3.1+) as config.llama3_rope_factors. transformers 4 writes the scaling as
     `rope_scaling` beside `rope_theta`, transformers 5 both inside `rope_parameters`.
@@ -108,7 +108,10 @@ def _rope(cfg: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...
     Read as transformers 5 reads them (PreTrainedConfig.convert_rope_params_to_dict,
     standardize_rope_params): a non-empty `rope_scaling` replaces `rope_parameters`; the block's
     own rope_theta wins over the top-level one; llama3's original_max_position_embeddings is the
-    top-level key where there is one, else the block's, else max_position_embeddings."""
+    top-level key where there is one, else the block's, else max_position_embeddings.
+
+    q_rows_ok: parse_config's check that the head size can be the checkpoint's, run before the
+    llama3 factors (a Python loop over head_dim / 2 frequencies) are computed."""
     from .config import llama3_rope_factors, positive
 
     key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
@@ -134,6 +137,8 @@ def _rope(cfg: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...
         if v is None:
             raise ValueError(f"{where}: {name} is missing (rope_type 'llama3' needs it)")
         p[k] = positive(v, kind, f"{where}: {name}")
+    if q_rows_ok is not None:
+        q_rows_ok()
     try:
         factors = llama3_rope_factors(theta, head_dim, p["factor"], p["low_freq_factor"],
                                       p["high_freq_factor"], p["original_max_position_embeddings"])
@@ -142,8 +147,15 @@ def _rope(cfg: dict, head_dim: int, where: str) -> tuple[float, tuple[float, ...
     return theta, factors
 
 
-def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json"):
-    """config.json dict -> (ModelConfig, quantization dict | None)."""
+def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json",
+                 largest_dim=None):
+    """config.json dict -> (ModelConfig, quantization dict | None).
+
+    largest_dim: a callable giving the checkpoint's largest tensor dimension (load_hf passes
+    one). q_proj's num_attention_heads x head_dim rows show up as a dimension of its weight
+    (or, packed 8 to an int32, of its qweight), so a corrupt head_dim past 8 x that is refused
+    by name before anything loops over head_dim -- Llama 3's RoPE factors do, and the tensor
+    shapes are only compared after this function."""
     from .config import ModelConfig, positive, special_token_id
 
     archs = cfg.get("architectures") or []
@@ -196,7 +208,14 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
         raise ValueError(f"{where}: num_attention_heads={heads} is more than hidden_size={hidden}: without "
                          "head_dim the head size, their quotient, is 0")
     head_dim = need("head_dim", 128 if arch == "qwen3" else hidden // heads)
-    theta, factors = _rope(cfg, head_dim, where)
+    def q_rows_ok():
+        biggest = largest_dim() if largest_dim is not None else None
+        if biggest is not None and heads * head_dim > 8 * biggest:
+            raise ValueError(f"{where}: head_dim={head_dim} gives q_proj num_attention_heads x head_dim = "
+                             f"{heads * head_dim} rows, more than any tensor of the checkpoint has "
+                             f"(the largest dimension is {biggest})")
+
+    theta, factors = _rope(cfg, head_dim, where, q_rows_ok)
     dims = dict(vocab_size=need("vocab_size"), intermediate_size=need("intermediate_size"),
                 num_layers=need("num_hidden_layers"), head_dim=head_dim,
                 rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=theta,
@@ -393,8 +412,16 @@ def load_hf(path, progress: bool = True, lazy: bool = False):
     cfg = _read_json(cfg_file, "config.json")
     gen_file = path / "generation_config.json"
     gen = _read_json(gen_file, "generation_config.json") if gen_file.exists() else {}
-    config, quant = parse_config(cfg, gen, where=str(cfg_file))
-    shards = _Shards(path)
+    shards = None
+
+    def largest_dim():   # opened here only when parse_config asks (its own errors come first)
+        nonlocal shards
+        shards = shards or _Shards(path)
+        return max((d for h in shards.handles.values() for k in h.keys()
+                    for d in h.get_slice(k).get_shape()), default=0)
+
+    config, quant = parse_config(cfg, gen, where=str(cfg_file), largest_dim=largest_dim)
+    shards = shards or _Shards(path)
     if config.num_layers > len(shards.where):   # before anything loops over the layers (a corrupt count)
         raise ValueError(f"{cfg_file}: num_hidden_layers={config.num_layers}, but the checkpoint holds "
                          f"only {len(shards.where)} tensors")
