@@ -55,6 +55,12 @@ def test_linear_dispatch_and_graph(rng):
     torch.testing.assert_close(fp16.linear(x1, w), torch.nn.functional.linear(x1, w), rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="gemv"):
         fp16.gemv(x9, w)
+    # a lazily negated view holds -x in memory: cuBLAS (F.linear) honours the bit, the GEMV would not
+    for a, b in ((torch._neg_view(x1), w), (x1, torch._neg_view(w))):
+        assert not fp16.gemv_ok(a, b)
+        torch.testing.assert_close(fp16.linear(a, b), -torch.nn.functional.linear(x1, w))
+        with pytest.raises(ValueError, match="negative bit"):
+            fp16.gemv(a, b)
     # captured in a CUDA graph, replayed on new input
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
