@@ -701,6 +701,17 @@ def test_dst_is_checked_as_given(src, tmp_path, monkeypatch, capsys):
     assert [p.name for p in half.rglob("*")] == ["config.json"]
 
 
+@pytest.mark.parametrize("name,fmt", [("o.gguf", "q8_0"), ("o.bin", "awq")])
+def test_a_dst_that_cannot_be_created_is_named(src, capsys, name, fmt):
+    """/proc takes no new file, though os.access says a root user may write there: the write of
+    DST's temporary (DST.part) failed, and the error named only that file, which the user never
+    gave. (As another user the up-front check refuses /proc by DST's name already.)"""
+    dst = f"/proc/{name}"
+    assert cli(["quantize", str(src["dir"]), dst, "--format", fmt, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"DST={dst}" in err and "\n" not in err, err
+
+
 def test_hf_to_gguf_keeps_a_processor_chat_template(src, tmp_path):
     """A directory whose only chat template is a processor's chat_template.json (which the runner's
     HF loader and transformers' AutoTokenizer do not read): the GGUF carries it, as gguf-py's

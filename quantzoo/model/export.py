@@ -774,10 +774,16 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
     src_m = read_source(src, progress=progress)
     if group_size is None:   # (after read_source: a bad source's own error comes first)
         group_size = awq_group_of(src) or DEFAULT_GROUP
-    if kind == "gguf":
-        return write_gguf(src_m, dst, fmt, progress=progress)
-    if kind == "bin":
-        from .kuiper import write_kuiper
+    try:
+        if kind == "gguf":
+            return write_gguf(src_m, dst, fmt, progress=progress)
+        if kind == "bin":
+            from .kuiper import write_kuiper
 
-        return write_kuiper(src_m, dst, group_size=group_size, progress=progress)
-    return write_hf(src_m, dst, fmt, group_size=group_size, progress=progress)
+            return write_kuiper(src_m, dst, group_size=group_size, progress=progress)
+        return write_hf(src_m, dst, fmt, group_size=group_size, progress=progress)
+    except OSError as e:   # the writers' temporaries (X.part): a failure names DST, which the user gave
+        if not str(e.filename or "").endswith(".part"):
+            raise
+        raise OSError(e.errno, f"DST={given}: cannot be written ({e.strerror}; while writing its "
+                               f"temporary {e.filename})") from None
