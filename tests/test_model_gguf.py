@@ -455,6 +455,9 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
     ({**TOK_KV, "tokenizer.ggml.bos_token_id": 100000, "tokenizer.ggml.add_bos_token": True},
      "tokenizer.ggml.add_bos_token asks for a BOS token, but tokenizer.ggml.bos_token_id=100000 is none"),
     ({"tokenizer.ggml.eos_token_id": "x"}, "tokenizer.ggml.eos_token_id='x' is not a token id"),
+    # ids the runner does not use had loaded whatever they held (llama.cpp refuses the file)
+    ({**TOK_KV, "tokenizer.ggml.padding_token_id": "x"}, "tokenizer.ggml.padding_token_id='x' is not a token id"),
+    ({**TOK_KV, "tokenizer.ggml.unknown_token_id": 1.5}, "tokenizer.ggml.unknown_token_id=1.5 is not a token id"),
     ({**TOK_KV, "tokenizer.chat_template": 5}, "tokenizer.chat_template must be a string"),
     # an array where a name is due had raised TypeError: unhashable type: 'list'
     ({**TOK_KV, "tokenizer.ggml.pre": [1, 2]}, "tokenizer.ggml.pre=[1, 2] is not supported"),

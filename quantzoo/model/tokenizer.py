@@ -447,6 +447,11 @@ class Tokenizer:
                 return d
             return special_token_id(v, len(tokens), f"{path}: {key}")
 
+        # llama.cpp reads every special id it knows (pad, unknown, sep, mask, ...) and refuses a
+        # file where one is no integer; the runner uses only some, but a corrupt one is said here
+        for key in sorted(k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
+            token_id(key)
+
         if model == "llama":
             scores = array_of("tokenizer.ggml.scores", float)
             if len(scores) != len(tokens):
