@@ -290,10 +290,33 @@ def test_numpy_integer_shape_and_group_size_compile(rng):
         np.testing.assert_allclose(y.numpy(), _oracle(x, qt), rtol=1e-5, atol=1e-5)
 
 
+def test_vmap_maps_over_x(rng):
+    """torch.func.vmap through QuantLinear, ops.matmul and the operator (it had no batching rule:
+    torch's "Batching rule not implemented"): the batch dimension anywhere in x, nested vmaps, and
+    a weight mapped too refused by name (one weight serves the whole batch)."""
+    qt = get("q4_1").quantize(rng.standard_normal((40, 96)).astype("float32"))
+    st, lay = torch_ops.register(qt), torch_ops.layout(qt)
+    layer = QuantLinear(qt, mode="dequant")
+    calls = {"QuantLinear": layer, "ops.matmul": lambda t: ops.matmul(t, qt, mode="dequant"),
+             "operator": lambda t: torch.ops.quantzoo.qmatmul(t, st, "q4_1", 40, 96, lay, "dequant")}
+    x = torch.from_numpy(rng.standard_normal((5, 3, 96)).astype("float32"))
+    want = _oracle(x.reshape(-1, 96), qt).reshape(5, 3, 40)
+    for name, f in calls.items():
+        with torch.no_grad():
+            for dim, xb in ((0, x), (1, x.transpose(0, 1)), (2, x.permute(1, 2, 0))):
+                np.testing.assert_allclose(torch.func.vmap(f, in_dims=dim)(xb).numpy(), want,
+                                           rtol=1e-5, atol=1e-5, err_msg=f"{name}, in_dims={dim}")
+            got = torch.func.vmap(torch.func.vmap(f))(x[:, :, None])   # rows of one: (5, 3, 1, 40)
+            np.testing.assert_allclose(got[:, :, 0].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    stacked = [torch.stack([t, t]) for t in st]
+    with pytest.raises(ValueError, match="vmap over quantzoo.ops.matmul's weight tensors: not supported"):
+        torch.func.vmap(lambda *w: torch.ops.quantzoo.qmatmul(x[0], list(w), "q4_1", 40, 96, lay, "dequant"))(*stacked)
+
+
 def test_derivatives_are_refused_not_zero(rng):
     """What has no derivative says so: forward-mode AD through QuantLinear, ops.matmul and the
     operator had returned no tangent, torch.func.grad and jvp through the operator all-zero
-    results, without an error. torch.func.vmap names the missing batching rule."""
+    results, without an error."""
     import torch.autograd.forward_ad as fwAD
 
     qt = get("q8_0").quantize(rng.standard_normal((40, 96)).astype("float32"))
@@ -314,8 +337,6 @@ def test_derivatives_are_refused_not_zero(rng):
             torch.func.grad(lambda t: f(t).sum())(x)
         with pytest.raises(ValueError, match=tangent):
             torch.func.jvp(f, (x,), (torch.ones_like(x),))
-        with pytest.raises(RuntimeError, match="Batching rule not implemented for quantzoo::qmatmul"):
-            torch.func.vmap(f)(x[None])
     # a weight tensor that requires grad (an fp16 weight as a Parameter): its result had no grad_fn
     fp = get("fp16").quantize(rng.standard_normal((40, 96)).astype("float32"))
     w = torch.nn.Parameter(torch.from_numpy(fp.data.copy()))

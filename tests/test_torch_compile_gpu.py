@@ -109,3 +109,19 @@ def test_compiled_awq_gemm_equals_eager(mode):
             for _ in range(3):
                 assert torch.equal(f(x, gs).clone(), want), (rows, gs)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def test_vmap_over_x_equals_the_batched_call():
+    """torch.func.vmap through the CUDA kernels (QuantLinear and the awq_gemm op): the batch of x is
+    moved to the front and computed in one call, so each row equals the call on the whole stack."""
+    a, _ = _layers("q4_0", bias=False)
+    qt = get("awq").quantize(torch.randn(384, 512).numpy(), group_size=64).to("cuda")
+    w = qt.data
+    with torch.no_grad():
+        for rows in (1, 33):
+            x = torch.randn(4, rows, 256, device="cuda", dtype=torch.float16)
+            assert torch.equal(torch.func.vmap(a, in_dims=1)(x.transpose(0, 1)), a(x)), rows
+            x = torch.randn(4, rows, 512, device="cuda", dtype=torch.float16)
+            want = ops.awq_gemm(x, w["qweight"], w["scales"], w["qzeros"], 64)
+            got = torch.func.vmap(lambda t: ops.awq_gemm(t, w["qweight"], w["scales"], w["qzeros"], 64))(x)
+            assert torch.equal(got, want), rows
