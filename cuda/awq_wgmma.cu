@@ -378,7 +378,12 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         auto at = [&](int f) -> float& { return acc[f / (T / 2)][f % (T / 2)]; };
         // this thread's first token and first column of y (JN = 2: +2 for instruction j = 1)
         const int row0 = e_m0 + 2 * e_t, col0y = 8 * yw + 4 * e_h + (JN == 1 ? 2 * e_j0 : 0);
-        auto epilogue = [&](auto mine) {   // mine: IntC<0> (gate) or IntC<NH> (up)
+        // Two phases, each called by both warpgroups, with the barrier between them outside:
+        // every consumer thread then meets at the same bar.sync instruction (bar.sync is
+        // barrier.sync.aligned: all threads of the block must execute the same one; a barrier
+        // inside each warpgroup's own instantiation was two instructions, which
+        // compute-sanitizer --tool synccheck reports as divergent; bench/NOTES.md, session 45).
+        auto give = [&](auto mine) {   // mine: IntC<0> (gate) or IntC<NH> (up)
           constexpr int F0 = decltype(mine)::value, G0 = NH - F0;   // my outputs, the half I give
 #pragma unroll
           for (int v = 0; v < NH / 8; ++v) {
@@ -387,7 +392,9 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
             for (int p = 0; p < 4; ++p) q[p] = awq::as_u32(__floats2half2_rn(at(G0 + 8 * v + 2 * p), at(G0 + 8 * v + 2 * p + 1)));
             xch[128 * (v + (F0 ? 0 : NH / 8))] = make_uint4(q[0], q[1], q[2], q[3]);
           }
-          wg::consumers_sync(C::CONSUMERS);
+        };
+        auto store = [&](auto mine) {
+          constexpr int F0 = decltype(mine)::value;
           unsigned other[NH / 2];   // the twin's fp16 values of my outputs, in pairs
 #pragma unroll
           for (int v = 0; v < NH / 8; ++v) {
@@ -415,8 +422,11 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
             }
         };
         wg::consumers_sync(C::CONSUMERS);   // both warpgroups past their last wgmma: the stages are free
-        if (up) epilogue(awqw::IntC<NH>{});
-        else epilogue(awqw::IntC<0>{});
+        if (up) give(awqw::IntC<NH>{});
+        else give(awqw::IntC<0>{});
+        wg::consumers_sync(C::CONSUMERS);   // every half handed over
+        if (up) store(awqw::IntC<NH>{});
+        else store(awqw::IntC<0>{});
         return;
       }
     }
