@@ -13,13 +13,13 @@
 // 5 or 9 L1 cache lines ("wavefronts") for 64 or 128 useful bytes; at M = 1 that is ~170
 // wavefronts per 1152 weight bytes, and the SM's load pipeline -- not DRAM -- set the speed
 // (66-78 % of the H100's copy bandwidth). Here:
-//  * Weights (gguf_window.cuh): lane l still owns block b = 32 i + l of its row, but reads the 16-byte-aligned
-//    window that covers the block with 16-byte `ld.global.nc` loads (LW = 16; 8-byte loads were
-//    slower): 2 loads for Q4_0/Q4_1/Q5_1, 2-3 for Q5_0, 3 for Q8_0, each spanning the
-//    same ~5 lines as before but carrying 8x the bytes. The block sits at a run-time byte offset
-//    o (even) inside that window; it is shifted into place in registers with selects on the word
-//    index (o / 4: 2 levels) and one byte_perm per word for the
-//    half-word part (o & 2) -- no dynamic register indexing (that would spill to local memory).
+//  * Weights (gguf_window.cuh): lane l still owns block b = 32 i + l of its row, but reads the
+//    16-byte-aligned window that covers the block with 16-byte `ld.global.nc` loads (LW = 16;
+//    8-byte loads were slower): 2 loads for Q4_0/Q4_1/Q5_1, 2-3 for Q5_0, 3 for Q8_0, each
+//    spanning the same ~5 lines as before but carrying 8x the bytes. The block sits at a run-time
+//    byte offset o (even) inside that window; it is shifted into place in registers with selects
+//    on the word index (o / 4: 2 levels) and one byte_perm per word for the half-word part
+//    (o & 2) -- no dynamic register indexing (that would spill to local memory).
 //  * Activations: the Q8_1 workspace is in a split layout (q8_1_quantize.cu,
 //    quantize_q8_1_split): qs of block i at 32 i (two aligned 16-byte loads; a warp reads one
 //    contiguous 1 KB run), (d, s) as a half2 array after all qs. Same bytes, same values as the

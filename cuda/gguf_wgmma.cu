@@ -33,9 +33,9 @@
 //   16-byte window holding the stage, and the readers add the stage's offset o = (s RB) % 16,
 //   the same in every row (a multiple of gcd(RB, 16), so at most 16 - gcd(RB, 16)). Bytes of
 //   the window outside the stage are never read; past the row's end TMA reads zeros, and rows
-//   past N read as zeros (d = 0: they contribute 0, and are not stored). Before (sessions 8 to 15) every thread
-//   issued 3-5 16-byte cp.async a stage into such windows and the block met at one barrier a
-//   stage.
+//   past N read as zeros (d = 0: they contribute 0, and are not stored). Before (sessions 8 to
+//   15) every thread issued 3-5 16-byte cp.async a stage into such windows and the block met at
+//   one barrier a stage.
 // * Shared rows of 48 or 80 bytes (12 or 20 words) put the 8 rows g of a warp's reads 4 words
 //   apart mod 32 banks; a thread's 2-byte reads of one row span at most 3 words: no conflicts.
 //   Q5_0's 64-byte rows would put rows g and g + 2 on the same banks (4-way conflicts); they come

@@ -1,6 +1,7 @@
 // layer_ops.cu -- the small per-layer operations of the decoder (quantzoo/model/llm.py) fused into
-// four operations (five kernels: silu_mul_q8_1 is silu_mul with a Q8_1 output too), so that a decode step is matmuls plus a handful of launches per layer instead of
-// ~25 torch kernels (bench/notes-runner.md: those cost as much GPU time as the weights did).
+// four operations (five kernels: silu_mul_q8_1 is silu_mul with a Q8_1 output too), so that a
+// decode step is matmuls plus a handful of launches per layer instead of ~25 torch kernels
+// (bench/notes-runner.md: those cost as much GPU time as the weights did).
 //
 // Each kernel computes what the torch / HF code computes, with the same fp16 roundings, in fp32
 // in between (fp16 x fp16 products are exact in fp32, so "round the fp32 result once" is what
