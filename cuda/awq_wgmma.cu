@@ -311,7 +311,8 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
         }
         // k pairs first: byte h and byte h + 2 of rows k and k + 1 -> [k.bh, k.bh2, k1.bh, k1.bh2],
         // so each mask below picks one column's nibble in rows k (low lane) and k + 1 (high lane):
-        // low nibbles of bytes 0 / 2 are columns 4h / 4h + 1, high nibbles 4h + 2 / 4h + 3.
+        // word byte b holds slots 2b, 2b + 1, so bytes h / h + 2 hold columns 4h / 4h + 1 in their
+        // low nibbles and 4h + 2 / 4h + 3 in their high ones; p takes byte h, p >> 8 byte h + 2.
         const unsigned p0 = __byte_perm(wv[kk][0], wv[kk][1], sel);   // rows 2t, 2t + 1 (in either order)
         const unsigned p8 = __byte_perm(wv[kk][2], wv[kk][3], sel);   // rows 2t + 8, 2t + 9
         const unsigned q0 = p0 >> 8, q8 = p8 >> 8;

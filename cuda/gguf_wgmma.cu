@@ -209,7 +209,9 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
           const unsigned char* row = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT;
           const int ob = o + b * F::BYTES;   // the block's offset in the row
           auto at = [&](int f) { return row + (f ^ key); };
-          if constexpr (F::HAS_MIN) {   // 20 / 24-byte blocks at o in {0, 8}: d, m one aligned word
+          // d (and m) in both lanes of a half2: byte_perm 0x1010 -> (d, d), 0x3232 -> (m, m);
+          // a 16-bit d times 0x10001 copies it into the high half
+          if constexpr (F::HAS_MIN) {   // 20 / 24-byte blocks, o in {0, 8}: ob % 4 == 0, d, m one word
             const unsigned dm = *reinterpret_cast<const unsigned*>(at(ob));
             dd[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x1010));
             mm[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x3232));
@@ -224,7 +226,8 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
                       | (unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH + 2))) << 16);
         }
       // 4 / 5 bits: (1024 + q) - (1024 + OFFSET), and (1024 + 16 q) / 16 - (64 + OFFSET), both
-      // exact: the halves of 1024 + OFFSET and -(64 + OFFSET)
+      // exact: the halves of 1024 + OFFSET and -(64 + OFFSET) (fp16's ulp is 1 at 1024 and 1/16
+      // at 64, so adding OFFSET, or 16 OFFSET, to the bits of 0x6400 / 0xd400 adds OFFSET)
       constexpr unsigned LO = (0x6400u + F::OFFSET) * 0x10001u, HI = (0xd400u + 16 * F::OFFSET) * 0x10001u;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)   // which 16 of the block's 32 k
@@ -238,6 +241,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
               if constexpr (F::BITS == 8) {
                 const unsigned sp = __byte_perm(qv[j][r8][2 * hf + p], 0u, 0x4140);
                 unsigned u;
+                // (a & b) ^ c: LUT 0x6A = (0xF0 & 0xCC) ^ 0xAA
                 asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(u) : "r"(sp), "r"(0x00ff00ffu), "r"(0x64806480u));
                 v = __hsub2(awq::as_h2(u), awq::as_h2(0x64806480u));   // (1152 + b) - 1152 = b
               } else {
