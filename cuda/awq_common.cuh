@@ -95,8 +95,8 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
 }
 
 // The k-steps [x, y) of ROWS rows each that k slice `slice` of `slices` walks: the block's split
-// (rows [blockIdx.y * rows_per_split, + rows_per_split) of K) cut into equal runs of whole steps,
-// in order (awq_small.cu, awq_gemv.cu). An empty run has x == y.
+// (rows [blockIdx.y * rows_per_split, + rows_per_split) of K) cut into runs of whole steps that
+// differ by at most one step, in order (awq_small.cu, awq_gemv.cu). An empty run has x == y.
 template <int ROWS>
 __device__ __forceinline__ int2 slice_steps(int K, int rows_per_split, int slice, int slices) {
   const int kb = blockIdx.y * rows_per_split;

@@ -48,6 +48,9 @@ struct MmaCfg {
   static_assert(RED_BYTES <= SMEM, "reduction buffer reuses the pipeline's shared memory");
 };
 
+// Four 8x8 b16 matrices, lanes 8i..8i+7 addressing the rows of matrix i; a[i] is this lane's part
+// of matrix i. The caller has lanes 0-15 address rows 0-15 at k 0 and lanes 16-31 the same rows at
+// k 8, so a[0..3] are the m16n8k16 A fragment (rows g / g + 8, k 2t.. / 2t + 8..).
 __device__ __forceinline__ void ldmatrix_x4(unsigned* a, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(awq::smem_addr(p)));

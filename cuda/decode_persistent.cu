@@ -196,7 +196,9 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned& n, int
 // blocks, split layout): scratch; part_o / part_ml / count: the attention's (layer_ops.DecodeWork,
 // n_split runs). bar: one zeroed counter. NS ring stages of SP pieces; V / norm_threads:
 // add_rms_norm's V and thread count for D (layer_ops.py), which the norm must reproduce to give
-// its bits. trace: null, or the per-CTA barrier times (below).
+// its bits. trace: null, or the per-CTA barrier times (below). Template: E elements a lane per
+// head (head_dim 32 E, as layer_ops.cu), G query heads per KV head, NORM Qwen3's q/k norm,
+// SCALAR gguf_mmvq.cu's summation order (above).
 template <class F, int E, int G, bool NORM, int V, bool SCALAR>
 __global__ void __launch_bounds__(persist::THREADS, 1)
 decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, __half* qkv, __half* q, __half* attn,

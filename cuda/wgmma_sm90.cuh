@@ -66,6 +66,8 @@ __device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.ali
 // d[64 x T] (+)= A[64 x 16] (registers) * B[16 x T] (shared memory, descriptor), fp32 accumulate;
 // accumulate = 0 overwrites d (the first k-step: the accumulators need no zeroing, which would be
 // a non-wgmma definition of wgmma inputs and make ptxas serialise the wgmma, warning C7513).
+// The operands after the descriptor: scale-d p (0: d = A B), imm-scale-a 1 and imm-scale-b 1 (no
+// negation), imm-trans-b 0 (B K-major, as desc_sw128 describes it).
 template <int T> struct Wgmma;
 
 #define QZ_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
