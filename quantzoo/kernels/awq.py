@@ -144,7 +144,8 @@ MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
 # loop-carried addresses, bench/NOTES.md): small wins at M <= 8 on the Qwen3-8B shapes
 # (4096->12288 M = 8: 17.9 vs mma 20.3 / wgmma 20.0; 12288->4096: 18.0 vs 21.0 / 20.1; a tie only
 # at 4096->24576 M = 8, 35.5 vs mma 34.7), and at 8 < M <= 16 only for the small weights
-# (4096->1024 M = 16: 7.2 vs 10.8; 4096->12288 M = 16: 31.0 vs mma 22.6).
+# (4096->1024 M = 16: 7.2 vs 10.8; 4096->12288 M = 16: 31.0 vs mma 22.6). On Hopper choose_path
+# asks wgmma first, which since session 18 takes M = 8 on weights of WGMMA_MIN_NK and up.
 SMALL_MAX_M = 16        # M <= 8, and M <= this with ...
 SMALL_MMA_NK = 1 << 24  # ... N * K <= this: the small-M kernel (awq_small.cu); else mma
 SMALL_M1 = (1, 2, 8, 1, 0, 4)   # config for M <= 8 on untuned shapes ...
