@@ -1,0 +1,60 @@
+"""A compute-sanitizer target: every matmul path of every kernel family once, on small tail shapes.
+
+    compute-sanitizer --tool {memcheck,racecheck,synccheck} python3 bench/sanitize_paths.py [seed] [formats]
+
+Each forced path (awq: gemv / small / mma / dequant+cublas / wgmma; the GGUF formats: every one of
+kernels.gguf.PATHS) runs at M = 1, 3, 9, 40 on N x K = 576 x 384 and 608 x 512 (tails of every tile;
+K % 256 == 0 for GGUF's wgmma), and with glu=True on 640 x 512. Each product is compared with the
+CPU emulation (ops.matmul, mode "emulate"; GLU as silu(gate) * up of it) to 2 % of its largest
+value, so that a wrong answer shows as well as a sanitizer report; the exit status is 1 if any is
+wrong. Paths that refuse a case (M past their range, K for wgmma) are skipped, saying so.
+A run over the whole GPU test tier under racecheck instruments torch's kernels too and runs for
+tens of minutes; this covers quantzoo's own kernels in about a minute (bench/NOTES.md, session 45,
+where synccheck found divergent barriers in the AWQ wgmma GLU epilogue).
+"""
+import sys
+
+import numpy as np
+import torch
+
+from quantzoo import ops
+from quantzoo.formats import get
+from quantzoo.kernels import awq, gguf
+
+PATHS = {"awq": ("gemv", "small", "mma", "dequant+cublas", "wgmma"),
+         "q4_0": gguf.PATHS, "q5_1": gguf.PATHS, "q8_0": gguf.PATHS}
+
+
+def main(seed: int, formats) -> int:
+    rng = np.random.default_rng(seed)
+    bad = 0
+    for fmt in formats:
+        for n, k, glu in ((576, 384, False), (608, 512, False), (640, 512, True)):
+            w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+            qt = get(fmt).quantize(w, group_size=64) if fmt == "awq" else get(fmt).quantize(w)
+            qg = qt.to("cuda")
+            for path in PATHS[fmt]:
+                for m in (1, 3, 9, 40):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                    name = f"{fmt} {path} {n}x{k}{' glu' if glu else ''} M={m}"
+                    try:
+                        y = (awq.matmul if fmt == "awq" else gguf.matmul)(x, qg, path=path, glu=glu)
+                    except ValueError as e:
+                        print(f"skip {name}: {e}")
+                        continue
+                    torch.cuda.synchronize()
+                    want = ops.matmul(x.cpu().float(), qt, mode="emulate").double()
+                    if glu:
+                        want = torch.nn.functional.silu(want[:, : n // 2]) * want[:, n // 2:]
+                    got = y.double().cpu()
+                    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                    ok = bool(torch.isfinite(got).all()) and err < 2e-2
+                    bad += not ok
+                    print(f"{'ok ' if ok else 'BAD'} {name}: max error {err:.2e} of the largest value", flush=True)
+    print(f"{bad} wrong")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0,
+                  sys.argv[2].split(",") if len(sys.argv) > 2 else list(PATHS)))
