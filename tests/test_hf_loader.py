@@ -232,6 +232,31 @@ def test_a_missing_head_dim_takes_transformers_default(tmp_path, spec):
             load_hf(path, progress=False)
 
 
+@pytest.mark.parametrize("spec,change", [
+    ("mistral-window", {"max_position_embeddings": 8192}),
+    ("qwen3-gqa-hd64-tied", {"use_sliding_window": True, "max_window_layers": 0, "layer_types": None}),
+])
+def test_an_absent_sliding_window_takes_transformers_default(tmp_path, spec, change):
+    """Without sliding_window in config.json transformers' MistralConfig and Qwen3Config take
+    4096 (null is no window). Found by fuzzing configs: both had read an absent key as null, so
+    a Mistral model attended to all of its 8192 positions where transformers slides over 4096
+    (logits off by 1e-2 of their range past position 4096), and a Qwen3 model whose sliding
+    layers transformers runs loaded as full attention."""
+    from transformers import AutoConfig
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("sliding_window")
+    cfg.update(change)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert AutoConfig.from_pretrained(path).sliding_window == 4096
+    if H.SPECS[spec].hf_class == "Mistral":
+        assert load_hf(path, progress=False)[0].max_position == 4096
+    else:
+        with pytest.raises(ValueError, match="sliding-window attention"):
+            load_hf(path, progress=False)
+
+
 def test_not_a_model_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf(tmp_path, progress=False)

@@ -35,6 +35,9 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
+# transformers' Qwen3Config and MistralConfig take this window where config.json has no
+# sliding_window key (null there is no window)
+DEFAULT_SLIDING_WINDOW = 4096
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -176,14 +179,14 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if not (isinstance(first_sliding, int) and not isinstance(first_sliding, bool)):
         raise ValueError(f"{where}: max_window_layers={first_sliding!r} must be an integer")
     sliding = (any(t != "full_attention" for t in layer_types) if layer_types is not None else
-               bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+               bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW) is not None
                and first_sliding < (cfg.get("num_hidden_layers") or 1))
     if sliding:
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
                          "supported (every layer attends to the whole context here)")
     # Mistral: every layer attends to the last sliding_window positions (v0.1: 4096; null from
     # v0.2 on). Within the window that is the whole context, so the runner's context ends there.
-    window = cfg.get("sliding_window") if "MistralForCausalLM" in archs else None
+    window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW) if "MistralForCausalLM" in archs else None
     if window is not None:
         window = positive(window, int, f"{where}: sliding_window")
     if cfg.get("hidden_act", "silu") != "silu":
