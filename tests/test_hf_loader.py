@@ -257,6 +257,55 @@ def test_an_absent_sliding_window_takes_transformers_default(tmp_path, spec, cha
             load_hf(path, progress=False)
 
 
+@pytest.mark.parametrize("spec,drop", [
+    (H.Spec("mistral-kv8", arch="llama", hf_class="Mistral", hidden=128, heads=16, kv_heads=8, head_dim=16,
+            intermediate=128, layers=1, rope_theta=1e4, eps=1e-5), "num_key_value_heads"),
+    (H.SPECS["qwen3-gqa-hd64-tied"], "max_position_embeddings"),
+    (H.SPECS["llama-gqa"], "max_position_embeddings"),
+    (H.SPECS["mistral-window"], "max_position_embeddings"),
+    # Llama 3 RoPE's pre-training context falls back to it too (had been refused as missing)
+    (H.SPECS["llama3-rope"], "max_position_embeddings"),
+], ids=["mistral-kv-heads", "qwen3-context", "llama-context", "mistral-window-context", "llama3-rope-context"])
+def test_absent_keys_take_transformers_class_defaults(tmp_path, spec, drop):
+    """Found by fuzzing configs: a key config.json leaves out is the default of transformers'
+    config class, not one value for all three. An absent num_key_value_heads is 8 for Mistral
+    (32 for Qwen3; Llama's, and a null one, num_attention_heads): a 16-head, 8-KV-head Mistral
+    checkpoint that transformers loads had been refused, its k_proj's shape against 16 KV heads.
+    An absent max_position_embeddings (the context) is 32768 for Qwen3, 2048 for Llama and
+    131072 for Mistral, not 4096 for every one. transformers' own reading of the edited
+    directory is the oracle for the logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model, tok = H.build_hf_model(spec)
+    path = H.save_hf_dir(model, tok, tmp_path / spec.name)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg[drop]
+    if "rope_parameters" in spec.extra:
+        del cfg["rope_parameters"]["original_max_position_embeddings"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    want = AutoConfig.from_pretrained(path)
+    c = load_hf(path, progress=False)[0]
+    assert c.num_kv_heads == want.num_key_value_heads
+    assert c.max_position == min(want.max_position_embeddings, getattr(want, "sliding_window", None) or 1 << 62)
+    ids = list(range(3, 70))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    got = qz.load_model(path, progress=False).logits(ids)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_an_absent_num_key_value_heads_is_named_with_its_default(tmp_path):
+    """Qwen3's absent num_key_value_heads is 32: with 4 heads the error says where 32 comes from
+    (the file has no such key)."""
+    path, _, _ = H.make_model_dir("qwen3-gqa-hd64-tied", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["num_key_value_heads"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not a multiple of num_key_value_heads=32 "
+                                         r"\(absent: transformers' Qwen3ForCausalLM default\)"):
+        load_hf(path, progress=False)
+
+
 def test_not_a_model_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf(tmp_path, progress=False)

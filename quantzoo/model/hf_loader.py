@@ -38,6 +38,11 @@ AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
 # transformers' Qwen3Config and MistralConfig take this window where config.json has no
 # sliding_window key (null there is no window)
 DEFAULT_SLIDING_WINDOW = 4096
+# and these where it has no such key (an absent num_key_value_heads is Llama's, and a null
+# one every class's, num_attention_heads)
+CLASS_DEFAULTS = {"Qwen3ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+                  "LlamaForCausalLM": {"max_position_embeddings": 2048},
+                  "MistralForCausalLM": {"num_key_value_heads": 8, "max_position_embeddings": 131072}}
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -103,7 +108,8 @@ def parse_quantization_config(qc: dict | None, where: str = "config.json") -> di
     return {"group_size": int(g), "modules_to_not_convert": list(skip)}
 
 
-def _rope(cfg: dict, head_dim: int, where: str, q_rows_ok=None) -> tuple[float, tuple[float, ...] | None]:
+def _rope(cfg: dict, head_dim: int, where: str, q_rows_ok=None,
+          context: int | None = None) -> tuple[float, tuple[float, ...] | None]:
     """(rope_theta, rope_freq_factors) from config.json: plain RoPE, or rope_type "llama3"
     (Llama 3.1+) as config.llama3_rope_factors. transformers 4 writes the scaling as
     `rope_scaling` beside `rope_theta`, transformers 5 both inside `rope_parameters`.
@@ -111,7 +117,8 @@ def _rope(cfg: dict, head_dim: int, where: str, q_rows_ok=None) -> tuple[float, 
     Read as transformers 5 reads them (PreTrainedConfig.convert_rope_params_to_dict,
     standardize_rope_params): a non-empty `rope_scaling` replaces `rope_parameters`; the block's
     own rope_theta wins over the top-level one; llama3's original_max_position_embeddings is the
-    top-level key where there is one, else the block's, else max_position_embeddings.
+    top-level key where there is one, else the block's, else max_position_embeddings (context:
+    its value where config.json has no such key, the config class's default).
 
     q_rows_ok: parse_config's check that the head size can be the checkpoint's, run before the
     llama3 factors (a Python loop over head_dim / 2 frequencies) are computed."""
@@ -135,7 +142,8 @@ def _rope(cfg: dict, head_dim: int, where: str, q_rows_ok=None) -> tuple[float, 
     for k, kind in (("factor", float), ("low_freq_factor", float), ("high_freq_factor", float), (ctx, int)):
         found = [(f"{key}.{k}", block.get(k))]
         if k == ctx:   # the pre-training context as transformers finds it: a top-level key first
-            found = [(k, cfg.get(k))] + found + [("max_position_embeddings", cfg.get("max_position_embeddings"))]
+            found = [(k, cfg.get(k))] + found + [("max_position_embeddings",
+                                                  cfg.get("max_position_embeddings", context))]
         name, v = next(((n, x) for n, x in found if x is not None), (f"{key}.{k}", None))
         if v is None:
             raise ValueError(f"{where}: {name} is missing (rope_type 'llama3' needs it)")
@@ -162,8 +170,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     from .config import ModelConfig, positive, special_token_id
 
     archs = cfg.get("architectures") or []
-    arch = next((ARCHS[a] for a in archs if isinstance(a, str) and a in ARCHS), None) \
-        if isinstance(archs, list) else None
+    cls = next((a for a in archs if isinstance(a, str) and a in ARCHS), None) if isinstance(archs, list) else None
+    arch = ARCHS.get(cls)
     if arch is None:
         raise ValueError(f"{where}: architectures={archs!r} is not supported; "
                          f"expected one of {sorted(ARCHS)}")
@@ -202,10 +210,11 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
         return positive(v, kind, f"{where}: {key}")
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv = need("num_key_value_heads", heads)
+    absent_kv = CLASS_DEFAULTS[cls].get("num_key_value_heads") if "num_key_value_heads" not in cfg else None
+    kv = need("num_key_value_heads", absent_kv or heads)
     if heads % kv:
-        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
-                         f"num_key_value_heads={kv}")
+        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+                         + (f" (absent: transformers' {cls} default)" if absent_kv else ""))
     # absent: transformers' default, Qwen3Config's 128, the others' hidden_size / heads
     if cfg.get("head_dim") is None and arch != "qwen3" and heads > hidden:   # (had said "head_dim=0")
         raise ValueError(f"{where}: num_attention_heads={heads} is more than hidden_size={hidden}: without "
@@ -218,11 +227,12 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
                              f"{heads * head_dim} rows, more than any tensor of the checkpoint has "
                              f"(the largest dimension is {biggest})")
 
-    theta, factors = _rope(cfg, head_dim, where, q_rows_ok)
+    context = CLASS_DEFAULTS[cls]["max_position_embeddings"]
+    theta, factors = _rope(cfg, head_dim, where, q_rows_ok, context)
     dims = dict(vocab_size=need("vocab_size"), intermediate_size=need("intermediate_size"),
                 num_layers=need("num_hidden_layers"), head_dim=head_dim,
                 rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=theta,
-                rope_freq_factors=factors, max_position=need("max_position_embeddings", 4096))
+                rope_freq_factors=factors, max_position=need("max_position_embeddings", context))
     if layer_types is not None and len(layer_types) != dims["num_layers"]:   # (transformers refuses it too)
         raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for num_hidden_layers="
                          f"{dims['num_layers']}")
