@@ -653,3 +653,20 @@ def test_extra_chat_template_variables_reach_the_template_as_in_transformers(tmp
     assert tok.encode_chat(msgs, enable_thinking=False) == tok.encode(off, add_bos=False, add_eos=False)
     with pytest.raises(ValueError, match=r"chat template variables: \['bos_token'\] are set by the renderer"):
         tok.apply_chat_template(msgs, bos_token="<s>")
+
+
+def test_swish_is_silu(dirs, tmp_path):
+    """hidden_act "swish" is SiLU in transformers (ACT2FN): it had been refused as unsupported.
+    transformers reading the edited directory is the oracle for the logits."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "swish"
+    shutil.copytree(dirs["fp32"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["hidden_act"] = "swish"
+    (d / "config.json").write_text(json.dumps(cfg))
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    got = qz.load_model(d, progress=False).logits(ids)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4

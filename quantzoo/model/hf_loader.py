@@ -197,7 +197,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW) if "MistralForCausalLM" in archs else None
     if window is not None:
         window = positive(window, int, f"{where}: sliding_window")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):   # (transformers' ACT2FN: swish is SiLU)
         raise ValueError(f"{where}: hidden_act={cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
 
     def need(key, default=KeyError, kind=int):
@@ -220,6 +220,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
         raise ValueError(f"{where}: num_attention_heads={heads} is more than hidden_size={hidden}: without "
                          "head_dim the head size, their quotient, is 0")
     head_dim = need("head_dim", 128 if arch == "qwen3" else hidden // heads)
+
     def q_rows_ok():
         biggest = largest_dim() if largest_dim is not None else None
         if biggest is not None and heads * head_dim > 8 * biggest:
