@@ -4,12 +4,13 @@
 
 Each forced path (awq: gemv / small / mma / dequant+cublas / wgmma; the GGUF formats: every one of
 kernels.gguf.PATHS) runs at M = 1, 3, 9, 40 on N x K = 576 x 384 and 608 x 512 (tails of every tile;
-K % 256 == 0 for GGUF's wgmma), and with glu=True on 640 x 512. Each product is compared with the
-CPU emulation (ops.matmul, mode "emulate"; GLU as silu(gate) * up of it) to 2 % of its largest
-value, so that a wrong answer shows as well as a sanitizer report; the exit status is 1 if any is
-wrong. Paths that refuse a case (M past their range, K for wgmma) are skipped, saying so. Then the
-runner's layer ops (cuda/layer_ops.cu: add_rms_norm, silu_mul, attn_decode at one run and at
-several) against torch in float32 / float64, to 1 %.
+K % 256 == 0 for GGUF's wgmma), and with glu=True on 640 x 512. Each product is compared with
+the CPU emulation (ops.matmul, mode "emulate"; for GGUF's fp16-input paths, dequant and wgmma,
+mode "dequant"; GLU as silu(gate) * up of it) to 2 % of its largest value, so that a wrong answer
+shows as well as a sanitizer report; the exit status is 1 if any is wrong. Paths that refuse a
+case (M past their range, K for wgmma) are skipped, saying so. Then the runner's layer ops
+(cuda/layer_ops.cu: add_rms_norm, silu_mul, attn_decode at one run and at several) against
+torch in float32 / float64, to 1 %.
 A run over the whole GPU test tier under racecheck instruments torch's kernels too and runs for
 tens of minutes; this covers quantzoo's own kernels in about a minute (bench/NOTES.md, session 45,
 where synccheck found divergent barriers in the AWQ wgmma GLU epilogue).
@@ -45,7 +46,11 @@ def main(seed: int, formats) -> int:
                         print(f"skip {name}: {e}")
                         continue
                     torch.cuda.synchronize()
-                    want = ops.matmul(x.cpu().float(), qt, mode="emulate").double()
+                    # GGUF's dequant and wgmma paths take x in fp16, not Q8_1: a float32 product
+                    # on the dequantized weight is their reference (the Q8_1 emulation is ~2 % off
+                    # it at a GLU's M = 1)
+                    fp16_x = fmt != "awq" and path in ("dequant", "wgmma")
+                    want = ops.matmul(x.cpu().float(), qt, mode="dequant" if fp16_x else "emulate").double()
                     if glu:
                         want = torch.nn.functional.silu(want[:, : n // 2]) * want[:, n // 2:]
                     got = y.double().cpu()
