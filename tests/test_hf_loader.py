@@ -189,6 +189,10 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
     ({"layer_types": "full_attention"}, "layer_types='full_attention' must be a list"),
     ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": "0", "layer_types": None},
      "max_window_layers='0' must be an integer"),
+    # RoPE over part of each head (Phi, StableLM) had been ignored: every head rotated whole
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+     "rope_parameters.partial_rotary_factor=0.25 is not supported"),
     # a corrupt head size: the RoPE check had built an array of head_dim / 2 values before any
     # tensor's shape was compared (2**31: minutes and 17 GB; 2**40: a MemoryError naming no file)
     ({"head_dim": 2**40}, "q_proj.weight' has shape [256, 256], config.json implies [4398046511104, 256]"),

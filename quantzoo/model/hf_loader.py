@@ -131,6 +131,10 @@ def _rope(cfg: dict, head_dim: int, where: str, q_rows_ok=None,
     top, inner = cfg.get("rope_theta"), block.get("rope_theta")
     top = 10000.0 if top is None else positive(top, float, f"{where}: rope_theta")
     theta = top if inner is None else positive(inner, float, f"{where}: {key}.rope_theta")
+    for name, prf in (("partial_rotary_factor", cfg.get("partial_rotary_factor")),
+                      (f"{key}.partial_rotary_factor", block.get("partial_rotary_factor"))):
+        if prf is not None and prf != 1:   # (transformers' Llama / Qwen3 fail on one; it was ignored)
+            raise ValueError(f"{where}: {name}={prf!r} is not supported (RoPE over the whole head only)")
     tkey = "rope_type" if "rope_type" in block else "type"   # (transformers 4 also wrote "type")
     rtype = block.get(tkey, "default")
     if rtype in (None, "default"):
