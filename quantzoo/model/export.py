@@ -21,7 +21,10 @@ Destinations, by the name of DST and --format:
   DST directory, fp16    a plain fp16 HF checkpoint (the baseline for comparisons).
   DST .gguf, q4_0..q8_0  GGUF written by gguf-py's GGUFWriter with llama.cpp's arch keys and
   (or fp16)              tensor names; every 2-D weight (embeddings included) in the chosen
-                         type, 1-D norms in F32 as llama.cpp's converter stores them. llama-arch
+                         type, 1-D norms in F32 as llama.cpp's converter stores them. A weight
+                         whose in_features the type's block (32) does not divide is stored F16
+                         instead, with one warning naming them, as llama.cpp's converter falls
+                         back; general.file_type still names the chosen type. llama-arch
                          Q and K rows get the converter's permutation (pairs for "normal" RoPE);
                          qwen3 is not permuted. Tokenizer metadata: copied from a GGUF source, or
                          built from tokenizer.json (an HF source's, or the one beside a .bin) the
@@ -61,6 +64,7 @@ SHARD_BYTES = 4 << 30   # an HF export's safetensors shards hold at most this (o
 SHARD_INDEX = "model.safetensors.index.json"
 HF_FILES = ("config.json", "model.safetensors", SHARD_INDEX) + TOKENIZER_FILES   # write_hf's (or removes)
 DEFAULT_GROUP = 128     # the AWQ group of a source that is not AWQ itself
+FALLBACK_NAMED = 4      # a GGUF export's F16 fallback warning names this many tensors
 HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
 
 
@@ -636,10 +640,10 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     if c.rope_freq_factors is not None and c.arch != "llama":
         raise ValueError(f"{src.path}: Llama 3 RoPE scaling on a {c.arch} model has no GGUF form "
                          "(llama.cpp reads rope_freqs.weight for llama only)")
-    for name, shape in shapes.items():
-        if len(shape) == 2 and shape[1] % qfmt.block_size:
-            raise ValueError(f"{name}: in_features={shape[1]} is not a multiple of {qfmt.block_size}, "
-                             f"the {fmt} block size")
+    # a 2-D weight whose in_features the type's block does not divide is stored F16 instead, as
+    # llama.cpp's converter does (gguf.quants.quantize raises QuantError there, and it falls back
+    # to F16 for that tensor); general.file_type still names the requested ("mostly") type
+    f16 = f16_fallback(shapes, qfmt)
     # the fields GGUF stores as u32 / f32 (llama.cpp reads them so): a value they cannot hold is
     # refused here, naming it, rather than by gguf-py's struct.pack or as an f32 rounded to 0 / inf
     check_dims_fit(c, src.path, 2**32, "GGUF's u32 field")
@@ -682,14 +686,23 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     for name, shape in shapes.items():
         if len(shape) == 1:
             w.add_tensor_info(gguf_name(name), shape, np.dtype(np.float32), 4 * shape[0])
-        elif fmt == "fp16":
+        elif fmt == "fp16" or name in f16:
             w.add_tensor_info(gguf_name(name), shape, np.dtype(np.float16), 2 * shape[0] * shape[1])
         else:
             bshape, bdtype = qfmt.storage(shape, {})["data"]
             nbytes = int(np.prod(bshape)) * np.dtype(bdtype).itemsize
             w.add_tensor_info(gguf_name(name), bshape, np.dtype(bdtype), nbytes, raw_dtype=qtype)
+    if f16:   # said before the tensors are written: a comparison must not be silently mixed-format
+        from quantzoo.formats.base import warn
+
+        named = [f"{gguf_name(n)} (in_features={shapes[n][1]})" for n in list(f16)[:FALLBACK_NAMED]]
+        more = f", and {len(f16) - FALLBACK_NAMED} more" if len(f16) > FALLBACK_NAMED else ""
+        warn(f"{dst}: {len(f16)} of {sum(len(s) == 2 for s in shapes.values())} weights are stored as F16, "
+             f"not {qfmt.gguf_type}: their in_features is not a multiple of {qfmt.block_size}, the "
+             f"{qfmt.gguf_type} block size (llama.cpp's converter falls back to F16 so too): "
+             f"{', '.join(named)}{more}; general.file_type stays {file_type}", UserWarning)
     try:
-        _write_gguf_tensors(w, src, shapes, fmt, dst, progress)
+        _write_gguf_tensors(w, src, shapes, fmt, dst, progress, f16)
         w.close()
         tmp.replace(dst)
     except BaseException:
@@ -699,7 +712,14 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     return dst
 
 
-def _write_gguf_tensors(w, src: Source, shapes: dict, fmt: str, dst: Path, progress: bool) -> None:
+def f16_fallback(shapes: dict, qfmt) -> dict:
+    """{HF name: shape} of the 2-D weights a GGUF in `qfmt` stores as F16: those whose in_features
+    (the last dimension, along which a row splits into blocks) its block size does not divide."""
+    return {n: s for n, s in shapes.items() if len(s) == 2 and s[1] % qfmt.block_size}
+
+
+def _write_gguf_tensors(w, src: Source, shapes: dict, fmt: str, dst: Path, progress: bool,
+                        f16=()) -> None:
     from tqdm import tqdm
 
     c = src.config
@@ -716,9 +736,15 @@ def _write_gguf_tensors(w, src: Source, shapes: dict, fmt: str, dst: Path, progr
             heads = c.num_kv_heads
         if len(shapes[name]) == 1:
             w.write_tensor_data(np.ascontiguousarray(check_finite(src.tensor(name), name), dtype=np.float32))
-        elif fmt == "fp16":
+        elif fmt == "fp16" or name in f16:
             t = src.tensor(name)
-            w.write_tensor_data(_fp16(t if heads is None else llama_permute(t, heads), name))
+            try:
+                w.write_tensor_data(_fp16(t if heads is None else llama_permute(t, heads), name))
+            except ValueError as e:   # (a fallback's refusal says why the tensor is F16 at all)
+                if fmt == "fp16":
+                    raise
+                raise ValueError(f"{e} (stored as F16: in_features={shapes[name][1]} is not a multiple "
+                                 f"of {get(fmt).block_size}, the {get(fmt).gguf_type} block size)") from None
         else:
             # block formats quantize each row on its own: permuting rows commutes with quantizing
             data = np.asarray(src.quantized(name, fmt).data)
