@@ -99,6 +99,14 @@ SPECS = {
     "mistral-window": Spec("mistral-window", arch="llama", hf_class="Mistral", hidden=128, heads=4, kv_heads=1,
                            head_dim=32, intermediate=256, tied=False, rope_theta=1e4, eps=1e-5, seed=5,
                            extra={"sliding_window": 80}),
+    # in_features that GGUF's 32-value blocks do not divide (a GGUF export stores those weights
+    # F16, as llama.cpp's converter does): intermediate 200, so ffn_down alone ...
+    "qwen3-ffn200": Spec("qwen3-ffn200", hidden=128, heads=2, kv_heads=1, head_dim=64, intermediate=200,
+                         tied=False, seed=6),
+    # ... and hidden 80: the embeddings, lm_head, q/k/v (llama: Q/K rows permuted) and gate/up,
+    # while o_proj (4 x 32 = 128) and ffn_down (256) keep the format
+    "llama-hidden80": Spec("llama-hidden80", arch="llama", hidden=80, heads=4, kv_heads=2, head_dim=32,
+                           intermediate=256, tied=False, rope_theta=1e4, eps=1e-5, seed=7),
 }
 
 

@@ -217,17 +217,143 @@ def test_formats_offered_are_the_ones_a_dst_writes(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
-def test_missing_source_and_gguf_block_constraint(src, capsys):
+def test_missing_source(src, capsys):
     assert cli(["quantize", str(src["root"] / "nope"), str(src["root"] / "o.gguf"), "--format", "q4_0"]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def llama_cpp_converter_bytes(ours, orig: dict, spec, dst) -> bytes:
+    """The GGUF llama.cpp's converter (convert_hf_to_gguf.py, prepare_tensors) writes with gguf-py
+    for `orig` in the type of `ours`' general.file_type: each 2-D tensor through
+    gguf.quants.quantize, and where that raises QuantError (in_features not whole blocks) F16
+    instead; 1-D tensors F32; llama's Q/K rows permuted (LlamaModel.permute). Metadata and tensor
+    order are taken from `ours` (what is checked here is the tensors' types and bytes, and the layout
+    gguf-py gives them)."""
+    import gguf
+
+    from quantzoo.model.gguf_loader import gguf_to_hf_name
+
+    r = gguf.GGUFReader(str(ours))
+    ftype = gguf.LlamaFileType(r.fields["general.file_type"].contents())
+    qtype = gguf.GGMLQuantizationType[ftype.name[len("MOSTLY_"):]]
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        types = list(f.types)
+        w.add_key_value(name, f.contents(), types[0], sub_type=types[-1] if len(types) > 1 else None)
+    for t in r.tensors:
+        hf = gguf_to_hf_name(t.name)
+        data = orig[hf]
+        if spec.arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            n_head = spec.heads if "q_proj" in hf else spec.kv_heads
+            data = data.reshape(n_head, 2, data.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(data.shape)
+        dtype = gguf.GGMLQuantizationType.F32 if data.ndim == 1 else qtype
+        try:
+            q = gguf.quants.quantize(data, dtype)
+        except gguf.QuantError:
+            dtype = gguf.GGMLQuantizationType.F16
+            q = gguf.quants.quantize(data, dtype)
+        w.add_tensor(t.name, q, raw_dtype=dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst.read_bytes()
+
+
+@pytest.mark.parametrize("spec", ["qwen3-hd128-untied", "llama-gqa"])
+def test_gguf_of_whole_blocks_is_unchanged(tmp_path, spec):
+    """Every in_features a multiple of 32: no F16 fallback and no warning; the file is byte for
+    byte what llama.cpp's converter writes through gguf-py (every 2-D weight in the type)."""
+    import warnings
+
+    import gguf
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    orig = H.read_safetensors_dir(path)
+    dst = tmp_path / "m.gguf"
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert cli(["quantize", str(path), str(dst), "--format", "q4_0", "--quiet"]) == 0
+    assert not [str(x.message) for x in rec if "F16" in str(x.message)]
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(dst)).tensors if len(t.shape) == 2}
+    assert types == {"Q4_0"}
+    assert dst.read_bytes() == llama_cpp_converter_bytes(dst, orig, H.SPECS[spec], tmp_path / "ref.gguf")
+
+
+# the weights whose in_features 32 does not divide: qwen3-ffn200's ffn_down (200); llama-hidden80's
+# embeddings, lm_head, q/k/v and gate/up (80), while its o_proj (128) and ffn_down (256) fit
+F16_FALLBACK = {"qwen3-ffn200": {"ffn_down"},
+                "llama-hidden80": {"token_embd", "output", "attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"}}
+
+
+@pytest.mark.parametrize("spec", list(F16_FALLBACK))
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_gguf_stores_weights_of_partial_blocks_as_f16(tmp_path, spec, fmt):
+    """A weight whose in_features is not whole 32-value blocks is written F16, as llama.cpp's
+    converter falls back (the file equals the one its rule writes through gguf-py), the others in
+    fmt and general.file_type MOSTLY_<fmt>; one warning counts and names them; the runner's loader
+    reads the F16 tensors as fp16, and a GGUF -> GGUF conversion to the same type keeps every byte."""
+    import gguf
+
+    from quantzoo.model.gguf_loader import load_gguf
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    orig = H.read_safetensors_dir(path)
+    dst = tmp_path / f"m-{fmt}.gguf"
+    with pytest.warns(UserWarning) as rec:
+        assert cli(["quantize", str(path), str(dst), "--format", fmt, "--quiet"]) == 0
+    said = [str(x.message) for x in rec if "F16" in str(x.message)]
+    r = gguf.GGUFReader(str(dst))
+    assert r.fields["general.file_type"].contents() == getattr(gguf.LlamaFileType, f"MOSTLY_{fmt.upper()}")
+    k_of = {t.name: int(t.shape[0]) for t in r.tensors}   # in_features (GGUF lists it first)
+    f16 = [t.name for t in r.tensors if t.name.split(".")[-2] in F16_FALLBACK[spec]]
+    assert f16 and all(k_of[n] % 32 for n in f16)
+    for t in r.tensors:
+        want = "F32" if len(t.shape) == 1 else "F16" if t.name in f16 else fmt.upper()
+        assert t.tensor_type.name == want, t.name
+    n2d = sum(len(t.shape) == 2 for t in r.tensors)
+    named = ", ".join(f"{n} (in_features={k_of[n]})" for n in f16[:4])
+    more = f", and {len(f16) - 4} more" if len(f16) > 4 else ""
+    assert said == [f"{dst}: {len(f16)} of {n2d} weights are stored as F16, not {fmt.upper()}: their in_features "
+                    f"is not a multiple of 32, the {fmt.upper()} block size (llama.cpp's converter falls back to "
+                    f"F16 so too): {named}{more}; general.file_type stays MOSTLY_{fmt.upper()}"], said
+    assert dst.read_bytes() == llama_cpp_converter_bytes(dst, orig, H.SPECS[spec], tmp_path / "ref.gguf")
+    _, w, _ = load_gguf(str(dst), progress=False)
+    from quantzoo.model.export import gguf_name
+
+    for hf, x in w.items():
+        if gguf_name(hf) in f16:
+            assert isinstance(x, torch.Tensor) and x.dtype == torch.float16, hf
+    # GGUF -> GGUF in the same type: quantized blocks copied, F16 tensors through float32 and back
+    again = tmp_path / "again.gguf"
+    with pytest.warns(UserWarning, match="stored as F16"):
+        assert cli(["quantize", str(dst), str(again), "--format", fmt, "--quiet"]) == 0
+    ta = {t.name: t for t in r.tensors}
+    tb = {t.name: t for t in gguf.GGUFReader(str(again)).tensors}
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].tensor_type == tb[k].tensor_type
+        np.testing.assert_array_equal(np.asarray(ta[k].data), np.asarray(tb[k].data), err_msg=k)
+
+
+def test_f16_fallback_refusing_a_value_says_why_it_is_f16(src, tmp_path, capsys):
+    """An fp16 fallback tensor past +-65504 is refused as an fp16 export's is, saying why it is F16."""
     from quantzoo.model.config import ModelConfig
     from quantzoo.model.export import Source, write_gguf
 
     c = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=24, rms_norm_eps=1e-6, rope_theta=1e6,
                     max_position=64, tie_word_embeddings=True, qk_norm=True)
-    with pytest.raises(ValueError, match="in_features=48 is not a multiple of 32"):
-        write_gguf(Source(src["root"], c, {}), src["root"] / "bad.gguf", "q4_0")
+    rng = np.random.default_rng(0)
+    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in c.expected_shapes().items()}
+    weights["model.embed_tokens.weight"][3, 5] = 1e5
+    with pytest.warns(UserWarning, match="stored as F16"), pytest.raises(
+            ValueError, match=r"model\.embed_tokens\.weight: values beyond \+-65504 do not fit fp16 \(stored as F16: "
+                              r"in_features=48 is not a multiple of 32, the Q4_0 block size\)"):
+        write_gguf(Source(tmp_path, c, weights), tmp_path / "bad.gguf", "q4_0", progress=False)
+    assert not list(tmp_path.glob("bad.gguf*"))
 
 
 def test_llama_permutation_roundtrip():

@@ -64,10 +64,19 @@ def expected_weights(orig: dict, fmt: str, group_size: int = 128) -> dict:
             out[name] = w.astype(np.float16).astype(np.float32) if w.ndim == 2 else w
         elif fmt == "orig":
             out[name] = w
-        else:                 # GGUF: every 2-D weight in fmt, norms F32
-            f = get(fmt)
-            out[name] = f.dequantize(f.quantize(w)) if w.ndim == 2 else w
+        else:                 # GGUF: every 2-D weight in fmt (F16 where K is not whole blocks), norms F32
+            out[name] = gguf_stored(w, fmt) if w.ndim == 2 else w
     return out
+
+
+def gguf_stored(w: np.ndarray, fmt: str) -> np.ndarray:
+    """A 2-D weight as a GGUF in `fmt` holds it, as float32: the codec's round trip, or fp16's
+    where its in_features is not a multiple of the block size (llama.cpp's converter falls back
+    to F16 for such a tensor, and so does quantzoo quantize)."""
+    f = get(fmt)
+    if fmt == "fp16" or w.shape[1] % f.block_size:
+        return w.astype(np.float16).astype(np.float32)
+    return f.dequantize(f.quantize(w))
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -169,17 +178,38 @@ def check_llama_permutation(gguf_path, orig, fmt, spec):
 
     r = gguf.GGUFReader(str(gguf_path))
     t = {x.name: x for x in r.tensors}
-    f = get(fmt)
     for hf, gg, heads in (("self_attn.q_proj", "attn_q", spec.heads), ("self_attn.k_proj", "attn_k", spec.kv_heads)):
         x = t[f"blk.0.{gg}.weight"]
         stored = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type).reshape(-1, spec.hidden)
-        w = orig[f"model.layers.0.{hf}.weight"]
-        w = w if fmt == "fp16" else f.dequantize(f.quantize(w))
-        w = w.astype(np.float16).astype(np.float32) if fmt == "fp16" else w
+        w = gguf_stored(orig[f"model.layers.0.{hf}.weight"], fmt)
         d = spec.head_dim
         want = w.reshape(heads, 2, d // 2, -1).transpose(0, 2, 1, 3).reshape(w.shape)
         np.testing.assert_array_equal(stored, want)
         assert not np.array_equal(stored, w)
+
+
+# llama.cpp's F16 fallback: weights whose in_features 32 does not divide (qwen3-ffn200: ffn_down;
+# llama-hidden80: embeddings, lm_head, q/k/v, gate/up), the others in the format
+FALLBACK = {"qwen3-ffn200": {"down_proj"},
+            "llama-hidden80": {"embed_tokens", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"}}
+
+
+@pytest.mark.parametrize("spec,fmt", [(s, f) for s in FALLBACK for f in ("q4_0", "q8_0")])
+def test_gguf_f16_fallback_matches_transformers(built, spec, fmt):
+    """A GGUF export of a model with some in_features not whole 32-value blocks: those weights
+    are F16 in the file, the others fmt; the runner on the file against transformers on the same
+    weights derived from the checkpoint (F16 for those, the codec's round trip for the others),
+    and its formats report shows each tensor type as stored."""
+    path, model, orig = built(spec)
+    dst = built.root / f"{spec}-{fmt}.gguf"
+    with pytest.warns(UserWarning, match="stored as F16"):
+        assert cli(["quantize", str(path), str(dst), "--format", fmt, "--quiet"]) == 0
+    m, _ = compare(dst, model, expected_weights(orig, fmt), prompt_ids(path), f"{spec} {fmt} gguf (F16 fallback)",
+                   other=None if fmt == "q8_0" else orig)
+    kinds = {k: v for k, v in m.formats.items() if k != "norms"}
+    assert kinds == {k: ("f16" if k in FALLBACK[spec] else fmt) for k in kinds}, m.formats
+    if H.SPECS[spec].arch == "llama":   # F16 Q/K rows permuted as the quantized ones are
+        check_llama_permutation(dst, orig, fmt, H.SPECS[spec])
 
 
 def test_kuiper_bin_matches_transformers(built):
@@ -210,7 +240,8 @@ def test_requantize_from_gguf_source(built):
 
 
 @pytest.mark.parametrize("spec,fmt", [("llama-gqa", "q4_0"), ("llama-gqa", "q5_1"),
-                                      ("qwen3-gqa-hd64-tied", "q4_1"), ("qwen3-hd128-untied", "q8_0")])
+                                      ("qwen3-gqa-hd64-tied", "q4_1"), ("qwen3-hd128-untied", "q8_0"),
+                                      ("llama-hidden80", "q4_0"), ("qwen3-ffn200", "q8_0")])   # (+ F16 fallback)
 def test_gguf_read_by_transformers_own_gguf_reader(built, spec, fmt):
     """A second, outside reader of our GGUF files: transformers' GGUF integration (gguf-py
     dequantization, its own llama Q/K un-permutation, its own metadata mapping). The weights it
