@@ -261,6 +261,21 @@ def test_an_absent_sliding_window_takes_transformers_default(tmp_path, spec, cha
             load_hf(path, progress=False)
 
 
+def test_an_absent_sliding_window_is_no_window_for_llama(tmp_path):
+    """LlamaConfig has no sliding_window (transformers' Llama never slides): a Llama config.json
+    with use_sliding_window and no window key loads with full attention, as it did before the
+    Qwen3 / Mistral default of 4096 was applied to every class (it was refused as sliding)."""
+    from transformers import AutoConfig
+
+    path, _, _ = H.make_model_dir("llama-gqa", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert "sliding_window" not in cfg
+    cfg.update(use_sliding_window=True, max_window_layers=0)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert getattr(AutoConfig.from_pretrained(path), "sliding_window", None) is None
+    assert load_hf(path, progress=False)[0].max_position == cfg["max_position_embeddings"]
+
+
 @pytest.mark.parametrize("spec,drop", [
     (H.Spec("mistral-kv8", arch="llama", hf_class="Mistral", hidden=128, heads=16, kv_heads=8, head_dim=16,
             intermediate=128, layers=1, rope_theta=1e4, eps=1e-5), "num_key_value_heads"),

@@ -36,13 +36,15 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
 # transformers' Qwen3Config and MistralConfig take this window where config.json has no
-# sliding_window key (null there is no window)
+# sliding_window key (null there is no window); LlamaConfig has none (Llama never slides)
 DEFAULT_SLIDING_WINDOW = 4096
 # and these where it has no such key (an absent num_key_value_heads is Llama's, and a null
 # one every class's, num_attention_heads)
-CLASS_DEFAULTS = {"Qwen3ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+CLASS_DEFAULTS = {"Qwen3ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768,
+                                       "sliding_window": DEFAULT_SLIDING_WINDOW},
                   "LlamaForCausalLM": {"max_position_embeddings": 2048},
-                  "MistralForCausalLM": {"num_key_value_heads": 8, "max_position_embeddings": 131072}}
+                  "MistralForCausalLM": {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                                         "sliding_window": DEFAULT_SLIDING_WINDOW}}
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -191,7 +193,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if not (isinstance(first_sliding, int) and not isinstance(first_sliding, bool)):
         raise ValueError(f"{where}: max_window_layers={first_sliding!r} must be an integer")
     sliding = (any(t != "full_attention" for t in layer_types) if layer_types is not None else
-               bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW) is not None
+               bool(cfg.get("use_sliding_window"))
+               and cfg.get("sliding_window", CLASS_DEFAULTS[cls].get("sliding_window")) is not None
                and first_sliding < (cfg.get("num_hidden_layers") or 1))
     if sliding:
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
