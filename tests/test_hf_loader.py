@@ -324,6 +324,36 @@ def test_an_absent_num_key_value_heads_is_named_with_its_default(tmp_path):
                                          r"\(absent: transformers' Qwen3ForCausalLM default\)"):
         load_hf(path, progress=False)
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("shards", ["none", "unreadable"])
+@pytest.mark.parametrize("change,needle", [
+    ({"vocab_size": None}, "missing key 'vocab_size'"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings='no' must be true or false"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method='gptq' is not supported"),
+    ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, "high_freq_factor=1.0 must exceed low_freq_factor=1.0"),
+])
+def test_config_errors_come_before_the_checkpoints_with_llama3_rope(dirs, tmp_path, shards, change, needle):
+    """With Llama 3 RoPE the head size is checked against the checkpoint's largest dimension,
+    which opens the safetensors files: that had happened in the middle of parse_config, so a
+    config.json error found after it (a missing vocab_size, a bad quantization_config, ...) was
+    reported as the directory's missing or unreadable *.safetensors instead."""
+    d = tmp_path / "cfg"
+    shutil.copytree(dirs["fp32"], d)
+    for f in d.glob("*.safetensors"):
+        if shards == "none":
+            f.unlink()
+        else:
+            f.write_bytes(b"junk")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update({"rope_scaling": LLAMA3, **change})
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        load_hf(d, progress=False)
+
+
 
 def test_not_a_model_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):

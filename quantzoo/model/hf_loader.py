@@ -22,6 +22,7 @@ torch tensors in the dtype the file stores (fp16/bf16/fp32), the model casts the
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -110,20 +111,18 @@ def parse_quantization_config(qc: dict | None, where: str = "config.json") -> di
     return {"group_size": int(g), "modules_to_not_convert": list(skip)}
 
 
-def _rope(cfg: dict, head_dim: int, where: str, q_rows_ok=None,
-          context: int | None = None) -> tuple[float, tuple[float, ...] | None]:
-    """(rope_theta, rope_freq_factors) from config.json: plain RoPE, or rope_type "llama3"
-    (Llama 3.1+) as config.llama3_rope_factors. transformers 4 writes the scaling as
-    `rope_scaling` beside `rope_theta`, transformers 5 both inside `rope_parameters`.
+def _rope(cfg: dict, head_dim: int, where: str, context: int | None = None) -> tuple[float, object]:
+    """(rope_theta, rope_freq_factors) from config.json: plain RoPE (None), or rope_type "llama3"
+    (Llama 3.1+) as config.llama3_rope_factors -- a callable that computes them, its parameters
+    checked here (the factors are a Python loop over head_dim / 2 frequencies: parse_config
+    calls it once the head size is checked against the checkpoint). transformers 4 writes the
+    scaling as `rope_scaling` beside `rope_theta`, transformers 5 both inside `rope_parameters`.
 
     Read as transformers 5 reads them (PreTrainedConfig.convert_rope_params_to_dict,
     standardize_rope_params): a non-empty `rope_scaling` replaces `rope_parameters`; the block's
     own rope_theta wins over the top-level one; llama3's original_max_position_embeddings is the
     top-level key where there is one, else the block's, else max_position_embeddings (context:
-    its value where config.json has no such key, the config class's default).
-
-    q_rows_ok: parse_config's check that the head size can be the checkpoint's, run before the
-    llama3 factors (a Python loop over head_dim / 2 frequencies) are computed."""
+    its value where config.json has no such key, the config class's default)."""
     from .config import llama3_rope_factors, positive
 
     key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
@@ -154,13 +153,15 @@ def _rope(cfg: dict, head_dim: int, where: str, q_rows_ok=None,
         if v is None:
             raise ValueError(f"{where}: {name} is missing (rope_type 'llama3' needs it)")
         p[k] = positive(v, kind, f"{where}: {name}")
-    if q_rows_ok is not None:
-        q_rows_ok()
-    try:
-        factors = llama3_rope_factors(theta, head_dim, p["factor"], p["low_freq_factor"],
-                                      p["high_freq_factor"], p["original_max_position_embeddings"])
-    except ValueError as e:
-        raise ValueError(f"{where}: {key}.{e}") from None
+
+    def factors(hd=head_dim):
+        try:
+            return llama3_rope_factors(theta, hd, p["factor"], p["low_freq_factor"],
+                                       p["high_freq_factor"], p["original_max_position_embeddings"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {key}.{e}") from None
+
+    factors(0)   # its own checks of the parameters now (head_dim 0: no frequency to compute)
     return theta, factors
 
 
@@ -172,7 +173,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     one). q_proj's num_attention_heads x head_dim rows show up as a dimension of its weight
     (or, packed 8 to an int32, of its qweight), so a corrupt head_dim past 8 x that is refused
     by name before anything loops over head_dim -- Llama 3's RoPE factors do, and the tensor
-    shapes are only compared after this function."""
+    shapes are only compared after this function. It is asked last, after every check of
+    config.json itself: it opens the checkpoint, whose errors come after config.json's."""
     from .config import ModelConfig, positive, special_token_id
 
     archs = cfg.get("architectures") or []
@@ -236,11 +238,11 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
                              f"(the largest dimension is {biggest})")
 
     context = CLASS_DEFAULTS[cls]["max_position_embeddings"]
-    theta, factors = _rope(cfg, head_dim, where, q_rows_ok, context)
+    theta, rope_factors = _rope(cfg, head_dim, where, context)
     dims = dict(vocab_size=need("vocab_size"), intermediate_size=need("intermediate_size"),
                 num_layers=need("num_hidden_layers"), head_dim=head_dim,
                 rms_norm_eps=need("rms_norm_eps", 1e-6, float), rope_theta=theta,
-                rope_freq_factors=factors, max_position=need("max_position_embeddings", context))
+                max_position=need("max_position_embeddings", context))
     if layer_types is not None and len(layer_types) != dims["num_layers"]:   # (transformers refuses it too)
         raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for num_hidden_layers="
                          f"{dims['num_layers']}")
@@ -263,6 +265,13 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     except ValueError as e:   # e.g. an odd head_dim
         raise ValueError(f"{where}: {e}") from None
     quant = parse_quantization_config(cfg.get("quantization_config"), where)
+    if rope_factors is not None:   # last: q_rows_ok may open the checkpoint (see the docstring)
+        q_rows_ok()
+        factors = rope_factors()
+        try:
+            config = dataclasses.replace(config, rope_freq_factors=factors)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     return config, quant
 
 
