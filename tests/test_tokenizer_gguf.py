@@ -215,6 +215,21 @@ def test_flags_must_be_gguf_booleans(key, off, value):
     assert Tokenizer.from_gguf_fields(_spm_meta(**{key: False}), "x.gguf").encode("a") == off
 
 
+def test_an_out_of_range_special_id_is_warned_of_once():
+    """Every tokenizer.ggml.*_token_id is checked to be an integer; the check of them all had read
+    each id as the runner does, so an out-of-range eos / unknown id was warned of twice."""
+    import warnings
+
+    from quantzoo.model.tokenizer import Tokenizer
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        Tokenizer.from_gguf_fields(_spm_meta(eos_token_id=600, unknown_token_id=700), "x.gguf")
+    assert sorted(str(w.message) for w in got) == [
+        "x.gguf: tokenizer.ggml.eos_token_id=600 is not one of the 6 token ids: using llama.cpp's default 2",
+        "x.gguf: tokenizer.ggml.unknown_token_id=700 is not one of the 6 token ids: using llama.cpp's default 0"]
+
+
 def _check_text_so_far(decode, ids, context=()):
     """Each step's text against decoding the context and the ids so far whole, less the text of
     the context up to its last whole character."""

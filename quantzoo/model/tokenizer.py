@@ -449,8 +449,10 @@ class Tokenizer:
 
         # llama.cpp reads every special id it knows (pad, unknown, sep, mask, ...) and refuses a
         # file where one is no integer; the runner uses only some, but a corrupt one is said here
+        # (the type only: the range of an id in use is checked, and warned of once, where it is read)
         for key in sorted(k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
-            token_id(key)
+            if meta[key] is not None and not is_int(meta[key]):
+                raise ValueError(f"{path}: {key}={meta[key]!r} is not a token id")
 
         if model == "llama":
             scores = array_of("tokenizer.ggml.scores", float)
