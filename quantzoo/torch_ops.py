@@ -279,22 +279,26 @@ _LIB.impl("awq_gemm", _awq_gemm_autograd, "Autograd")
 torch.library.register_fake("quantzoo::awq_gemm", _awq_gemm_fake, lib=_LIB)
 
 
-def _batched_x(name: str, in_dims, x, weight_dims) -> torch.Tensor:
+def _batched_x(name: str, in_dims, x, weight_dims, expected: str) -> torch.Tensor:
     """vmap over x alone: the batch dimension moved to the front, where the matmuls take any
-    leading dimensions of x already (a weight per batch entry would be another weight per entry)."""
+    leading dimensions of x already (a weight per batch entry would be another weight per entry).
+    An entry that is a scalar is refused as the call on it is (the batch would be read as K)."""
     if any(d is not None for d in weight_dims):
         raise ValueError(f"vmap over {name}'s weight tensors: not supported (one weight for the batch; "
                          "map over x only)")
+    if in_dims is not None and x.dim() == 1:
+        raise ValueError(f"x: a scalar (0-d) in each vmap entry; expected shape {expected}")
     return x if in_dims is None else x.movedim(in_dims, 0)
 
 
-def _qmatmul_vmap(info, in_dims, x, storage, *args):
-    xb = _batched_x("quantzoo.ops.matmul", in_dims[0], x, in_dims[1])
-    return torch.ops.quantzoo.qmatmul(xb, storage, *args), (None if in_dims[0] is None else 0)
+def _qmatmul_vmap(info, in_dims, x, storage, format, n, k, *args):
+    xb = _batched_x("quantzoo.ops.matmul", in_dims[0], x, in_dims[1],
+                    f"(..., {k}) for the {format} weight {(n, k)}")
+    return torch.ops.quantzoo.qmatmul(xb, storage, format, n, k, *args), (None if in_dims[0] is None else 0)
 
 
 def _awq_gemm_vmap(info, in_dims, x, qweight, scales, qzeros, *args):
-    xb = _batched_x("quantzoo.ops.awq_gemm", in_dims[0], x, in_dims[1:4])
+    xb = _batched_x("quantzoo.ops.awq_gemm", in_dims[0], x, in_dims[1:4], "(..., K), K the rows of qweight")
     return torch.ops.quantzoo.awq_gemm(xb, qweight, scales, qzeros, *args), (None if in_dims[0] is None else 0)
 
 

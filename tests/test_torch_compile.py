@@ -308,6 +308,13 @@ def test_vmap_maps_over_x(rng):
                                            rtol=1e-5, atol=1e-5, err_msg=f"{name}, in_dims={dim}")
             got = torch.func.vmap(torch.func.vmap(f))(x[:, :, None])   # rows of one: (5, 3, 1, 40)
             np.testing.assert_allclose(got[:, :, 0].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    # an entry that is a scalar is refused, as the call on one is (the batch had been read as K:
+    # 96 entries gave a result of 96 scalars, 7 an error naming x's last dimension, 7)
+    for name, f in calls.items():
+        for b in (96, 7):
+            with torch.no_grad(), pytest.raises(ValueError, match=r"x: a scalar \(0-d\) in each vmap entry; "
+                                                r"expected shape \(\.\.\., 96\) for the q4_1 weight"):
+                torch.func.vmap(f)(torch.ones(b))
     stacked = [torch.stack([t, t]) for t in st]
     with pytest.raises(ValueError, match="vmap over quantzoo.ops.matmul's weight tensors: not supported"):
         torch.func.vmap(lambda *w: torch.ops.quantzoo.qmatmul(x[0], list(w), "q4_1", 40, 96, lay, "dequant"))(*stacked)
