@@ -281,10 +281,14 @@ def test_an_absent_sliding_window_is_no_window_for_llama(tmp_path):
             intermediate=128, layers=1, rope_theta=1e4, eps=1e-5), "num_key_value_heads"),
     (H.SPECS["qwen3-gqa-hd64-tied"], "max_position_embeddings"),
     (H.SPECS["llama-gqa"], "max_position_embeddings"),
-    (H.SPECS["mistral-window"], "max_position_embeddings"),
+    # (v0.2 on: sliding_window null, so the context is 131072; with a window it would be the window
+    # however the context's default read)
+    (H.Spec("mistral-nowindow", arch="llama", hf_class="Mistral", hidden=128, heads=4, kv_heads=1, head_dim=32,
+            intermediate=128, layers=1, rope_theta=1e4, eps=1e-5, extra={"sliding_window": None}),
+     "max_position_embeddings"),
     # Llama 3 RoPE's pre-training context falls back to it too (had been refused as missing)
     (H.SPECS["llama3-rope"], "max_position_embeddings"),
-], ids=["mistral-kv-heads", "qwen3-context", "llama-context", "mistral-window-context", "llama3-rope-context"])
+], ids=["mistral-kv-heads", "qwen3-context", "llama-context", "mistral-context", "llama3-rope-context"])
 def test_absent_keys_take_transformers_class_defaults(tmp_path, spec, drop):
     """Found by fuzzing configs: a key config.json leaves out is the default of transformers'
     config class, not one value for all three. An absent num_key_value_heads is 8 for Mistral
