@@ -809,7 +809,8 @@ def export(src, dst, fmt: str, group_size: int | None = None, progress: bool = T
             return write_kuiper(src_m, dst, group_size=group_size, progress=progress)
         return write_hf(src_m, dst, fmt, group_size=group_size, progress=progress)
     except OSError as e:   # the writers' temporaries (X.part): a failure names DST, which the user gave
-        if not str(e.filename or "").endswith(".part"):
+        f = Path(os.fspath(e.filename)) if isinstance(e.filename, (str, os.PathLike)) else None
+        if f is None or f.suffix != ".part" or f.parent not in (dst.parent, dst):   # (not a source's)
             raise
         raise OSError(e.errno, f"DST={given}: cannot be written ({e.strerror}; while writing its "
                                f"temporary {e.filename})") from None
