@@ -276,6 +276,28 @@ def test_an_absent_sliding_window_is_no_window_for_llama(tmp_path):
     assert load_hf(path, progress=False)[0].max_position == cfg["max_position_embeddings"]
 
 
+@pytest.mark.parametrize("spec", ["llama-gqa", "mistral-window"])
+def test_use_sliding_window_is_qwen3s_flag(tmp_path, spec):
+    """use_sliding_window / max_window_layers are Qwen2 / Qwen3 config keys: transformers' Llama
+    attention never slides and Mistral's always slides over sliding_window, whatever the flag.
+    A Llama or Mistral config.json with the flag and a window had been refused as sliding; it
+    loads as transformers runs it (transformers on the edited directory is the oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    window = cfg.get("sliding_window")
+    cfg.update(use_sliding_window=True, max_window_layers=0, sliding_window=window or 16)
+    (path / "config.json").write_text(json.dumps(cfg))
+    c = load_hf(path, progress=False)[0]
+    assert c.max_position == (window if window else cfg["max_position_embeddings"])
+    ids = list(range(3, 3 + min(40, c.max_position)))   # past the window of 16 given to Llama
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    got = qz.load_model(path, progress=False).logits(ids)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
 @pytest.mark.parametrize("spec,drop", [
     (H.Spec("mistral-kv8", arch="llama", hf_class="Mistral", hidden=128, heads=16, kv_heads=8, head_dim=16,
             intermediate=128, layers=1, rope_theta=1e4, eps=1e-5), "num_key_value_heads"),

@@ -187,7 +187,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
         if cfg.get(key):
             raise ValueError(f"{where}: {key}=true is not supported (the runner has no biases)")
     # sliding layers as transformers' Qwen2/Qwen3 configs derive them: layer_types when given, else
-    # every layer from max_window_layers (default 28) on, when use_sliding_window and a window are set
+    # every layer from max_window_layers (default 28) on, when use_sliding_window and a window are
+    # set (Qwen3 only: Llama's attention never slides, Mistral's always does, whatever the flag)
     layer_types = cfg.get("layer_types")
     if layer_types is not None and not isinstance(layer_types, list):
         raise ValueError(f"{where}: layer_types={layer_types!r} must be a list")
@@ -195,7 +196,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if not (isinstance(first_sliding, int) and not isinstance(first_sliding, bool)):
         raise ValueError(f"{where}: max_window_layers={first_sliding!r} must be an integer")
     sliding = (any(t != "full_attention" for t in layer_types) if layer_types is not None else
-               bool(cfg.get("use_sliding_window"))
+               cls == "Qwen3ForCausalLM" and bool(cfg.get("use_sliding_window"))
                and cfg.get("sliding_window", CLASS_DEFAULTS[cls].get("sliding_window")) is not None
                and first_sliding < (cfg.get("num_hidden_layers") or 1))
     if sliding:
@@ -203,7 +204,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
                          "supported (every layer attends to the whole context here)")
     # Mistral: every layer attends to the last sliding_window positions (v0.1: 4096; null from
     # v0.2 on). Within the window that is the whole context, so the runner's context ends there.
-    window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW) if "MistralForCausalLM" in archs else None
+    window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW) if cls == "MistralForCausalLM" else None
     if window is not None:
         window = positive(window, int, f"{where}: sliding_window")
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):   # (transformers' ACT2FN: swish is SiLU)
