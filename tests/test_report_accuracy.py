@@ -91,3 +91,21 @@ def test_compare_on_hand_made_distributions():
     assert r["top1"] == pytest.approx(2 / 3)
     # next ids 1 (from row 0: p 0.1) and 0 (from row 1: p 0.9)
     assert r["ppl"] == pytest.approx(math.exp(-(math.log(0.1) + math.log(0.9)) / 2), rel=1e-12)
+
+
+def test_convert_stores_what_the_gguf_export_stores():
+    """A weight whose in_features is not whole blocks is F16 in a GGUF export (llama.cpp's
+    fallback): the accuracy section's conversion keeps it so, and says so, where it had called
+    the format's quantize on it and failed."""
+    import numpy as np
+
+    from quantzoo.report.accuracy import convert
+
+    rng = np.random.default_rng(0)
+    w = {n: rng.standard_normal(s).astype(np.float16).astype(np.float32) for n, s in (
+        ("model.embed_tokens.weight", (100, 64)), ("model.layers.0.mlp.up_proj.weight", (200, 64)),
+        ("model.layers.0.mlp.down_proj.weight", (64, 200)), ("model.norm.weight", (64,)))}
+    out, info = convert(w, None, "q4_0")
+    down, up = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    assert np.array_equal(out[down], w[down]) and not np.array_equal(out[up], w[up])
+    assert info == {"linears": "q4_0 (1 F16: in_features not whole blocks)", "embedding": "q4_0"}

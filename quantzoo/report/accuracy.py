@@ -87,16 +87,21 @@ def convert(weights: dict, config, fmt_name: str) -> tuple[dict, dict]:
     fmt = formats.get(fmt_name)
     whole_file = fmt.gguf_type is not None  # GGUF: every 2-D weight in the format
     opts = {"group_size": awq_group_size(config)} if fmt_name == "awq" else {}
-    out = {}
+    out, f16 = {}, []
     for n, w in weights.items():
         is_linear = w.ndim == 2 and "layers." in n
-        if w.ndim == 2 and (is_linear or whole_file):
+        if w.ndim == 2 and whole_file and w.shape[1] % fmt.block_size:
+            out[n] = w   # the GGUF export's F16 fallback (in_features not whole blocks)
+            f16.append(n)
+        elif w.ndim == 2 and (is_linear or whole_file):
             qt = fmt.quantize(w, **opts)
             out[n] = fmt.dequantize(qt).astype(np.float32, copy=False)
         else:
             out[n] = w  # already fp16-rounded: embeddings of AWQ, norms
-    info = {"linears": fmt_name + (f" g{opts['group_size']}" if opts else ""),
-            "embedding": fmt_name if whole_file else "fp16"}
+    lin_f16 = sum("layers." in n for n in f16)
+    info = {"linears": fmt_name + (f" g{opts['group_size']}" if opts else "")
+            + (f" ({lin_f16} F16: in_features not whole blocks)" if lin_f16 else ""),
+            "embedding": "fp16" if not whole_file or any("layers." not in n for n in f16) else fmt_name}
     return out, info
 
 
