@@ -298,6 +298,21 @@ def test_use_sliding_window_is_qwen3s_flag(tmp_path, spec):
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("spec", ["llama-gqa", "mistral-window"])
+def test_max_window_layers_is_not_checked_for_llama_or_mistral(tmp_path, spec):
+    """transformers' LlamaConfig / MistralConfig neither read nor check max_window_layers (a
+    Qwen3 key): a value Qwen3Config would refuse loads (it had been refused as not an integer)."""
+    from transformers import AutoConfig
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(use_sliding_window=True, max_window_layers="0")
+    (path / "config.json").write_text(json.dumps(cfg))
+    AutoConfig.from_pretrained(path)   # (the oracle: transformers takes it)
+    c = load_hf(path, progress=False)[0]
+    assert c.max_position == (cfg.get("sliding_window") or cfg["max_position_embeddings"])
+
+
 @pytest.mark.parametrize("spec,drop", [
     (H.Spec("mistral-kv8", arch="llama", hf_class="Mistral", hidden=128, heads=16, kv_heads=8, head_dim=16,
             intermediate=128, layers=1, rope_theta=1e4, eps=1e-5), "num_key_value_heads"),

@@ -192,11 +192,12 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     layer_types = cfg.get("layer_types")
     if layer_types is not None and not isinstance(layer_types, list):
         raise ValueError(f"{where}: layer_types={layer_types!r} must be a list")
-    first_sliding = 28 if cfg.get("max_window_layers") is None else cfg.get("max_window_layers")
+    qwen3 = cls == "Qwen3ForCausalLM"   # (Llama / Mistral configs ignore both keys: neither is checked)
+    first_sliding = 28 if not qwen3 or cfg.get("max_window_layers") is None else cfg.get("max_window_layers")
     if not (isinstance(first_sliding, int) and not isinstance(first_sliding, bool)):
         raise ValueError(f"{where}: max_window_layers={first_sliding!r} must be an integer")
     sliding = (any(t != "full_attention" for t in layer_types) if layer_types is not None else
-               cls == "Qwen3ForCausalLM" and bool(cfg.get("use_sliding_window"))
+               qwen3 and bool(cfg.get("use_sliding_window"))
                and cfg.get("sliding_window", CLASS_DEFAULTS[cls].get("sliding_window")) is not None
                and first_sliding < (cfg.get("num_hidden_layers") or 1))
     if sliding:
