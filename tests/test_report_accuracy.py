@@ -109,3 +109,10 @@ def test_convert_stores_what_the_gguf_export_stores():
     down, up = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight"
     assert np.array_equal(out[down], w[down]) and not np.array_equal(out[up], w[up])
     assert info == {"linears": "q4_0 (1 F16: in_features not whole blocks)", "embedding": "q4_0"}
+    # hidden 80: the embedding is the F16 one, and its column says fp16 (the linears' does not)
+    w = {n: rng.standard_normal(s).astype(np.float16).astype(np.float32) for n, s in (
+        ("model.embed_tokens.weight", (100, 80)), ("model.layers.0.mlp.down_proj.weight", (80, 64)))}
+    out, info = convert(w, None, "q8_0")
+    emb = "model.embed_tokens.weight"
+    assert np.array_equal(out[emb], w[emb]) and not np.array_equal(out[down], w[down])
+    assert info == {"linears": "q8_0", "embedding": "fp16"}
