@@ -318,7 +318,7 @@ def test_gguf_stores_weights_of_partial_blocks_as_f16(tmp_path, spec, fmt):
     more = f", and {len(f16) - 4} more" if len(f16) > 4 else ""
     assert said == [f"{dst}: {len(f16)} of {n2d} weights are stored as F16, not {fmt.upper()}: their in_features "
                     f"is not a multiple of 32, the {fmt.upper()} block size (llama.cpp's converter falls back to "
-                    f"F16 so too): {named}{more}; general.file_type stays MOSTLY_{fmt.upper()}"], said
+                    f"F16 so for Q8_0): {named}{more}; general.file_type stays MOSTLY_{fmt.upper()}"], said
     assert dst.read_bytes() == llama_cpp_converter_bytes(dst, orig, H.SPECS[spec], tmp_path / "ref.gguf")
     _, w, _ = load_gguf(str(dst), progress=False)
     from quantzoo.model.export import gguf_name

@@ -7,9 +7,9 @@ DST: a directory (HF AWQ checkpoint, or plain fp16), a .gguf file (llama.cpp blo
 F16), or a .bin (KuiperLLama AWQ).
 
 A .gguf stores a weight whose in_features (K) is not a multiple of the format's 32-value block
-as F16 instead, as llama.cpp's converter does, and says so in one warning naming them;
-general.file_type stays the requested format (llama.cpp's "mostly" type), and `quantzoo run`
-shows such tensor types as f16 in its formats line. AWQ refuses such a model instead (K must be
+as F16 instead (llama.cpp's converter's rule for its Q8_0 output), and says so in one warning
+naming them; general.file_type stays the requested format (llama.cpp's "mostly" type), and
+`quantzoo run` shows such tensor types as f16 in its formats line. AWQ refuses such a model instead (K must be
 a multiple of --group-size; the error suggests a group that fits, where one does).
 """
 from __future__ import annotations

@@ -23,8 +23,9 @@ Destinations, by the name of DST and --format:
   (or fp16)              tensor names; every 2-D weight (embeddings included) in the chosen
                          type, 1-D norms in F32 as llama.cpp's converter stores them. A weight
                          whose in_features the type's block (32) does not divide is stored F16
-                         instead, with one warning naming them, as llama.cpp's converter falls
-                         back; general.file_type still names the chosen type. llama-arch
+                         instead, with one warning naming them, by llama.cpp's converter's
+                         rule (its Q8_0 output; its quantize tool refuses such a tensor in
+                         Q4_0..Q5_1); general.file_type still names the chosen type. llama-arch
                          Q and K rows get the converter's permutation (pairs for "normal" RoPE);
                          qwen3 is not permuted. Tokenizer metadata: copied from a GGUF source, or
                          built from tokenizer.json (an HF source's, or the one beside a .bin) the
@@ -640,9 +641,10 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     if c.rope_freq_factors is not None and c.arch != "llama":
         raise ValueError(f"{src.path}: Llama 3 RoPE scaling on a {c.arch} model has no GGUF form "
                          "(llama.cpp reads rope_freqs.weight for llama only)")
-    # a 2-D weight whose in_features the type's block does not divide is stored F16 instead, as
-    # llama.cpp's converter does (gguf.quants.quantize raises QuantError there, and it falls back
-    # to F16 for that tensor); general.file_type still names the requested ("mostly") type
+    # a 2-D weight whose in_features the type's block does not divide is stored F16 instead, by
+    # llama.cpp's converter's rule (gguf.quants.quantize raises QuantError there, and it falls back
+    # to F16 for that tensor; the converter writes Q8_0 among these types, and llama-quantize
+    # refuses such a tensor in Q4_0..Q5_1); general.file_type still names the requested ("mostly") type
     f16 = f16_fallback(shapes, qfmt)
     # the fields GGUF stores as u32 / f32 (llama.cpp reads them so): a value they cannot hold is
     # refused here, naming it, rather than by gguf-py's struct.pack or as an f32 rounded to 0 / inf
@@ -699,7 +701,7 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
         more = f", and {len(f16) - FALLBACK_NAMED} more" if len(f16) > FALLBACK_NAMED else ""
         warn(f"{dst}: {len(f16)} of {sum(len(s) == 2 for s in shapes.values())} weights are stored as F16, "
              f"not {qfmt.gguf_type}: their in_features is not a multiple of {qfmt.block_size}, the "
-             f"{qfmt.gguf_type} block size (llama.cpp's converter falls back to F16 so too): "
+             f"{qfmt.gguf_type} block size (llama.cpp's converter falls back to F16 so for Q8_0): "
              f"{', '.join(named)}{more}; general.file_type stays {file_type}", UserWarning)
     try:
         _write_gguf_tensors(w, src, shapes, fmt, dst, progress, f16)
