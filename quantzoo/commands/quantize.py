@@ -9,8 +9,9 @@ F16), or a .bin (KuiperLLama AWQ).
 A .gguf stores a weight whose in_features (K) is not a multiple of the format's 32-value block
 as F16 instead (llama.cpp's converter's rule for its Q8_0 output), and says so in one warning
 naming them; general.file_type stays the requested format (llama.cpp's "mostly" type), and
-`quantzoo run` shows such tensor types as f16 in its formats line. AWQ refuses such a model instead (K must be
-a multiple of --group-size; the error suggests a group that fits, where one does).
+`quantzoo run` shows such tensor types as f16 in its formats line. AWQ refuses such a model
+instead (K must be a multiple of --group-size; the error suggests a group that fits, where one
+does).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def register(sub) -> None:
     where = {"dir": "directory", "gguf": ".gguf", "bin": ".bin"}
     p.add_argument("dst", metavar="DST", help="output: " + ", ".join(
         f"{where[kind]} ({', '.join(fmts)})" for kind, fmts in DESTINATIONS.items()))
-    p.add_argument("--format", required=True, choices=FORMATS, help="weight format of the linears (.gguf: a weight whose in_features is not a "
+    p.add_argument("--format", required=True, choices=FORMATS,
+                   help="weight format of the linears (.gguf: a weight whose in_features is not a "
                         "multiple of 32 is stored F16, with a warning)")
     p.add_argument("--group-size", type=int, default=None,
                    help="AWQ group size along in_features: 32, 64 or 128 (default: an AWQ SRC's own "

@@ -83,16 +83,18 @@ def convert(weights: dict, config, fmt_name: str) -> tuple[dict, dict]:
 
     Returns (weights, info); info says what went into which format."""
     from quantzoo import formats
+    from quantzoo.model.export import f16_fallback
 
     fmt = formats.get(fmt_name)
     whole_file = fmt.gguf_type is not None  # GGUF: every 2-D weight in the format
     opts = {"group_size": awq_group_size(config)} if fmt_name == "awq" else {}
-    out, f16 = {}, []
+    # the GGUF export's F16 fallback (in_features not whole blocks): kept as they are
+    f16 = f16_fallback({n: w.shape for n, w in weights.items()}, fmt) if whole_file else {}
+    out = {}
     for n, w in weights.items():
         is_linear = w.ndim == 2 and "layers." in n
-        if w.ndim == 2 and whole_file and w.shape[1] % fmt.block_size:
-            out[n] = w   # the GGUF export's F16 fallback (in_features not whole blocks)
-            f16.append(n)
+        if n in f16:
+            out[n] = w
         elif w.ndim == 2 and (is_linear or whole_file):
             qt = fmt.quantize(w, **opts)
             out[n] = fmt.dequantize(qt).astype(np.float32, copy=False)
