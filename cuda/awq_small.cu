@@ -158,6 +158,8 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   const size_t step_words = (size_t)16 * n8;
   // A zero-filled chunk (columns past N, x rows past M) copies 0 bytes; its source still walks
   // a valid row (the row's last 16 bytes, x row 0) so every pointer advances unconditionally.
+  // (Only the vec path reads v_src, where n8 % 4 == 0; the max keeps the pointer inside the row
+  // when N < 32 too, which forming it out of range would not be.)
   const unsigned* v_src[VCH];   // next step's source of chunk j
   unsigned v_at[VCH];           // its shared address in the next write slot
   bool v_ok[VCH];               // the chunk's columns exist (else zero-filled)
@@ -165,7 +167,7 @@ awq_small_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   for (int j = 0; j < VCH; ++j) {
     const int c = lane + 32 * j, r = c / (2 * NW), q4 = 4 * (c % (2 * NW));
     v_ok[j] = tile_w0 + q4 < n8;
-    v_src[j] = qweight + (size_t)(16 * s0 + r) * n8 + (v_ok[j] ? tile_w0 + q4 : n8 - 4);
+    v_src[j] = qweight + (size_t)(16 * s0 + r) * n8 + (v_ok[j] ? tile_w0 + q4 : max(n8 - 4, 0));
     v_at[j] = ring_sa + 4u * (r * R::RS + q4);
   }
   // x rows 0..8*MB-1 of the step's 16 k (lanes < 16*MB, two 16-byte halves a row); rows >= M

@@ -126,6 +126,45 @@ def test_llama3_rope_scaling_on_gpu(tmp_path):
         assert rel(want) < 0.25 and rel(plain) > 3 * rel(want), (rel(want), rel(plain))
 
 
+@pytest.mark.parametrize("spec,fmt,dense,fused", [
+    ("qwen3-ffn200", "q4_0", {"down_proj"}, True),
+    ("llama-hidden80", "q8_0", {"embed_tokens", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"},
+     False)])
+def test_gguf_with_f16_fallback_weights_on_gpu(tmp_path, spec, fmt, dense, fused):
+    """A GGUF mixing block weights and F16 ones (quantize's fallback for in_features that 32 does
+    not divide, as llama.cpp's converter writes them): on CUDA each linear takes its own
+    format's path -- the F16 ones fp16 (cuBLAS / fp16 GEMV) with fp16 inputs, the block ones the
+    Q8_1 kernels. qwen3-ffn200 runs the fused layer ops, whose SiLU feeds an F16 down_proj (fp16,
+    not Q8_1); llama-hidden80 (head_dim 32) runs torch's ops around the kernels. The GPU's
+    teacher-forced logits and its graph-replayed decode steps near the CPU emulation's (Q8_1
+    activations as the kernels quantize them); the bound is the synthetic test's, these random
+    models being as chaotic."""
+    import warnings
+
+    import helpers_models as H
+    from quantzoo.model.export import export
+
+    src, _, _ = H.make_model_dir(spec, tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "stored as F16")
+        path = export(src, tmp_path / f"{spec}.gguf", fmt, progress=False)
+    emu = qz.load_model(path, device="cpu", progress=False, matmul_mode="emulate")
+    gpu = qz.load_model(path, device="cuda", progress=False)
+    kinds = {k: v for k, v in gpu.formats.items() if k != "norms"}
+    assert kinds == {k: ("f16" if k in dense else fmt) for k in kinds}, gpu.formats
+    assert gpu.fused_ops is fused and not gpu.fallbacks, gpu.fallbacks
+    ids = [(5 * i + 1) % 300 for i in range(48)]
+    want = emu.logits(ids)
+    gpu.setup_cache(128)
+    gpu.prefill(ids[:40])
+    steps = torch.stack([gpu.decode_step(t, 40 + i).float().cpu().reshape(-1) for i, t in enumerate(ids[40:])])
+    assert gpu._graph is not None
+    for what, got, rows in (("prefill", gpu.logits(ids), slice(None)), ("decode", steps, slice(40, 48))):
+        rel = float((got - want[rows]).abs().max() / want[rows].abs().max())
+        print(f"\n{spec} {fmt} {what}: GPU vs CPU emulation {rel:.2e}")
+        assert rel < 8e-2, f"{what}: GPU logits differ from the CPU emulation by {rel:.2e}"
+
+
 def test_graph_decode_equals_eager(synthetic_path):
     """Graph replay and eager decode are the same launches on the same values, so their logits
     are bit-equal: with fused ops (asserted below) a step is F.embedding, then only our kernels
