@@ -15,7 +15,7 @@ import quantzoo as qz
 
 pytestmark = pytest.mark.multi_gpu
 
-FORMATS = ["awq", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "fp16"]
+FORMATS = qz.formats.stored_names()   # every format a weight is stored in
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -26,7 +26,7 @@ def test_matmul_runs_on_its_tensors_device(fmt, rng):
     n, k = 320, 1024
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     f = qz.formats.get(fmt)
-    qt = f.quantize(w, group_size=64) if fmt == "awq" else f.quantize(w)
+    qt = f.quantize(w)
     q1, q0 = qt.to("cuda:1"), qt.to("cuda:0")
     for m in (1, 5, 40, 300):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16))

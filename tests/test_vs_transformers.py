@@ -22,11 +22,11 @@ import torch
 
 import helpers_models as H
 from quantzoo.cli import main as cli
-from quantzoo.formats import get
+from quantzoo.formats import get, weight_formats
 
 REL_BOUND = 1e-4
 N_GEN = 32
-GGUF_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+GGUF_FORMATS = tuple(f.name for f in weight_formats() if f.kernels == "gguf")   # the registry's block formats
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
