@@ -224,17 +224,17 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
   float* att_sm = reinterpret_cast<float*>(smem + (empty0 + 8 * NS - saddr(smem)));   // 4 G (HD + 2) floats
   __shared__ float red[32];
   __shared__ int ticket;
-  __shared__ int issued_count;   // stages the producer has issued so far
-  volatile int* issued = &issued_count;
+  __shared__ int issued_count;   // stages the producer has issued so far (atomics, release / acquire)
+  const unsigned issued = saddr(&issued_count);
   constexpr int AGN = attn_heads_per_group(G);
   constexpr int MERGE_OUTS = (G * HD + CW * 32 - 1) / (CW * 32);   // attn_merge's outputs a thread
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int c = blockIdx.x, P = gridDim.x;
   if (tid == 0) {
-    *issued = 0;
+    issued_count = 0;
     for (int s = 0; s < NS; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, SP);
+      mbar_init(empty0 + 8 * s, SP * 32);   // every lane of a piece's warp releases it
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -251,8 +251,9 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
         const int slot = st % NS;
         if (st >= NS) mbar_wait(empty0 + 8 * slot, ((st / NS) - 1) & 1);
         bulk_copy(saddr(ring + slot * SLOT), src, bytes, full0 + 8 * slot);
-        __threadfence_block();   // the copy's arrive on full[slot] before the count below
-        *issued = st + 1;
+        // the copy's arrive on full[slot] before the count (an atomic, not a plain store: what
+        // compute-sanitizer's racecheck accepts as a flag; st.release was reported as a race)
+        asm volatile("atom.release.cta.shared::cta.exch.b32 _, [%0], %1;\n" :: "r"(issued), "r"(st + 1) : "memory");
       }
     }
     return;
@@ -276,8 +277,8 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
         // pieces, a small ring), where full[slot] still shows stage s - NS's phase and the
         // wait would pass at once. Once the producer has issued stage s, stage s - NS has been
         // released, so it landed: wait for that first.
-        while (*issued <= s) {
-        }
+        for (int n = -1; n <= s;)
+          asm volatile("atom.acquire.cta.shared::cta.or.b32 %0, [%1], 0;\n" : "=r"(n) : "r"(issued) : "memory");
         mbar_wait(full0 + 8 * slot, (s / NS) & 1);
         const uint8_t* piece = ring + slot * SLOT + (r.block_of(q, pp) - r.block_of(q0, pp)) * F::BYTES;
         const int nbp = min(PIECE, r.nb - pc * PIECE);
@@ -304,10 +305,11 @@ decode_persistent(const unsigned long long* __restrict__ lw, int L, __half* h, _
             acc[SCALAR ? j : 0] += F::term(sumi, dw, mw, ds.x, ds.y);
           }
         }
-        __syncwarp();
-        // the stage's SP pieces each release it once; the last piece of a short last stage
-        // also releases the pieces it lacks
-        if (lane == 0) mbar_arrive(empty0 + 8 * slot, q == Q - 1 ? SP - (Q - q0) + 1 : 1);
+        // the stage's SP pieces each release it once in every lane (each lane's own reads before
+        // its own arrive: what compute-sanitizer's racecheck follows, where a __syncwarp and lane
+        // 0's arrive for the warp showed as 245,760 hazards); the last piece of a short last
+        // stage also releases the pieces it lacks
+        mbar_arrive(empty0 + 8 * slot, q == Q - 1 ? SP - (Q - q0) + 1 : 1);
       }
       float y = 0.0f;
       if constexpr (SCALAR) {   // ((0 + p0) + p1) + p2) + p3, as gguf_mmvq.cu adds its warps
