@@ -298,6 +298,42 @@ def test_use_sliding_window_is_qwen3s_flag(tmp_path, spec):
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("spec,change", [
+    ("llama-gqa", {"layer_types": ["sliding_attention"] * 2, "sliding_window": 16}),
+    ("llama-gqa", {"layer_types": ["sliding_attention", "full_attention"]}),
+    ("mistral-window", {"layer_types": ["full_attention", "sliding_attention"]}),
+], ids=["llama-window", "llama-no-window", "mistral"])
+def test_layer_types_are_read_for_qwen3_only(tmp_path, spec, change):
+    """transformers' LlamaModel never reads layer_types: one causal mask serves every layer, so a
+    Llama config listing sliding layers runs as full attention, past its window too. A Mistral
+    one loads as Ministral (AutoConfig's rule), whose listed layers slide: the runner's context
+    ends at the window as for any Mistral. Both had been refused as sliding. transformers on the
+    edited directory is the oracle (use_cache=False: its cache, not its attention, reads
+    layer_types, and fails on the Llama one without a window). An entry transformers does not
+    know is refused, as transformers refuses it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(change)
+    (path / "config.json").write_text(json.dumps(cfg))
+    c = load_hf(path, progress=False)[0]
+    window = cfg["sliding_window"] if H.SPECS[spec].hf_class == "Mistral" else None
+    assert c.max_position == (window or cfg["max_position_embeddings"])
+    ids = list(range(3, 3 + min(40, c.max_position)))   # past the window of 16 given to Llama
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ref = hf(torch.tensor([ids]), use_cache=False).logits[0]
+    got = qz.load_model(path, progress=False).logits(ids)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+    cfg["layer_types"] = ["bogus_attention", "full_attention"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match="The `layer_types` entries must be in"):   # (huggingface_hub's error)
+        AutoConfig.from_pretrained(path)
+    with pytest.raises(ValueError, match=r"config\.json: layer_types entry 'bogus_attention' is not supported"):
+        load_hf(path, progress=False)
+
+
 @pytest.mark.parametrize("spec", ["llama-gqa", "mistral-window"])
 def test_max_window_layers_is_not_checked_for_llama_or_mistral(tmp_path, spec):
     """transformers' LlamaConfig / MistralConfig neither read nor check max_window_layers (a

@@ -188,18 +188,26 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
             raise ValueError(f"{where}: {key}=true is not supported (the runner has no biases)")
     # sliding layers as transformers' Qwen2/Qwen3 configs derive them: layer_types when given, else
     # every layer from max_window_layers (default 28) on, when use_sliding_window and a window are
-    # set (Qwen3 only: Llama's attention never slides, Mistral's always does, whatever the flag)
+    # set (Qwen3 only. LlamaModel builds one causal mask for every layer and reads neither the flag
+    # nor layer_types. Mistral's layers slide over sliding_window -- with layer_types, which makes
+    # AutoConfig load it as Ministral, those listed do -- and the runner's context ends at the
+    # window, inside which sliding and full attention agree)
     layer_types = cfg.get("layer_types")
     if layer_types is not None and not isinstance(layer_types, list):
         raise ValueError(f"{where}: layer_types={layer_types!r} must be a list")
     qwen3 = cls == "Qwen3ForCausalLM"   # (Llama / Mistral configs ignore both keys: neither is checked)
+    if not qwen3:   # (transformers refuses entries it does not know; these two are a decoder's)
+        bad = next((t for t in layer_types or [] if t not in ("full_attention", "sliding_attention")), None)
+        if bad is not None:
+            raise ValueError(f"{where}: layer_types entry {bad!r} is not supported (a {cls} config "
+                             "lists 'full_attention' / 'sliding_attention', which its attention does not read)")
     first_sliding = 28 if not qwen3 or cfg.get("max_window_layers") is None else cfg.get("max_window_layers")
     if not (isinstance(first_sliding, int) and not isinstance(first_sliding, bool)):
         raise ValueError(f"{where}: max_window_layers={first_sliding!r} must be an integer")
-    sliding = (any(t != "full_attention" for t in layer_types) if layer_types is not None else
-               qwen3 and bool(cfg.get("use_sliding_window"))
-               and cfg.get("sliding_window", CLASS_DEFAULTS[cls].get("sliding_window")) is not None
-               and first_sliding < (cfg.get("num_hidden_layers") or 1))
+    sliding = qwen3 and (any(t != "full_attention" for t in layer_types) if layer_types is not None else
+                         bool(cfg.get("use_sliding_window"))
+                         and cfg.get("sliding_window", CLASS_DEFAULTS[cls].get("sliding_window")) is not None
+                         and first_sliding < (cfg.get("num_hidden_layers") or 1))
     if sliding:
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
                          "supported (every layer attends to the whole context here)")
