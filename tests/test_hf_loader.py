@@ -202,7 +202,8 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
      "head_dim=134217728 gives q_proj num_attention_heads x head_dim = "),
     # had said "head_dim=0: must be a positive integer", a key the file does not have
-    ({"architectures": ["LlamaForCausalLM"], "head_dim": None, "num_attention_heads": 512, "num_key_value_heads": 512},
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": None, "num_attention_heads": 512,
+      "num_key_value_heads": 512},
      "num_attention_heads=512 is more than hidden_size=256: without head_dim"),
 ])
 def test_bad_model_config_is_a_clear_error(dirs, tmp_path, change, needle):
@@ -388,6 +389,83 @@ def test_absent_keys_take_transformers_class_defaults(tmp_path, spec, drop):
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
     got = qz.load_model(path, progress=False).logits(ids)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("spec,change,cls", [
+    # architectures absent: transformers goes by model_type (it had been refused)
+    ("mistral-window", {"architectures": None}, "MistralForCausalLM"),
+    ("llama-gqa", {"architectures": []}, "LlamaForCausalLM"),
+    # model_type absent: transformers' AutoConfig refuses the directory; the class architectures
+    # names (what its own from_pretrained and llama.cpp's converter go by) loads as before
+    ("mistral-window", {"model_type": None}, "MistralForCausalLM"),
+], ids=["no-architectures-mistral", "no-architectures-llama", "no-model_type"])
+def test_the_model_class_is_model_types_as_in_transformers(tmp_path, spec, change, cls):
+    """transformers' AutoConfig / AutoModelForCausalLM pick the class by config.json's
+    model_type and never read architectures; the loader read architectures only, so a directory
+    without it, which transformers loads, was refused. The class decides defaults and attention
+    (Mistral's window caps the context): the oracle is transformers' class on the same directory."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in change.items():
+        cfg.pop(k) if v is None else cfg.update({k: v})
+    (path / "config.json").write_text(json.dumps(cfg))
+    if "model_type" in cfg:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        with pytest.raises(ValueError, match="Should have a `model_type` key"):
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf = getattr(transformers, cls).from_pretrained(path, dtype=torch.float32)
+    assert type(hf).__name__ == cls
+    c = load_hf(path, progress=False)[0]
+    assert c.max_position == min(hf.config.max_position_embeddings, getattr(hf.config, "sliding_window", None) or 1 << 62)
+    ids = list(range(3, 3 + min(60, c.max_position)))
+    with torch.no_grad():
+        ref = hf.eval()(torch.tensor([ids])).logits[0]
+    got = qz.load_model(path, progress=False).logits(ids)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("spec,change,hf_loads,needle", [
+    # transformers runs LlamaForCausalLM (full attention, the window ignored), a tool reading
+    # architectures Mistral's window: had loaded as Mistral, by architectures
+    ("mistral-window", {"model_type": "llama"}, "LlamaForCausalLM",
+     "model_type='llama' and architectures=['MistralForCausalLM'] name different models"),
+    # ... and here MistralForCausalLM with its default window of 4096 (had loaded as Llama)
+    ("llama-gqa", {"model_type": "mistral"}, "MistralForCausalLM",
+     "model_type='mistral' and architectures=['LlamaForCausalLM'] name different models"),
+    # a model_type transformers does not know (custom code, a fork): had loaded as Llama
+    ("llama-gqa", {"model_type": "my_llama"}, "does not recognize this architecture",
+     "model_type='my_llama' is not supported (architectures=['LlamaForCausalLM'])"),
+    ("llama-gqa", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "Qwen2ForCausalLM",
+     "model_type='qwen2' is not supported (architectures=['Qwen2ForCausalLM']); expected one of"),
+    ("llama-gqa", {"model_type": None, "architectures": None}, "Should have a `model_type` key",
+     "architectures=None is not supported; expected one of ['LlamaForCausalLM', 'MistralForCausalLM', "
+     "'Qwen3ForCausalLM'] (and there is no model_type)"),
+], ids=["mistral-as-llama", "llama-as-mistral", "unknown", "qwen2", "neither"])
+def test_model_type_and_architectures_must_name_one_model(tmp_path, spec, change, hf_loads, needle):
+    """config.json's model_type (what transformers loads) and architectures (what llama.cpp's
+    converter and the class's own from_pretrained load) naming different models, or a
+    model_type the runner does not know, is one clear error naming both fields: which model the
+    file means cannot be told, and the two compute different things past a window. hf_loads:
+    the class transformers' AutoModelForCausalLM makes of the directory, or its error."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path, _, _ = H.make_model_dir(spec, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in change.items():
+        cfg.pop(k) if v is None else cfg.update({k: v})
+    (path / "config.json").write_text(json.dumps(cfg))
+    if hf_loads.endswith("ForCausalLM"):   # (from_pretrained picks the class the same way)
+        assert type(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))).__name__ == hf_loads
+    else:
+        with pytest.raises(ValueError, match=re.escape(hf_loads)):
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with pytest.raises(ValueError) as e:
+        load_hf(path, progress=False)
+    assert needle in str(e.value) and str(e.value).count("config.json") == 1, str(e.value)
 
 
 def test_an_absent_num_key_value_heads_is_named_with_its_default(tmp_path):

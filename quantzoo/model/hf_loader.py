@@ -3,8 +3,9 @@
     load_hf(path) -> (ModelConfig, weights, Tokenizer | None, generation_config: dict)
 
 What is read, in order, and checked before any tensor is used:
-  config.json               architectures Qwen3ForCausalLM / LlamaForCausalLM / MistralForCausalLM
-                            (a sliding window caps the context), the dims, and
+  config.json               model_type qwen3 / llama / mistral and architectures Qwen3ForCausalLM /
+                            LlamaForCausalLM / MistralForCausalLM, naming the same class where
+                            both are given (a sliding window caps the context), the dims, and
                             `quantization_config` (DESIGN.md §3: quant_method awq, bits 4,
                             version gemm, zero_point true; group_size; extra keys ignored;
                             `modules_to_not_convert` honoured).
@@ -32,6 +33,9 @@ import numpy as np
 # Mistral is Llama's architecture (llama.cpp converts it to arch "llama" too) but for v0.1's
 # sliding window, which parse_config turns into a context limit.
 ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
+# config.json's model_type -> its class: transformers' Auto classes go by model_type (architectures
+# is not read), llama.cpp's converter by architectures; model_class holds the two to one model
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -165,6 +169,31 @@ def _rope(cfg: dict, head_dim: int, where: str, context: int | None = None) -> t
     return theta, factors
 
 
+def model_class(cfg: dict, where: str = "config.json") -> str:
+    """The model class config.json names: its model_type's, which transformers' AutoConfig and
+    AutoModelForCausalLM load (architectures unread); where model_type is absent, the first
+    supported class in architectures (what llama.cpp's converter and the class's own
+    from_pretrained go by). Where both are given they must name the same class: a file whose
+    model_type says Llama and architectures Mistral runs full attention in transformers and
+    sliding in a tool reading architectures, so it is refused rather than one guessed."""
+    archs, mtype = cfg.get("architectures"), cfg.get("model_type")
+    listed = next((a for a in archs if isinstance(a, str) and a in ARCHS), None) if isinstance(archs, list) else None
+    if (archs is not None and not isinstance(archs, list)) or (mtype is None and listed is None):
+        raise ValueError(f"{where}: architectures={archs!r} is not supported; expected one of "
+                         f"{sorted(ARCHS)}" + ("" if mtype is not None else " (and there is no model_type)"))
+    if mtype is None:
+        return listed
+    typed = MODEL_TYPES.get(mtype) if isinstance(mtype, str) else None
+    if typed is None:   # (transformers refuses a model_type it does not know, whatever architectures says)
+        raise ValueError(f"{where}: model_type={mtype!r} is not supported (architectures={archs!r}); "
+                         f"expected one of {sorted(MODEL_TYPES)}")
+    if archs and typed not in archs:
+        raise ValueError(f"{where}: model_type={mtype!r} and architectures={archs!r} name different models "
+                         f"(transformers loads model_type's, {typed}; llama.cpp's converter architectures'); "
+                         "make them agree")
+    return typed
+
+
 def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json",
                  largest_dim=None):
     """config.json dict -> (ModelConfig, quantization dict | None).
@@ -177,12 +206,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     config.json itself: it opens the checkpoint, whose errors come after config.json's."""
     from .config import ModelConfig, positive, special_token_id
 
-    archs = cfg.get("architectures") or []
-    cls = next((a for a in archs if isinstance(a, str) and a in ARCHS), None) if isinstance(archs, list) else None
-    arch = ARCHS.get(cls)
-    if arch is None:
-        raise ValueError(f"{where}: architectures={archs!r} is not supported; "
-                         f"expected one of {sorted(ARCHS)}")
+    cls = model_class(cfg, where)
+    arch = ARCHS[cls]
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise ValueError(f"{where}: {key}=true is not supported (the runner has no biases)")
@@ -569,5 +594,5 @@ def to_numpy_float(t) -> np.ndarray:
 
 
 __all__ = ["load_hf", "parse_config", "parse_quantization_config", "expected_tensors",
-           "load_tokenizer", "to_numpy_float", "ARCHS", "LINEARS"]
+           "load_tokenizer", "to_numpy_float", "model_class", "ARCHS", "MODEL_TYPES", "LINEARS"]
 
