@@ -268,21 +268,58 @@ def test_gguf_read_by_transformers_own_gguf_reader(built, spec, fmt):
 def test_mistral_sliding_window_is_the_context(built):
     """MistralForCausalLM loads as llama; its sliding window (v0.1: 4096) becomes the model's
     context, inside which sliding and full attention agree (the cases above), and a sequence
-    past it is refused by name rather than attended to in full. The GGUF export writes the
-    window as the context length."""
-    import gguf
-
+    past it is refused by name rather than attended to in full."""
     from quantzoo.model import load_model
 
     path, model, orig = built("mistral-window")
     assert model.config.sliding_window == 80 and model.config.max_position_embeddings == 512
     m = load_model(path, device="cpu", progress=False)
     assert m.config.arch == "llama" and m.config.max_position == 80
+    assert (m.config.sliding_window, m.config.context_length) == (80, 512)
     with pytest.raises(ValueError, match=r"exceeds the model's max_seq 80"):
         m.generate(list(range(1, 60)), max_new_tokens=30)
-    dst = built.root / "mistral-window-q8_0.gguf"
-    assert cli(["quantize", str(path), str(dst), "--format", "q8_0", "--quiet"]) == 0
+
+
+def test_mistral_gguf_keeps_context_and_window(built):
+    """A Mistral GGUF says what the model is: llama.context_length is max_position_embeddings,
+    as llama.cpp's converter writes it (it had been the window, 80), and the window goes in
+    gguf-py's llama.attention.sliding_window (llama.cpp's llama arch does not read it), from
+    which the runner's context ends at the window again. HF dir -> GGUF -> runner against
+    transformers on the original directory: the same logits up to the window, refused past it
+    (where transformers slides); GGUF -> HF dir writes a MistralForCausalLM config that
+    transformers runs as the original, past the window too (it had become a Llama of 80)."""
+    import json
+
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from quantzoo.model import load_model
+
+    path, model, orig = built("mistral-window")
+    w16 = expected_weights(orig, "fp16")
+    dst = built.root / "mistral-window-fp16.gguf"
+    assert cli(["quantize", str(path), str(dst), "--format", "fp16", "--quiet"]) == 0
     r = gguf.GGUFReader(str(dst))
     assert r.fields["general.architecture"].contents() == "llama"
-    assert r.fields["llama.context_length"].contents() == 80
-
+    assert r.fields["llama.context_length"].contents() == 512
+    assert r.fields["llama.attention.sliding_window"].contents() == 80
+    m = load_model(dst, device="cpu", progress=False)
+    assert (m.config.max_position, m.config.sliding_window, m.config.context_length) == (80, 80, 512)
+    inside, past = list(range(3, 83)), list(range(3, 123))
+    ref = hf_logits(model, w16, inside)
+    rel = float((m.logits(inside) - ref).abs().max() / ref.abs().max())
+    assert rel < REL_BOUND, rel
+    with pytest.raises(ValueError, match=r"120 ids exceed the model's max_seq 80"):
+        m.logits(past)
+    hf_dir = built.root / "mistral-window-from-gguf"
+    assert cli(["quantize", str(dst), str(hf_dir), "--format", "fp16", "--quiet"]) == 0
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"], cfg["sliding_window"], cfg["max_position_embeddings"]) == \
+           (["MistralForCausalLM"], "mistral", 80, 512)
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(torch.tensor([past])).logits[0]
+    # the original's Mistral holding the new directory's weights (its norms are fp16 now): past the
+    # window both slide, where a Llama would attend to all
+    ref = hf_logits(model, H.read_safetensors_dir(hf_dir), past)
+    assert float((again - ref).abs().max() / ref.abs().max()) < REL_BOUND
+    assert load_model(hf_dir, device="cpu", progress=False).config.max_position == 80

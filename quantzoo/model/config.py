@@ -137,15 +137,27 @@ class ModelConfig:
     # values): GGUF's rope_freqs.weight, or computed from HF's rope_type "llama3" (llama3_rope_factors).
     # None: plain RoPE.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Mistral v0.1: every layer attends to the last sliding_window positions (HF sliding_window,
+    # GGUF {arch}.attention.sliding_window). The runner attends to the whole context, which is
+    # the same inside the window only, so max_position (the positions the runner takes) is cut
+    # to it, and context_length keeps the model's own context (HF max_position_embeddings, GGUF
+    # context_length: what an export writes). None: no window / no cut (max_position is it).
+    sliding_window: int | None = None
+    context_length: int | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r}: the runner knows {ARCHS}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position"):
+                     "num_kv_heads", "head_dim", "max_position", "sliding_window", "context_length"):
             v = getattr(self, name)
+            if v is None and name in ("sliding_window", "context_length"):
+                continue
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
+        if self.sliding_window is not None and self.sliding_window < self.max_position:
+            self.context_length = self.context_length or self.max_position
+            self.max_position = self.sliding_window
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads} (GQA needs whole groups)")

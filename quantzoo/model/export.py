@@ -207,8 +207,8 @@ def check_dims_fit(config, path, limit: int, field: str) -> None:
     """Every dimension a file header stores as an integer field is below `limit` (the config
     holds them as positive ints already); else one error naming it and the field."""
     for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                 "vocab_size", "max_position", "head_dim"):
-        if getattr(config, name) >= limit:
+                 "vocab_size", "max_position", "head_dim", "context_length", "sliding_window"):
+        if (getattr(config, name) or 0) >= limit:
             raise ValueError(f"{path}: {name}={getattr(config, name)} does not fit {field}")
 
 
@@ -242,16 +242,22 @@ def hf_config_dict(src: Source, dtype: str = "float16") -> dict:
             raise ValueError(f"{src.path}: its RoPE frequency factors (rope_freqs.weight) have no HF "
                              "config.json form (transformers rebuilds them from rope_scaling's "
                              "parameters, which a GGUF does not keep); export it to a .gguf instead")
-        arch, model_type = HF_ARCH[c.arch]
+        # a window on arch llama is Mistral's (llama.cpp converts MistralForCausalLM to llama):
+        # LlamaForCausalLM with a sliding_window key would attend to the whole context in transformers
+        mistral = c.arch == "llama" and c.sliding_window is not None
+        arch, model_type = ("MistralForCausalLM", "mistral") if mistral else HF_ARCH[c.arch]
         cfg = {"architectures": [arch], "model_type": model_type, "vocab_size": c.vocab_size,
                "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
                "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
                "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
                "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-               "max_position_embeddings": c.max_position, "tie_word_embeddings": c.tie_word_embeddings,
+               "max_position_embeddings": (c.context_length or c.max_position) if mistral else c.max_position,
+               "tie_word_embeddings": c.tie_word_embeddings,
                "hidden_act": "silu", "attention_bias": False,
                "bos_token_id": c.bos_token_id,
                "eos_token_id": (c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids or None)}
+        if mistral:
+            cfg["sliding_window"] = c.sliding_window
         pad = gguf_token_id(src, "padding")
         if pad is not None:   # (transformers' generate pads batches with it)
             cfg["pad_token_id"] = pad
@@ -660,7 +666,7 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     tmp = dst.with_name(dst.name + ".part")
     w = gguf.GGUFWriter(str(tmp), c.arch)
     w.add_name(src.path.stem if src.path.is_file() else src.path.name)
-    w.add_context_length(c.max_position)
+    w.add_context_length(c.context_length or c.max_position)   # (llama.cpp's converter: max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_layers)
     w.add_feed_forward_length(c.intermediate_size)
@@ -670,6 +676,8 @@ def write_gguf(src: Source, dst: Path, fmt: str, progress=True) -> Path:
     w.add_value_length(c.head_dim)
     w.add_rope_freq_base(float(c.rope_theta))
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+    if c.sliding_window is not None:   # (gguf-py's key; llama.cpp's converter writes none for Mistral,
+        w.add_sliding_window(c.sliding_window)   # and its llama arch reads none: it attends to all)
     if c.arch == "llama":
         w.add_rope_dimension_count(c.head_dim)
         w.add_vocab_size(c.vocab_size)

@@ -237,7 +237,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not "
                          "supported (every layer attends to the whole context here)")
     # Mistral: every layer attends to the last sliding_window positions (v0.1: 4096; null from
-    # v0.2 on). Within the window that is the whole context, so the runner's context ends there.
+    # v0.2 on). Within the window that is the whole context, so the runner's context ends there
+    # (ModelConfig cuts max_position to it, keeping max_position_embeddings as context_length).
     window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW) if cls == "MistralForCausalLM" else None
     if window is not None:
         window = positive(window, int, f"{where}: sliding_window")
@@ -281,8 +282,6 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if layer_types is not None and len(layer_types) != dims["num_layers"]:   # (transformers refuses it too)
         raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for num_hidden_layers="
                          f"{dims['num_layers']}")
-    if window is not None and window < dims["max_position"]:
-        dims["max_position"] = window
     tie = cfg.get("tie_word_embeddings", False)
     if tie is not None and not isinstance(tie, bool):   # bool("false") is True: a silently tied lm_head
         raise ValueError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
@@ -295,7 +294,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
                            f"{where}: bos_token_id")
     try:
         config = ModelConfig(arch=arch, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
-                             tie_word_embeddings=bool(tie),
+                             tie_word_embeddings=bool(tie), sliding_window=window,
                              qk_norm=(arch == "qwen3"), bos_token_id=bos, eos_token_ids=eos_ids, **dims)
     except ValueError as e:   # e.g. an odd head_dim
         raise ValueError(f"{where}: {e}") from None
