@@ -235,7 +235,7 @@ def as_float_matrix(w, what: str = "w") -> np.ndarray:
             raise ValueError(f"{what}: a meta tensor holds no values to quantize")
         if w.layout != torch.strided:
             raise ValueError(f"{what}: a {w.layout} tensor; pass a dense one (w.to_dense())")
-        w = w.detach().cpu()
+        w = w.detach().cpu().resolve_neg()   # (z.conj().imag: a lazily negated view, which .numpy() refuses)
         w = (w if w.dtype == torch.float64 else w.float()).numpy()   # (float64: range-checked below)
     w = np.asarray(w)
     if w.dtype.kind not in "biuf":

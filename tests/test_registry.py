@@ -277,6 +277,20 @@ def test_torch_weights_without_values_are_refused(name):
         qz.QuantLinear.from_linear(torch.nn.Linear(128, 8, device="meta"), name)
 
 
+@pytest.mark.parametrize("name", STORED)
+def test_a_lazily_negated_weight_is_read_by_its_values(name, rng):
+    """z.conj().imag is a float tensor with the negative bit set, which nn.Linear takes; quantize
+    (and QuantLinear.from_linear) refused it with torch's RuntimeError from .numpy(). Now it is read
+    as the values it holds, as ops.matmul reads such an x."""
+    z = torch.from_numpy(rng.standard_normal((16, 128)) + 1j * rng.standard_normal((16, 128)))
+    for dtype in (torch.complex64, torch.complex128):   # (float32 and float64 views)
+        w = z.to(dtype).conj().imag
+        assert w.is_neg()
+        want = get(name).quantize(w.resolve_neg())
+        for k, a in get(name).quantize(w).arrays().items():
+            assert np.array_equal(a, want.arrays()[k]), k
+
+
 def test_weights_too_small_for_awq_and_fp16_are_said(rng):
     """The GGUF formats said where a block's fp16 d underflows; AWQ's scale floor (a group's range
     is taken as at least 1e-5, AutoAWQ's clamp) and fp16's subnormals lost tiny weights silently."""
