@@ -240,4 +240,5 @@ class AWQ(Format, name="awq"):
     def emulate(self, x, qt, return_bound=False):
         from quantzoo.reference import awq_fp16
 
+        self.check(qt)   # (awq_fp16 dequantizes by qt's own format: another one's weight ran fp16 math)
         return awq_fp16.emulate_matmul(x, qt, return_bound=return_bound)

@@ -120,7 +120,8 @@ class Format:
 
     # --- reference: what the kernel computes, bit for bit where it can be ----------------
     def emulate(self, x: np.ndarray, qt, return_bound: bool = False):
-        """y = x @ W.T as the CUDA kernels compute it (see reference/)."""
+        """y = x @ W.T as the CUDA kernels compute it (see reference/), after `check` (its format and
+        storage), as dequantize."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -250,6 +250,7 @@ class GGUFBlockFormat(Format):
     def emulate(self, x, qt, return_bound=False):
         from quantzoo.reference import gguf_dot
 
+        self.check(qt)   # (gguf_dot computes by qt's own format: another one's weight ran its emulation)
         return gguf_dot.emulate_matmul(x, qt, return_bound=return_bound)
 
     # The per-block dot product the kernels compute, in fp32 (DESIGN.md §3):

@@ -169,6 +169,20 @@ def test_dequantize_refuses_another_formats_weight(name, rng):
 
 
 @pytest.mark.parametrize("name", STORED)
+def test_emulate_refuses_another_formats_weight(name, rng):
+    """fmt.emulate(x, qt) of another format's weight: dequantize's error, not another kernel's
+    arithmetic (awq's emulate ran fp16 math on a q4_0 weight, which its kernels quantize x to Q8_1
+    for; q4_0's ran q8_0's emulation, a result said to be q4_0's)."""
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    for other in STORED:
+        if other != name:
+            qt = get(other).quantize(w)
+            with pytest.raises(ValueError, match=rf"^{name} weight: got a '{other}' weight$"):
+                get(name).emulate(x, qt)
+
+
+@pytest.mark.parametrize("name", STORED)
 def test_to_cpu_round_trip_keeps_storage(name, rng):
     fmt = get(name)
     qt = fmt.quantize(rng.standard_normal((16, 256)).astype(np.float32))
