@@ -39,9 +39,15 @@ def to_fp16(x, what: str = "the fp16 kernels") -> np.ndarray:
                      "lose that much of the row (mode='dequant' does not); scale x up")
 
 
+def _check_rank(x, shape) -> None:
+    if x.ndim == 0:   # (as ops.matmul says it; x.shape[-1] was an IndexError)
+        raise ValueError(f"x: a scalar (0-d); expected shape (..., {shape[1]}) for the weight {tuple(shape)}")
+
+
 def fp16_matmul(x, w16, return_bound: bool = False, what: str = "the fp16 kernels"):
     """y = fp16(x) @ w16.T with exact products, summed in float64; w16 (N, K)."""
     x = np.asarray(x)
+    _check_rank(x, np.shape(w16))
     lead = x.shape[:-1]
     x16 = to_fp16(x.reshape(-1, x.shape[-1]), what).astype(np.float64)
     w = np.asarray(w16, dtype=np.float16).astype(np.float64)
@@ -105,6 +111,7 @@ def emulate_group_scaled(x, qt, return_bound: bool = False):
     """What cuda/awq_small.cu and cuda/awq_gemv.cu compute: y = x16 @ ((q - z) * s), fp32 result
     (before fp16)."""
     x = np.asarray(x)
+    _check_rank(x, qt.shape)
     lead = x.shape[:-1]
     x16 = to_fp16(x.reshape(-1, x.shape[-1]), f"{qt.format}'s kernels").astype(np.float64)
     w, qs, zs, g = group_scaled_terms(qt)

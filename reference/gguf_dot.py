@@ -69,9 +69,11 @@ def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24
     fmt.check(qt)
     x = cast_warn(x, np.float32, f"{fmt.name}'s Q8_1 quantizer takes fp16 or fp32 x, so this emulation "
                   "gives inf/NaN there")
+    n, k = qt.shape
+    if x.ndim == 0:   # (as ops.matmul says it; x.shape[-1] was an IndexError)
+        raise ValueError(f"x: a scalar (0-d); expected shape (..., {k}) for the {fmt.name} weight {qt.shape}")
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    n, k = qt.shape
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features, the weight expects K={k}")
     a = quantize_activations(x)

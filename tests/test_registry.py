@@ -183,6 +183,18 @@ def test_emulate_refuses_another_formats_weight(name, rng):
 
 
 @pytest.mark.parametrize("name", STORED)
+def test_emulate_names_an_x_of_the_wrong_shape(name, rng):
+    """A 0-d x: ops.matmul's ValueError (emulate raised an IndexError from x.shape[-1])."""
+    qt = get(name).quantize(rng.standard_normal((16, 128)).astype(np.float32))
+    for x in (np.float32(1.0), np.zeros(())):
+        with pytest.raises(ValueError, match=r"^x: a scalar \(0-d\); expected shape \(\.\.\., 128\)"):
+            get(name).emulate(x, qt)
+    with pytest.raises(ValueError, match="x has 96 features, the weight expects K=128"):
+        get(name).emulate(np.zeros((2, 96), np.float32), qt)
+    assert get(name).emulate(np.zeros(128, np.float32), qt).shape == (16,)
+
+
+@pytest.mark.parametrize("name", STORED)
 def test_to_cpu_round_trip_keeps_storage(name, rng):
     fmt = get(name)
     qt = fmt.quantize(rng.standard_normal((16, 256)).astype(np.float32))
