@@ -214,6 +214,12 @@ def _awq_gemm(x, qweight, scales, qzeros, group_size=None):
 
 
 def _awq_gemm_fake(x, qweight, scales, qzeros, group_size=None):
+    # awq.gemm's checks of x by its shape and dtype (the result had been shaped from scales alone:
+    # an x of another K, a 0-d or an fp32 x got one); the weights' are the kernel's (their shapes,
+    # and the group size they imply, are symbols under torch.compile's dynamic shapes)
+    from quantzoo.kernels import awq
+
+    awq._check_x(x, qweight.shape[0], qweight.device, fake=True)
     return x.new_empty((*x.shape[:-1], scales.shape[-1]), dtype=torch.float16)
 
 

@@ -4,6 +4,8 @@ model of QuantLinear layers in every stored format compiles whole (fullgraph: a 
 is an error) and computes exactly what it computes eagerly. GPU: tests/test_torch_compile_gpu.py."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -109,6 +111,29 @@ def test_op_errors_are_named(rng):
     with torch.no_grad(), pytest.raises(Exception, match=r"x: a scalar \(0-d\); expected shape \(\.\.\., 96\) "
                                                          r"for the q8_0 weight \(40, 96\)"):
         torch.compile(QuantLinear(qt), backend="aot_eager", fullgraph=True)(torch.tensor(1.0))
+
+
+def test_awq_gemm_fake_kernel_refuses_what_the_kernel_refuses(rng):
+    """The awq_gemm operator on meta and under FakeTensorMode (torch.compile's tracing, torch.export)
+    refuses the x that awq.gemm refuses by shape and dtype: its result had been shaped from scales
+    alone, so an x of another K, a 0-d or an fp32 x got one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aq = get("awq").quantize(rng.standard_normal((64, 128)).astype("float32"), group_size=32).data
+    bad = ((torch.ones(2, 96, dtype=torch.float16), r"x: shape \(2, 96\), the last dimension must be K=128"),
+           (torch.tensor(1.0, dtype=torch.float16), r"x: shape \(\), the last dimension must be K=128"),
+           (torch.ones(2, 128), "x: dtype torch.float32, the AWQ kernels take float16 activations"))
+    for mode in (None, FakeTensorMode()):   # meta tensors, then fake ones (through ops.awq_gemm)
+        with mode or contextlib.nullcontext():
+            put = mode.from_tensor if mode else (lambda t: t.to("meta"))
+            w = [put(torch.from_numpy(aq[k])) for k in ("qweight", "scales", "qzeros")]
+            op = ops.awq_gemm if mode else torch.ops.quantzoo.awq_gemm
+            for g in (32, None):
+                y = op(put(torch.ones(2, 3, 128, dtype=torch.float16)), *w, g)
+                assert y.shape == (2, 3, 64) and y.dtype == torch.float16
+            for x, said in bad:
+                with pytest.raises(ValueError, match=said):
+                    op(put(x), *w, 32)
 
 
 def test_blocks_compiled_one_by_one_share_one_graph(rng):
