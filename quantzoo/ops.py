@@ -76,9 +76,7 @@ def _matmul(x, qt, mode: str):
 
         if x.layout != torch.strided:
             raise ValueError(f"x: a {x.layout} tensor; expected a dense one (x.to_dense())")
-        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError(f"x: dtype {x.dtype}; expected float16, bfloat16, float32 or float64 "
-                             "(the result takes x's dtype)")
+        torch_ops.check_dtype(x)
     else:
         x = np.asarray(x)
         if x.dtype.kind not in "biuf":

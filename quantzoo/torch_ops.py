@@ -196,7 +196,16 @@ def _qmatmul(x, storage, format, n, k, layout, mode="emulate"):
     return _on_cuda_graph_stream(x, lambda: ops._matmul(x, qt, mode))
 
 
+def check_dtype(x) -> None:
+    """The x dtypes ops.matmul computes in, the result taking x's (an integer or float8 y would
+    truncate or saturate it): eagerly and in the fake kernel (which had given an int result)."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"x: dtype {x.dtype}; expected float16, bfloat16, float32 or float64 "
+                         "(the result takes x's dtype)")
+
+
 def _qmatmul_fake(x, storage, format, n, k, layout, mode="emulate"):
+    check_dtype(x)
     if x.dim() == 0:   # (as ops.matmul says it eagerly; x.shape[-1] was an IndexError)
         raise ValueError(f"x: a scalar (0-d); expected shape (..., {k}) for the {format} weight {(n, k)}")
     if x.shape[-1] != k:

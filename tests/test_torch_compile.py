@@ -113,6 +113,23 @@ def test_op_errors_are_named(rng):
         torch.compile(QuantLinear(qt), backend="aot_eager", fullgraph=True)(torch.tensor(1.0))
 
 
+def test_fake_kernel_refuses_the_dtypes_matmul_refuses(rng):
+    """An integer, bool, complex or float8 x under FakeTensorMode (torch.export's tracing, shape
+    inference) is refused as eagerly and on meta: the fake kernel had given a result of x's dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    qt = get("q4_0").quantize(rng.standard_normal((40, 96)).astype("float32"))
+    said = "x: dtype .*; expected float16, bfloat16, float32 or float64"
+    for dtype in (torch.int32, torch.bool, torch.complex64, torch.float8_e4m3fn):
+        x = torch.ones(2, 96).to(dtype)
+        with pytest.raises(ValueError, match=said):
+            ops.matmul(x.to("meta"), qt.to("meta"))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:   # (the weight's tensors are real)
+            for f in (QuantLinear(qt), lambda t: ops.matmul(t, qt)):
+                with pytest.raises(ValueError, match=said):
+                    f(mode.from_tensor(x))
+
+
 def test_awq_gemm_fake_kernel_refuses_what_the_kernel_refuses(rng):
     """The awq_gemm operator on meta and under FakeTensorMode (torch.compile's tracing, torch.export)
     refuses the x that awq.gemm refuses by shape and dtype: its result had been shaped from scales
