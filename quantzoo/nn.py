@@ -106,9 +106,11 @@ class QuantLinear(torch.nn.Module):
 
     def set_extra_state(self, state: dict) -> None:
         try:
+            # (a meta module's state: meta tensors, no values; taken as they are, as nn.Linear's are)
+            meta = any(v.is_meta for v in state["arrays"].values())
             # (.cpu(): torch.load's map_location may have put them on a GPU)
             # (copies, as nn.Linear's load copies: the module must not share the caller's tensors)
-            arrays = {k: np.array(v.detach().cpu().numpy()) for k, v in state["arrays"].items()}
+            arrays = {k: v.detach() if meta else np.array(v.detach().cpu().numpy()) for k, v in state["arrays"].items()}
             qt = QuantizedTensor(state["format"], tuple(state["shape"]),
                                  arrays["data"] if list(arrays) == ["data"] else arrays, dict(state["params"]))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
@@ -121,6 +123,9 @@ class QuantLinear(torch.nn.Module):
             raise ValueError(f"QuantLinear state: weight shape {qt.shape}, this module is "
                              f"{(self.out_features, self.in_features)}")
         assigned = getattr(self, "_assign", False)
+        if meta and not assigned and self.qt.device != "meta":
+            raise ValueError(f"QuantLinear state: its arrays are on meta (no values); this module's weight is on "
+                             f"{self.qt.device}: load it with load_state_dict(sd, assign=True) to make the weight meta")
         self.qt = qt.to(str(next(iter(state["arrays"].values())).device) if assigned else self.qt.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -618,6 +618,26 @@ def test_a_meta_module_loaded_with_assign_takes_the_weight(rng):
     assert stay.qt.device == "meta" and stay.bias.device.type == "meta"
 
 
+def test_a_meta_state_dict_loads_as_nn_linears_does(rng):
+    """A meta module's state_dict (meta tensors, no values): a module on meta loads it and stays
+    there, load_state_dict(sd, assign=True) moves the weight to meta, as nn.Linear's parameters;
+    into a module holding values it is refused by name. Each had raised torch's bare
+    NotImplementedError ("Cannot copy out of meta tensor") from the weight's .cpu()."""
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    sd = qz.QuantLinear(get("q8_0").quantize(w), torch.zeros(16)).to("meta").state_dict()
+    meta = qz.QuantLinear(get("q8_0").quantize(w), torch.zeros(16)).to("meta")
+    meta.load_state_dict(sd)
+    assert meta.qt.device == "meta" and meta.bias.device.type == "meta"
+    cpu = qz.QuantLinear(get("q8_0").quantize(w), torch.zeros(16))
+    with pytest.raises(ValueError, match=r"QuantLinear state: its arrays are on meta \(no values\); this module's weight "
+                                         r"is on cpu: load it with load_state_dict\(sd, assign=True\)"):
+        cpu.load_state_dict(sd)
+    assert cpu.qt.device == "cpu" and np.array_equal(cpu.qt.data, get("q8_0").quantize(w).data)   # unchanged
+    cpu.load_state_dict(sd, assign=True)
+    assert cpu.qt.device == "meta" and cpu.bias.device.type == "meta"
+    assert cpu(torch.ones(2, 128, device="meta")).shape == (2, 16)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "awq"])
 def test_a_meta_module_takes_to_empty_and_state_dict(rng, fmt):
     """The rest of the lazy-init flow: a QuantLinear on meta gives a state_dict (meta tensors, as
