@@ -60,11 +60,14 @@ def matmul(x, qt, *, mode: str = "emulate"):
 def _matmul(x, qt, mode: str):
     """matmul's direct dispatch (the operator's kernel calls it: no second routing)."""
     _check_args(qt, mode)
-    if getattr(x, "requires_grad", False):
+    if hasattr(x, "detach"):
         import torch
 
-        if torch.is_grad_enabled():
-            raise ValueError(torch_ops.GRAD_REFUSED.format("quantzoo.ops.matmul"))
+        if torch.is_grad_enabled():   # (what the operator's Autograd kernel refuses, eagerly)
+            if x.requires_grad:
+                raise ValueError(torch_ops.GRAD_REFUSED.format("quantzoo.ops.matmul"))
+            if any(getattr(a, "requires_grad", False) for a in qt.arrays().values()):
+                raise ValueError(torch_ops.WEIGHT_GRAD_REFUSED.format("quantzoo.ops.matmul"))
     if getattr(x, "is_cuda", False):
         # The runner's hot path (~150 calls per forward, a 512-token prefill is partly bound
         # by their Python time): the kernel module checks x and the weight itself (shapes,

@@ -234,6 +234,8 @@ def _awq_gemm_fake(x, qweight, scales, qzeros, group_size=None):
 
 GRAD_REFUSED = ("x requires grad, but {} has no backward (the result would be silently detached); "
                 "run it under torch.no_grad() or pass x.detach()")
+WEIGHT_GRAD_REFUSED = ("a weight tensor requires grad, but {} has no backward (it would get no gradient); "
+                       "run it under torch.no_grad() or pass the weights detached")
 
 
 def _refuse_derivatives(x, name: str, weights=()) -> None:
@@ -243,8 +245,7 @@ def _refuse_derivatives(x, name: str, weights=()) -> None:
         if x.requires_grad:
             raise ValueError(GRAD_REFUSED.format(name))
         if any(t.requires_grad for t in weights):
-            raise ValueError(f"a weight tensor requires grad, but {name} has no backward (it would get no "
-                             "gradient); run it under torch.no_grad() or pass the weights detached")
+            raise ValueError(WEIGHT_GRAD_REFUSED.format(name))
     if _has_tangent(x):
         raise ValueError(f"x carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp), but {name} "
                          "has no derivative (the result would have none); pass the primal alone")

@@ -137,6 +137,25 @@ def test_matmul_refuses_an_input_that_requires_grad():
         assert qz.ops.matmul(x, qt).shape == (2, 8)
 
 
+def test_matmul_refuses_a_weight_that_requires_grad(rng):
+    """A weight tensor that requires grad (an fp16 weight as a Parameter, AWQ scales being trained):
+    the result came back without a grad_fn, the weight's gradient silently none, where the operator
+    (torch.compile, make_fx, torch.func) refuses it by name."""
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    x = torch.from_numpy(rng.standard_normal((2, 128)).astype(np.float32))
+    fp, aq = get("fp16").quantize(w), get("awq").quantize(w, group_size=32)
+    for qt in (qz.QuantizedTensor("fp16", (16, 128), torch.nn.Parameter(torch.from_numpy(fp.data))),
+               qz.QuantizedTensor("awq", (16, 128), {**{k: torch.from_numpy(v) for k, v in aq.data.items()},
+                                                      "scales": torch.from_numpy(aq.data["scales"]).requires_grad_()},
+                                  aq.params)):
+        for f in (lambda t: qz.ops.matmul(t, qt), qz.QuantLinear(qt)):
+            with pytest.raises(ValueError, match="a weight tensor requires grad, but quantzoo.ops.matmul has no "
+                                                 "backward"):
+                f(x)
+            with torch.no_grad():
+                assert torch.equal(f(x), qz.ops.matmul(x, qt.numpy()))
+
+
 def test_q8_1_overflow_is_said():
     """Activations whose Q8_1 block sum passes fp16's 65504: the kernels (as llama.cpp's) and
     their emulation give inf/NaN for the formats that use the sum; a warning names the block."""
