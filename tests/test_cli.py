@@ -467,6 +467,14 @@ def test_interactive_chat_keeps_the_conversation(tiny_run, monkeypatch, capsys):
     assert main(["run", "model", "--device", "cpu", "--interactive", "--max-new-tokens", "1"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "quantzoo run: error: stdin: not UTF-8 text (invalid start byte)")
+    # under a C, POSIX or C.UTF-8 locale Python's stdin escapes such bytes to lone surrogates
+    # instead of raising: they reached the tokenizer ("text: cannot be encoded (TextInputSequence
+    # must be str)", naming no input)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok\ncaf\xe9\n"), encoding="utf-8",
+                                                      errors="surrogateescape"))
+    assert main(["run", "model", "--device", "cpu", "--interactive", "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "quantzoo run: error: stdin: not UTF-8 text (character 3 is an undecodable byte or a lone surrogate)")
 
 
 def test_interactive_ctrl_c_ends_a_reply_or_the_chat(tiny_run, monkeypatch, capsys):

@@ -91,12 +91,8 @@ def run(args) -> int:
     if args.matmul_mode is not None and device != "cpu":
         raise ValueError(f"--matmul-mode {args.matmul_mode}: it picks the CPU linears; on {device} each "
                          "quantized linear runs its format's CUDA kernel (or add --device cpu)")
-    # bytes of the command line that are not UTF-8 come as lone surrogates (surrogateescape):
-    # no tokenizer encodes them, and no decoded text holds them (a stop string would never match)
     for name, v in [("--prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop or []]:
-        bad = next((i for i, c in enumerate(v or "") if "\ud800" <= c <= "\udfff"), None)
-        if bad is not None:
-            raise ValueError(f"{name}: not UTF-8 text (character {bad} is an undecodable byte or a lone surrogate)")
+        _check_utf8(name, v)
     opts = {"cuda_graph": not args.no_cuda_graph}
     if device == "cpu":
         opts["matmul_mode"] = args.matmul_mode or "cached"
@@ -114,6 +110,15 @@ def run(args) -> int:
         g, ids = _one_prompt(m, args, variables)
     _summary(m, ids, g)
     return 0
+
+
+def _check_utf8(name: str, text) -> None:
+    """Bytes that are not UTF-8 come as lone surrogates (surrogateescape: the command line, and
+    stdin under a C, POSIX or C.UTF-8 locale): no tokenizer encodes them, and no decoded text
+    holds them (a stop string would never match)."""
+    bad = next((i for i, c in enumerate(text or "") if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        raise ValueError(f"{name}: not UTF-8 text (character {bad} is an undecodable byte or a lone surrogate)")
 
 
 def _generate(m, ids, args, first: bool, shown=None, max_new: int | None = None):
@@ -188,6 +193,7 @@ def _chat_turns(m, args, variables):
                 break
             except UnicodeDecodeError as e:
                 raise ValueError(f"stdin: not UTF-8 text ({e.reason})") from None
+            _check_utf8("stdin", line)   # (a locale whose stdin escapes bad bytes)
         if not line.strip():
             break
         msgs.append({"role": "user", "content": line})
