@@ -232,6 +232,16 @@ def test_bad_model_bench_file_is_an_error(tmp_path, capsys):
 @pytest.mark.parametrize("args,needle", [
     (["--model", "/nonexistent/m.gguf"], "--model '/nonexistent/m.gguf': no such file or directory"),
     (["--accuracy-formats", "q4_0,q8_1"], "--accuracy-formats: 'q8_1' is an activation format"),
+    # a file that is no model: it failed after the bench as "SRC=...", an argument report lacks
+    (["--model", __file__], f"--model {__file__!r}: expected an HF model directory, a .gguf file or a "
+                            "KuiperLLama .bin"),
+    # no format named: it meant every format, silently
+    (["--accuracy-formats", ","], "--accuracy-formats ',': no format named"),
+    # the accuracy section's settings with --no-accuracy: they were ignored without a word
+    (["--no-accuracy", "--accuracy-formats", "q4_0"], "--accuracy-formats: for the accuracy section, which "
+                                                      "--no-accuracy leaves out"),
+    (["--no-accuracy", "--model", "m.gguf", "--accuracy-tokens", "64"],
+     "--accuracy-tokens, --model: for the accuracy section, which --no-accuracy leaves out"),
 ])
 def test_bad_accuracy_arguments_are_errors(capsys, monkeypatch, args, needle):
     """A model path given and not found was a 'Skipped' line inside a report that exited 0. Both
@@ -246,6 +256,22 @@ def test_bad_accuracy_arguments_are_errors(capsys, monkeypatch, args, needle):
     assert main(["report", "--no-plots", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_a_model_without_a_tokenizer_is_named(tmp_path, capsys):
+    """--model of an HF directory without tokenizer files: the error said "the model has no
+    tokenizer", naming no model."""
+    import helpers_models as H
+
+    from quantzoo.cli import main
+
+    path, _, _ = H.make_model_dir("llama-gqa", tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (path / f).unlink()
+    capsys.readouterr()   # (transformers' own output while saving)
+    assert main(["report", "--no-bench", "--no-plots", "--model", str(path), "--accuracy-formats", "q8_0"]) == 2
+    assert capsys.readouterr().err.strip() == (f"quantzoo report: error: {path}: the model has no tokenizer; "
+                                               "the accuracy section needs one")
 
 
 def test_a_write_that_fails_names_out(tmp_path, capsys, monkeypatch):

@@ -25,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--no-accuracy", action="store_true", help="leave out the real-model accuracy section")
     p.add_argument("--accuracy-formats", metavar="A,B", default=None,
                    help="formats for the accuracy section (default: every weight format)")
-    p.add_argument("--accuracy-tokens", type=int, default=512,
+    p.add_argument("--accuracy-tokens", type=int, default=None,
                    help="at most this many tokens of the shipped text (default 512: all of it)")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="model for the accuracy section (default: the default SmolLM2 GGUF)")
@@ -43,21 +43,34 @@ def run(args) -> int:
     # each input file checked whole here (quantzoo.report.checks), before any other work: a bad
     # value fails as one line naming the file and the field, not inside or halfway through a report
     model_bench = report.load_model_bench(args.model_bench) if args.model_bench else None
+    if args.no_accuracy:   # (they would be ignored)
+        given = [f"--{n.replace('_', '-')}" for n in ("accuracy_formats", "accuracy_tokens", "model")
+                 if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for the accuracy section, which --no-accuracy leaves out")
+    if args.accuracy_tokens is None:
+        args.accuracy_tokens = 512
     if args.accuracy_tokens < 2:
         raise ValueError(f"--accuracy-tokens {args.accuracy_tokens}: need at least 2")
     acc_formats = None
-    if args.accuracy_formats:
+    if args.accuracy_formats is not None:
         from quantzoo import formats
 
         acc_formats = [s.strip() for s in args.accuracy_formats.split(",") if s.strip()]
+        if not acc_formats:   # (it meant every format)
+            raise ValueError(f"--accuracy-formats {args.accuracy_formats!r}: no format named")
         for n in acc_formats:
             formats.get_stored(n, "--accuracy-formats")
-    if args.model is not None and not args.no_accuracy:
+    if args.model is not None:
         from quantzoo.paths import check_no_symlink_loop
 
         check_no_symlink_loop(args.model, f"--model {args.model!r}")
         if not os.path.exists(args.model):
             raise FileNotFoundError(f"--model {args.model!r}: no such file or directory")
+        if not os.path.isdir(args.model) and not args.model.lower().endswith((".gguf", ".bin")):
+            # (read later, after a GPU machine's quick bench, it was named "SRC=", no argument here)
+            raise ValueError(f"--model {args.model!r}: expected an HF model directory, a .gguf file or a "
+                             "KuiperLLama .bin")
     if args.out is not None:
         report.check_out(args.out, f"--out {args.out}")
     # (every argument is checked above, before a minute of GPU bench below)

@@ -139,7 +139,7 @@ def accuracy(formats_list=None, *, path=None, text: str | None = None, max_token
     names = formats_list or [f.name for f in formats.weight_formats()]
     config, w, tok = read_float_model(path)
     if tok is None:
-        raise ValueError("the model has no tokenizer; the accuracy section needs one")
+        raise ValueError(f"{path or 'the default model'}: the model has no tokenizer; the accuracy section needs one")
     text = english_text() if text is None else text
     ids = tok.encode(text)[:min(max_tokens, config.max_position)]   # (no more than the model's context)
     if len(ids) < 2:
