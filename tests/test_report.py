@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from quantzoo import formats, report, workload
-from quantzoo.report import checks, sizes, speed
+from quantzoo.report import checks, plots, sizes, speed
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "bench_kernels_fixture.json")
 REPORT_FORMATS = [f.name for f in formats.weight_formats()] + ["fp16"]
@@ -142,7 +142,7 @@ def test_report_from_bench_fixture(tmp_path, errors, bench):
         data = json.load(f)
     assert [r["format"] for r in data["formats"]] == REPORT_FORMATS
     assert speed.load_bench(files["bench_json"])["results"] == bench["results"]
-    if not report.plots.have_matplotlib():
+    if not plots.have_matplotlib():
         pytest.skip("matplotlib missing: plots not checked")
     assert sorted(os.path.basename(p) for p in files["plots"]) == ["nmse.png", "roofline.png", "speedup.png"]
     check_pngs(files["plots"])
@@ -162,7 +162,7 @@ def test_report_cpu_live_cli(tmp_path):
     with open(tmp_path / "formats.csv") as f:
         lines = f.read().splitlines()
     assert [line.split(",")[0] for line in lines[1:]] == REPORT_FORMATS
-    if report.plots.have_matplotlib():
+    if plots.have_matplotlib():
         check_pngs([str(tmp_path / "nmse.png")])
         assert not (tmp_path / "roofline.png").exists()
 
