@@ -66,6 +66,11 @@ def test_paths_and_numbers_that_cannot_work_are_named(tmp_path, capsys):
                           f"DST={tmp_path / 'out.gguf'} is a directory; a .gguf DST names the file to write"),
                          (["bench", "kernels", "--target-ms", "-1"], "--target-ms: milliseconds must be > 0, got -1.0"),
                          (["bench", "kernels", "--workers", "0"], "--workers: at least 1, got 0"),
+                         # the seed was checked by numpy in each quantizing worker (every row an
+                         # error, then "expected non-negative integer"), or by torch past 2^64
+                         (["bench", "kernels", "--seed", "-1"], "--seed -1: an integer in [0, 2^63)"),
+                         (["bench", "kernels", "--seed", str(2**63)], f"--seed {2**63}: an integer in [0, 2^63)"),
+                         (["bench", "kernels", "--power-s", "inf"], "--power-s: seconds must be >= 0 and finite, got inf"),
                          (["bench", "kernels", "--m", "0"], "--m '0': expected comma-separated positive integers")):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()

@@ -247,7 +247,7 @@ def run_bench(*, shapes, ms, names, seed: int = 0, target_s: float = 0.03, use_g
         w_ref = torch.from_numpy(gaussian_weight(k, n, seed)).cuda()
         xs = {}
         for m in ms:
-            gen.manual_seed(seed * 1000003 + m)
+            gen.manual_seed((seed * 1000003 + m) % 2**64)   # (torch takes seeds below 2^64)
             xs[m] = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
         for name in names:
             mod, missing = mods[name]
@@ -416,7 +416,7 @@ def add_arguments(p) -> None:
     p.add_argument("--power-s", type=float, default=POWER_S, metavar="S",
                    help=f"seconds each format runs on the largest shape at M in {POWER_M} while nvidia-smi "
                         f"samples clock and power (default {POWER_S}; 0: skip)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and activations (default 0)")
     p.add_argument("--workers", type=int, default=None, help="processes for quantizing (default: cores)")
 
 
@@ -432,11 +432,13 @@ def run(args) -> int:
     names = bench_formats([s.strip() for s in args.formats.split(",")] if args.formats else None)
     if args.target_ms is not None and not args.target_ms > 0:
         raise ValueError(f"--target-ms: milliseconds must be > 0, got {args.target_ms}")
+    if not 0 <= args.seed < 2**63:   # (numpy's generator takes no negative seed: every row failed)
+        raise ValueError(f"--seed {args.seed}: an integer in [0, 2^63)")
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers: at least 1, got {args.workers}")
     target = (args.target_ms or (10.0 if args.quick else 30.0)) * 1e-3
-    if not args.power_s >= 0:
-        raise ValueError(f"--power-s: seconds must be >= 0, got {args.power_s}")
+    if not 0 <= args.power_s < math.inf:   # (inf: the probe ran for ever)
+        raise ValueError(f"--power-s: seconds must be >= 0 and finite, got {args.power_s}")
     from quantzoo.paths import check_out_dir
 
     check_out_dir(args.out, f"--out {args.out}", files=(f"{OUT_STEM}.json", f"{OUT_STEM}.csv"))
