@@ -138,6 +138,25 @@ def test_run_takes_a_cpu_index_as_the_cpu(monkeypatch, capsys):
     assert "stop here" in capsys.readouterr().err and seen == [("cpu", "dequant")]
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_gpu_index_past_the_gpus_is_named(monkeypatch, capsys, count):
+    """--device cuda:N for an N torch does not see was taken as given: torch failed with "invalid
+    device ordinal" where the model was first placed (a stand-in GPU count here)."""
+    import torch
+
+    import quantzoo.model
+    from quantzoo.cli import main
+    from quantzoo.model.llm import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(quantzoo.model, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    seen = {1: "torch sees 1 CUDA GPU here (cuda:0)", 2: "torch sees 2 CUDA GPUs here (cuda:0 to cuda:1)"}[count]
+    assert main(["run", "model", "--device", f"cuda:{count}"]) == 2
+    assert capsys.readouterr().err.strip() == f"quantzoo run: error: device='cuda:{count}': {seen}"
+    assert check_device(f"cuda:{count - 1}") == f"cuda:{count - 1}" and check_device("cuda") == "cuda"
+
+
 def test_matmul_mode_is_refused_on_cuda(monkeypatch, capsys):
     """--matmul-mode picks the CPU linears: on a CUDA device (given, or the default where a GPU
     is) it was dropped without a word, the GPU kernels running instead of, say, the emulation.

@@ -290,6 +290,10 @@ def check_device(device) -> str:
         raise ValueError(f"device={device!r}: the runner runs on cpu, cuda or cuda:N, not on {d.type}")
     if not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: torch sees no CUDA GPU here")
+    n = torch.cuda.device_count()
+    if d.index is not None and d.index >= n:   # (torch's "invalid device ordinal", a traceback, at the first use)
+        raise ValueError(f"device={device!r}: torch sees {n} CUDA GPU{'s' if n > 1 else ''} here "
+                         f"(cuda:0{f' to cuda:{n - 1}' if n > 1 else ''})")
     return str(d)
 
 
