@@ -30,3 +30,15 @@ def test_cuda_sources_ship():
     shipped = sorted(p.name for p in source_dir().iterdir() if p.name.endswith((".cu", ".cuh")))
     in_repo = sorted(p.name for p in (REPO / "cuda").iterdir() if p.name.endswith((".cu", ".cuh")))
     assert shipped == in_repo
+
+
+def test_kernels_md_line_counts():
+    """docs/kernels.md's reading guide gives some files' lengths ("`cuda/awq_small.cu`** (407
+    lines)"); they are the files' own (awq_small.cu had grown to 409)."""
+    import re
+
+    text = (REPO / "docs" / "kernels.md").read_text(encoding="utf-8")
+    cited = re.findall(r"`(cuda/[\w.]+)`\**\s+\((\d+) lines\)", text)
+    assert len(cited) >= 4, cited
+    for path, n in cited:
+        assert len((REPO / path).read_text(encoding="utf-8").splitlines()) == int(n), path
