@@ -67,6 +67,15 @@ def test_bench_model_long_context_out_of_range(capsys):
     assert "--long-context 5000: 0 (skip) up to 3960" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("layers", ["0", "-2"])
+def test_bench_model_layers_out_of_range(capsys, layers):
+    """It was refused as "num_layers=0", a field of the model's config, not a flag."""
+    from quantzoo.cli import main
+
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--layers", layers]) == 2
+    assert capsys.readouterr().err.strip() == f"quantzoo bench: error: --layers {layers}: at least 1"
+
+
 def test_bench_model_eager_tokens_fit_the_cache(tmp_path, capsys):
     """The short decode's KV cache was sized from --decode-tokens alone: more --eager-tokens than
     that (here 300 against a 256-position cache) failed every format mid-run with 'position 256

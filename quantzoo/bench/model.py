@@ -591,6 +591,8 @@ def run(args) -> int:
     # (--tiny's defaults keep a CPU run to seconds: 10 s on 2 cores)
     if args.layers is None:
         args.layers = 2 if args.tiny else QWEN3_8B["num_layers"]
+    if args.layers < 1:   # (the model's config named it num_layers, no flag of this command)
+        raise ValueError(f"--layers {args.layers}: at least 1")
     if args.prompt_lens is None:
         args.prompt_lens = "64,256" if args.tiny else "512,2048"
     try:
