@@ -188,6 +188,8 @@ def runner(seed: int, formats) -> int:
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():   # (a CPU machine: QuantizedTensor.to's traceback)
+        sys.exit("bench/sanitize_paths.py: needs a CUDA GPU (torch sees none here)")
     sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0,
                   sys.argv[2].split(",") if len(sys.argv) > 2 else list(PATHS),
                   *([sys.argv[3].split(",")] if len(sys.argv) > 3 else [])))

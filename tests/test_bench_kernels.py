@@ -223,3 +223,16 @@ def test_bench_kernels_quick_end_to_end(tmp_path):
         assert r["power_limit_w"] is None or r["power_w"] < 1.2 * r["power_limit_w"], r
         assert 0.5 * r["median_us"] < r["sustained_us"] < 3 * r["median_us"], r
         assert r["mj_per_call"] == pytest.approx(r["power_w"] * r["sustained_us"] * 1e-3)
+
+
+def test_sanitize_paths_without_a_gpu_is_one_line():
+    """README's `compute-sanitizer ... python3 bench/sanitize_paths.py` on a machine without a GPU:
+    it ended in a traceback from its first QuantizedTensor.to("cuda")."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script runs")
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "sanitize_paths.py")
+    out = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip() == "bench/sanitize_paths.py: needs a CUDA GPU (torch sees none here)", out.stderr
