@@ -96,6 +96,9 @@ def test_run_checks_its_arguments_before_loading(tmp_path, capsys):
                          (["--chat-template", "tool_use"], "--chat-template: it names the template --chat uses"),
                          (["--chat-template", ""], "--chat-template: it names the template --chat uses"),
                          (["--stop", ""], "--stop: an empty stop string"),
+                         # the CUDA graph switch on the CPU, where it was ignored (as --matmul-mode on
+                         # CUDA is refused)
+                         (["--device", "cpu", "--no-cuda-graph"], "--no-cuda-graph: it picks eager decode on CUDA"),
                          # bytes of the command line that are not UTF-8 (Python's surrogateescape):
                          # they failed after the load ("text: cannot be encoded (TextInputSequence
                          # must be str)"), or as a stop string never matched, silently

@@ -91,6 +91,8 @@ def run(args) -> int:
     if args.matmul_mode is not None and device != "cpu":
         raise ValueError(f"--matmul-mode {args.matmul_mode}: it picks the CPU linears; on {device} each "
                          "quantized linear runs its format's CUDA kernel (or add --device cpu)")
+    if args.no_cuda_graph and device == "cpu":   # (it was ignored: the summary said "eager" either way)
+        raise ValueError("--no-cuda-graph: it picks eager decode on CUDA; on the CPU decode is eager already")
     for name, v in [("--prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop or []]:
         _check_utf8(name, v)
     opts = {"cuda_graph": not args.no_cuda_graph}
