@@ -198,6 +198,19 @@ def tiny_run(monkeypatch):
     return m
 
 
+@pytest.mark.parametrize("path,hint", [("k.bin", " (a KuiperLLama .bin takes the tokenizer.json beside it)"),
+                                       ("q.gguf", "")])
+def test_a_model_without_a_tokenizer_says_where_one_goes(tiny_run, capsys, path, hint):
+    """`quantzoo quantize SRC k.bin` writes no tokenizer beside the .bin; running it said only
+    "the model has no tokenizer", not that a tokenizer.json beside the file is what it reads."""
+    from quantzoo.cli import main
+
+    tiny_run.tokenizer = None
+    assert main(["run", "model", "--device", "cpu", "--model", path]) == 2
+    assert capsys.readouterr().err.strip() == (f"quantzoo run: error: {path}: the model has no tokenizer, it cannot "
+                                               f"take a text prompt{hint}")
+
+
 def test_an_empty_prompt_without_a_bos_is_named(tiny_run, capsys):
     """--prompt "" with a tokenizer that adds no BOS gives no token: one line naming --prompt (it
     said "ids: empty", an argument the command does not have); with --chat the template's text

@@ -102,8 +102,10 @@ def run(args) -> int:
     if m.is_cuda:
         torch.cuda.reset_peak_memory_stats(m.device)
     tok = m.tokenizer
-    if tok is None:
-        raise ValueError(f"{args.model}: the model has no tokenizer, it cannot take a text prompt")
+    if tok is None:   # (a .bin written by `quantzoo quantize` has none beside it: where to put one)
+        kuiper = str(args.model).lower().endswith(".bin")
+        raise ValueError(f"{args.model}: the model has no tokenizer, it cannot take a text prompt"
+                         + (" (a KuiperLLama .bin takes the tokenizer.json beside it)" if kuiper else ""))
     if args.interactive:
         g, ids = _chat_turns(m, args, variables)
         if g is None:   # (no message came)
