@@ -70,6 +70,8 @@ def test_paths_and_numbers_that_cannot_work_are_named(tmp_path, capsys):
                          # error, then "expected non-negative integer"), or by torch past 2^64
                          (["bench", "kernels", "--seed", "-1"], "--seed -1: an integer in [0, 2^63)"),
                          (["bench", "kernels", "--seed", str(2**63)], f"--seed {2**63}: an integer in [0, 2^63)"),
+                         # no format named: every format was benched, silently (bench model refused it)
+                         (["bench", "kernels", "--formats", ""], "--formats '': no format named"),
                          (["bench", "kernels", "--power-s", "inf"], "--power-s: seconds must be >= 0 and finite, got inf"),
                          (["bench", "kernels", "--m", "0"], "--m '0': expected comma-separated positive integers")):
         assert main(argv) == 2

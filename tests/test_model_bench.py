@@ -109,10 +109,11 @@ def test_bench_model_refuses_a_device_it_has_no_path_for(monkeypatch, capsys):
         assert err.startswith("quantzoo bench: error: --device: ") and needle in err and "\n" not in err, err
 
 
-def test_bench_model_refuses_an_activation_format(capsys):
+@pytest.mark.parametrize("names", ["q4_0,q8_1", "q4_0, q8_1"])   # (with a space: "unknown format ' q8_1'")
+def test_bench_model_refuses_an_activation_format(capsys, names):
     from quantzoo.cli import main
 
-    assert main(["bench", "model", "--tiny", "--device", "cpu", "--formats", "q4_0,q8_1"]) == 2
+    assert main(["bench", "model", "--tiny", "--device", "cpu", "--formats", names]) == 2
     assert "--formats: 'q8_1' is an activation format, not a weight format" in capsys.readouterr().err
 
 

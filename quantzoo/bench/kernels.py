@@ -429,7 +429,12 @@ def run(args) -> int:
     if not shapes:
         raise ValueError("--only-shapes given without any --shape K,N")
     ms = parse_m(args.m) if args.m is not None else QUICK_M if args.quick else M_VALUES
-    names = bench_formats([s.strip() for s in args.formats.split(",")] if args.formats else None)
+    only = None
+    if args.formats is not None:   # (as report's --accuracy-formats and bench model's --formats read theirs)
+        only = [s.strip() for s in args.formats.split(",") if s.strip()]
+        if not only:   # (it meant every format)
+            raise ValueError(f"--formats {args.formats!r}: no format named")
+    names = bench_formats(only)
     if args.target_ms is not None and not args.target_ms > 0:
         raise ValueError(f"--target-ms: milliseconds must be > 0, got {args.target_ms}")
     if not 0 <= args.seed < 2**63:   # (numpy's generator takes no negative seed: every row failed)

@@ -580,7 +580,7 @@ def run(args) -> int:
     from ..model.llm import check_device
     from ..paths import check_out_file
 
-    fmts = [f for f in args.formats.split(",") if f]
+    fmts = [f.strip() for f in args.formats.split(",") if f.strip()]   # ("q4_0, q8_0" as bench kernels reads it)
     if not fmts:
         raise ValueError("--formats: no format named")
     for i, f in enumerate(fmts):
