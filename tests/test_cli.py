@@ -519,6 +519,20 @@ def test_interactive_chat_keeps_the_conversation(tiny_run, monkeypatch, capsys):
         "quantzoo run: error: stdin: not UTF-8 text (character 3 is an undecodable byte or a lone surrogate)")
 
 
+@pytest.mark.parametrize("args,needle", [
+    ([], "this model has no chat template"),
+    (["--chat-template", "tool_use"], "chat template 'tool_use': this model has no named templates")])
+def test_interactive_without_the_template_fails_before_reading(tiny_run, monkeypatch, capsys, args, needle):
+    """--interactive on a model without a chat template (or the named one) read the user's first
+    message, then failed rendering it."""
+    from quantzoo.cli import main
+
+    tiny_run.tokenizer.chat_template = None
+    monkeypatch.setattr("builtins.input", lambda prompt="": pytest.fail("a message was read first"))
+    assert main(["run", "model", "--device", "cpu", "--interactive", *args]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_interactive_ctrl_c_ends_a_reply_or_the_chat(tiny_run, monkeypatch, capsys):
     """Ctrl-C during a reply ends that reply (what was shown of it stays in the conversation), at
     the prompt it ends the chat; outside --interactive it ends the command with 130, no traceback."""

@@ -183,6 +183,9 @@ def _chat_turns(m, args, variables):
     not fit is refused. Returns the last finished turn's (Generation, ids), or (None,
     None) when none finished."""
     msgs = [{"role": "system", "content": args.system}] if args.system is not None else []
+    # rendered once before a line is read: a model without a chat template (or without the named
+    # --chat-template) fails before the user has typed a message, not after
+    m.tokenizer.apply_chat_template(msgs + [{"role": "user", "content": "hi"}], True, args.chat_template, **variables)
     last = (None, None)
     first, n = args.prompt, 0
     while True:
