@@ -17,6 +17,9 @@ from . import commands
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quantzoo",
                                 description="quantized-matmul kernels, references and a Qwen3 runner")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"quantzoo {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
         importlib.import_module(f"{commands.__name__}.{info.name}").register(sub)

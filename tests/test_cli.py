@@ -41,6 +41,17 @@ def test_unknown_command_is_a_usage_error(tmp_path):
     assert out.returncode == 2 and re.search(r"invalid choice", out.stderr)
 
 
+def test_version(capsys):
+    """`quantzoo --version`, as a user asks any command line tool (it was "the following arguments
+    are required: COMMAND")."""
+    import quantzoo
+    from quantzoo.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"quantzoo {quantzoo.__version__}\n"
+
+
 def test_options_that_do_not_apply_are_refused(tmp_path, capsys):
     """--group-size with a GGUF format used to be ignored, an unknown --tablefmt to fall back to
     plain text: both are refused now (exit 2), before any model is read."""
