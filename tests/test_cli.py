@@ -193,6 +193,10 @@ def test_matmul_mode_is_refused_on_cuda(monkeypatch, capsys):
         with pytest.raises(ZeroDivisionError):   # the default mode: loads as before
             main(["run", "model", "--model", "x.gguf", "--device", dev])
         assert seen.pop() == want, dev
+    # --quiet: no progress bars while loading, as quantize --quiet (run had no way to turn them off)
+    with pytest.raises(ZeroDivisionError):
+        main(["run", "model", "--model", "x.gguf", "--device", "cpu", "--quiet"])
+    assert seen.pop() == {"cuda_graph": True, "matmul_mode": "cached", "progress": False}
 
 
 @pytest.fixture

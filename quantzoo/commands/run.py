@@ -37,6 +37,7 @@ def register(sub) -> None:
     m.add_argument("--seed", type=int, default=None, help="seed of the sampling (needs --temperature > 0)")
     m.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     m.add_argument("--no-cuda-graph", action="store_true", help="eager decode on CUDA")
+    m.add_argument("--quiet", action="store_true", help="no progress bars while loading (as quantize --quiet)")
     m.add_argument("--matmul-mode", default=None, choices=("cached", "dequant", "emulate"),
                    help="CPU linears: cached dequantized fp32 (default), dequantize per call, or "
                         "emulate the GPU kernel (Q8_1 activations)")
@@ -98,6 +99,8 @@ def run(args) -> int:
     opts = {"cuda_graph": not args.no_cuda_graph}
     if device == "cpu":
         opts["matmul_mode"] = args.matmul_mode or "cached"
+    if args.quiet:
+        opts["progress"] = False
     m = load_model(args.model, device=device, **opts)
     if m.is_cuda:
         torch.cuda.reset_peak_memory_stats(m.device)
