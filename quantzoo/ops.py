@@ -14,6 +14,8 @@ import importlib
 
 import numpy as np
 
+from torch import is_grad_enabled as _grad_enabled
+
 from . import torch_ops
 from .formats import QuantizedTensor, get_stored
 from .formats.base import cast_warn, warn
@@ -60,14 +62,13 @@ def matmul(x, qt, *, mode: str = "emulate"):
 def _matmul(x, qt, mode: str):
     """matmul's direct dispatch (the operator's kernel calls it: no second routing)."""
     _check_args(qt, mode)
-    if hasattr(x, "detach"):
-        import torch
-
-        if torch.is_grad_enabled():   # (what the operator's Autograd kernel refuses, eagerly)
-            if x.requires_grad:
-                raise ValueError(torch_ops.GRAD_REFUSED.format("quantzoo.ops.matmul"))
-            if any(getattr(a, "requires_grad", False) for a in qt.arrays().values()):
-                raise ValueError(torch_ops.WEIGHT_GRAD_REFUSED.format("quantzoo.ops.matmul"))
+    # what the operator's Autograd kernel refuses, eagerly; grad mode first, one C call: under
+    # inference_mode / no_grad (the runner's hot path) nothing else is looked at
+    if _grad_enabled() and hasattr(x, "detach"):
+        if x.requires_grad:
+            raise ValueError(torch_ops.GRAD_REFUSED.format("quantzoo.ops.matmul"))
+        if any(getattr(a, "requires_grad", False) for a in qt.arrays().values()):
+            raise ValueError(torch_ops.WEIGHT_GRAD_REFUSED.format("quantzoo.ops.matmul"))
     if getattr(x, "is_cuda", False):
         # The runner's hot path (~150 calls per forward, a 512-token prefill is partly bound
         # by their Python time): the kernel module checks x and the weight itself (shapes,
