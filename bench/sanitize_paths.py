@@ -40,7 +40,25 @@ KERNELS = {"awq": (awq.matmul, ("gemv", "small", "mma", "dequant+cublas", "wgmma
 PATHS = {f: KERNELS[get(f).kernels] for f in stored_names()}
 
 
-def main(seed: int, formats, parts=("matmul", "layer_ops", "runner")) -> int:
+PARTS = ("matmul", "layer_ops", "runner")
+
+
+def check_args(formats, parts) -> None:
+    """Every format and part by name, and at least one check to run: a typo ("runners") or a
+    runner-only run of fp16 (which has no runner check here) ran nothing and said "0 wrong",
+    exit 0 -- a clean sanitizer run of nothing."""
+    for what, names, known in (("format", formats, list(PATHS)), ("part", parts, list(PARTS))):
+        for n in names:
+            if n not in known:
+                raise ValueError(f"{what} {n!r}: expected one of {known}")
+    if not ("layer_ops" in parts or "matmul" in parts and formats
+            or "runner" in parts and any(f != "fp16" for f in formats)):
+        raise ValueError(f"formats {list(formats)} with parts {list(parts)} check nothing "
+                         "(the runner part takes the formats other than fp16)")
+
+
+def main(seed: int, formats, parts=PARTS) -> int:
+    check_args(formats, parts)
     rng = np.random.default_rng(seed)
     bad = 0
     for fmt in formats if "matmul" in parts else ():
@@ -188,8 +206,13 @@ def runner(seed: int, formats) -> int:
 
 
 if __name__ == "__main__":
+    args = (int(sys.argv[1]) if len(sys.argv) > 1 else 0,
+            [f.strip() for f in sys.argv[2].split(",")] if len(sys.argv) > 2 else list(PATHS),
+            [p.strip() for p in sys.argv[3].split(",")] if len(sys.argv) > 3 else list(PARTS))
+    try:
+        check_args(*args[1:])   # (before the GPU's check: a typo is said on any machine)
+    except ValueError as e:
+        sys.exit(f"bench/sanitize_paths.py: {e}")
     if not torch.cuda.is_available():   # (a CPU machine: QuantizedTensor.to's traceback)
         sys.exit("bench/sanitize_paths.py: needs a CUDA GPU (torch sees none here)")
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0,
-                  sys.argv[2].split(",") if len(sys.argv) > 2 else list(PATHS),
-                  *([sys.argv[3].split(",")] if len(sys.argv) > 3 else [])))
+    sys.exit(main(*args))

@@ -236,3 +236,18 @@ def test_sanitize_paths_without_a_gpu_is_one_line():
     out = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=300)
     assert out.returncode == 1
     assert out.stderr.strip() == "bench/sanitize_paths.py: needs a CUDA GPU (torch sees none here)", out.stderr
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["0", "q4_0", "runners"], "part 'runners': expected one of ['matmul', 'layer_ops', 'runner']"),
+    (["0", "q4_00"], "format 'q4_00': expected one of"),
+    (["0", "fp16", "runner"], "formats ['fp16'] with parts ['runner'] check nothing"),
+])
+def test_sanitize_paths_refuses_a_run_that_checks_nothing(argv, said):
+    """A part or format name it does not know, or a choice that leaves nothing to run (fp16 has no
+    runner check): it ran nothing, printed "0 wrong" and exited 0 -- under compute-sanitizer a
+    clean report of nothing. Said by name, on any machine (before the GPU's check)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "sanitize_paths.py")
+    out = subprocess.run([sys.executable, path, *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "0 wrong" not in out.stdout, (out.stdout, out.stderr)
+    assert out.stderr.strip().startswith(f"bench/sanitize_paths.py: {said}"), out.stderr
