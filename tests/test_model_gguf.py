@@ -927,3 +927,17 @@ def test_counts_lengths_and_a_shrunk_last_tensor_are_refused(tmp_path, monkeypat
     monkeypatch.setattr(gguf_loader, "MAX_ARRAY_ITEMS", ntok - 1)
     with pytest.raises(ValueError, match=r"metadata key 'tokenizer.ggml.tokens': an array of \d+ items, more than"):
         qz.load_model(good, progress=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_sliding_window_key_caps_a_llama_context_only(tmp_path, arch):
+    """{arch}.attention.sliding_window (quantzoo's Mistral export writes it for llama) ends the
+    runner's context at the window for llama; qwen3 GGUFs never carry it (llama.cpp's qwen3 reads
+    none), and one that does keeps its context."""
+    path = tmp_path / f"{arch}.gguf"
+    m = hf_model(arch)
+    write_gguf(path, m, arch, kv={f"{arch}.attention.sliding_window": 16})
+    c = qz.load_model(path, progress=False).config
+    ctx = m.config.max_position_embeddings
+    want = (16, 16, ctx) if arch == "llama" else (ctx, None, None)
+    assert (c.max_position, c.sliding_window, c.context_length) == want

@@ -303,8 +303,9 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
                 rms_norm_eps=key("attention.layer_norm_rms_epsilon", kind=float),
                 rope_theta=key("rope.freq_base", 10000.0, kind=float), max_position=key("context_length"),
                 # (quantzoo's export of a Mistral writes it; llama.cpp's llama arch does not read it and
-                # attends to the whole context: the runner's context ends at the window instead)
-                sliding_window=key("attention.sliding_window", None))
+                # attends to the whole context: the runner's context ends at the window instead. Read
+                # for llama only: a Qwen3 export never writes it, and llama.cpp's qwen3 reads none)
+                sliding_window=key("attention.sliding_window", None) if arch == "llama" else None)
     # with tokenizer metadata the Tokenizer reads (and reports on) the special ids
     bos = eos = None
     if "tokenizer.ggml.model" not in meta:

@@ -221,7 +221,9 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if layer_types is not None and not isinstance(layer_types, list):
         raise ValueError(f"{where}: layer_types={layer_types!r} must be a list")
     qwen3 = cls == "Qwen3ForCausalLM"   # (Llama / Mistral configs ignore both keys: neither is checked)
-    if not qwen3:   # (transformers refuses entries it does not know; these two are a decoder's)
+    # Llama / Mistral: the two entries this runner reads; transformers also knows others (e.g.
+    # chunked_attention, which its Llama runs as full attention): refused here, not guessed
+    if not qwen3:
         bad = next((t for t in layer_types or [] if t not in ("full_attention", "sliding_attention")), None)
         if bad is not None:
             raise ValueError(f"{where}: layer_types entry {bad!r} is not supported (a {cls} config "
