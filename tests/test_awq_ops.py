@@ -330,3 +330,34 @@ def test_rows_past_2_31_outputs_dry_run(monkeypatch):
     y = awq._gemm(xw[1:], qw32, torch.empty((1, 64), dtype=torch.float16, **meta),
                   torch.empty((1, 8), dtype=torch.int32, **meta), 32, 64, 32, None, "mma")
     assert y.shape == (2**31 - 1, 64) and int(calls[0][2][7]) == 2**31 - 1
+
+
+def test_mma_column_tiles_past_the_grid_y_limit(monkeypatch):
+    """N = 2^22 (K = 32: a 64 MiB qweight) at M = 17..128 is 65536 column tiles of the mma kernel,
+    its gridDim.y, past CUDA's 65535: dispatch takes dequant+cublas, a forced 'mma' is refused
+    by name before any launch."""
+    calls = []
+    monkeypatch.setattr(workspaces, "_CACHE", {})
+    monkeypatch.setattr(awq, "_kernel", lambda src, name: name)
+    monkeypatch.setattr(awq, "_launch", lambda kern, grid, block, args, smem=0: calls.append((kern, grid)))
+    monkeypatch.setattr(awq, "torch_step", lambda fn, x, y: None)
+    monkeypatch.setattr(awq, "_set_smem", lambda kern, nbytes: None)
+    monkeypatch.setattr(awq, "_blocks_per_sm", lambda kern, smem, threads=128: 1)
+    monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(awq, "wgmma_available", lambda dev: False)
+    k, g, meta = 32, 32, dict(device="meta")
+    for n in (2**22, 2**22 + 8):
+        qw = torch.empty((k, n // 8), dtype=torch.int32, **meta)
+        sc = torch.empty((k // g, n), dtype=torch.float16, **meta)
+        qz = torch.empty((k // g, n // 8), dtype=torch.int32, **meta)
+        for m in (17, 64, 128):
+            assert awq.choose_path(m, awq._Shape(n, k)) == "dequant+cublas"
+            x = torch.empty((m, k), dtype=torch.float16, **meta)
+            calls.clear()
+            awq._gemm(x, qw, sc, qz, k, n, g, None, None)
+            assert calls and all(d <= 65535 for _, grid in calls for d in grid[1:]), calls
+            calls.clear()
+            with pytest.raises(ValueError, match=r"path: 'mma' at M=\d+ cuts N=\d+ into 6553[67] column tiles"):
+                awq._gemm(x, qw, sc, qz, k, n, g, None, "mma")
+            assert not calls
+    assert awq.choose_path(17, awq._Shape(2**22 - 64, k)) == "mma"   # 65535 tiles still fit

@@ -339,7 +339,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
     if m <= 8 or (m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
         return "small"
     limit = MMA_MAX_M_BIG if (n >= 8192 or k >= 8192) else MMA_MAX_M
-    return "mma" if m <= limit else "dequant+cublas"
+    return "mma" if m <= limit and _mma_tiles_n(m, n) <= MAX_GRID_YZ else "dequant+cublas"
 
 
 @on_tensor_device
@@ -422,10 +422,22 @@ def mma_config(m: int, n: int) -> tuple[int, int, int]:
     return (4, 1, 1)
 
 
+MAX_GRID_YZ = 65535   # CUDA's limit on gridDim.y and gridDim.z
+
+
+def _mma_tiles_n(m: int, n: int, cfg=None) -> int:
+    """Column tiles of the mma kernel (its gridDim.y) for M rows and N columns."""
+    ng = (cfg or mma_config(m, n))[1]
+    return -(-(n // 8) // (8 * ng))
+
+
 def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
     dev = x2.device
     mt, ng, occ = cfg or mma_config(m, n)
-    tiles_n = -(-(n // 8) // (8 * ng))
+    tiles_n = _mma_tiles_n(m, n, (mt, ng, occ))
+    if tiles_n > MAX_GRID_YZ:   # choose_path sends such a weight to dequant+cublas
+        raise ValueError(f"path: 'mma' at M={m} cuts N={n} into {tiles_n} column tiles of {64 * ng}, past CUDA's "
+                         f"gridDim.y limit of {MAX_GRID_YZ}; 'dequant+cublas' takes this weight")
     tiles_m = -(-m // (16 * mt))
     smem = _mma_smem(mt, ng, occ)
     name = f"awq_mma_kernel<{mt}, {ng}, {occ}>"
