@@ -335,3 +335,28 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                     assert kern == [f"mmq<{G.BLOCKS[fmt]}>"]
                     assert calls[1][1] == (-(-n // G.MMQ_TILE), -(-m // G.MMQ_TILE))
 
+
+
+def test_forced_mma_split_past_the_grid_z_limit(monkeypatch):
+    """mma_split's K pieces are the mma kernel's gridDim.z: K = 2^25 (2^20 blocks, an 18 MiB q4_0
+    row) with mma_split=70000 makes 65536 pieces of 16 blocks, past CUDA's 65535 -- refused by
+    name before any launch; mma_split=65535 (evened out to fewer pieces) still goes out."""
+    calls = []
+    record = lambda k, grid, block, args, shared_mem=0: calls.append((k, grid))  # noqa: E731
+    monkeypatch.setattr(G, "_kernel", lambda src, name: name)
+    monkeypatch.setattr(G, "launch", record)
+    monkeypatch.setattr(G.workspaces, "_CACHE", {})
+    monkeypatch.setattr(G, "check_weight", lambda qt, arg="qt": (qt.format, *qt.shape))
+    monkeypatch.setattr(G, "_aligned16", lambda qt: True)
+    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(G, "_check_act", lambda x, k, arg="x", dtypes=None: (x.numel() // x.shape[-1], x.shape[-1]))
+    n, k, m = 1, 2**25, 16
+    assert G.mma_plan(m, n, k // 32, split=70000)[1] == 65536
+    qt = QuantizedTensor("q4_0", (n, k), torch.empty((n, k // 32 * 18), dtype=torch.uint8, device="meta"))
+    x = torch.empty((m, k), dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match=r"mma_split: 70000 splits K=33554432 into 65536 pieces"):
+        G.matmul(x, qt, path="mma", mma_split=70000)
+    assert not calls
+    G.matmul(x, qt, path="mma", mma_split=65535)
+    assert [grid for name, grid in calls if name.startswith("mma_gemm")] == [(1, 1, G.mma_plan(m, n, k // 32, split=65535)[1])]
+    assert 1 < G.mma_plan(m, n, k // 32, split=65535)[1] <= 65535

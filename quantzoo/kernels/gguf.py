@@ -529,6 +529,9 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     vec = _vec_default(fmt, m, qt) if mmvq_kernel is None else mmvq_kernel == "vec"
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
         raise ValueError(f"mma_split: {mma_split!r}, a positive int")
+    if path == "mma" and mma_split is not None and mma_plan(m, n, k // QK, split=mma_split)[1] > 65535:
+        raise ValueError(f"mma_split: {mma_split} splits K={k} into {mma_plan(m, n, k // QK, split=mma_split)[1]} "
+                         f"pieces, past CUDA's gridDim.z limit of 65535")
     if path == "wgmma" and not wgmma_ok(qt):
         raise ValueError(f"path: 'wgmma' takes a weight on a Hopper GPU (compute capability "
                          f"9.0), 16-byte aligned, with K % 256 == 0; got {fmt} K={k} on {qt.data.device}")
