@@ -361,3 +361,15 @@ def test_mma_column_tiles_past_the_grid_y_limit(monkeypatch):
                 awq._gemm(x, qw, sc, qz, k, n, g, None, "mma")
             assert not calls
     assert awq.choose_path(17, awq._Shape(2**22 - 64, k)) == "mma"   # 65535 tiles still fit
+
+
+@pytest.mark.parametrize("k,n8", [(2**31, 1), (32, 2**28)])
+def test_weights_past_32_bit_k_or_n_are_refused(k, n8):
+    """K or N of 2^31 (meta tensors: no memory) is refused by name, not left to np.int32's
+    OverflowError at the launch."""
+    meta = {"device": "meta"}
+    g = 32
+    qw = torch.empty((k, n8), dtype=torch.int32, **meta)
+    with pytest.raises(ValueError, match=r"qweight: shape .* too large for the kernels' 32-bit K and N"):
+        awq.check_weights(qw, torch.empty((k // g, 8 * n8), dtype=torch.float16, **meta),
+                          torch.empty((k // g, n8), dtype=torch.int32, **meta), g)

@@ -236,6 +236,9 @@ def check_weights(qweight, scales, qzeros, group_size=None):
                          f"over qweight's K={k} rows")
     if k == 0 or n8 == 0:
         raise ValueError(f"qweight: empty shape {tuple(qweight.shape)}")
+    if k >= 2**31 or n >= 2**31:   # (the kernels take K and N as int; numpy's int32 would overflow)
+        raise ValueError(f"qweight: shape {tuple(qweight.shape)} is K={k} x N={n}, too large for the kernels' "
+                         "32-bit K and N")
     if k % group_size:
         raise ValueError(f"qweight: K={k} is not a multiple of group_size={group_size}")
     dev = qweight.device
