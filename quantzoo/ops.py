@@ -65,10 +65,7 @@ def _matmul(x, qt, mode: str):
     # what the operator's Autograd kernel refuses, eagerly; grad mode first, one C call: under
     # inference_mode / no_grad (the runner's hot path) nothing else is looked at
     if _grad_enabled() and hasattr(x, "detach"):
-        if x.requires_grad:
-            raise ValueError(torch_ops.GRAD_REFUSED.format("quantzoo.ops.matmul"))
-        if any(getattr(a, "requires_grad", False) for a in qt.arrays().values()):
-            raise ValueError(torch_ops.WEIGHT_GRAD_REFUSED.format("quantzoo.ops.matmul"))
+        torch_ops.refuse_grad(x, "quantzoo.ops.matmul", qt.arrays().values())
     if getattr(x, "is_cuda", False):
         # The runner's hot path (~150 calls per forward, a 512-token prefill is partly bound
         # by their Python time): the kernel module checks x and the weight itself (shapes,

@@ -232,20 +232,22 @@ def _awq_gemm_fake(x, qweight, scales, qzeros, group_size=None):
     return x.new_empty((*x.shape[:-1], scales.shape[-1]), dtype=torch.float16)
 
 
-GRAD_REFUSED = ("x requires grad, but {} has no backward (the result would be silently detached); "
-                "run it under torch.no_grad() or pass x.detach()")
-WEIGHT_GRAD_REFUSED = ("a weight tensor requires grad, but {} has no backward (it would get no gradient); "
-                       "run it under torch.no_grad() or pass the weights detached")
+def refuse_grad(x, name: str, weights=()) -> None:
+    """Under grad mode (the caller's to ask): an x or a weight tensor that requires grad, refused by
+    name (the result would be silently detached / the weight's gradient silently none). weights may
+    hold numpy arrays (ops.matmul's CPU storage), which never do."""
+    if x.requires_grad:
+        raise ValueError(f"x requires grad, but {name} has no backward (the result would be silently "
+                         "detached); run it under torch.no_grad() or pass x.detach()")
+    if any(getattr(t, "requires_grad", False) for t in weights):
+        raise ValueError(f"a weight tensor requires grad, but {name} has no backward (it would get no "
+                         "gradient); run it under torch.no_grad() or pass the weights detached")
 
 
 def _refuse_derivatives(x, name: str, weights=()) -> None:
-    """The operators' Autograd kernel: what they cannot differentiate is refused by name (a weight
-    tensor that requires grad too: its result would carry no grad_fn, the gradient silently none)."""
+    """The operators' Autograd kernel: what they cannot differentiate is refused by name."""
     if torch.is_grad_enabled():
-        if x.requires_grad:
-            raise ValueError(GRAD_REFUSED.format(name))
-        if any(t.requires_grad for t in weights):
-            raise ValueError(WEIGHT_GRAD_REFUSED.format(name))
+        refuse_grad(x, name, weights)
     if _has_tangent(x):
         raise ValueError(f"x carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp), but {name} "
                          "has no derivative (the result would have none); pass the primal alone")
