@@ -42,7 +42,7 @@ import torch
 from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
-from quantzoo.cuda_launch import launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
+from quantzoo.cuda_launch import MAX_GRID_YZ, launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
 from quantzoo.cuda_launch import wgmma_available
 from quantzoo.kernels import check_out_overlap, checked_once, negated, run_planned, run_unplanned, wgmma_tiles, workspaces
 from quantzoo.formats.awq import GROUP_SIZES
@@ -423,9 +423,6 @@ def mma_config(m: int, n: int) -> tuple[int, int, int]:
     if m <= 96:
         return (2, 1, 1)
     return (4, 1, 1)
-
-
-MAX_GRID_YZ = 65535   # CUDA's limit on gridDim.y and gridDim.z
 
 
 def _mma_tiles_n(m: int, n: int, cfg=None) -> int:

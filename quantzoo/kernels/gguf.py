@@ -50,7 +50,7 @@ import math
 import numpy as np
 import torch
 
-from quantzoo.cuda_launch import get_kernel, launch, launch_tma, on_tensor_device, resident_blocks
+from quantzoo.cuda_launch import MAX_GRID_YZ, get_kernel, launch, launch_tma, on_tensor_device, resident_blocks
 from quantzoo.cuda_launch import set_max_dynamic_smem, tensor_map_2d, torch_step, wgmma_available
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.formats import get, weight_formats
@@ -529,9 +529,11 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     vec = _vec_default(fmt, m, qt) if mmvq_kernel is None else mmvq_kernel == "vec"
     if mma_split is not None and (not isinstance(mma_split, int) or mma_split < 1):
         raise ValueError(f"mma_split: {mma_split!r}, a positive int")
-    if path == "mma" and mma_split is not None and mma_plan(m, n, k // QK, split=mma_split)[1] > 65535:
-        raise ValueError(f"mma_split: {mma_split} splits K={k} into {mma_plan(m, n, k // QK, split=mma_split)[1]} "
-                         f"pieces, past CUDA's gridDim.z limit of 65535")
+    if path == "mma" and mma_split is not None:   # (its pieces are the mma kernel's gridDim.z)
+        pieces = mma_plan(m, n, k // QK, split=mma_split)[1]
+        if pieces > MAX_GRID_YZ:
+            raise ValueError(f"mma_split: {mma_split} splits K={k} into {pieces} pieces, past CUDA's "
+                             f"gridDim.z limit of {MAX_GRID_YZ}")
     if path == "wgmma" and not wgmma_ok(qt):
         raise ValueError(f"path: 'wgmma' takes a weight on a Hopper GPU (compute capability "
                          f"9.0), 16-byte aligned, with K % 256 == 0; got {fmt} K={k} on {qt.data.device}")
@@ -587,7 +589,7 @@ def _queue(fmt, x, qt, out, m, n, k, path, vec, mmvq_rows, mma_split, glu=False)
         _launch_mmvq_rows(fmt, w, xq, y2, m, n, nb, vec, mmvq_rows)
         return
     grid = ((n + MMQ_TILE - 1) // MMQ_TILE, (m + MMQ_TILE - 1) // MMQ_TILE)   # mmq
-    if grid[1] > 65535:
+    if grid[1] > MAX_GRID_YZ:
         raise ValueError(f"x: {m} rows is too many for the mmq path")
     _launch_quantize(x, xq, m * nb)
     launch(_kernel("gguf_mmq.cu", f"mmq<{BLOCKS[fmt]}>"), grid, (MMQ_THREADS,),
@@ -645,7 +647,7 @@ def matmul_q8_1(xq, qt, m: int, layout: str, out=None):
 def _launch_mma(fmt, w, xq, y2, m, n, nb, split=None):
     bm, split, kchunk = mma_plan(m, n, nb, _sm_count(y2.device), split)
     grid = (-(-n // MMA_BN), -(-m // bm), split)
-    if grid[1] > 65535:
+    if grid[1] > MAX_GRID_YZ:
         raise ValueError(f"x: {m} rows is too many for the mma path")
     part = None   # held until both launches are queued (a fresh tensor during graph capture)
     if split > 1:
