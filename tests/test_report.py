@@ -926,3 +926,25 @@ def test_a_crossover_next_to_an_untimed_m_is_not_pinned_on_it():
     checks.check_kernels_bench(doc)
     txt = speed.crossover_text(doc, "q4_0")
     assert "4096->1024: mmvq, mmq from M<=32;" in txt and "4096->4096: mmvq, mmq from M=16;" in txt, txt
+
+
+def test_rows_timed_eagerly_are_not_called_graph_replays(errors):
+    """A bench run with --no-graph, or a row whose graph capture failed (the bench then times
+    eager launches and says so in the row's `timing`), was described as 'median of CUDA-graph
+    replays': eager times carry the host's ~16 us launch cost, more than a 4-bit GEMV takes."""
+    doc = fixture_doc()
+    full = report.render(report.build(doc, None, accuracy=False, errors=errors))
+    assert "Times: median of CUDA-graph replays of back-to-back launches" in full and "eager" not in full
+    i = row_index(doc, "q4_0", 4096, 1024, 1)
+    doc["results"][i]["timing"] = "eager (graph capture failed: RuntimeError: boom)"
+    md = report.render(report.build(doc, None, accuracy=False, errors=errors))
+    assert ("except 1 of the %d timed rows (q4_0 4096->1024 M=1), timed from eager launches"
+            % len(speed.ok_rows(doc))) in md, md
+    assert "(plain launches in a graph, or eager where said above)" in md
+    for r in doc["results"]:
+        r["timing"] = "eager"
+    md = report.render(report.build(doc, None, accuracy=False, errors=errors))
+    assert "CUDA-graph replays" not in md and "Times: median of eager launches" in md
+    doc["results"][i]["timing"] = 7   # (a field the report reads: checked as the others are)
+    with pytest.raises(ValueError, match=r"results\[%d\] \(q4_0 4096->1024 M=1\): timing = 7 is not a string" % i):
+        checks.check_kernels_bench(doc, "bench")

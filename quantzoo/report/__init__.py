@@ -269,6 +269,24 @@ def layer_text() -> str:
             + ", ".join(f"{c}x {k}->{n} {names.get((k, n), '?')}" for (k, n), c in layer.items()) + ")")
 
 
+def timing_text(bench: dict) -> str:
+    """How the bench's times were taken: graph replays, and the rows timed eagerly (speed.eager_rows)."""
+    eager, ok = speed.eager_rows(bench), speed.ok_rows(bench)
+    graph = ("CUDA-graph replays of back-to-back launches over weight copies rotated so that L2 cannot "
+             "serve them, warm-up excluded")
+    cost = ("include the host's cost of launching each kernel (~16 us from Python on the H100, more than "
+            "a small product takes), so they say little of the kernel")
+    hows = ", ".join(f"`{h}`" for h in dict.fromkeys(r["timing"] for r in eager))
+    if not eager:
+        return f"Times: median of {graph}."
+    if len(eager) == len(ok):
+        return f"Times: median of eager launches (the bench's `timing`: {hows}), not of graph replays: they {cost}."
+    which = ", ".join(f"{r['format']} {r['k']}->{r['n']} M={r['m']}" for r in eager[:8]) + \
+        (f", ... ({len(eager) - 8} more: `timing` in bench-kernels.csv)" if len(eager) > 8 else "")
+    return (f"Times: median of {graph}; except {len(eager)} of the {len(ok)} timed rows ({which}), timed "
+            f"from eager launches ({hows}): their times {cost}.")
+
+
 def _table(rows, headers) -> str:
     from tabulate import tabulate
 
@@ -335,6 +353,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
     # --- speed
     if bench is not None:
         _, real = speed.layer_weights(bench)
+        eager = speed.eager_rows(bench)
         L.append("## Kernel speed\n")
         hdr = ["format", "status"]
         for m in HEADLINE_M:
@@ -361,8 +380,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                    + ("; 'n/a' where, at an M before it, the bench lacks an ok row of the format or of "
                       "fp16 for a shape (so that the first such M is not known)"
                       if any(r["compared_with_fp16"] is False for r in rep["speed"]) else "") + ". "
-                   "Times: median of CUDA-graph replays of back-to-back launches over weight copies "
-                   "rotated so that L2 cannot serve them, warm-up excluded.\n")
+                   + timing_text(bench) + "\n")
         bad = [r for r in rep["speed"] if r["status"] != "ok"]
         for r in bad:
             L.append(f"- `{r['format']}`: {r['status']} — {r['error']}")
@@ -383,7 +401,8 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                              "PDL: % of copy", "PDL: fit max residual us"]))
             L.append("\nA straight line, time = fixed + weight bytes / streaming rate, fitted by least "
                      "squares to the M = 1 times of the bench's shapes: as the tables above launch them "
-                     "(plain launches in a graph), and 'PDL' the same graph under programmatic dependent "
+                     + ("(plain launches in a graph, or eager where said above)" if any(r["m"] == 1 for r in eager)
+                        else "(plain launches in a graph)") + ", and 'PDL' the same graph under programmatic dependent "
                      "launch, as the runner's decode step launches them (each kernel starts while the one "
                      "before drains; '-' where the bench did not time it). The fixed part is paid by every "
                      "product (one ops.matmul: for GGUF formats at M = 1 two launches, the Q8_1 quantize "

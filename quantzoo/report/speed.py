@@ -112,6 +112,13 @@ def sustained(res: dict) -> list[dict]:
     return out
 
 
+def eager_rows(res: dict) -> list[dict]:
+    """The ok rows the bench timed from eager launches, not graph replays (its `timing`: "eager"
+    under --no-graph, "eager (graph capture failed: ...)" where a capture failed): their times
+    include the host's cost of each launch. A row without the field is taken as a graph one."""
+    return [r for r in ok_rows(res) if r.get("timing", "graph") != "graph"]
+
+
 def power_errors(res: dict) -> list[str]:
     """The power probe's errors (rows' power_error), each once."""
     return list(dict.fromkeys(r["power_error"] for r in res["results"] if r.get("power_error")))
