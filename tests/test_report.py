@@ -948,3 +948,27 @@ def test_rows_timed_eagerly_are_not_called_graph_replays(errors):
     doc["results"][i]["timing"] = 7   # (a field the report reads: checked as the others are)
     with pytest.raises(ValueError, match=r"results\[%d\] \(q4_0 4096->1024 M=1\): timing = 7 is not a string" % i):
         checks.check_kernels_bench(doc, "bench")
+
+
+def test_a_failed_one_launch_read_is_said_to_be(errors):
+    """Where the bench's one-launch read of a weight failed (the row ok, with read_error and no
+    read_us), its format left the 'against the fastest one-launch read' table without a word:
+    the error was in no part of the report."""
+    doc = fixture_doc()
+    i = row_index(doc, "q4_0", 4096, 1024, 1)
+    del doc["results"][i]["read_us"]
+    doc["results"][i]["read_error"] = "CUDARuntimeError: cudaErrorLaunchOutOfResources"
+    md = report.render(report.build(doc, None, accuracy=False, errors=errors))
+    assert "q4_0" not in [r["format"] for r in table_with(md, "kernel / read")]
+    assert ("The one-launch read failed (so the formats of these rows have no row above): "
+            "q4_0 4096->1024: CUDARuntimeError: cudaErrorLaunchOutOfResources") in md, md
+    for r in doc["results"]:   # no read at all: no table, the failure still said
+        r.pop("read_us", None)
+        r.pop("read_us_pdl", None)
+        r["read_error"] = "boom" if r["m"] == 1 else None
+    doc["results"] = [{k: v for k, v in r.items() if v is not None} for r in doc["results"]]
+    md = report.render(report.build(doc, None, accuracy=False, errors=errors))
+    assert "kernel / read" not in md and "The one-launch read failed: " in md and "boom" in md
+    doc["results"][i]["read_error"] = 3
+    with pytest.raises(ValueError, match=r"results\[%d\] \(q4_0 4096->1024 M=1\): read_error = 3 is not a string" % i):
+        checks.check_kernels_bench(doc, "bench")

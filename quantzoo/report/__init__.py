@@ -437,6 +437,10 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                      "the copy bandwidth as such kernels can be shown to reach, and 'kernel / read' "
                      "how far the format's kernels are from that floor. Per shape: `read_us` in "
                      "bench-kernels.csv.\n")
+        rerrs = speed.read_errors(bench)
+        if rerrs:
+            L.append("The one-launch read failed" + (" (so the formats of these rows have no row above)" if floors else "")
+                     + ": " + "; ".join(rerrs[:8]) + (f"; ... ({len(rerrs) - 8} more)" if len(rerrs) > 8 else "") + "\n")
         sus = speed.sustained(bench)
         if sus:
             k, n = sus[0]["k"], sus[0]["n"]

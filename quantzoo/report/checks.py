@@ -160,7 +160,7 @@ def check_kernels_bench(res, what: str = "bench") -> None:
         seen[key] = i
         if r["status"] not in STATUSES:
             _bad(where, "status", r["status"], f"is not one of {', '.join(STATUSES)}")
-        for k in ("path", "error", "power_error", "timing"):
+        for k in ("path", "error", "power_error", "timing", "read_error"):
             _need_str(where, r, k)
         if r["status"] != "ok":
             continue

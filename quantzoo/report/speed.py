@@ -119,6 +119,12 @@ def eager_rows(res: dict) -> list[dict]:
     return [r for r in ok_rows(res) if r.get("timing", "graph") != "graph"]
 
 
+def read_errors(res: dict) -> list[str]:
+    """'fmt K->N: error' for each ok row whose one-launch read failed (its read_error; read_floor
+    has no figure for that format)."""
+    return [f"{r['format']} {r['k']}->{r['n']}: {r['read_error']}" for r in ok_rows(res) if r.get("read_error")]
+
+
 def power_errors(res: dict) -> list[str]:
     """The power probe's errors (rows' power_error), each once."""
     return list(dict.fromkeys(r["power_error"] for r in res["results"] if r.get("power_error")))
