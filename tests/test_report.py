@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -972,3 +973,29 @@ def test_a_failed_one_launch_read_is_said_to_be(errors):
     doc["results"][i]["read_error"] = 3
     with pytest.raises(ValueError, match=r"results\[%d\] \(q4_0 4096->1024 M=1\): read_error = 3 is not a string" % i):
         checks.check_kernels_bench(doc, "bench")
+
+
+def test_a_timed_kernel_that_computed_garbage_is_said_to_have(errors):
+    """The bench checks the output of each kernel it times against x @ W.T (its row's nmse, or
+    nmse_error where the output held NaN or inf); the report never read either, so the time of
+    a kernel that wrote NaN or the wrong product stood in its tables as a speed like any other."""
+    doc = fixture_doc()
+    clean = report.render(report.build(doc, None, accuracy=False, errors=errors))
+    assert "did not compute the product" not in clean
+    i, j = row_index(doc, "q4_0", 4096, 1024, 16), row_index(doc, "awq", 4096, 4096, 1)
+    del doc["results"][i]["nmse"]
+    doc["results"][i]["nmse_error"] = "NMSE is nan (1024 non-finite outputs)"
+    doc["results"][j]["nmse"] = 1.3   # (a wrong product: 130 %, the ceiling is 1.2 %)
+    k = row_index(doc, "q8_0", 4096, 1024, 1)
+    doc["results"][k]["nmse"] = 1.9 * formats.get("q8_0").nmse_ceiling   # (within twice its ceiling: not said)
+    md = report.render(report.build(doc, None, accuracy=False, errors=errors))
+    assert ("**Rows whose timed kernel did not compute the product** (the bench's check of each timed "
+            "kernel's output against x @ W.T in fp32 with the unquantized W): awq 4096->4096 M=1: NMSE 130 % "
+            "(over twice the format's ceiling, 1.2 %); q4_0 4096->1024 M=16: NMSE is nan (1024 non-finite "
+            "outputs).") in md, md
+    assert "q8_0 4096->1024" not in md
+    for v, shown in ((float("nan"), "NaN"), (-0.1, "-0.1"), ("0.1", '"0.1"')):
+        doc["results"][j]["nmse"] = v
+        with pytest.raises(ValueError, match=r"results\[%d\] \(awq 4096->4096 M=1\): nmse = %s is not a "
+                                             r"non-negative number" % (j, re.escape(shown))):
+            checks.check_kernels_bench(doc, "bench")

@@ -386,6 +386,12 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
             L.append(f"- `{r['format']}`: {r['status']} — {r['error']}")
         if bad:
             L.append("")
+        wrong = speed.wrong_results(bench)
+        if wrong:
+            L.append("**Rows whose timed kernel did not compute the product** (the bench's check of each timed "
+                     "kernel's output against x @ W.T in fp32 with the unquantized W): " + "; ".join(wrong[:8])
+                     + (f"; ... ({len(wrong) - 8} more: `nmse` in bench-kernels.csv)" if len(wrong) > 8 else "")
+                     + ". Their times, and the figures here that sum them, are those of a broken kernel.\n")
 
         fits = [r for r in rep["speed"] if r["m1_stream_tbps"] is not None]
         if fits:

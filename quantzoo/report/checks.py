@@ -160,7 +160,7 @@ def check_kernels_bench(res, what: str = "bench") -> None:
         seen[key] = i
         if r["status"] not in STATUSES:
             _bad(where, "status", r["status"], f"is not one of {', '.join(STATUSES)}")
-        for k in ("path", "error", "power_error", "timing", "read_error"):
+        for k in ("path", "error", "power_error", "timing", "read_error", "nmse_error"):
             _need_str(where, r, k)
         if r["status"] != "ok":
             continue
@@ -168,6 +168,9 @@ def check_kernels_bench(res, what: str = "bench") -> None:
             _need_positive(where, r, k)
         for k in OK_OPTIONAL:
             _need_positive(where, r, k, optional=True)
+        v = r.get("nmse")   # (the bench writes null, with nmse_error, where it is not a number)
+        if v is not None and not (_is_num(v) and math.isfinite(v) and v >= 0):
+            _bad(where, "nmse", v, "is not a non-negative number")
         if r.get("weight_bytes") is not None and not _positive_int(r["weight_bytes"]):
             _bad(where, "weight_bytes", r["weight_bytes"], "is not a positive integer")
         if r.get("read_us") is not None and r.get("weight_bytes") is None:

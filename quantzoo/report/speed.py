@@ -119,6 +119,28 @@ def eager_rows(res: dict) -> list[dict]:
     return [r for r in ok_rows(res) if r.get("timing", "graph") != "graph"]
 
 
+NMSE_SANITY = 2.0   # a timed kernel's NMSE over this x its format's ceiling: not the product
+
+
+def wrong_results(res: dict) -> list[str]:
+    """'fmt K->N M=m: why' for each ok row whose timed kernel failed the bench's check of its
+    output against x @ W.T (the row's nmse_error: NaN or inf in the output; or an nmse over
+    NMSE_SANITY x the format's nmse_ceiling, which a right kernel stays under with room)."""
+    from quantzoo import formats
+
+    out = []
+    for r in ok_rows(res):
+        ceiling = formats.get(r["format"]).nmse_ceiling
+        if r.get("nmse_error"):
+            why = r["nmse_error"]
+        elif r.get("nmse") is not None and ceiling and r["nmse"] > NMSE_SANITY * ceiling:
+            why = f"NMSE {100 * r['nmse']:.3g} % (over twice the format's ceiling, {100 * ceiling:.3g} %)"
+        else:
+            continue
+        out.append(f"{r['format']} {r['k']}->{r['n']} M={r['m']}: {why}")
+    return out
+
+
 def read_errors(res: dict) -> list[str]:
     """'fmt K->N: error' for each ok row whose one-launch read failed (its read_error; read_floor
     has no figure for that format)."""
