@@ -79,3 +79,72 @@ def test_persistent_run_checks_h_and_pos_before_launch(monkeypatch):
             plan.run(h, bad_pos)
     with pytest.raises(AssertionError, match="reached the kernel"):   # good arguments get through
         plan.run(h, pos)
+
+
+@pytest.fixture
+def meta_launches(monkeypatch):
+    """The layer ops on meta tensors (shapes without memory, taken as CUDA ones by their checks),
+    their launches recorded as (kernel, grid) instead of made."""
+    from quantzoo.kernels import layer_ops as lo
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type in ("cuda", "meta")))
+    monkeypatch.setattr(lo, "_k", lambda name: name)
+    monkeypatch.setattr(lo, "launch", lambda kern, grid, block, args, shared_mem=0: calls.append((kern, tuple(grid))))
+    return calls
+
+
+def _meta(*shape, dtype=torch.float16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_attn_decode_kv_heads_past_the_grid_y_limit(meta_launches):
+    """attn_decode's grid is n_split x KV heads: 65536 KV heads (a 16 MiB cache of one position)
+    passed CUDA's gridDim.y limit of 65535 and went to the driver; refused by name before any
+    launch, and supports() says so. 65535 still goes out."""
+    from quantzoo.kernels import layer_ops as lo
+
+    assert "65536 KV heads" in lo.supports(4096, 12288, 64, 65536, 65536)
+    assert lo.supports(4096, 12288, 64, 65535, 65535) is None
+    pos = _meta(1, dtype=torch.int64)
+    kv = 65536
+    cache = _meta(kv, 1, 64)
+    with pytest.raises(ValueError, match=r"^k_cache: 65536 KV heads, past CUDA's gridDim.y limit of 65535"):
+        lo.attn_decode.__wrapped__(_meta(1, kv, 64), cache, cache, pos, lo.DecodeWork(kv, kv, 64, 1, "meta"))
+    assert not meta_launches
+    kv = 65535
+    cache = _meta(kv, 1, 64)
+    lo.attn_decode.__wrapped__(_meta(1, kv, 64), cache, cache, pos, lo.DecodeWork(kv, kv, 64, 1, "meta"))
+    assert meta_launches == [("attn_decode<2, 1, 4>", (1, 65535))]
+
+
+def test_attn_decode_refuses_work_of_another_shape_and_empty_caches(meta_launches):
+    """The kernel writes work.n_split partials of head_dim floats a head into work.o: a DecodeWork
+    made for head_dim 64 (or with n_split, o, ml or count not as DecodeWork makes them) under a
+    head_dim 128 cache went out, its writes past o's end. A cache of no KV heads was a
+    ZeroDivisionError, of no positions (or a q of no heads) a launch reading row 0 of nothing."""
+    from quantzoo.kernels import layer_ops as lo
+
+    H, KV, S = 8, 2, 4096
+    cache, q, pos = _meta(KV, S, 128), _meta(1, H, 128), _meta(1, dtype=torch.int64)
+    good = lo.DecodeWork(H, KV, 128, S, "meta")
+    lo.attn_decode.__wrapped__(q, cache, cache, pos, good)
+    assert meta_launches == [("attn_decode<4, 4, 4>", (good.n_split, KV))] and good.n_split > 1
+    meta_launches.clear()
+    bad = [lo.DecodeWork(H, KV, 64, S, "meta")]   # head_dim 64's partials
+    for name, value in (("n_split", 0), ("n_split", lo.SPLITS_MAX + 1), ("n_split", good.n_split + 1),
+                        ("ml", _meta(H, good.n_split, 2)), ("count", _meta(KV, dtype=torch.int64)),
+                        ("o", _meta(good.n_split, H, 128, dtype=torch.float32).transpose(0, 1))):
+        w = lo.DecodeWork(H, KV, 128, S, "meta")
+        setattr(w, name, value)
+        bad.append(w)
+    for w in bad:
+        with pytest.raises(ValueError, match=r"^work: n_split=.*DecodeWork\(8, 2, 128, 4096, device\) makes them"):
+            lo.attn_decode.__wrapped__(q, cache, cache, pos, w)
+    for c, qq in ((_meta(0, S, 128), q), (_meta(KV, 0, 128), q)):
+        with pytest.raises(ValueError, match=r"^k_cache: shape .*, no KV heads or no positions"):
+            lo.attn_decode.__wrapped__(qq, c, c, pos, good)
+    with pytest.raises(ValueError, match=r"^q: shape \(1, 0, 128\), expected \(1, H, 128\) with H a positive"):
+        lo.attn_decode.__wrapped__(_meta(1, 0, 128), cache, cache, pos, good)
+    assert not meta_launches
+

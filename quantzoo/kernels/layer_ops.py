@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from quantzoo.cuda_launch import get_kernel, launch, on_tensor_device
+from quantzoo.cuda_launch import MAX_GRID_YZ, get_kernel, launch, on_tensor_device
 
 HEAD_DIMS = {64: 2, 128: 4}      # head_dim -> elements per lane (E)
 MAX_GROUP = 8                    # query heads per KV head served by attn_decode
@@ -49,6 +49,8 @@ def supports(hidden: int, ffn: int, head_dim: int, heads: int, kv_heads: int) ->
         return f"head_dim {head_dim} (fused kernels take {sorted(HEAD_DIMS)})"
     if heads % kv_heads or heads // kv_heads > MAX_GROUP:
         return f"{heads} heads over {kv_heads} KV heads (at most {MAX_GROUP} per KV head)"
+    if kv_heads > MAX_GRID_YZ:   # attn_decode's gridDim.y
+        return f"{kv_heads} KV heads (attn_decode takes at most {MAX_GRID_YZ})"
     if hidden % 8 or hidden > 8 * 1024 * NORM_CHUNKS[-1] or ffn % 2:
         return (f"hidden {hidden} (a multiple of 8 up to {8 * 1024 * NORM_CHUNKS[-1]}) / "
                 f"intermediate {ffn} (even)")
@@ -209,6 +211,12 @@ class DecodeWork:
         self.count = torch.zeros(kv_heads, dtype=torch.int32, device=device)  # finished CTAs
 
 
+def _desc(t) -> str:
+    import torch
+
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 @on_tensor_device
 def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     """q (1, H, hd) one token; k_cache/v_cache (KV, S, hd); pos (1,) int64 -> (1, H*hd) fp16:
@@ -219,10 +227,15 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     if k_cache.dim() != 3:
         raise ValueError(f"k_cache: shape {tuple(k_cache.shape)}, expected (KV, S, head_dim)")
     KV, S, hd = k_cache.shape
+    if not KV or not S:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)}, no KV heads or no positions")
+    if KV > MAX_GRID_YZ:   # the grid is n_split x KV CTAs
+        raise ValueError(f"k_cache: {KV} KV heads, past CUDA's gridDim.y limit of {MAX_GRID_YZ} (attn_decode "
+                         "runs a row of CTAs per KV head)")
     _check("v_cache", v_cache, (KV, S, hd), device=k_cache.device)
     _check("q", q, device=k_cache.device)
-    if q.dim() != 3 or q.shape[0] != 1 or q.shape[2] != hd or q.shape[1] % KV:
-        raise ValueError(f"q: shape {tuple(q.shape)}, expected (1, H, {hd}) with H a multiple of {KV}")
+    if q.dim() != 3 or q.shape[0] != 1 or q.shape[2] != hd or not q.shape[1] or q.shape[1] % KV:
+        raise ValueError(f"q: shape {tuple(q.shape)}, expected (1, H, {hd}) with H a positive multiple of {KV}")
     H = q.shape[1]
     G = H // KV
     if hd not in HEAD_DIMS or G > MAX_GROUP:
@@ -239,6 +252,16 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     if work.S != S or work.o.shape[0] != H or work.count.shape[0] != KV:
         raise ValueError(f"work: made for S={work.S}, {work.o.shape[0]} heads / {work.count.shape[0]} KV heads;"
                          f" the cache has S={S}, {H} / {KV}")
+    # the kernel writes n_split partials of hd floats a head into o, and n_split (max, sum) into ml
+    n = work.n_split
+    want = ((work.o, (H, n, hd), torch.float32), (work.ml, (H, n, 2), torch.float32), (work.count, (KV,), torch.int32))
+    if (not isinstance(n, int) or not 1 <= n <= SPLITS_MAX
+            or any(not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
+                   or t.device != k_cache.device or not t.is_contiguous() for t, shape, dtype in want)):
+        raise ValueError(f"work: n_split={n!r}, o {_desc(work.o)}, ml {_desc(work.ml)}, count {_desc(work.count)}; "
+                         f"the cache needs n_split in 1..{SPLITS_MAX}, o ({H}, n_split, {hd}) and ml ({H}, n_split, 2) "
+                         f"float32, count ({KV},) int32, contiguous on {k_cache.device} "
+                         f"(DecodeWork({H}, {KV}, {hd}, {S}, device) makes them)")
     E = HEAD_DIMS[hd]
     scale_log2 = math.log2(math.e) / math.sqrt(hd)
     out = torch.empty((1, H * hd), dtype=q.dtype, device=q.device)
