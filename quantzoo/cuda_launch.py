@@ -281,7 +281,8 @@ class _ThreadFlag(threading.local):
 
 
 _PDL = _ThreadFlag()   # .on: inside programmatic_launches() on this thread
-MAX_GRID_YZ = 65535   # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
+MAX_GRID_YZ = 65535   # CUDA's limit on gridDim.y and gridDim.z
+MAX_GRID_X = 2**31 - 1   # and on gridDim.x
 _ATTR_COOPERATIVE = 2                         # CUlaunchAttributeID (cuda.h, CUDA >= 12.0)
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 

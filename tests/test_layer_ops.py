@@ -148,3 +148,31 @@ def test_attn_decode_refuses_work_of_another_shape_and_empty_caches(meta_launche
         lo.attn_decode.__wrapped__(_meta(1, 0, 128), cache, cache, pos, good)
     assert not meta_launches
 
+
+def test_row_counts_past_the_kernels_int_and_grid_x(meta_launches):
+    """add_rms_norm runs a block a row: 2^31 rows (a 32 GiB h of 8 values a row) passed CUDA's
+    gridDim.x limit; silu_mul takes F as an int: a (1, 2^32) gu (8 GiB) was np.int32's
+    OverflowError; qk_rope_store with no heads at all launched a grid of no blocks. Each is refused
+    by name (or returns) before any launch; the largest sizes that fit still go out."""
+    from quantzoo.kernels import layer_ops as lo
+
+    w = _meta(8)
+    with pytest.raises(ValueError, match=r"^h: 2147483648 rows, past CUDA's gridDim.x limit of 2147483647"):
+        lo.add_rms_norm.__wrapped__(_meta(2**31, 8), None, w, 1e-6)
+    with pytest.raises(ValueError, match=r"^gu: shape \(1, 4294967296\), F=2147483648 too large"):
+        lo.silu_mul.__wrapped__(_meta(1, 2**32))
+    assert not meta_launches
+    lo.add_rms_norm.__wrapped__(_meta(2**31 - 1, 8), None, w, 1e-6)
+    lo.silu_mul.__wrapped__(_meta(1, 2**32 - 4))
+    assert [grid for _, grid in meta_launches] == [(2**31 - 1,), (132 * 8,)]
+    meta_launches.clear()
+    T, S = 3, 16
+    empty = _meta(0, S, 64)
+    q = lo.qk_rope_store.__wrapped__(_meta(T, 0), None, _meta(S, 64), _meta(S, 64), _meta(T, dtype=torch.int64),
+                                     empty, empty, 0, 0, 1e-6)
+    assert q.shape == (T, 0, 64) and not meta_launches
+    nopos = _meta(1, 0, 64)
+    with pytest.raises(ValueError, match=r"^k_cache: shape \(1, 0, 64\), no positions"):
+        lo.qk_rope_store.__wrapped__(_meta(T, 3 * 64), None, _meta(0, 64), _meta(0, 64),
+                                     _meta(T, dtype=torch.int64), nopos, nopos, 1, 1, 1e-6)
+    assert not meta_launches

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from quantzoo.cuda_launch import MAX_GRID_YZ, get_kernel, launch, on_tensor_device
+from quantzoo.cuda_launch import MAX_GRID_X, MAX_GRID_YZ, get_kernel, launch, on_tensor_device
 
 HEAD_DIMS = {64: 2, 128: 4}      # head_dim -> elements per lane (E)
 MAX_GROUP = 8                    # query heads per KV head served by attn_decode
@@ -110,6 +110,8 @@ def add_rms_norm(h, delta, w, eps: float, q8_1=None, layout: str = "split"):
     if h.dim() != 2 or h.shape[1] % 8 or h.shape[1] > limit:
         raise ValueError(f"h: shape {tuple(h.shape)}, expected (T, D) with D a multiple of 8, at most {limit}")
     T, D = h.shape
+    if T > MAX_GRID_X:   # one block a row
+        raise ValueError(f"h: {T} rows, past CUDA's gridDim.x limit of {MAX_GRID_X} (add_rms_norm runs a block a row)")
     if delta is not None:
         _check("delta", delta, (T, D), device=h.device, align=16)
     _check("w", w, (D,), device=h.device, align=16)
@@ -149,10 +151,12 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     _check("sin", sin, (S, hd), device=k_cache.device)
     if norm_w is not None:
         _check("norm_w", norm_w, (H + KV, hd), device=k_cache.device)
+    if KV and not S:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)}, no positions to store k and v at")
     q = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
-    if T == 0:
-        return q
     items = T * (H + 2 * KV)
+    if items == 0:   # (a grid of no blocks is an invalid launch)
+        return q
     name = f"qk_rope_store<{HEAD_DIMS[hd]}, {'true' if norm_w is not None else 'false'}>"
     launch(_k(name), (math.ceil(items / 4),), (128,),
            (qkv.data_ptr(), norm_w.data_ptr() if norm_w is not None else 0, cos.data_ptr(), sin.data_ptr(),
@@ -172,6 +176,8 @@ def silu_mul(gu, q8_1=None, layout: str = "split", out=None):
     if gu.dim() != 2 or gu.shape[1] % 4:
         raise ValueError(f"gu: shape {tuple(gu.shape)}, expected (T, 2F) with F even")
     T, F2 = gu.shape
+    if F2 // 2 >= 2**31:   # (the kernels take F as an int)
+        raise ValueError(f"gu: shape {tuple(gu.shape)}, F={F2 // 2} too large for the kernels' 32-bit F")
     if out is None:
         out = torch.empty((T, F2 // 2), dtype=gu.dtype, device=gu.device)
     else:
