@@ -176,3 +176,26 @@ def test_row_counts_past_the_kernels_int_and_grid_x(meta_launches):
         lo.qk_rope_store.__wrapped__(_meta(T, 3 * 64), None, _meta(0, 64), _meta(0, 64),
                                      _meta(T, dtype=torch.int64), nopos, nopos, 1, 1, 1e-6)
     assert not meta_launches
+
+
+def test_gemv_leaves_n_or_k_past_2_31_to_cublas(monkeypatch):
+    """fp16_gemv takes N and K as ints: a (1, 2^31) fp16 weight (4 GiB) passed gemv_ok, and
+    linear died in np.int32's OverflowError at the launch. Such a weight goes to cuBLAS
+    (F.linear) now, and gemv refuses it by name; N or K of 2^31 - 1 (and 8 less) still launch."""
+    from quantzoo.kernels import fp16
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type in ("cuda", "meta")))
+    monkeypatch.setattr(fp16, "get_kernel", lambda src, name, names: name)
+    monkeypatch.setattr(fp16, "launch", lambda kern, grid, block, args, shared_mem=0: calls.append((grid, args)))
+    for n, k in ((1, 2**31), (2**31, 8)):
+        w, x = _meta(n, k), _meta(1, k)
+        assert not fp16.gemv_ok(x, w)
+        assert fp16.linear.__wrapped__(x, w).shape == (1, n)
+        with pytest.raises(ValueError, match=r"^gemv: .*N and K below 2\^31"):
+            fp16.gemv.__wrapped__(x, w)
+    assert not calls
+    for n, k in ((1, 2**31 - 8), (2**31 - 1, 8)):
+        assert fp16.linear.__wrapped__(_meta(1, k), _meta(n, k)).shape == (1, n)
+    assert [(grid, int(args[3]), int(args[4])) for grid, args in calls] == [
+        ((1,), 1, 2**31 - 8), ((2**27,), 2**31 - 1, 8)]

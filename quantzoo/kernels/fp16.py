@@ -33,11 +33,13 @@ def matmul(x: torch.Tensor, qt) -> torch.Tensor:
 
 def gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether gemv serves this call (else cuBLAS): fp16 operands on one CUDA device, M <= GEMV_MAX_M,
-    K % 8 == 0, contiguous 16-byte aligned rows, neither a lazily negated view (the kernel reads
-    memory by address; cuBLAS through F.linear honours the negative bit, kernels.negated)."""
+    K % 8 == 0, N and K below 2^31 (the kernel's ints), contiguous 16-byte aligned rows, neither a
+    lazily negated view (the kernel reads memory by address; cuBLAS through F.linear honours the
+    negative bit, kernels.negated)."""
     return (x.is_cuda and w.is_cuda and x.device == w.device
             and x.dtype == torch.float16 and w.dtype == torch.float16
             and w.dim() == 2 and x.shape[-1] == w.shape[1] and w.shape[1] % 8 == 0
+            and w.shape[0] < 2**31 and w.shape[1] < 2**31
             and 0 < x.numel() // w.shape[1] <= GEMV_MAX_M and x.is_contiguous() and w.is_contiguous()
             and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and not x.is_neg() and not w.is_neg())
 
@@ -47,8 +49,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (..., K) fp16 with at most GEMV_MAX_M rows, w (N, K) fp16 -> (..., N), fp32 accumulation."""
     if not gemv_ok(x, w):
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}: needs fp16 "
-                         f"contiguous CUDA tensors without the negative bit, K % 8 == 0, 16-byte alignment, "
-                         f"<= {GEMV_MAX_M} rows")
+                         f"contiguous CUDA tensors without the negative bit, K % 8 == 0, N and K below 2^31, "
+                         f"16-byte alignment, <= {GEMV_MAX_M} rows")
     return _launch_gemv(x, w)
 
 
