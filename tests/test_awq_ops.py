@@ -363,6 +363,56 @@ def test_mma_column_tiles_past_the_grid_y_limit(monkeypatch):
     assert awq.choose_path(17, awq._Shape(2**22 - 64, k)) == "mma"   # 65535 tiles still fit
 
 
+def test_split_k_rows_past_2_31_dry_run(monkeypatch):
+    """A split's last row is its first plus rows_per_split, an int in every split-K kernel: K =
+    2^31 - 32 (an 8 GiB qweight of N = 32) cut into 132 or 264 splits ends past 2^31 - 1: the
+    sum wrapped, and the mma kernel's last split dropped its rows without a word, the gemv and
+    small-M kernels' walked past K's last row (awq._split_rows says how). Refused by name before
+    any launch;
+    dequant+cublas, which splits no K, takes the weight, and K = 2^31 - 2^20 goes out on every
+    path with each split ending inside the int. Meta tensors, launches recorded."""
+    calls = []
+    monkeypatch.setattr(workspaces, "_CACHE", {})
+    monkeypatch.setattr(awq, "_kernel", lambda src, name: name)
+    monkeypatch.setattr(awq, "_launch", lambda kern, grid, block, args, smem=0: calls.append((kern, grid, args)))
+    monkeypatch.setattr(awq, "launch_tma", lambda kern, grid, block, args, smem=0: calls.append((kern, grid, args)))
+    monkeypatch.setattr(awq, "tensor_map_2d", lambda *a: ("tmap",) + a)
+    monkeypatch.setattr(awq, "torch_step", lambda fn, x, y: None)
+    monkeypatch.setattr(awq, "_set_smem", lambda kern, nbytes: None)
+    monkeypatch.setattr(awq, "_blocks_per_sm", lambda kern, smem, threads=128: 1)
+    monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
+    def one_wave(tiles, k, unit, slots, min_rows=0):
+        """mma's split plan as _splits makes it for one tile, a wave of `slots` splits, without
+        its search over every split count to K / 128 (2^24 of them here, ~10 s a call)."""
+        per = unit * -(-(-(-k // unit)) // slots)
+        return -(-k // per), per
+
+    assert one_wave(1, 2**20, 32, 132, 128) == awq._splits(1, 2**20, 32, 132, 128)
+    monkeypatch.setattr(awq, "_splits", one_wave)
+    n, g, meta = 32, 32, dict(device="meta")
+    runs = (("gemv", 1), ("small", 1), ("mma", 17), ("wgmma", 64), ("dequant+cublas", 1))
+    for k in (2**31 - 32, 2**31 - 2**20):
+        qw = torch.empty((k, n // 8), dtype=torch.int32, **meta)
+        sc = torch.empty((k // g, n), dtype=torch.float16, **meta)
+        qz = torch.empty((k // g, n // 8), dtype=torch.int32, **meta)
+        for path, m in runs:
+            calls.clear()
+            x = torch.empty((m, k), dtype=torch.float16, **meta)
+            if k == 2**31 - 32 and path != "dequant+cublas":
+                with pytest.raises(ValueError, match=rf"^qweight: K={k} rows in \d+ splits of \d+ end at row \d+, "
+                                                     r"past the kernels' 32-bit rows \(path='dequant\+cublas' "
+                                                     r"splits no K\)$"):
+                    awq._gemm(x, qw, sc, qz, k, n, g, None, path)
+                assert not calls, path
+                continue
+            assert awq._gemm(x, qw, sc, qz, k, n, g, None, path).shape == (m, n)
+            kern, grid, args = calls[0]
+            if path != "dequant+cublas":   # rows_per_split: the last argument (wgmma's: before x_rows)
+                splits, rows = (int(args[-3]), int(args[-2])) if path == "wgmma" else (grid[-1], int(args[-1]))
+                assert splits > 1 and (splits - 1) * rows < k <= splits * rows <= 2**31 - 1, (path, splits, rows)
+
+
 @pytest.mark.parametrize("k,n8", [(2**31, 1), (32, 2**28)])
 def test_weights_past_32_bit_k_or_n_are_refused(k, n8):
     """K or N of 2^31 (meta tensors: no memory) is refused by name, not left to np.int32's

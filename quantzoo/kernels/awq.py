@@ -324,6 +324,19 @@ def _splits(tiles: int, k: int, unit: int, slots: int, min_rows: int = 0) -> tup
     return -(-k // per), per
 
 
+def _split_rows(k: int, splits: int, rows: int) -> np.int32:
+    """rows (a K split's rows, the kernels' int rows_per_split) for `splits` splits of K, checked:
+    a kernel forms the end of its split, its first row plus rows, as an int too, and for a last
+    split ending past 2^31 - 1 that sum wrapped negative (K within splits x 8..64 rows of 2^31,
+    as K = 2^31 - 32 on the small-M kernel at M = 1 on 132 SMs): the mma kernel's last split ran
+    no stage, its rows missing from y without a word, and in the gemv and small-M kernels
+    (awq::slice_steps) min(K, kb + rows) - kb wrapped back to rows, a walk past K's last row."""
+    if splits * rows > 2**31 - 1:
+        raise ValueError(f"qweight: K={k} rows in {splits} splits of {rows} end at row {splits * rows}, past the "
+                         "kernels' 32-bit rows (path='dequant+cublas' splits no K)")
+    return np.int32(rows)
+
+
 # ------------------------------------------------------------------ public entry points
 def choose_path(m: int, qt=None, dev=None) -> str:
     """The path matmul takes for M rows of x and weight qt on device dev (default: qt's device;
@@ -403,11 +416,12 @@ def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
         splits = gemv_plan(tiles, k, warps, _blocks_per_sm(kern, 0) * _sm_count(dev))
     per = 8 * -(-(k // 8) // max(1, splits))
     splits = -(-k // per)
+    rows = _split_rows(k, splits, per)
     ws = workspaces.scratch("partials", splits * n if splits > 1 else 1, torch.float32, dev)
     ctr = workspaces.counters(tiles, dev)
     _launch(kern, (tiles, splits), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
-             ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), np.int32(per)))
+             ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), rows))
 
 
 def mma_config(m: int, n: int) -> tuple[int, int, int]:
@@ -445,12 +459,13 @@ def _mma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None):
     _set_smem(kern, smem)
     slots = _blocks_per_sm(kern, smem) * _sm_count(dev)
     splits, per = _splits(tiles_n * tiles_m, k, 32, slots, min_rows=128)
+    rows = _split_rows(k, splits, per)
     ws = workspaces.scratch("partials", splits * m * n if splits > 1 else 1, torch.float32, dev)
     ctr = workspaces.counters(tiles_n * tiles_m, dev)
     _launch(kern, (tiles_m, tiles_n, splits), (128,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
-             np.int32(per)), smem)
+             rows), smem)
 
 
 def slab_columns(k, n, slab_bytes=None):
@@ -543,12 +558,13 @@ def _small(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
         steps = k // 16
         per = 16 * -(-steps // splits)
         splits = -(-k // per)
+    rows = _split_rows(k, splits, per)
     ws = workspaces.scratch("partials", splits * m * n if splits > 1 else 1, torch.float32, dev)
     ctr = workspaces.counters(tiles, dev)
     _launch(kern, (tiles, splits), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(m), np.int32(k), np.int32(n), np.int32(g),
-             np.int32(per)), smem)
+             rows), smem)
 
 
 def _wgmma_smem(nwg: int, t: int, d: int) -> int:
@@ -593,6 +609,8 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup
     slots = _blocks_per_sm(kern, smem, threads) * _sm_count(dev)
     dp, splits, per = wgmma_tiles.schedule(m, n, k, slots, (nwg, t, d), splits, dp_tiles)
+    # per: 64-row stages a split; one split's blocks walk all of K and never read it
+    rows = _split_rows(k, splits, 64 * per if splits > 1 else k)
     # Split K's partials: at 2 splits the tile's halves meet in the kernel (tile counters; the
     # first hands its partial, T x columns floats in fragment order, to the second: wg::hand_over),
     # past 2 a wgmma_reduce launch adds them (session 17, us, in-kernel sum vs reduce launch, two
@@ -617,7 +635,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
                 smap(scales.data_ptr(), k // g, n, gps, 8 * words, 0),
                 smap(qzeros.data_ptr(), k // g, n // 8, gps, words, 0, "u32"),
                 y.data_ptr(), ws.data_ptr(), 0 if ctr is None else ctr.data_ptr(), np.int32(m), np.int32(k),
-                np.int32(n), np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), np.int32(64 * per),
+                np.int32(n), np.int32(g), np.int32(tiles_m), np.int32(dp), np.int32(splits), rows,
                 np.int32(xr)), smem)
     if reduce:   # the split tiles' partials, summed in split order, 4 columns a thread (N % 32 == 0)
         _launch(_kernel("awq_wgmma.cu", f"wgmma_reduce<4{', true' if glu else ''}>"),
