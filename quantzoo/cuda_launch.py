@@ -426,12 +426,40 @@ def tensor_map_halves(ptr: int, rows: int, cols: int, box_rows: int, box_cols: i
     return tm
 
 
+def _map_rule_broken(ptr: int, dims: tuple, strides: tuple, box: tuple, swizzle: int, size: int) -> str | None:
+    """Which of cuTensorMapEncodeTiled's documented rules (cuda.h, CUDA 13; no interleave)
+    a tiled map breaks, None if none: strides in bytes, dims and box innermost first."""
+    if not 1 <= len(dims) <= 5:
+        return f"rank {len(dims)} (1..5)"
+    if ptr % 16:
+        return "the address is not 16-byte aligned"
+    if not all(1 <= d <= 2**32 for d in dims):
+        return "a dimension is outside 1..2^32"
+    if not all(s % 16 == 0 and 0 < s < 2**40 for s in strides):
+        return "a stride is not a positive multiple of 16 bytes below 2^40"
+    if not all(1 <= b <= 256 for b in box):
+        return "a box dimension is outside 1..256"
+    if box[0] * size % 16:
+        return f"a box row of {box[0] * size} bytes is not a multiple of 16"
+    if swizzle and box[0] * size > swizzle:
+        return f"a box row of {box[0] * size} bytes is wider than the {swizzle}-byte swizzle"
+    return None
+
+
 def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, swizzle: int, dtype: str):
     """cuTensorMapEncodeTiled: dims and box innermost first, strides (in elements) of dims 1..;
-    elements past the tensor read as zeros."""
+    elements past the tensor read as zeros. Its rules are checked first, so that a map the
+    driver would refuse (CUDA_ERROR_INVALID_VALUE) is a ValueError saying which rule."""
     code, size = _TMAP_TYPES[dtype]
+    shape = f"{' x '.join(map(str, dims[::-1]))} {dtype} at {ptr:#x}, box {' x '.join(map(str, box[::-1]))}"
+    why = _map_rule_broken(ptr, dims, tuple(size * s for s in strides), box, swizzle, size)
+    if why:
+        raise ValueError(f"tensor map ({shape}): {why}")
     ctypes, lib, *_ = _driver()
-    raw = (ctypes.c_uint64 * 16)()
+    # the driver asks for a 64-byte aligned CUtensorMap; a (c_uint64 * 16)() of its own sits at
+    # 48 mod 64 (CPython's small-object allocator), so the map is placed in a larger buffer
+    buf = (ctypes.c_uint8 * (128 + 64))()
+    raw = (ctypes.c_uint64 * 16).from_buffer(buf, -ctypes.addressof(buf) % 64)   # (keeps buf alive)
     r = len(dims)
     err = lib.cuTensorMapEncodeTiled(
         ctypes.byref(raw), ctypes.c_int(code), ctypes.c_uint32(r), ctypes.c_void_p(ptr),
@@ -439,8 +467,7 @@ def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, swizzle: int, dty
         (ctypes.c_uint32 * r)(*box), (ctypes.c_uint32 * r)(*([1] * r)),
         ctypes.c_int(0), ctypes.c_int(_SWIZZLE[swizzle]), ctypes.c_int(_L2_256B), ctypes.c_int(0))
     if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled ({' x '.join(map(str, dims[::-1]))} {dtype} at {ptr:#x}, box "
-                           f"{' x '.join(map(str, box[::-1]))}) failed: {_driver_error(ctypes, lib, err)}")
+        raise RuntimeError(f"cuTensorMapEncodeTiled ({shape}) failed: {_driver_error(ctypes, lib, err)}")
     if len(_TMAPS) >= 1024:
         _TMAPS.clear()
     return raw

@@ -31,6 +31,43 @@ def test_bad_arguments_raise(bad):
         _ctype_arg(ctypes, bad)
 
 
+def test_tensor_maps_keep_the_encoders_rules(monkeypatch):
+    """cuTensorMapEncodeTiled's rules (cuda.h): a map that breaks one is a ValueError naming the
+    rule before the driver is asked (which says only CUDA_ERROR_INVALID_VALUE), and the
+    descriptor it writes lies at a 64-byte aligned address, as the driver asks (a
+    (c_uint64 * 16)() of its own lay at 48 mod 64: CPython's small-object allocator)."""
+    import re
+
+    from quantzoo import cuda_launch as cl
+
+    seen = []
+
+    class Lib:
+        def cuTensorMapEncodeTiled(self, ref, code, rank, ptr, dims, strides, box, elem, il, swizzle, l2, oob):
+            seen.append((ctypes.addressof(ref._obj), rank.value, list(dims), list(strides), list(box), swizzle.value))
+            return 0
+
+    monkeypatch.setattr(cl, "_driver", lambda: (ctypes, Lib()))
+    monkeypatch.setattr(cl, "_TMAPS", {})
+    x = cl.tensor_map_2d(0x10000, 4096, 4096, 128, 64)            # the wgmma kernels' x: 128-byte swizzle
+    scales = cl.tensor_map_halves(0x20000, 32, 8192, 2, 128)      # AWQ GLU scales: [gate | up] halves
+    assert [s[0] % 64 for s in seen] == [0, 0]
+    assert [ctypes.addressof(x.raw), ctypes.addressof(scales.raw)] == [s[0] for s in seen]
+    assert seen[0][1:] == (2, [4096, 4096], [8192], [64, 128], 3)
+    assert seen[1][1:] == (3, [4096, 2, 32], [8192, 16384], [64, 2, 2], 0)
+    seen.clear()
+    for args, why in [((0x10008, 64, 64, 8, 64), "the address is not 16-byte aligned"),
+                      ((0x10000, 0, 64, 8, 64), "a dimension is outside 1..2^32"),
+                      ((0x10000, 2**32 + 1, 64, 8, 64), "a dimension is outside 1..2^32"),
+                      ((0x10000, 64, 60, 8, 64), "a stride is not a positive multiple of 16 bytes below 2^40"),
+                      ((0x10000, 64, 64, 257, 64), "a box dimension is outside 1..256"),
+                      ((0x10000, 64, 64, 8, 4, 0), "a box row of 8 bytes is not a multiple of 16"),
+                      ((0x10000, 64, 256, 8, 128), "a box row of 256 bytes is wider than the 128-byte swizzle")]:
+        with pytest.raises(ValueError, match=rf"^tensor map \(.* at 0x100[08]+, box .*\): {re.escape(why)}$"):
+            cl.tensor_map_2d(*args)
+    assert not seen
+
+
 class _FakeLaunch:
     """What cuda_launch.Plan uses of a PackedLaunch: args, set_pointer, set_map, a call."""
 
