@@ -241,6 +241,9 @@ def check_weight(qt, arg: str = "qt"):
     n, k = (int(s) for s in shape)
     if n <= 0 or k <= 0 or k % QK:
         raise ValueError(f"{arg}: shape {shape}: K={k} must be a positive multiple of {QK} (and N={n} > 0)")
+    # N < 2^31 is the exact bound: every kernel's weight rows per block (mmvq R, mmvq16 4 R, mma
+    # and mmq 64, wgmma 64..256) are a power of two, so a last block's int rows end at 2^31 - 1 at
+    # most; byte and element offsets are formed in 64 bits, block indices along a row in an int
     if n >= 2**31 or k >= 2**31:
         raise ValueError(f"{arg}: shape {shape} too large for 32-bit row indices")
     data = qt.data
