@@ -258,16 +258,21 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     if work.S != S or work.o.shape[0] != H or work.count.shape[0] != KV:
         raise ValueError(f"work: made for S={work.S}, {work.o.shape[0]} heads / {work.count.shape[0]} KV heads;"
                          f" the cache has S={S}, {H} / {KV}")
-    # the kernel writes n_split partials of hd floats a head into o, and n_split (max, sum) into ml
+    # the kernel writes n_split partials of hd floats a head into o, and n_split (max, sum) into ml;
+    # checked once per work and cache shape (~4 us of Python, 36 times a token in eager decode)
     n = work.n_split
-    want = ((work.o, (H, n, hd), torch.float32), (work.ml, (H, n, 2), torch.float32), (work.count, (KV,), torch.int32))
-    if (not isinstance(n, int) or not 1 <= n <= SPLITS_MAX
+    key = (H, KV, hd, S, k_cache.device, n, id(work.o), id(work.ml), id(work.count))
+    want = lambda: ((work.o, (H, n, hd), torch.float32), (work.ml, (H, n, 2), torch.float32),  # noqa: E731
+                    (work.count, (KV,), torch.int32))
+    if getattr(work, "_fits", None) != key and (
+            not isinstance(n, int) or not 1 <= n <= SPLITS_MAX
             or any(not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
-                   or t.device != k_cache.device or not t.is_contiguous() for t, shape, dtype in want)):
+                   or t.device != k_cache.device or not t.is_contiguous() for t, shape, dtype in want())):
         raise ValueError(f"work: n_split={n!r}, o {_desc(work.o)}, ml {_desc(work.ml)}, count {_desc(work.count)}; "
                          f"the cache needs n_split in 1..{SPLITS_MAX}, o ({H}, n_split, {hd}) and ml ({H}, n_split, 2) "
                          f"float32, count ({KV},) int32, contiguous on {k_cache.device} "
                          f"(DecodeWork({H}, {KV}, {hd}, {S}, device) makes them)")
+    work._fits = key
     E = HEAD_DIMS[hd]
     scale_log2 = math.log2(math.e) / math.sqrt(hd)
     out = torch.empty((1, H * hd), dtype=q.dtype, device=q.device)
