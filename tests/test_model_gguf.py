@@ -492,6 +492,15 @@ TOK_KV = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
     # had said "(unknown name)" of a name the loader knows
     ({"llama.block_count": 1}, "unexpected tensor 'blk.1.attn_q.weight' for a llama model (its layer is past "
      "llama.block_count=1)"),
+    # found by fuzzing: a vocabulary without tokenizer.ggml.model had been dropped without a word (a model
+    # with no tokenizer); an absent tokenizer.ggml.pre was called 'default', and the head sizes that
+    # differ were not shown (key_length absent: hidden / heads = 32)
+    ({**TOK_KV, "tokenizer.ggml.model": None},
+     "metadata key 'tokenizer.ggml.model' is missing, but the file has tokenizer.ggml.tokens"),
+    ({**TOK_KV, "tokenizer.ggml.pre": None},
+     "metadata key 'tokenizer.ggml.pre' is missing; llama.cpp then splits as 'default', which is not supported"),
+    ({"llama.attention.value_length": 64},
+     "llama.attention.value_length=64 != key_length=32 (absent: embedding_length / head_count) is not supported"),
 ])
 def test_bad_metadata_names_the_key(tmp_path, kv, needle):
     """Metadata of the wrong type or value: one error naming the file and the key, never a raw
@@ -622,6 +631,23 @@ def test_corrupt_tensor_type_or_offset_is_refused(tmp_path, good_file):
     bad = _patch_tensor_info(good_file, tmp_path, first, -1, 2**64 - 32, "wrap.gguf")
     with pytest.raises(ValueError, match=r"wrap\.gguf: tensor '[a-z_.0-9]+': its data .* runs past the end"):
         qz.load_model(bad, progress=False)
+
+
+def test_corrupt_tensor_info_names_the_tensor(tmp_path, good_file):
+    """Found by fuzzing: a tensor's dimension count or type corrupted was refused by gguf-py's
+    parser in words naming no tensor (the length of a "key" read from the bytes after the bad
+    count; "Quantized tensor row size (128) is not a multiple of Q4_K block size (256)"): each is
+    named by its tensor now, a count past ggml's 4 dimensions at once."""
+    r = gguf.GGUFReader(str(good_file))
+    t = {t.name: t for t in r.tensors}["blk.0.attn_q.weight"]
+    n_dims_at, type_at = (t.field.parts[i].ctypes.data - r.data.ctypes.data for i in (2, -2))
+    del r, t
+    _refused_with(good_file, tmp_path, [
+        ("ndims9", n_dims_at, np.uint32(9).tobytes(),
+         "tensor 'blk.0.attn_q.weight': 9 dimensions (GGUF tensors have at most 4)"),
+        ("ndims1", n_dims_at, np.uint32(1).tobytes(), "the name of the tensor after 'blk.0.attn_q.weight' is "),
+        ("q4k", type_at, np.uint32(gguf.GGMLQuantizationType.Q4_K).tobytes(),
+         "tensor 'blk.0.attn_q.weight': its rows of 128 values are not whole Q4_K blocks of 256")])
 
 
 def test_optional_keys_take_llama_cpp_defaults():

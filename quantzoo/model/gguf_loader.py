@@ -153,6 +153,32 @@ def _reader(path: str):
             finally:
                 self._depth -= 1
 
+        _tensor = None   # the last tensor whose info parsed
+
+        def _get_tensor_info_field(self, orig_offs):
+            # gguf-py's own errors here name no tensor (a numpy message about views, or the length
+            # of a "key" read from the bytes after a corrupt dimension count): named here
+            self._key = None   # (_get_str sets it to the name once that is read)
+            after = f"the tensor after {self._tensor!r}" if self._tensor else "the first tensor"
+            n = int(self.data[orig_offs:orig_offs + 8].view("<u8")[0]) if orig_offs + 8 <= len(self.data) else 0
+            if n > 65535:   # (the bytes after a corrupt dimension count or type, read as a name's length)
+                raise TensorInfoError(f"the name of {after} is {n} bytes long, read at byte {orig_offs} (GGUF "
+                                      "names are at most 65535 bytes): corrupt tensor info?")
+            try:
+                field = super()._get_tensor_info_field(orig_offs)
+            except TensorInfoError:
+                raise
+            except Exception as e:
+                what = f"tensor {self._key!r}" if self._key is not None else after
+                raise TensorInfoError(f"the info of {what} cannot be parsed ({type(e).__name__}: {e}); "
+                                      "truncated or corrupt file?") from None
+            n_dims = int(field.parts[2][0])
+            if n_dims > 4:   # ggml's GGML_MAX_DIMS (llama.cpp refuses more); the rest would be misread
+                raise TensorInfoError(f"tensor {self._key!r}: {n_dims} dimensions (GGUF tensors have at most 4): "
+                                      "corrupt tensor info?")
+            self._tensor = self._key
+            return field
+
         def _build_tensors(self, start_offs, fields):
             size = len(self.data)
             spans = []
@@ -169,8 +195,10 @@ def _reader(path: str):
                 n = 1
                 for d in dims:   # Python ints: np.prod would wrap around on huge dims
                     n *= int(d)
-                if n % bs:
-                    raise TensorInfoError(f"tensor {name!r}: {n} elements are not whole {t.name} blocks of {bs}")
+                row = int(dims[0]) if len(dims) else 1   # ne0: a row is whole blocks (ggml's rule; gguf-py's
+                if row % bs:                              # own error for a row that is not names no tensor)
+                    raise TensorInfoError(f"tensor {name!r}: its rows of {row} values are not whole {t.name} "
+                                          f"blocks of {bs}")
                 if int(off[0]) % self.alignment:
                     raise TensorInfoError(f"tensor {name!r}: data offset {int(off[0])} is not a multiple of "
                                           f"the file's alignment ({self.alignment})")
@@ -279,8 +307,10 @@ def config_from_metadata(meta: dict, path: str, vocab_size: int, tied: bool) -> 
         raise ValueError(f"{path}: {arch}.attention.head_count={heads} is more than {arch}.embedding_length="
                          f"{hidden}: without {arch}.attention.key_length the head size, their quotient, is 0")
     head_dim = key("attention.key_length", hidden // heads)
-    if key("attention.value_length", head_dim) != head_dim:
-        raise ValueError(f"{path}: {arch}.attention.value_length != key_length is not supported")
+    if key("attention.value_length", head_dim) != head_dim:   # (the values, and where key_length came from)
+        absent = "" if f"{arch}.attention.key_length" in meta else " (absent: embedding_length / head_count)"
+        raise ValueError(f"{path}: {arch}.attention.value_length={key('attention.value_length')} != "
+                         f"key_length={head_dim}{absent} is not supported")
     rope_dims = key("rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ValueError(f"{path}: {arch}.rope.dimension_count={rope_dims} (partial RoPE) is not "
@@ -402,6 +432,10 @@ def load_gguf(path, progress: bool = True, reader=None):
         raise ValueError(f"{path}: {cfg.arch}.block_count={cfg.num_layers}, but the file holds only "
                          f"{len(tensors)} tensors")
     tok = None   # a file without tokenizer.ggml.* (synthetic, bench) loads without one
+    if "tokenizer.ggml.model" not in meta and "tokenizer.ggml.tokens" in meta:
+        # (the vocabulary had been dropped without a word: a model with no tokenizer; llama.cpp refuses it)
+        raise ValueError(f"{path}: metadata key 'tokenizer.ggml.model' is missing, but the file has "
+                         "tokenizer.ggml.tokens: the tokenizer's type is unknown")
     if "tokenizer.ggml.model" in meta:
         tok = Tokenizer.from_gguf_fields({k: v for k, v in meta.items() if k.startswith("tokenizer.")}, path)
         cfg.bos_token_id, cfg.eos_token_ids = tok.bos_token_id, list(tok.eos_token_ids)

@@ -472,9 +472,10 @@ class Tokenizer:
             tok = _sentencepiece_bpe(tokens, vocab, scores, types, tokens[unk], add_space_prefix, path)
         else:
             pre = meta.get("tokenizer.ggml.pre", "default")
-            if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
-                raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; known: "
-                                 f"{sorted(PRE_TOKENIZERS)}")
+            if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:   # (an absent key had been shown as 'default')
+                what = (f"tokenizer.ggml.pre={pre!r}" if "tokenizer.ggml.pre" in meta else "metadata key "
+                        "'tokenizer.ggml.pre' is missing; llama.cpp then splits as 'default', which")
+                raise ValueError(f"{path}: {what} is not supported; known: {sorted(PRE_TOKENIZERS)}")
             make_pre, ignore_merges = PRE_TOKENIZERS[pre]
             merges = []
             for m in array_of("tokenizer.ggml.merges", str):
