@@ -164,6 +164,7 @@ def test_unsharded_missing_tensor_and_bad_shape(dirs, tmp_path):
 @pytest.mark.parametrize("change,needle", [
     ({"architectures": ["GemmaForCausalLM"]}, "architectures=['GemmaForCausalLM']"),
     ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": "false"}, 'mlp_bias="false" is not supported'),   # (any true value; it had said "true")
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type='yarn'"),
     # transformers 4's spelling names the key the file has; a rope_scaling that is no object
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type='linear' is not supported"),
@@ -605,6 +606,23 @@ def test_tokenizer_larger_than_the_embedding_warns(dirs, tmp_path):
     assert 7 in m.config.eos_token_ids and 5000 not in m.config.eos_token_ids
     with pytest.raises(ValueError, match=r"token id 399 is not a row of the 320-row embedding"):
         m.logits([1, 399])
+
+
+@pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id"])
+def test_a_bad_generation_config_id_names_that_file(dirs, tmp_path, key):
+    """Found by fuzzing: a bad bos_token_id of generation_config.json (config.json having none) was
+    blamed on config.json, and a bad eos_token_id named the file without its directory."""
+    def edit(d):
+        for name, change in (("config.json", lambda c: c.pop(key, None)),
+                             ("generation_config.json", lambda c: c.__setitem__(key, "x"))):
+            c = json.loads((d / name).read_text())
+            change(c)
+            (d / name).write_text(json.dumps(c))
+
+    d = _copy_and(dirs["fp32"], tmp_path / "m", edit)
+    with pytest.raises(ValueError) as e:
+        load_hf(d, progress=False)
+    assert str(e.value) == f"{d / 'generation_config.json'}: {key}='x' is not a token id"
 
 
 def test_bias_tensors_are_refused(dirs, tmp_path):

@@ -195,8 +195,9 @@ def model_class(cfg: dict, where: str = "config.json") -> str:
 
 
 def parse_config(cfg: dict, generation_config: dict | None = None, where: str = "config.json",
-                 largest_dim=None):
-    """config.json dict -> (ModelConfig, quantization dict | None).
+                 largest_dim=None, gen_where: str = "generation_config.json"):
+    """config.json dict -> (ModelConfig, quantization dict | None). where, gen_where: the two
+    files, for messages.
 
     largest_dim: a callable giving the checkpoint's largest tensor dimension (load_hf passes
     one). q_proj's num_attention_heads x head_dim rows show up as a dimension of its weight
@@ -209,8 +210,8 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     cls = model_class(cfg, where)
     arch = ARCHS[cls]
     for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise ValueError(f"{where}: {key}=true is not supported (the runner has no biases)")
+        if cfg.get(key):   # (any true value: transformers builds the biases; "false" had been shown as true)
+            raise ValueError(f"{where}: {key}={json.dumps(cfg[key])} is not supported (the runner has no biases)")
     # sliding layers as transformers' Qwen2/Qwen3 configs derive them: layer_types when given, else
     # every layer from max_window_layers (default 28) on, when use_sliding_window and a window are
     # set (Qwen3 only. LlamaModel builds one causal mask for every layer and reads neither the flag
@@ -288,12 +289,14 @@ def parse_config(cfg: dict, generation_config: dict | None = None, where: str = 
     if tie is not None and not isinstance(tie, bool):   # bool("false") is True: a silently tied lm_head
         raise ValueError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
     gen = generation_config or {}
-    eos_src = "generation_config.json" if "eos_token_id" in gen else where
+    eos_src = gen_where if "eos_token_id" in gen else where
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = [i for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])
                if special_token_id(i, dims["vocab_size"], f"{eos_src}: eos_token_id") is not None]
+    # (a bad bos_token_id of generation_config.json had been blamed on config.json)
+    bos_src = where if "bos_token_id" in cfg else gen_where
     bos = special_token_id(cfg.get("bos_token_id", gen.get("bos_token_id")), dims["vocab_size"],
-                           f"{where}: bos_token_id")
+                           f"{bos_src}: bos_token_id")
     try:
         config = ModelConfig(arch=arch, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
                              tie_word_embeddings=bool(tie), sliding_window=window,
@@ -486,7 +489,7 @@ def load_hf(path, progress: bool = True, lazy: bool = False):
         return max((d for h in shards.handles.values() for k in h.keys()
                     for d in h.get_slice(k).get_shape()), default=0)
 
-    config, quant = parse_config(cfg, gen, where=str(cfg_file), largest_dim=largest_dim)
+    config, quant = parse_config(cfg, gen, where=str(cfg_file), largest_dim=largest_dim, gen_where=str(gen_file))
     shards = shards or _Shards(path)
     if config.num_layers > len(shards.where):   # before anything loops over the layers (a corrupt count)
         raise ValueError(f"{cfg_file}: num_hidden_layers={config.num_layers}, but the checkpoint holds "
