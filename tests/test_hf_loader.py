@@ -608,6 +608,27 @@ def test_tokenizer_larger_than_the_embedding_warns(dirs, tmp_path):
         m.logits([1, 399])
 
 
+@pytest.mark.parametrize("bad", ["far", "shared"])
+def test_a_tokenizer_id_past_the_embedding_or_shared_is_said(dirs, tmp_path, bad):
+    """Found by fuzzing: `tokenizers` loads a tokenizer.json whose vocabulary gives a token an id
+    far past the rest (its token count, which the check above compares, stays the same) or the id
+    of another token; both loaded without a word (a prompt holding the token then encoded to an id
+    the embedding lacks, or to the other token's)."""
+    vocab = json.loads((dirs["fp32"] / "tokenizer.json").read_text())["model"]["vocab"]
+    first, fifth = min(vocab, key=vocab.get), next(t for t, i in vocab.items() if i == 5)
+
+    def edit(d):
+        tj = json.loads((d / "tokenizer.json").read_text())
+        tj["model"]["vocab"][first] = 1000 if bad == "far" else 5
+        (d / "tokenizer.json").write_text(json.dumps(tj))
+
+    d = _copy_and(dirs["fp32"], tmp_path / "m", edit)
+    want = (f"{d}: the tokenizer's token {first!r} has id 1000, the embedding only 320 rows" if bad == "far" else
+            f"{d / 'tokenizer.json'}: tokens {min(first, fifth)!r} and {max(first, fifth)!r} share id 5")
+    with pytest.warns(UserWarning, match=re.escape(want)):
+        load_hf(d, progress=False)
+
+
 @pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id"])
 def test_a_bad_generation_config_id_names_that_file(dirs, tmp_path, key):
     """Found by fuzzing: a bad bos_token_id of generation_config.json (config.json having none) was

@@ -212,9 +212,17 @@ class ModelConfig:
         llama.cpp sizes the embedding by the token list), else a warning: HF checkpoints with an
         added token past the embedding exist (an added <pad>) and work as long as that token is
         not fed (the runner's token_ids check refuses it then)."""
+        msg = None
         if tok is not None and tok.vocab_size > self.vocab_size:
             msg = (f"{where}: the tokenizer has {tok.vocab_size} tokens, the embedding only "
                    f"{self.vocab_size} rows")
+        elif tok is not None:   # (its count of tokens misses a stray large id, which had loaded silently)
+            vocab = tok.tok.get_vocab(with_added_tokens=True)
+            top = max(vocab, key=vocab.get, default=None)
+            if top is not None and vocab[top] >= self.vocab_size:
+                msg = (f"{where}: the tokenizer's token {top!r} has id {vocab[top]}, the embedding only "
+                       f"{self.vocab_size} rows")
+        if msg:
             if strict:
                 raise ValueError(msg)
             warnings.warn(msg + "; prompts holding the extra tokens will be refused", stacklevel=2)

@@ -337,6 +337,15 @@ class Tokenizer:
             raise ValueError(f"{s if is_file else 'tokenizer.json text'}: not a tokenizer the "
                              f"`tokenizers` package reads ({e})") from None
         cfg = tokenizer_config or {}
+        # `tokenizers` loads a vocabulary with two tokens at one id (text of either encodes to it, which the
+        # model reads as one of them): said, not refused, as transformers loads it
+        seen = {}
+        for t, i in tok.get_vocab(with_added_tokens=True).items():
+            if seen.setdefault(i, t) != t:
+                warnings.warn(f"{s if is_file else 'tokenizer.json text'}: tokens {min(seen[i], t)!r} and "
+                              f"{max(seen[i], t)!r} share id {i}: text holding either encodes to it; a corrupt "
+                              "vocabulary?", UserWarning, stacklevel=2)
+                break
 
         def tok_str(key):
             v = cfg.get(key)
