@@ -634,15 +634,18 @@ def test_corrupt_tensor_type_or_offset_is_refused(tmp_path, good_file):
 
 
 def test_corrupt_tensor_info_names_the_tensor(tmp_path, good_file):
-    """Found by fuzzing: a tensor's dimension count or type corrupted was refused by gguf-py's
-    parser in words naming no tensor (the length of a "key" read from the bytes after the bad
-    count; "Quantized tensor row size (128) is not a multiple of Q4_K block size (256)"): each is
-    named by its tensor now, a count past ggml's 4 dimensions at once."""
+    """Found by fuzzing: a tensor's name length, dimension count or type corrupted was refused by
+    gguf-py's parser in words naming no tensor (numpy's about views, the length of a "key" read
+    from the bytes after the bad count, "Quantized tensor row size (128) is not a multiple of Q4_K
+    block size (256)"): each is named by its tensor now (a name that swallowed the bytes after it
+    cut short), a count past ggml's 4 dimensions at once."""
     r = gguf.GGUFReader(str(good_file))
     t = {t.name: t for t in r.tensors}["blk.0.attn_q.weight"]
-    n_dims_at, type_at = (t.field.parts[i].ctypes.data - r.data.ctypes.data for i in (2, -2))
+    name_len_at, n_dims_at, type_at = (t.field.parts[i].ctypes.data - r.data.ctypes.data for i in (0, 2, -2))
     del r, t
     _refused_with(good_file, tmp_path, [
+        ("namelen", name_len_at, np.uint64(len("blk.0.attn_q.weight") + 200).tobytes(),
+         "the info of tensor 'blk.0.attn_q.weight\\x02\\x00\\x00\\x00"),
         ("ndims9", n_dims_at, np.uint32(9).tobytes(),
          "tensor 'blk.0.attn_q.weight': 9 dimensions (GGUF tensors have at most 4)"),
         ("ndims1", n_dims_at, np.uint32(1).tobytes(), "the name of the tensor after 'blk.0.attn_q.weight' is "),

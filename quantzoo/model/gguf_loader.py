@@ -116,7 +116,12 @@ def _reader(path: str):
             out = super()._get_str(offset)
             if self._depth == 0:
                 key = bytes(out[1]).decode("utf-8", "replace")
-                self._key = key if len(key) <= 80 else key[:77] + "..."
+                if len(repr(key)) > 82:   # (as messages show it: a corrupt name of NULs is 4 characters each)
+                    key = key[:77]
+                    while len(repr(key)) > 79:
+                        key = key[:-1]
+                    key += "..."
+                self._key = key
             return out
 
         def _get_field_parts(self, orig_offs, raw_type):
@@ -170,8 +175,8 @@ def _reader(path: str):
                 raise
             except Exception as e:
                 what = f"tensor {self._key!r}" if self._key is not None else after
-                raise TensorInfoError(f"the info of {what} cannot be parsed ({type(e).__name__}: {e}); "
-                                      "truncated or corrupt file?") from None
+                raise TensorInfoError(f"the info of {what} cannot be parsed ({type(e).__name__}): a corrupt "
+                                      "length or count, or a truncated file?") from None
             n_dims = int(field.parts[2][0])
             if n_dims > 4:   # ggml's GGML_MAX_DIMS (llama.cpp refuses more); the rest would be misread
                 raise TensorInfoError(f"tensor {self._key!r}: {n_dims} dimensions (GGUF tensors have at most 4): "
