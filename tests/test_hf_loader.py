@@ -629,6 +629,18 @@ def test_a_tokenizer_id_past_the_embedding_or_shared_is_said(dirs, tmp_path, bad
         load_hf(d, progress=False)
 
 
+def test_an_awq_checkpoint_without_its_quantization_config_is_named(dirs, tmp_path):
+    """Found by fuzzing: an AWQ directory whose config.json lost quantization_config was refused
+    as missing the float q_proj.weight, not for the config it lacks."""
+    d = _copy_and(dirs["awq"], tmp_path / "m", lambda d: (d / "config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "quantization_config"})))
+    with pytest.raises(ValueError) as e:
+        load_hf(d, progress=False)
+    assert str(e.value) == (f"{d / 'config.json'}: no quantization_config, but model.safetensors holds "
+                            "'model.layers.0.self_attn.q_proj.qweight', an AWQ checkpoint's, where "
+                            "'model.layers.0.self_attn.q_proj.weight' is expected")
+
+
 @pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id"])
 def test_a_bad_generation_config_id_names_that_file(dirs, tmp_path, key):
     """Found by fuzzing: a bad bos_token_id of generation_config.json (config.json having none) was

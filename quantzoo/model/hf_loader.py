@@ -515,6 +515,9 @@ def load_hf(path, progress: bool = True, lazy: bool = False):
             plan.append((name, "awq", awq_names))
         else:
             if not shards.has(name):
+                if quant is None and shards.has(awq_names[0]):   # (had been called a missing weight)
+                    raise ValueError(f"{cfg_file}: no quantization_config, but {shards.file_of(awq_names[0]).name} "
+                                     f"holds {awq_names[0]!r}, an AWQ checkpoint's, where {name!r} is expected")
                 raise shards.missing(name)
             got, dtype = shards.meta(name)
             if got != shape:
