@@ -259,25 +259,33 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
         raise ValueError(f"work: made for S={work.S}, {work.o.shape[0]} heads / {work.count.shape[0]} KV heads;"
                          f" the cache has S={S}, {H} / {KV}")
     # the kernel writes n_split partials of hd floats a head into o, and n_split (max, sum) into ml;
-    # checked once per work and cache shape (~4 us of Python, 36 times a token in eager decode)
-    n = work.n_split
-    key = (H, KV, hd, S, k_cache.device, n, id(work.o), id(work.ml), id(work.count))
-    want = lambda: ((work.o, (H, n, hd), torch.float32), (work.ml, (H, n, 2), torch.float32),  # noqa: E731
-                    (work.count, (KV,), torch.int32))
-    if getattr(work, "_fits", None) != key and (
-            not isinstance(n, int) or not 1 <= n <= SPLITS_MAX
-            or any(not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
-                   or t.device != k_cache.device or not t.is_contiguous() for t, shape, dtype in want())):
-        raise ValueError(f"work: n_split={n!r}, o {_desc(work.o)}, ml {_desc(work.ml)}, count {_desc(work.count)}; "
-                         f"the cache needs n_split in 1..{SPLITS_MAX}, o ({H}, n_split, {hd}) and ml ({H}, n_split, 2) "
-                         f"float32, count ({KV},) int32, contiguous on {k_cache.device} "
-                         f"(DecodeWork({H}, {KV}, {hd}, {S}, device) makes them)")
-    work._fits = key
+    # checked once per work and cache shape (~4 us of Python, 36 times a token in eager decode).
+    # The check is remembered with the tensors themselves (held: an id alone is taken again by
+    # a new tensor once the checked one is let go) and what it read of them that an in-place op
+    # (resize_, transpose_, as_strided_) can change, their shapes and contiguity; o's device is
+    # compared on every call above. (Version counters would be cheaper, but the runner's work is
+    # made under inference_mode, whose tensors have none.)
+    o, ml, count, n = work.o, work.ml, work.count, work.n_split
+    fits = getattr(work, "_fits", None)
+    seen = None if fits is None or fits[0] is not o or fits[1] is not ml or fits[2] is not count else \
+        (H, KV, hd, S, n, o.shape, ml.shape, count.shape, o.is_contiguous(), ml.is_contiguous(),
+         count.is_contiguous())
+    if seen is None or seen != fits[3]:
+        if (not isinstance(n, int) or not 1 <= n <= SPLITS_MAX
+                or any(not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
+                       or t.device != k_cache.device or not t.is_contiguous()
+                       for t, shape, dtype in ((o, (H, n, hd), torch.float32), (ml, (H, n, 2), torch.float32),
+                                               (count, (KV,), torch.int32)))):
+            raise ValueError(f"work: n_split={n!r}, o {_desc(o)}, ml {_desc(ml)}, count {_desc(count)}; "
+                             f"the cache needs n_split in 1..{SPLITS_MAX}, o ({H}, n_split, {hd}) and ml ({H}, "
+                             f"n_split, 2) float32, count ({KV},) int32, contiguous on {k_cache.device} "
+                             f"(DecodeWork({H}, {KV}, {hd}, {S}, device) makes them)")
+        work._fits = (o, ml, count, (H, KV, hd, S, n, o.shape, ml.shape, count.shape, True, True, True))
     E = HEAD_DIMS[hd]
     scale_log2 = math.log2(math.e) / math.sqrt(hd)
     out = torch.empty((1, H * hd), dtype=q.dtype, device=q.device)
-    launch(_k(f"attn_decode<{E}, {G}, {ATTN_RING}>"), (work.n_split, KV), (128,),
-           (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos.data_ptr(), work.o.data_ptr(),
-            work.ml.data_ptr(), work.count.data_ptr(), out.data_ptr(), np.int32(S), np.int32(work.n_split),
+    launch(_k(f"attn_decode<{E}, {G}, {ATTN_RING}>"), (n, KV), (128,),
+           (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos.data_ptr(), o.data_ptr(),
+            ml.data_ptr(), count.data_ptr(), out.data_ptr(), np.int32(S), np.int32(n),
             np.float32(scale_log2)))
     return out
