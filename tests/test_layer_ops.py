@@ -3,6 +3,7 @@ errors a CPU model gives when asked for them (the kernels themselves: tests/test
 tests/test_fp16_gemv_gpu.py)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,3 +257,20 @@ def test_attn_decode_rechecks_work_changed_since_its_check(meta_launches):
             f(q, cache, cache, pos, w)
     finally:
         lo.SPLITS_MAX = real
+
+
+def test_a_decode_work_made_from_numpy_ints_is_taken(meta_launches):
+    """DecodeWork(np.int64 heads, KV heads, S) kept numpy's n_split, and attn_decode refused the
+    work it made: "work: n_split=np.int64(64), ...; the cache needs n_split in 1..256 ...
+    (DecodeWork(8, 2, 128, 4096, device) makes them)". Its sizes are Python ints now."""
+    from quantzoo.kernels import layer_ops as lo
+
+    H, KV, S = 8, 2, 4096
+    cache, q, pos = _meta(KV, S, 128), _meta(1, H, 128), _meta(1, dtype=torch.int64)
+    w = lo.DecodeWork(np.int64(H), np.int32(KV), np.int64(128), np.int64(S), "meta")
+    assert type(w.n_split) is int and type(w.S) is int
+    assert w.n_split == lo.DecodeWork(H, KV, 128, S, "meta").n_split
+    lo.attn_decode.__wrapped__(q, cache, cache, pos, w)
+    assert meta_launches == [("attn_decode<4, 4, 4>", (w.n_split, KV))]
+    with pytest.raises(TypeError):   # (not a whole number: refused where it is made)
+        lo.DecodeWork(H, KV, 128, 4096.0, "meta")

@@ -18,6 +18,7 @@ on the host before anything is launched.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -209,6 +210,8 @@ class DecodeWork:
 
         from quantzoo.cuda_launch import sm_count
 
+        # (Python ints: numpy's would make a numpy n_split, which attn_decode's check refuses)
+        heads, kv_heads, head_dim, S = map(operator.index, (heads, kv_heads, head_dim, S))
         sms = sm_count(device) if torch.device(device).type == "cuda" else 132   # (CPU: the tests)
         self.n_split = max(1, min(SPLITS_MAX, S // 64, -(-2 * sms // kv_heads)))
         self.S = S
