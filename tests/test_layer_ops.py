@@ -274,3 +274,23 @@ def test_a_decode_work_made_from_numpy_ints_is_taken(meta_launches):
     assert meta_launches == [("attn_decode<4, 4, 4>", (w.n_split, KV))]
     with pytest.raises(TypeError):   # (not a whole number: refused where it is made)
         lo.DecodeWork(H, KV, 128, 4096.0, "meta")
+
+
+def test_qk_rope_store_refuses_no_positions_without_kv_heads(meta_launches):
+    """qk_rope_store rotates q too, reading cos and sin at pos[t]: a cache of no positions (and
+    so tables of no rows) was refused only where KV > 0, and with KV = 0 and a q head the kernel
+    went out reading row pos of a table of none (an empty CUDA tensor's address is 0)."""
+    from quantzoo.kernels import layer_ops as lo
+
+    T, hd = 1, 64
+    none = _meta(0, 0, hd)
+    with pytest.raises(ValueError, match=r"^k_cache: shape \(0, 0, 64\), no positions"):
+        lo.qk_rope_store.__wrapped__(_meta(T, hd), None, _meta(0, hd), _meta(0, hd), _meta(T, dtype=torch.int64),
+                                     none, none, 1, 0, 1e-6)
+    assert not meta_launches
+    q = lo.qk_rope_store.__wrapped__(_meta(0, hd), None, _meta(0, hd), _meta(0, hd), _meta(0, dtype=torch.int64),
+                                     none, none, 1, 0, 1e-6)   # (no tokens: nothing to rotate or store)
+    assert q.shape == (0, 1, hd) and not meta_launches
+    lo.qk_rope_store.__wrapped__(_meta(T, hd), None, _meta(4, hd), _meta(4, hd), _meta(T, dtype=torch.int64),
+                                 _meta(0, 4, hd), _meta(0, 4, hd), 1, 0, 1e-6)
+    assert meta_launches == [("qk_rope_store<2, false>", (1,))]

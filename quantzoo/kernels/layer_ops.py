@@ -152,10 +152,10 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     _check("sin", sin, (S, hd), device=k_cache.device)
     if norm_w is not None:
         _check("norm_w", norm_w, (H + KV, hd), device=k_cache.device)
-    if KV and not S:
-        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)}, no positions to store k and v at")
-    q = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
     items = T * (H + 2 * KV)
+    if items and not S:   # (q heads read cos and sin at pos[t] too: tables of no rows)
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)}, no positions to rotate at or store k and v at")
+    q = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
     if items == 0:   # (a grid of no blocks is an invalid launch)
         return q
     name = f"qk_rope_store<{HEAD_DIMS[hd]}, {'true' if norm_w is not None else 'false'}>"
