@@ -970,3 +970,24 @@ def test_sliding_window_key_caps_a_llama_context_only(tmp_path, arch):
     ctx = m.config.max_position_embeddings
     want = (16, 16, ctx) if arch == "llama" else (ctx, None, None)
     assert (c.max_position, c.sliding_window, c.context_length) == want
+
+
+def test_a_long_tensor_name_is_cut_in_every_message(tmp_path):
+    """A key or tensor name in a message is cut to 80 characters as repr writes it (NULs grow
+    fourfold), but only where the name was read (_get_str): the tensor checks after it (type,
+    offset, span: _build_tensors) and the loader's unexpected tensor named it whole, a name of
+    300 NULs making a message of ~1,300 characters on one line."""
+    name = "\x00" * 300
+    shown = repr("\x00" * 19 + "...")   # (19 x 4 + 3 characters: 79, 81 with the quotes)
+    good = tmp_path / "good.gguf"
+    write_gguf(good, hf_model("llama"), "llama", extra_tensors={name: (np.zeros(32, np.float32), None)})
+    r = gguf.GGUFReader(str(good))
+    t = {t.name: t for t in r.tensors}[name]
+    type_at, offset_at = (t.field.parts[i].ctypes.data - r.data.ctypes.data for i in (-2, -1))
+    del r, t
+    with pytest.raises(ValueError) as e:
+        qz.load_model(good, progress=False)
+    assert str(e.value) == f"{good}: unexpected tensor {shown} for a llama model (unknown name)"
+    _refused_with(good, tmp_path, [
+        ("type99", type_at, np.uint32(99).tobytes(), f"tensor {shown}: unknown ggml type number 99"),
+        ("offset8", offset_at, np.uint64(8).tobytes(), f"tensor {shown}: data offset 8 is not a multiple")])

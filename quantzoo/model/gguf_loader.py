@@ -92,6 +92,17 @@ class TensorInfoError(ValueError):
     the tensor or the key)."""
 
 
+def shown_name(name: str) -> str:
+    """A key or tensor name as a message shows it: cut to 80 characters as repr writes it, "..."
+    included (a corrupt name of NULs is 4 characters each; GGUF allows 65535 bytes)."""
+    if len(repr(name)) <= 82:
+        return name
+    name = name[:77]
+    while len(repr(name)) > 79:
+        name = name[:-1]
+    return name + "..."
+
+
 MAX_ARRAY_ITEMS = 1 << 22   # metadata arrays longer than this are refused (gguf-py parses item by item)
 
 
@@ -115,13 +126,7 @@ def _reader(path: str):
                                           "long (GGUF keys are at most 65535): corrupt file?")
             out = super()._get_str(offset)
             if self._depth == 0:
-                key = bytes(out[1]).decode("utf-8", "replace")
-                if len(repr(key)) > 82:   # (as messages show it: a corrupt name of NULs is 4 characters each)
-                    key = key[:77]
-                    while len(repr(key)) > 79:
-                        key = key[:-1]
-                    key += "..."
-                self._key = key
+                self._key = shown_name(bytes(out[1]).decode("utf-8", "replace"))
             return out
 
         def _get_field_parts(self, orig_offs, raw_type):
@@ -191,7 +196,7 @@ def _reader(path: str):
             order = []
             for field in fields:
                 _nl, name_data, _nd, dims, raw_dtype, off = field.parts
-                name = bytes(name_data).decode("utf-8", "replace")
+                name = shown_name(bytes(name_data).decode("utf-8", "replace"))   # (for the messages below)
                 try:
                     t = GGMLQuantizationType(int(raw_dtype[0]))
                 except ValueError:
@@ -463,7 +468,7 @@ def load_gguf(path, progress: bool = True, reader=None):
             past = i is not None and not odd and int(i) >= cfg.num_layers
             why = ("unknown name" if hf is None or odd else f"its layer is past {cfg.arch}.block_count="
                    f"{cfg.num_layers}" if past else "a name of another architecture")
-            raise ValueError(f"{path}: unexpected tensor {name!r} for a {cfg.arch} model ({why})")
+            raise ValueError(f"{path}: unexpected tensor {shown_name(name)!r} for a {cfg.arch} model ({why})")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         if shape != want[hf]:
             raise ValueError(f"{path}: tensor {name!r} has shape {shape}, the config "
