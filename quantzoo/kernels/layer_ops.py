@@ -261,29 +261,18 @@ def attn_decode(q, k_cache, v_cache, pos, work: DecodeWork):
     if work.S != S or work.o.shape[0] != H or work.count.shape[0] != KV:
         raise ValueError(f"work: made for S={work.S}, {work.o.shape[0]} heads / {work.count.shape[0]} KV heads;"
                          f" the cache has S={S}, {H} / {KV}")
-    # the kernel writes n_split partials of hd floats a head into o, and n_split (max, sum) into ml;
-    # checked once per work and cache shape (~4 us of Python, 36 times a token in eager decode).
-    # The check is remembered with the tensors themselves (held: an id alone is taken again by
-    # a new tensor once the checked one is let go) and what it read of them that an in-place op
-    # (resize_, transpose_, as_strided_) can change, their shapes and contiguity; o's device is
-    # compared on every call above. (Version counters would be cheaper, but the runner's work is
-    # made under inference_mode, whose tensors have none.)
+    # the kernel writes n_split partials of hd floats a head into o, and n_split (max, sum) into ml
+    # (~2 us of Python; a cache of this check keyed on the tensors was more code than it saved)
     o, ml, count, n = work.o, work.ml, work.count, work.n_split
-    fits = getattr(work, "_fits", None)
-    seen = None if fits is None or fits[0] is not o or fits[1] is not ml or fits[2] is not count else \
-        (H, KV, hd, S, n, o.shape, ml.shape, count.shape, o.is_contiguous(), ml.is_contiguous(),
-         count.is_contiguous())
-    if seen is None or seen != fits[3]:
-        if (not isinstance(n, int) or not 1 <= n <= SPLITS_MAX
-                or any(not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
-                       or t.device != k_cache.device or not t.is_contiguous()
-                       for t, shape, dtype in ((o, (H, n, hd), torch.float32), (ml, (H, n, 2), torch.float32),
-                                               (count, (KV,), torch.int32)))):
-            raise ValueError(f"work: n_split={n!r}, o {_desc(o)}, ml {_desc(ml)}, count {_desc(count)}; "
-                             f"the cache needs n_split in 1..{SPLITS_MAX}, o ({H}, n_split, {hd}) and ml ({H}, "
-                             f"n_split, 2) float32, count ({KV},) int32, contiguous on {k_cache.device} "
-                             f"(DecodeWork({H}, {KV}, {hd}, {S}, device) makes them)")
-        work._fits = (o, ml, count, (H, KV, hd, S, n, o.shape, ml.shape, count.shape, True, True, True))
+    if (not isinstance(n, int) or not 1 <= n <= SPLITS_MAX
+            or any(not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype
+                   or t.device != k_cache.device or not t.is_contiguous()
+                   for t, shape, dtype in ((o, (H, n, hd), torch.float32), (ml, (H, n, 2), torch.float32),
+                                           (count, (KV,), torch.int32)))):
+        raise ValueError(f"work: n_split={n!r}, o {_desc(o)}, ml {_desc(ml)}, count {_desc(count)}; "
+                         f"the cache needs n_split in 1..{SPLITS_MAX}, o ({H}, n_split, {hd}) and ml ({H}, "
+                         f"n_split, 2) float32, count ({KV},) int32, contiguous on {k_cache.device} "
+                         f"(DecodeWork({H}, {KV}, {hd}, {S}, device) makes them)")
     E = HEAD_DIMS[hd]
     scale_log2 = math.log2(math.e) / math.sqrt(hd)
     out = torch.empty((1, H * hd), dtype=q.dtype, device=q.device)
