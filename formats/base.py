@@ -144,6 +144,15 @@ def warn(message: str, category=RuntimeWarning) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
+def refuse_scalar_x(x, weight_shape, fmt: str | None = None) -> None:
+    """An x of no dimensions, refused as every matmul entry (ops.matmul, its fake kernel, the
+    references) says it, where x.shape[-1] would be an IndexError; x: a numpy array or torch tensor."""
+    if x.ndim == 0:
+        n, k = weight_shape
+        raise ValueError(f"x: a scalar (0-d); expected shape (..., {k}) for the {fmt + ' ' if fmt else ''}"
+                         f"weight {(n, k)}")
+
+
 def cast_warn(x, dtype, consequence: str, underflow: str | None = None, what: str = "x") -> np.ndarray:
     """np.asarray(x).astype(dtype) with a RuntimeWarning naming the first element of x (called
     `what`) that is finite but past dtype's range (the cast makes it inf), by row and column as (M, K);

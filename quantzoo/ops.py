@@ -18,7 +18,7 @@ from torch import is_grad_enabled as _grad_enabled
 
 from . import torch_ops
 from .formats import QuantizedTensor, get_stored
-from .formats.base import cast_warn, warn
+from .formats.base import cast_warn, refuse_scalar_x, warn
 
 MODES = ("emulate", "dequant")
 
@@ -85,9 +85,8 @@ def _matmul(x, qt, mode: str):
     get_stored(qt.format, "qt")   # q8_1 stores activations: a ValueError, as QuantLinear and CUDA give
     qt.fmt.check(qt)
     n, k = qt.shape
+    refuse_scalar_x(x, qt.shape, qt.format)
     shape = tuple(x.shape)
-    if not shape:
-        raise ValueError(f"x: a scalar (0-d); expected shape (..., {k}) for the {qt.format} weight {qt.shape}")
     if shape[-1] != k:
         raise ValueError(f"x: last dimension is {shape[-1]}, the {qt.format} weight {qt.shape} expects K={k}")
     xdev = str(x.device) if is_torch else "cpu"

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 from torch.autograd import forward_ad
 
+from .formats.base import refuse_scalar_x
+
 # storage address -> weak references to the QuantizedTensors registered with that storage, and
 # each one's layout (several may share it: qt and a dataclasses.replace copy of it)
 _WEIGHTS: dict = {}
@@ -206,8 +208,7 @@ def check_dtype(x) -> None:
 
 def _qmatmul_fake(x, storage, format, n, k, layout, mode="emulate"):
     check_dtype(x)
-    if x.dim() == 0:   # (as ops.matmul says it eagerly; x.shape[-1] was an IndexError)
-        raise ValueError(f"x: a scalar (0-d); expected shape (..., {k}) for the {format} weight {(n, k)}")
+    refuse_scalar_x(x, (n, k), format)   # (as ops.matmul says it eagerly)
     if x.shape[-1] != k:
         raise ValueError(f"x: last dimension is {x.shape[-1]}, the {format} weight {(n, k)} expects K={k}")
     if any(t.device != x.device for t in storage):

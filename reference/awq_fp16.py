@@ -40,8 +40,9 @@ def to_fp16(x, what: str = "the fp16 kernels") -> np.ndarray:
 
 
 def _check_rank(x, shape) -> None:
-    if x.ndim == 0:   # (as ops.matmul says it; x.shape[-1] was an IndexError)
-        raise ValueError(f"x: a scalar (0-d); expected shape (..., {shape[1]}) for the weight {tuple(shape)}")
+    from quantzoo.formats.base import refuse_scalar_x
+
+    refuse_scalar_x(x, shape)
 
 
 def fp16_matmul(x, w16, return_bound: bool = False, what: str = "the fp16 kernels"):

@@ -63,15 +63,14 @@ def _say_lost_scales(x, d16, name: str) -> None:
 
 
 def emulate_matmul(x, qt, return_bound: bool = False, chunk_elems: int = 1 << 24):
-    from quantzoo.formats.base import cast_warn, warn
+    from quantzoo.formats.base import cast_warn, refuse_scalar_x, warn
 
     fmt = qt.fmt
     fmt.check(qt)
     x = cast_warn(x, np.float32, f"{fmt.name}'s Q8_1 quantizer takes fp16 or fp32 x, so this emulation "
                   "gives inf/NaN there")
     n, k = qt.shape
-    if x.ndim == 0:   # (as ops.matmul says it; x.shape[-1] was an IndexError)
-        raise ValueError(f"x: a scalar (0-d); expected shape (..., {k}) for the {fmt.name} weight {qt.shape}")
+    refuse_scalar_x(x, qt.shape, fmt.name)
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.shape[1] != k:
