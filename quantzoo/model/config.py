@@ -216,12 +216,10 @@ class ModelConfig:
         if tok is not None and tok.vocab_size > self.vocab_size:
             msg = (f"{where}: the tokenizer has {tok.vocab_size} tokens, the embedding only "
                    f"{self.vocab_size} rows")
-        elif tok is not None:   # (its count of tokens misses a stray large id, which had loaded silently)
-            vocab = tok.tok.get_vocab(with_added_tokens=True)
-            top = max(vocab, key=vocab.get, default=None)
-            if top is not None and vocab[top] >= self.vocab_size:
-                msg = (f"{where}: the tokenizer's token {top!r} has id {vocab[top]}, the embedding only "
-                       f"{self.vocab_size} rows")
+        elif tok is not None and tok.stray_id and tok.stray_id[1] >= self.vocab_size:
+            # (its count of tokens misses a stray large id, which had loaded silently)
+            msg = (f"{where}: the tokenizer's token {tok.stray_id[0]!r} has id {tok.stray_id[1]}, the embedding "
+                   f"only {self.vocab_size} rows")
         if msg:
             if strict:
                 raise ValueError(msg)
