@@ -263,7 +263,8 @@ def test_model_options():
 
 def test_load_model_checks_its_options_before_loading(tmp_path):
     """A misspelt option, a bad value or device failed only after the whole load (minutes for an
-    8B model), naming Model.__init__; a path that is no path was os.fspath's TypeError."""
+    8B model), naming Model.__init__; a path that is no path was os.fspath's TypeError. A dtype
+    other than the device's (float32 on the CPU) was refused only once the weights were loaded."""
     import quantzoo as qz
 
     missing = tmp_path / "never-read.gguf"   # (not even looked at: the options come first)
@@ -271,7 +272,9 @@ def test_load_model_checks_its_options_before_loading(tmp_path):
                        (dict(max_seq=0), "max_seq=0: a positive number"),
                        (dict(matmul_mode="x"), "matmul_mode='x': choose one of"),
                        (dict(fuse="no"), "fuse='no' must be a boolean"),
-                       (dict(device="gpu"), "device='gpu': not a torch device")):
+                       (dict(device="gpu"), "device='gpu': not a torch device"),
+                       # (the load itself had run first: the model then refused it)
+                       (dict(dtype=torch.float16), "dtype=torch.float16: the runner computes in torch.float32 on cpu")):
         with pytest.raises(ValueError, match=needle):
             qz.load_model(missing, **kw)
     with pytest.raises(ValueError, match=r"path: 5 is not a path \(a \.gguf file"):

@@ -20,10 +20,10 @@ def load_model(path=None, device: str = "cpu", **opts) -> Model:
     opts go to build_model (max_seq, matmul_mode, cuda_graph, dtype, fused_ops, pdl, persistent);
     `progress` (default True) shows tqdm bars while loading.
     """
-    from .llm import check_device, check_options
+    from .llm import check_device, check_dtype, check_options
 
     check_options(**opts)   # (before the load: minutes for a large model)
-    check_device(device)
+    check_dtype(opts.get("dtype"), check_device(device))
     progress = opts.pop("progress", True)
     if path is None:
         from .default_model import default_model_path

@@ -297,6 +297,17 @@ def check_device(device) -> str:
     return str(d)
 
 
+def check_dtype(dtype, device: str):
+    """The activation dtype the runner computes in on `device` (a check_device name): float32 on
+    the CPU, float16 on CUDA (the kernels' precision). dtype None or that one is taken; any other
+    is a ValueError."""
+    native = torch.float16 if device.startswith("cuda") else torch.float32
+    if dtype is not None and dtype != native:
+        raise ValueError(f"dtype={dtype!r}: the runner computes in {native} on {device} "
+                         "(float32 on CPU, float16 on CUDA: the kernels' precision)")
+    return native
+
+
 def _placement(cfg: ModelConfig, weights: dict, fuse: bool) -> list:
     """(weight, role) of every tensor Model places (host_memory.cpu_placement_bytes' pairs)."""
     emb = "model.embed_tokens.weight"
@@ -341,11 +352,7 @@ class Model:
         self._lock = threading.RLock()   # one thread at a time (_on_model_device, generate)
         self.is_cuda = device.startswith("cuda")
         self._cuda_index = torch.device(device).index if self.is_cuda else None
-        native = torch.float16 if self.is_cuda else torch.float32
-        if dtype is not None and dtype != native:
-            raise ValueError(f"dtype={dtype!r}: the runner computes in {native} on {device} "
-                             "(float32 on CPU, float16 on CUDA: the kernels' precision)")
-        self.dtype = native
+        self.dtype = check_dtype(dtype, device)
         self.matmul_mode = matmul_mode
         self.use_graph = cuda_graph and self.is_cuda
         # Our kernels in the decode graph start while their predecessor finishes (programmatic
