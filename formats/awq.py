@@ -76,9 +76,17 @@ class AWQ(Format, name="awq"):
 
     @staticmethod
     def bits_for(group_size: int) -> float:
+        """Storage bits per weight at this group size: 4 + (16 + 4) / group_size (a formula: the
+        group size is not checked)."""
         return 4.0 + (16 + 4) / group_size  # fp16 scale + 4-bit zero per group and column
 
     def quantize(self, w, group_size: int = 128) -> QuantizedTensor:
+        """AutoAWQ's round-to-nearest (the module docstring gives the arithmetic) of w (N, K), a
+        numpy array or torch tensor, to {qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales
+        fp16 [K/G, N]} with params {"group_size": G}. group_size: 32, 64 or 128. ValueError for
+        another group size, N not a multiple of 8 or K of G, a weight past fp16's +-65504 and
+        what formats.as_float_matrix refuses (not 2-D, empty, NaN / inf, complex, meta). Warns
+        (RuntimeWarning) for groups that do not straddle 0 or span less than 1e-5."""
         w = as_float_matrix(w)
         n, k = w.shape
         check_shape(n, k, group_size, "awq.quantize")

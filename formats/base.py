@@ -16,6 +16,21 @@ _REGISTRY: dict[str, "Format"] = {}
 
 
 class Format:
+    """One quantization format: its codec, its reference math and the name of its kernels.
+
+    The registry holds one instance per format (formats.get(name)). Attributes: name; kind
+    ("weight", "activation" for q8_1, "baseline" for fp16); block_size (values along K sharing a
+    scale: the GGUF block, AWQ's default group); bytes_per_block; bits_per_weight (scales counted);
+    param_names (the options quantize takes); gguf_type (the ggml type, or None); kernels (the
+    module under quantzoo.kernels); nmse_ceiling (the tests' error bound on the standard workload).
+
+    The methods work on QuantizedTensors of the format. quantize(w) makes one from a float matrix,
+    dequantize(qt) and emulate(x, qt) read it back (numpy, on the CPU, from a weight on any
+    device), nbytes(shape) and storage(shape, params) say what it stores, check(qt) names what
+    does not match: dequantize and emulate run it first, so they refuse (ValueError) a weight of
+    another format or one whose storage disagrees with its shape and params.
+    """
+
     name: str = ""
     kind: str = "weight"          # "weight", "activation" (q8_1) or "baseline" (fp16)
     block_size: int = 1           # elements along K sharing one scale (GGUF block, AWQ group)
@@ -67,6 +82,13 @@ class Format:
 
     # --- codec -------------------------------------------------------------------------
     def quantize(self, w, **opts):
+        """A QuantizedTensor of w, a real-valued numpy array or torch tensor (out_features,
+        in_features) on any device, in this format's storage (numpy). opts: the format's options
+        (param_names; awq: group_size). ValueError for a w that is not 2-D, is empty, complex or
+        meta, holds NaN / inf, or that the format cannot store (GGUF: in_features not a multiple of
+        32; awq: of group_size, or out_features not of 8; a value or scale past fp16's +-65504);
+        TypeError for an option the format does not take. Warns (RuntimeWarning) where the
+        format's bytes lose a weight."""
         raise NotImplementedError
 
     def dequantize(self, qt) -> np.ndarray:
@@ -121,7 +143,12 @@ class Format:
     # --- reference: what the kernel computes, bit for bit where it can be ----------------
     def emulate(self, x: np.ndarray, qt, return_bound: bool = False):
         """y = x @ W.T as the CUDA kernels compute it (see reference/), after `check` (its format and
-        storage), as dequantize."""
+        storage), as dequantize. x: real numbers (..., in_features), numpy or anything np.asarray
+        takes (a CPU torch tensor); y: float32 numpy (..., out_features), not rounded to the fp16
+        the kernels write. return_bound=True returns (y, bound): bound float64 of y's shape, a
+        per-output bound on what the kernels' fp32 summation order moves y by (reference/gguf_dot.py
+        and awq_fp16.py say what each covers). ValueError for a 0-d x or another last dimension;
+        q8_1 (an activation format) raises TypeError."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -209,6 +236,8 @@ def stored_names() -> list[str]:
 
 
 def get(name: str) -> Format:
+    """The registered Format named `name` ("q4_0", ...); KeyError listing the known names for an
+    unknown name or one that is not a str."""
     if not isinstance(name, str):
         raise KeyError(f"format name: expected a str such as 'q4_0', got {type(name).__name__}; "
                        f"known formats: {', '.join(names())}")
@@ -231,11 +260,15 @@ def get_stored(name: str, what: str) -> Format:
 
 
 def weight_formats() -> list[Format]:
+    """The Formats of kind "weight" (quantized weight formats: not q8_1, not the fp16 baseline),
+    in names() order."""
     return [_REGISTRY[n] for n in names() if _REGISTRY[n].kind == "weight"]
 
 
 def as_float_matrix(w, what: str = "w") -> np.ndarray:
-    """Accept a numpy array or torch tensor (N, K) and return finite float32 numpy."""
+    """Accept a numpy array or torch tensor (N, K) and return finite float32 numpy. ValueError,
+    naming `what`, for one that is not 2-D or real, is empty, meta or sparse, holds NaN / inf, or
+    holds a float64 value past float32's range."""
     if hasattr(w, "detach"):
         import torch
 

@@ -15,6 +15,10 @@ class FP16(Format, name="fp16"):
     gguf_type = "F16"
 
     def quantize(self, w, **opts) -> QuantizedTensor:
+        """w (N, K), a numpy array or torch tensor, rounded to a float16 (N, K) array. No options.
+        ValueError for a value past +-65504 and what formats.as_float_matrix refuses (not 2-D,
+        empty, NaN / inf, complex, meta); TypeError for any option. Warns (RuntimeWarning) for a
+        row too small for fp16's normal range."""
         if opts:
             raise TypeError(f"fp16.quantize: unexpected options {sorted(opts)}")
         w = as_float_matrix(w)

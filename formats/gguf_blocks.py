@@ -139,6 +139,12 @@ class GGUFBlockFormat(Format):
         return {"d": d[..., 0], "m": None, "q": np.clip(_cast_q(q), 0, levels).astype(np.int16)}
 
     def quantize(self, w, **opts) -> QuantizedTensor:
+        """llama.cpp's reference quantizer (the bytes gguf-py writes; q8_1: those of llama.cpp's CUDA
+        quantize_q8_1, the class docstring says how) of w (N, K), a numpy array or torch tensor, to
+        uint8 blocks (N, K/32 * bytes_per_block) in .gguf file order. No options.
+        ValueError for K not a multiple of 32, a block whose fp16 scale (or minimum) overflows, and
+        what formats.as_float_matrix refuses (not 2-D, empty, NaN / inf, complex, meta); TypeError
+        for any option. Warns (RuntimeWarning) where a block's fp16 scale underflows."""
         if opts:
             raise TypeError(f"{self.name}.quantize: unexpected options {sorted(opts)}")
         w = as_float_matrix(w)
@@ -256,6 +262,9 @@ class GGUFBlockFormat(Format):
     # The per-block dot product the kernels compute, in fp32 (DESIGN.md §3):
     # sumi = sum q_w * q_a (int32, DP4A), q_w unsigned for Q4/Q5 (the offset goes through s_a).
     def block_dot(self, sumi, dw, mw, da, sa):
+        """One block's term of y in fp32: sumi the int32 dot of the quantized values, dw / mw the
+        weight block's scale and minimum (mw unused without one), da / sa the Q8_1 activation
+        block's scale and sum."""
         if self.has_min:        # Q4_1, Q5_1: w = q d + m
             return (dw * da) * sumi + mw * sa
         if self.offset:         # Q4_0, Q5_0: w = (q - offset) d

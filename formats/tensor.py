@@ -33,6 +33,12 @@ class QuantizedTensor:
     `data` is a uint8 array (N, K/32*bytes) in .gguf file order for GGUF formats, a dict
     {qweight, qzeros, scales} in the HF AWQ layout for AWQ, a float16 (N, K) array for fp16.
     On CPU the storage is numpy; after `.to("cuda")` it is torch CUDA tensors, same layout.
+    `params` holds the format's options (AWQ: {"group_size": G}; GGUF and fp16: none).
+
+    Made by Format.quantize (or from stored bytes: from_bytes of a GGUF format, awq's
+    from_arrays), not usually by hand: the
+    constructor checks nothing; Format.check, which ops.matmul, QuantLinear and dequantize run,
+    names what disagrees. Frozen; == and hash are by identity.
     """
 
     format: str
@@ -53,25 +59,32 @@ class QuantizedTensor:
 
     @property
     def fmt(self):
+        """The registry's Format of this weight (formats.get(self.format): KeyError if unknown)."""
         from . import get
 
         return get(self.format)
 
     @property
     def group_size(self) -> int | None:
+        """params["group_size"] (AWQ), else None."""
         return self.params.get("group_size")
 
     def arrays(self) -> dict:
+        """The storage as {name: array}: data itself for AWQ's dict, else {"data": data}."""
         return self.data if isinstance(self.data, dict) else {"data": self.data}
 
     @property
     def device(self) -> str:
+        """Where the storage is: "cpu" for numpy arrays, else the torch tensors' device as str
+        ("cuda:0", "meta", ...)."""
         arr = next(iter(self.arrays().values()), None)
         dev = getattr(arr, "device", None)
         return "cpu" if dev is None else str(dev)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the storage arrays (scales, zeros and mins counted); ValueError if an entry is
+        not an array."""
         total = 0
         for key, a in self.arrays().items():
             if not is_array(a):
@@ -81,6 +94,11 @@ class QuantizedTensor:
         return total
 
     def to(self, device) -> "QuantizedTensor":
+        """A QuantizedTensor with the same format, shape and params and its storage on `device` (a
+        str or torch.device): "cpu" gives numpy arrays, anything else contiguous torch tensors there
+        ("cuda", "cuda:1", "meta"). Storage already there is shared, not copied; self is unchanged.
+        ValueError where torch cannot place it (no CUDA build or GPU, an unknown device name) or an
+        entry is not an array."""
         device = str(device)
         try:
             if isinstance(self.data, dict):
@@ -92,9 +110,12 @@ class QuantizedTensor:
         return replace(self, data=data)
 
     def numpy(self) -> "QuantizedTensor":
+        """self.to("cpu"): the storage as numpy arrays."""
         return self.to("cpu")
 
     def dequantize(self) -> np.ndarray:
+        """self.fmt.dequantize(self): the float32 numpy weight (out_features, in_features), from any
+        device; ValueError if the storage disagrees with shape and params (Format.check)."""
         return self.fmt.dequantize(self)
 
     def __repr__(self) -> str:

@@ -21,7 +21,24 @@ def _check_weight(qt, what: str) -> None:
 
 
 class QuantLinear(torch.nn.Module):
+    """A linear layer on a quantized weight: forward(x) = x @ W.T (+ bias) through quantzoo.ops.matmul.
+
+    qt: the weight, a QuantizedTensor (out_features, in_features) of a stored format (formats.get(name)
+    .quantize(w)), on the CPU or CUDA; bias: None or a floating-point torch tensor (out_features,),
+    copied to the weight's device; mode: "emulate" (default) or "dequant", what the CPU computes
+    (ops.matmul's mode; CUDA runs the format's kernels either way). Sets in_features, out_features.
+
+    The weight is no Parameter (parameters() holds only the bias, which requires no grad): it is
+    in state_dict as extra state, moves with .to() / .cuda() / .cpu(), and is kept as it is by
+    .half() / .to(dtype). Inference only: an x that requires grad is refused, not detached.
+
+    Raises ValueError for a qt that is not a QuantizedTensor, a q8_1 (activation) weight, storage
+    that disagrees with its shape and params (Format.check), a bias of another shape or a non-float
+    bias, and an unknown mode; KeyError for a weight of an unknown format name.
+    """
+
     def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None = None, mode: str = "emulate"):
+        """Wrap the QuantizedTensor qt (see the class docstring for bias, mode and the errors)."""
         super().__init__()
         if mode not in ops.MODES:
             raise ValueError(f"mode={mode!r}: choose one of {ops.MODES}")
@@ -39,12 +56,19 @@ class QuantLinear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fmt: str, **opts) -> "QuantLinear":
+        """A QuantLinear of linear's weight quantized to format `fmt` (a name: formats.get(fmt)
+        .quantize(linear.weight, **opts), e.g. group_size=64 for awq), with linear's bias, on
+        linear's device. The quantizer's errors and warnings are quantize's (KeyError for an
+        unknown name, ValueError for a shape the format cannot store, TypeError for an option it
+        does not take)."""
         qt = get(fmt).quantize(linear.weight, **opts)   # (a torch tensor: as_float_matrix reads it)
         ql = cls(qt, linear.bias)
         return ql.to(linear.weight.device)
 
     @property
     def qt(self) -> QuantizedTensor:
+        """The quantized weight. Assigning one checks it as the constructor does and refuses
+        another shape (ValueError: make a new QuantLinear for it)."""
         return self._qt
 
     @qt.setter
@@ -105,6 +129,10 @@ class QuantLinear(torch.nn.Module):
             del self._assign
 
     def set_extra_state(self, state: dict) -> None:
+        """Take the weight from a state get_extra_state wrote (load_state_dict calls it): checked as
+        the constructor checks a weight, on this module's device (with load_state_dict(...,
+        assign=True) on the state's). ValueError for a state that is no such weight, or holds one of
+        another shape."""
         try:
             # (a meta module's state: meta tensors, no values; taken as they are, as nn.Linear's are)
             meta = any(v.is_meta for v in state["arrays"].values())
@@ -129,6 +157,11 @@ class QuantLinear(torch.nn.Module):
         self.qt = qt.to(str(next(iter(state["arrays"].values())).device) if assigned else self.qt.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T (+ bias): x a torch tensor (..., in_features) on the weight's device ->
+        (..., out_features). On the CPU x may be float16, bfloat16, float32 or float64 and y takes
+        x's dtype; on CUDA x must be float16 (contiguous) and y is float16. ValueError for an x that
+        is not a torch tensor, has another last dimension, dtype or device, or requires grad under
+        grad mode (there is no backward)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch tensor, got {type(x).__name__}")
         if torch_ops.via_operator(x):   # as ops.matmul routes: torch.compile tracing (one opaque

@@ -50,7 +50,23 @@ def _check_args(qt, mode: str) -> None:
 
 
 def matmul(x, qt, *, mode: str = "emulate"):
-    """y = x @ W.T; x (..., K) torch or numpy; same kind of array out (torch keeps x's dtype)."""
+    """y = x @ W.T for the weight qt (N, K); x (..., K) torch or numpy; same kind of array out.
+
+    CPU (numpy, anything np.asarray takes, or a CPU torch tensor; qt's storage on the CPU): the
+    numpy reference, computed in float32; mode="emulate" (default) is what the format's GPU kernels
+    compute (Format.emulate: GGUF formats quantize x to Q8_1), mode="dequant" x @ dequantize(qt).T.
+    numpy x of any real dtype gives float32 numpy (..., N); a torch x (float16, bfloat16, float32
+    or float64) gives a torch tensor of x's dtype. Warns (RuntimeWarning) where a value is lost
+    as the GPU would lose it (README, "Python API").
+    CUDA (x and qt.to("cuda") on one GPU): the format's kernels; x must be a contiguous float16
+    tensor, y is float16 (..., N); mode is not used there.
+
+    ValueError for an unknown mode, a qt that is not a QuantizedTensor or stores activations
+    (q8_1), storage that disagrees with qt's shape (Format.check), an x that is 0-d, complex, of
+    an integer torch dtype, sparse, of another last dimension or on another device than qt, and an
+    x or weight that requires grad under grad mode (no backward); KeyError for a qt whose format
+    name is not registered. Under torch.compile, make_fx, FakeTensorMode, torch.func and on meta
+    the call goes through torch.ops.quantzoo.qmatmul."""
     if hasattr(x, "detach") and torch_ops.via_operator(x):
         # torch.compile tracing, make_fx / FakeTensorMode, torch.func, forward AD: through the
         # operator (an opaque node, its fake kernel, its refusals) before anything reads x's data
@@ -139,7 +155,10 @@ def release_workspaces():
 
 def awq_gemm(x, qweight, scales, qzeros, group_size):
     """vLLM-style AWQ GEMM: fp16 x [.., K] @ W -> fp16 [.., N], W from HF-layout AWQ tensors
-    (qweight int32 [K, N/8], scales fp16 [K/G, N], qzeros int32 [K/G, N/8]) on CUDA."""
+    (qweight int32 [K, N/8], scales fp16 [K/G, N], qzeros int32 [K/G, N/8]) on CUDA.
+
+    CUDA only: every tensor on one GPU, x contiguous float16; group_size 32, 64 or 128, agreeing
+    with scales' rows. ValueError naming the argument for anything else (a CPU tensor included)."""
     import torch
 
     # as matmul: through the operator while torch.compile traces (one opaque node), under make_fx
@@ -152,7 +171,9 @@ def awq_gemm(x, qweight, scales, qzeros, group_size):
 
 
 def awq_dequantize(qweight, scales, qzeros):
-    """fp16 [K, N] = (q - z) * s on CUDA from HF-layout AWQ tensors (group size from the shapes)."""
+    """fp16 [K, N] = (q - z) * s on CUDA from HF-layout AWQ tensors (group size from the shapes):
+    the [in, out] transpose of formats.get("awq").dequantize, rounded to fp16. CUDA only (ValueError
+    for a CPU tensor, a shape or dtype other than awq_gemm's)."""
     from quantzoo.kernels import awq
 
     return awq.awq_dequantize(qweight, scales, qzeros)

@@ -15,6 +15,7 @@ from . import awq_fp16, gguf_dot  # noqa: F401
 
 
 def dequantize(qt) -> np.ndarray:
+    """qt.fmt.dequantize(qt): the float32 numpy weight (N, K) of a QuantizedTensor on any device."""
     return qt.fmt.dequantize(qt)
 
 
@@ -26,10 +27,14 @@ def matmul_exact(x, w) -> np.ndarray:
 
 
 def emulate(x, qt, return_bound: bool = False):
+    """qt.fmt.emulate(np.asarray(x), qt): float32 numpy y (..., N) as the kernels compute it, and
+    with return_bound=True (y, bound) (Format.emulate says what bound covers and what is refused)."""
     return qt.fmt.emulate(np.asarray(x), qt, return_bound=return_bound)
 
 
 def nmse(y, y_ref) -> float:
+    """||y - y_ref||^2 / ||y_ref||^2 in float64 over every element (arrays of one shape, or ones that
+    broadcast); a zero y_ref divides by 1e-300 instead of 0."""
     y = np.asarray(y, dtype=np.float64)
     y_ref = np.asarray(y_ref, dtype=np.float64)
     return float(((y - y_ref) ** 2).sum() / max((y_ref ** 2).sum(), 1e-300))

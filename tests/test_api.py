@@ -120,3 +120,39 @@ def test_runner_api_on_the_default_model(default_model_file, one_torch_thread):
     assert sorted(m.tokenizer.eos_token_ids) == [0, 2, 4]
     chat = m.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
     assert chat[-1] not in m.tokenizer.eos_token_ids
+
+
+def test_public_names_have_their_own_docstrings():
+    """help() on what a user reaches says what it computes: QuantLinear, its constructor and its
+    forward showed torch.nn.Module's texts ("Base class for all neural network modules."), and
+    formats.get, Format.quantize, QuantizedTensor's methods, Model.generate and others had none."""
+    from quantzoo.model import Model, build_model
+    from quantzoo.model.generate import Generation
+    from quantzoo.model.tokenizer import Tokenizer
+
+    objs = {"load_model": qz.load_model, "build_model": build_model, "Generation": Generation}
+    members = {
+        qz.QuantLinear: ["__init__", "from_linear", "forward", "qt", "get_extra_state", "set_extra_state"],
+        qz.QuantizedTensor: ["fmt", "group_size", "arrays", "device", "nbytes", "to", "numpy", "dequantize"],
+        Model: ["generate", "logits", "cached_prefix", "prefill", "decode_step", "setup_cache",
+                "weight_bytes", "kv_cache_bytes", "use_persistent"],
+        Tokenizer: ["encode", "decode", "encode_chat", "apply_chat_template", "id_to_token", "vocab_size",
+                    "chat_template"],
+    }
+    for cls, attrs in members.items():
+        objs[cls.__name__] = cls
+        objs.update({f"{cls.__name__}.{a}": getattr(cls, a) for a in attrs})
+    for mod, attrs in ((qz.ops, ["matmul", "awq_gemm", "awq_dequantize", "release_workspaces"]),
+                       (qz.formats, ["get", "names", "stored_names", "get_stored", "weight_formats",
+                                     "as_float_matrix", "Format"]),
+                       (qz.reference, ["dequantize", "emulate", "matmul_exact", "nmse"])):
+        objs.update({f"{mod.__name__}.{a}": getattr(mod, a) for a in attrs})
+    for name in qz.formats.names():
+        fmt = type(qz.formats.get(name))
+        objs.update({f"{name}.{a}": getattr(fmt, a) for a in
+                     ["quantize", "dequantize", "emulate", "check", "storage", "nbytes", "nonfinite_rows"]})
+    torch_docs = {inspect.getdoc(torch.nn.Module), inspect.getdoc(torch.nn.Module.__init__),
+                  inspect.getdoc(torch.nn.Module.forward), inspect.getdoc(torch.nn.Module.set_extra_state),
+                  inspect.getdoc(object.__init__)}
+    missing = sorted(n for n, o in objs.items() if not inspect.getdoc(o) or inspect.getdoc(o) in torch_docs)
+    assert not missing, missing

@@ -15,10 +15,10 @@ __all__ = ["ModelConfig", "Model", "build_model", "load_model"]
 
 def load_model(path=None, device: str = "cpu", **opts) -> Model:
     """Load a model: None = the default real model (SmolLM2-135M-Instruct Q4_1 GGUF), an HF
-    directory (AWQ or fp16/bf16), a .gguf file, or a KuiperLLama AWQ .bin file.
+    directory (AWQ or fp16/bf16/fp32), a .gguf file, or a KuiperLLama AWQ .bin file.
 
-    opts go to build_model (max_seq, matmul_mode, cuda_graph, dtype, fused_ops, pdl, persistent);
-    `progress` (default True) shows tqdm bars while loading.
+    opts go to build_model (max_seq, matmul_mode, cuda_graph, dtype, fuse, fused_ops, pdl,
+    persistent), checked before the load; `progress` (default True) shows tqdm bars while loading.
     """
     from .llm import check_device, check_dtype, check_options
 

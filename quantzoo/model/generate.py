@@ -34,6 +34,9 @@ AHEAD = 2   # greedy decode steps queued on the GPU ahead of the host (look_ahea
 
 @dataclass
 class Generation:
+    """What generate() returns (Model.generate returns its tokens): the new ids, their text, why
+    generation stopped, and the prompt's and the decode's token counts and seconds."""
+
     tokens: list[int]                 # new ids (the stop id included when one ended it)
     text: str = ""                    # decoded new text, cut before a stop string
     stop_reason: str = "length"       # "length" | "eos" | "stop"

@@ -334,7 +334,21 @@ def _on_model_device(method):
 
 
 class Model:
-    """What load_model returns: config, tokenizer, logits(), generate()."""
+    """What load_model returns: one model with one KV cache (one sequence), used by one thread at a
+    time (a second thread's call waits).
+
+    Attributes: config (ModelConfig), tokenizer (model.tokenizer.Tokenizer, or None where the file
+    has none), device ("cpu" or "cuda:N"), dtype (float32 on the CPU, float16 on CUDA), max_seq
+    (the most positions a sequence may take), formats (tensor kind -> the format it runs in, as
+    `quantzoo run model` prints it), fallbacks (what could not run as asked, e.g. a failed CUDA
+    graph capture), matmul_mode, fused_ops, persistent.
+
+    Token ids given to its methods are a list, numpy array or torch tensor of ints in
+    0..config.vocab_size - 1 (ValueError otherwise, and for an empty one).
+    generate(ids, ...) -> new ids; logits(ids) -> every position's logits; cached_prefix(ids) ->
+    how much of ids the KV cache holds (generate(..., reuse_cache=True) skips that much);
+    prefill / decode_step / setup_cache: the steps generate is made of.
+    """
 
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, device: str = "cpu",
                  max_seq: int | None = None, matmul_mode: str = "cached", cuda_graph: bool = True,
@@ -445,6 +459,8 @@ class Model:
         return out
 
     def weight_bytes(self, include_embedding: bool = False) -> int:
+        """Bytes of every linear's weight as placed (a CPU "cached" linear: its float32 copy),
+        lm_head included; the embedding table too with include_embedding."""
         n = sum(ln.nbytes for ln in self._all_linears())
         if include_embedding and self.embed.table is not None:
             n += self.embed.table.numel() * self.embed.table.element_size()
@@ -456,7 +472,9 @@ class Model:
         """(Re)allocate the KV cache for max_seq positions (drops a captured graph); a cache of
         that size already there is kept as it is. keep: the current sequence's rows move into the
         new cache (when they fit in it, and both caches fit in memory at once), so a generation
-        with reuse_cache=True can continue it; otherwise the new cache holds no sequence."""
+        with reuse_cache=True can continue it; otherwise the new cache holds no sequence. Returns
+        the cache's positions. ValueError for a max_seq outside 1..self.max_seq; MemoryError where
+        the cache would not fit in the memory left."""
         cfg = self.config
         if max_seq is not None and (not is_int(max_seq) or not 0 < max_seq <= self.max_seq):
             raise ValueError(f"setup_cache: max_seq={max_seq!r} must be a number of positions 1..{self.max_seq} "
@@ -530,6 +548,7 @@ class Model:
                 self._seq[start + i] = int(t)
 
     def kv_cache_bytes(self) -> int:
+        """Bytes of the K and V caches allocated now (0 while there is none)."""
         return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     # ---- forward ------------------------------------------------------------------------------
@@ -667,7 +686,10 @@ class Model:
     @_on_model_device
     @torch.inference_mode()
     def prefill(self, ids, start: int = 0) -> torch.Tensor:
-        """Run tokens at positions start.. through the model (one batched pass); last logits."""
+        """Run tokens at positions start.. through the model (one batched pass), writing their K/V
+        into the cache; returns the last position's next-token logits (vocab_size,) on the model's
+        device in its dtype. start > 0 continues the sequence the cache holds (ValueError where it
+        skips positions, or there is none); the cache is (re)sized as needed from start 0."""
         ids = token_ids(ids, self.config.vocab_size)
         if not is_int(start) or start < 0:
             raise ValueError(f"start={start!r}: a position >= 0")
@@ -696,7 +718,9 @@ class Model:
     @_on_model_device
     @torch.inference_mode()
     def decode_step(self, token: int | torch.Tensor, pos: int) -> torch.Tensor:
-        """One token at position pos -> its next-token logits (V,). Replays a CUDA graph on GPU."""
+        """One token at position pos -> its next-token logits (vocab_size,) on the model's device in
+        its dtype. Replays a CUDA graph on GPU. Needs a cache (prefill first) and pos at most the
+        sequence's length (ValueError otherwise)."""
         if self.k_cache is None:
             raise ValueError("decode_step: no KV cache yet; run prefill first")
         if not is_int(pos) or not 0 <= pos < self.k_cache.shape[3]:
@@ -771,7 +795,9 @@ class Model:
 
     @_on_model_device
     def logits(self, ids) -> torch.Tensor:
-        """Teacher-forced next-token logits for every position: (len(ids), vocab) float32 CPU."""
+        """Teacher-forced next-token logits for every position: (len(ids), vocab_size) float32 CPU;
+        row i predicts ids[i + 1]. The cache then holds ids (cached_prefix sees them). ValueError
+        for bad ids or more than max_seq of them."""
         ids = token_ids(ids, self.config.vocab_size)
         if len(ids) > self.max_seq:
             raise ValueError(f"{len(ids)} ids exceed the model's max_seq {self.max_seq}")
@@ -790,6 +816,20 @@ class Model:
     @_on_model_device
     def generate(self, ids, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop=None, stream=None, **kw) -> list[int]:
+        """Prefill ids, then decode up to max_new_tokens new token ids and return them (list of int;
+        the end-of-generation id included where one ended it, as is the token that completed a
+        stop string).
+
+        temperature 0 (default) is greedy; > 0 samples, filtered by top_k (0 = off), top_p (1 = off)
+        and kw min_p (0 = off) in transformers' order, seeded by seed (None: unseeded). Those four
+        need temperature > 0 (ValueError otherwise). stop: a str or list of str, ending generation
+        where the decoded text holds one; stream: a callable given each piece of new text as it
+        becomes final (both need a tokenizer). kw: min_p; eos_token_ids (default
+        tokenizer.eos_token_ids); reuse_cache=True (prefill only what follows the part of ids the
+        KV cache holds: cached_prefix); look_ahead (greedy CUDA decode queued ahead of the host;
+        None = on there). quantzoo.model.generate.generate is the same call returning a Generation
+        (text, stop_reason, timings). ValueError for bad ids or settings, or a prompt +
+        max_new_tokens past max_seq; TypeError for another keyword."""
         from .generate import generate
 
         return generate(self, ids, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -827,6 +867,7 @@ def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str 
     allow, False = the torch ops), pdl (the decode graph's kernels launched with programmatic
     dependent launch, default True), persistent (one-token steps of a GGUF model through the
     experimental persistent decode kernel, Model.use_persistent; default False), dtype
-    (activation dtype), progress (tqdm while placing layers).
+    (activation dtype: None or the device's own, float32 on the CPU, float16 on CUDA; any other
+    is refused), progress (tqdm while placing layers). matmul_mode is not used on CUDA.
     """
     return Model(config, weights, tokenizer, device, **opts)

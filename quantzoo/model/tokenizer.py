@@ -183,7 +183,11 @@ def _sentencepiece_bpe(tokens: list, vocab: dict, scores: list, types: list, unk
 
 
 class Tokenizer:
-    """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer`."""
+    """encode/decode text, special ids, chat template. Wraps a `tokenizers.Tokenizer` (`tok`).
+
+    Attributes: bos_token_id (or None), eos_token_ids (the ids generation stops at), add_bos /
+    add_eos (what encode adds by default), bos_token / eos_token (their text, for templates),
+    chat_template (the default template or None) and chat_templates (name -> template)."""
 
     def __init__(self, tok: HFTokenizer, *, bos_token_id=None, eos_token_ids=(), add_bos=False,
                  add_eos=False, chat_template: str | None = None, bos_token: str = "", eos_token: str = "",
@@ -216,6 +220,8 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Tokens the tokenizer knows, added (special) tokens included; may differ from the model's
+        config.vocab_size (embedding rows)."""
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
@@ -238,6 +244,9 @@ class Tokenizer:
     # Ids are integers in tokenizers' u32 range; one past the vocabulary (a model's embedding may
     # have padding rows past the tokenizer's) decodes to nothing, as in `tokenizers` itself.
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """The text of ids (a sequence, 1-D array or tensor of ints; may be empty); special tokens
+        dropped with skip_special_tokens. An id the vocabulary lacks decodes to nothing; ValueError
+        for a str, a non-integer or an id outside 0..2^32 - 1."""
         ids = token_ids(ids, 2**32, bound=_U32, empty_ok=True)
         skip = check_bool(skip_special_tokens, "skip_special_tokens")
         if self.piece_bytes is not None:
@@ -245,6 +254,8 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip)
 
     def id_to_token(self, i: int) -> str | None:
+        """The vocabulary's token string for id i (byte-level BPE: in its byte alphabet, "Ġ" for a
+        space), or None for an id it lacks; ValueError for a non-integer or an id outside 0..2^32 - 1."""
         return self.tok.id_to_token(token_ids([i], 2**32, "id", bound=_U32)[0])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
