@@ -631,3 +631,29 @@ def test_run_quiet_says_nothing_while_fetching_the_default_model(monkeypatch, tm
     err = capsys.readouterr().err
     assert "could not download" in err and "no network" in err
     assert ("fetching the default model" in err) == (not quiet), err
+
+
+def test_every_command_and_option_has_help():
+    """`quantzoo COMMAND --help` says what the command does and what each option means: `run
+    model`, `formats` and the two `bench` commands had no description."""
+    import argparse
+
+    from quantzoo.cli import build_parser
+
+    def leaves(p, path):
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield path, p
+        for a in subs:
+            helps = {c.dest: c.help for c in a._choices_actions}
+            for name, child in a.choices.items():
+                assert helps.get(name), f"quantzoo {' '.join(path + [name])}: no help line"
+                yield from leaves(child, path + [name])
+
+    found = list(leaves(build_parser(), []))
+    assert {" ".join(p) for p, _ in found} >= {"formats", "quantize", "report", "run model", "bench kernels",
+                                                "bench model"}
+    for path, p in found:
+        assert p.description, f"quantzoo {' '.join(path)}: no description"
+        bare = [a.option_strings or a.dest for a in p._actions if not a.help and a.dest != "help"]
+        assert not bare, f"quantzoo {' '.join(path)}: options without help: {bare}"

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    p = sub.add_parser("formats", help="table of every registered format, NMSE measured now")
+    p = sub.add_parser("formats", help="table of every registered format, NMSE measured now",
+                       description="Every registry entry: kind, bits/weight, block, bytes per block, "
+                                   "compression against fp16, and the NMSE of its dequantized weights and "
+                                   "of its kernel's emulation, measured now on a seeded Gaussian workload "
+                                   "(CPU, a few seconds).")
     p.add_argument("--tablefmt", default="github", metavar="FMT",
                    help="tabulate table format (default: github; e.g. plain, grid, latex)")
     p.set_defaults(func=run)

