@@ -34,10 +34,12 @@
 //   step's two row words, r0's and r1's). The zero point is fixed per
 //   group, acc += s * (P - z' sum x), with sum x from one more MMA with an all-ones A (its C[g][2t]
 //   is x[r0] + x[r1], the lane's own rows); z' comes from the zero word through the same masks.
-// * Loads in flight without a deep ring: the steps run in rounds of D, and ptxas issues a whole
-//   round's reloads at its start, so a lane has D to 2D steps of loads outstanding. ptxas
-//   (nvcc 13, sm_90) gives 126 registers at NW = 2, D = 4: two 8-warp blocks per SM; 168 at
-//   NW = 4, D = 4 (4-warp blocks).
+// * Loads in flight without a deep ring: the steps run in rounds of D. At NW = 2 ptxas issues a
+//   whole round's reloads at its start, so a lane has D to 2D steps of loads outstanding; at
+//   NW = 4 (VEC) it issues the round's 8 weight reloads together just before the round's last
+//   step (only x's at its start), so those have 1 to D steps. ptxas (nvcc 13, sm_90) gives 126
+//   registers at NW = 2, D = 4: two 8-warp blocks per SM; 168 at NW = 4, D = 4 (4-warp blocks;
+//   212 with VEC = false).
 // * Every load is unconditional, and the rounds carry no predicate (see `issue` and the main
 //   loop): a conditional load cost a full memory latency per step (below).
 // * Grid: a block's WARPS warps share one tile of 8 NW column words and split the block's k
