@@ -22,11 +22,11 @@
 // Shape of the work. A CTA of 8 warps owns a 64 (n) x BM (m) output tile (BM = 16, 32, 64) and
 // walks its share of K (split K over grid.z) in steps of BK = 4 blocks.
 // Per step every thread fetches BK / 4 weight blocks (16-byte-aligned windows, gguf_window.cuh:
-// 2-3 16-byte loads each) and, for BM x BK <= 256 threads, one Q8_1 block of the split
-// activation layout (two 16-byte qs loads and the (d, s) word); the loads for step s + 1 are
-// issued before the MMAs of step s and only decoded (nibbles, Q5 bits) into the other
-// shared-memory buffer afterwards, so global latency hides under the tensor-core and fp32 work:
-// one __syncthreads per step. Warps are arranged BM/16 (m) x 8/(BM/16) (n); a warp's tile is
+// 2-3 16-byte loads each; Q5_0's third a 4-byte one) and, for BM x BK <= 256 threads, one Q8_1
+// block of the split activation layout (two 16-byte qs loads and the (d, s) word); the loads for
+// step s + 1 are issued before the MMAs of step s and only decoded (nibbles, Q5 bits) into the
+// other shared-memory buffer afterwards, so global latency hides under the tensor-core and fp32
+// work: one __syncthreads per step. Warps are arranged BM/16 (m) x 8/(BM/16) (n); a warp's tile is
 // 16 x 8 NT with NT = BM / 16 n-tiles.
 // Shared rows are 8 words (32 bytes), swizzled: rows r with (r / 4) odd keep their two 16-byte
 // halves swapped, so the 8 rows g of a fragment read (word t of each) hit banks

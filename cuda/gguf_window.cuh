@@ -3,13 +3,15 @@
 //
 // Q4_0 / Q5_0 / Q8_0 blocks are 18 / 22 / 34 bytes, so a block is only 2-byte aligned and
 // element-wise loads are 2 bytes wide. Here a block is read as the LW-byte-aligned window that
-// covers it (LW = 16: 2-3 16-byte loads for every format), then shifted to its start
-// in registers: the block's byte offset o in the window is a run-time value, so the shift is a
-// few levels of selects on the word index o / 4 (one per bit) and one byte_perm per word for the
-// half-word part o & 2 -- never a run-time index into a register array, which would put the
-// array in local memory. get(k) then returns the 4 bytes at in-block offset k, which is what
-// GGUFBlock::unpack_from consumes. The caller guarantees that every LW-aligned window covering a
-// block lies inside the tensor (base address and byte size multiples of LW).
+// covers it (LW = 16: two 16-byte loads for Q4_0 / Q4_1 / Q5_1, three for Q8_0; Q5_0 two, plus
+// a third where the block crosses byte 32, which ptxas narrows to the one 4-byte word it uses),
+// then shifted to its start in registers: the block's byte offset o in the window is a run-time
+// value, so the shift is a few levels of selects on the word index o / 4 (one per bit) and one
+// byte_perm per word for the half-word part o & 2 -- never a run-time index into a register
+// array, which would put the array in local memory. get(k) then returns the 4 bytes at in-block
+// offset k, which is what GGUFBlock::unpack_from consumes. The caller guarantees that every
+// LW-aligned window covering a block lies inside the tensor (base address and byte size
+// multiples of LW).
 #pragma once
 #include "gguf_common.cuh"
 
