@@ -15,7 +15,8 @@
 // (66-78 % of the H100's copy bandwidth). Here:
 //  * Weights (gguf_window.cuh): lane l still owns block b = 32 i + l of its row, but reads the
 //    16-byte-aligned window that covers the block with 16-byte `ld.global.nc` loads (LW = 16;
-//    8-byte loads were slower): 2 loads for Q4_0/Q4_1/Q5_1, 2-3 for Q5_0, 3 for Q8_0, each
+//    8-byte loads were slower): 2 loads for Q4_0/Q4_1/Q5_1, 3 for Q8_0, 2 for Q5_0 plus a third
+//    where the block crosses byte 32 (ptxas narrows it to the one 4-byte word used), each
 //    spanning the same ~5 lines as before but carrying 8x the bytes. The block sits at a run-time
 //    byte offset o (even) inside that window; it is shifted into place in registers with selects
 //    on the word index (o / 4: 2 levels) and one byte_perm per word for the half-word part
@@ -26,9 +27,12 @@
 //    codec's 36-byte blocks, only placed differently: 3 loads per block instead of 9.
 //  * One warp owns R whole rows (4 warps per CTA): no shared memory and no __syncthreads, the
 //    fp32 sums are reduced with xor shuffles and lane (m R + r) stores y[m, n0 + r].
-// The loop is software-pipelined: a lane's next weight window is in flight while it decodes
-// and multiplies the current one (measured without it, bench/notes-gguf.md: the wide loads alone
-// did not move M = 1 -- the limit was a warp's chain of serial memory latencies, not the LSU).
+// The loop is software-pipelined: a lane loads its next weight window once it has decoded the
+// current one (measured without it, bench/notes-gguf.md: the wide loads alone did not move
+// M = 1 -- the limit was a warp's chain of serial memory latencies, not the LSU).
+// In the SASS (nvcc 13, sm_90) ptxas puts that reload, under its `if`, after the block's DP4As:
+// at U = 1 it overlaps only the term and the next block's activation loads, and the next trip's
+// decode waits for it; at U = 2 the other slot's block runs while it is in flight.
 // Weight loads may use L1::no_allocate (NOALLOC): the weight is streamed once, the activation
 // is what every warp of the SM re-reads, so the weight should not evict it from L1.
 //
@@ -68,7 +72,8 @@ mmvq16(const uint8_t* __restrict__ W, const uint8_t* __restrict__ Aqs, const __h
     // Software pipelining: a ring of U windows per row. Window u holds this lane's block
     // lane + 32 (i U + u) of step i; once it is decoded, the same slot loads the block U steps
     // ahead, so each warp always has U loads per row in flight (with none, a warp's K loop was
-    // a chain of nb/32 full memory latencies with idle gaps between).
+    // a chain of nb/32 full memory latencies with idle gaps between; where ptxas places the
+    // reload: the header).
     vec16::Window<F, NOALLOC> win[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u)
