@@ -75,10 +75,11 @@
 // producer warpgroup 0.7-1.0x the time of the session-15 kernel (every thread cp.async'ing, one
 // barrier a stage): q4_0 4096->12288 M = 64 38.2 -> 33.1, M = 512 107.2 -> 97.3, M = 2048
 // 332.9 -> 309.5 (0.90x cuBLAS fp16); q8_0 4096->24576 M = 2048 758 -> 671; q5_0 0.7-0.9x (its
-// fifth bits cost ~5 instructions per A register). Dispatch uses it in every format from M = 9
-// to 2048 on weights of 4096 x 4096 and up (gguf.WGMMA_MIN_NK, WGMMA_MAX_M: the whole prefill
-// runs at the card's power cap, where it wins to 2048; session 31); on 4096->1024, mma or
-// dequant + cuBLAS stay faster.
+// fifth bits cost 6 instructions per A register in the SASS: a shift by the lane's bit, two
+// shifts and three LOP3). Dispatch uses it in every format from M = 9 to 2048 on weights of
+// 4096 x 4096 and up (gguf.WGMMA_MIN_NK, WGMMA_MAX_M: the whole prefill runs at the card's
+// power cap, where it wins to 2048; session 31); on 4096->1024, mma or dequant + cuBLAS stay
+// faster.
 //
 // Compiled only for sm_90a; for any other target the kernel body is empty and the host
 // (quantzoo/kernels/gguf.py) never launches it there.
