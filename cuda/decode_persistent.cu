@@ -34,9 +34,10 @@
 // graph's 2.33 ms (in the current bench/model-h100.json 324 against 448 tok/s), so the runner
 // uses it only when asked (Model(persistent=True), model.use_persistent(True)). A per-phase
 // trace (the `trace` argument, PersistentDecode.phase_times) shows why: the ring holds ~8 us
-// of DRAM time (190 KB a CTA), but a layer's barriers, norms and attention keep the consumers
-// ~28 us a layer off the weights even with DRAM idle, and the consumers'
-// GEMV, issue-bound at one CTA per SM, runs at only ~1.4x the DRAM rate, so it cannot catch up.
+// of DRAM time (q4_0: 19 stages of 9,232 B, 175 KB a CTA), but a layer's barriers, norms and
+// attention keep the consumers ~28 us a layer off the weights even with DRAM idle, and the
+// consumers' GEMV, issue-bound at one CTA per SM, runs at only ~1.4x the DRAM rate, so it cannot
+// catch up.
 //
 // Layout of the work:
 //   * CTA c of P (one per SM, all resident) owns rows [c N / P, (c + 1) N / P) of each weight of
