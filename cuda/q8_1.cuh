@@ -33,7 +33,8 @@
 // matter: r = v * (1 / d) is within 2 ulps of v / d (|r - fl(v / d)| < 1.9e-5 for |r| <= 128),
 // and roundf changes only at k + 1/2, so where r is farther than 3.1e-5 from one, roundf(r) is
 // roundf(fl(v / d)) -- bit-identical to the division. A fused layer op quantizing 8 values a
-// lane on one SM spent most of its extra time in the 8 IEEE divisions (~40 instructions each).
+// lane on one SM spent most of its extra time in the 8 IEEE divisions (each, in the SASS, 8
+// inline instructions -- MUFU.RCP, 5 FFMA, FCHK, a branch -- and a 74-instruction slow path).
 // CuPy compiles every kernel with -ftz=true (it appends the flag to any options), so a d below
 // 2^-126 is already 0 (q8_1_quantize_value's d == 0 case) and 1 / d <= 2^126 is finite. Built
 // without FTZ, a d below 2^-128 makes 1 / d inf and r inf or NaN: those (|r| > 128 or NaN, never
