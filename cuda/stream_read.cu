@@ -12,13 +12,12 @@
 // copy bandwidth" figure of a small weight can go at all.
 //
 // Why it is shaped so: a grid-stride walk in 16-byte loads (ld.global.nc.L1::no_allocate, the
-// bytes are touched once), each thread issuing U independent loads a trip (in the SASS, nvcc 13,
-// sm_90, ptxas interleaves them with the folds: only 3 (U = 4) or 2 (U = 8) are issued before
-// the first fold waits on its load), BPS blocks of 512 threads per SM (quantzoo/kernels/stream.py
-// sweeps both and keeps the best per size; at U = 8, 38 registers, only 3 such blocks fit an SM,
-// so BPS = 4 runs a tail). The xor fold, one plain store per warp, makes every load count (a
-// read whose value is unused may be dropped by the compiler) and lets a test check that every
-// word was read once.
+// bytes are touched once), each thread issuing U independent loads a trip (in the SASS, nvcc
+// 13.0, sm_90, 32 registers at U = 4 and 8: ptxas issues 4 loads before the first fold waits on
+// its load, and at U = 8 each further load after a fold, so about 4 stay in flight), BPS blocks
+// of 512 threads per SM (quantzoo/kernels/stream.py sweeps both and keeps the best per size).
+// The xor fold, one plain store per warp, makes every load count (a read whose value is unused
+// may be dropped by the compiler) and lets a test check that every word was read once.
 // A GEMV's blocks each store their outputs at their end, and a block with a store outstanding
 // retires later, so the floor pays that too: every warp ends with its fold store, and `out`
 // (n_out16 16-byte words; the benches' timings pass none, the decode bound's linears their

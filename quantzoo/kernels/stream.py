@@ -14,7 +14,7 @@ import torch
 from quantzoo.cuda_launch import get_kernel, launch, on_tensor_device, sm_count
 
 THREADS = 512
-# (blocks per SM, 16-byte loads in flight per thread): best_read_us times each. On the H100 the
+# (blocks per SM, 16-byte loads per thread a trip, U): best_read_us times each. On the H100 the
 # fastest was (2, 4) for most weight sizes of 2-200 MB, (4, 4), (4, 8) or (2, 8) for the others
 # (bench/NOTES.md, session 27)
 CONFIGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8))
