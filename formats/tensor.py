@@ -36,9 +36,9 @@ class QuantizedTensor:
     `params` holds the format's options (AWQ: {"group_size": G}; GGUF and fp16: none).
 
     Made by Format.quantize (or from stored bytes: from_bytes of a GGUF format, awq's
-    from_arrays), not usually by hand: the
-    constructor checks nothing; Format.check, which ops.matmul, QuantLinear and dequantize run,
-    names what disagrees. Frozen; == and hash are by identity.
+    from_arrays), not usually by hand: the constructor checks nothing; Format.check, which
+    ops.matmul, QuantLinear and dequantize run, names what disagrees. Frozen; == and hash are by
+    identity.
     """
 
     format: str
