@@ -201,7 +201,7 @@ class AWQ(Format, name="awq"):
         i = lost[0]
         return int(lost.size), (r0 + int(col[i]), int(grp[i]), float(amax[i]), float(err[i]))
 
-    def nonfinite_rows(self, qt) -> np.ndarray:
+    def _nonfinite_rows(self, qt) -> np.ndarray:
         return ~np.isfinite(np.asarray(qt.numpy().data["scales"], np.float16)).all(axis=0)   # [K/G, N]
 
     def storage(self, shape, params: dict) -> dict:

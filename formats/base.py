@@ -137,7 +137,12 @@ class Format:
 
     def nonfinite_rows(self, qt) -> np.ndarray:
         """bool (out_features,): the rows whose stored values or scales hold a NaN or inf (a
-        corrupt file: every product with such a row is NaN). Reads the scale fields only."""
+        corrupt file: every product with such a row is NaN), after `check` (its format and
+        storage). Reads the scale fields only."""
+        self.check(qt)
+        return self._nonfinite_rows(qt)
+
+    def _nonfinite_rows(self, qt) -> np.ndarray:
         raise NotImplementedError
 
     # --- reference: what the kernel computes, bit for bit where it can be ----------------

@@ -31,7 +31,7 @@ class FP16(Format, name="fp16"):
     def storage(self, shape, params: dict) -> dict:
         return {"data": (tuple(shape), np.float16)}
 
-    def nonfinite_rows(self, qt) -> np.ndarray:
+    def _nonfinite_rows(self, qt) -> np.ndarray:
         return ~np.isfinite(np.asarray(qt.numpy().data)).all(axis=1)
 
     def _dequantize(self, qt) -> np.ndarray:

@@ -90,7 +90,7 @@ class GGUFBlockFormat(Format):
             q |= (hi.astype(np.int16) << 4)
         return {"d": d, "m": m, "q": q}
 
-    def nonfinite_rows(self, qt) -> np.ndarray:
+    def _nonfinite_rows(self, qt) -> np.ndarray:
         blk = np.asarray(qt.numpy().data).reshape(qt.shape[0], -1, self.bytes_per_block)
         fields = [blk[..., 0:2]] + ([blk[..., 2:4]] if self.has_min else [])   # d, and m
         bad = np.zeros(qt.shape[0], bool)

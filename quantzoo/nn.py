@@ -60,7 +60,9 @@ class QuantLinear(torch.nn.Module):
         .quantize(linear.weight, **opts), e.g. group_size=64 for awq), with linear's bias, on
         linear's device. The quantizer's errors and warnings are quantize's (KeyError for an
         unknown name, ValueError for a shape the format cannot store, TypeError for an option it
-        does not take)."""
+        does not take); ValueError for a `linear` that is not a torch.nn.Linear."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise ValueError(f"from_linear: expected a torch.nn.Linear, got {type(linear).__name__}")
         qt = get(fmt).quantize(linear.weight, **opts)   # (a torch tensor: as_float_matrix reads it)
         ql = cls(qt, linear.bias)
         return ql.to(linear.weight.device)

@@ -89,6 +89,8 @@ def test_quant_linear_checks_its_arguments():
         qz.QuantLinear(np.zeros((16, 64)))
     with pytest.raises(ValueError, match="qt: 'q8_1' is an activation format, not a weight format"):
         qz.QuantLinear.from_linear(torch.nn.Linear(64, 16), "q8_1")
+    with pytest.raises(ValueError, match="from_linear: expected a torch.nn.Linear, got Conv1d"):
+        qz.QuantLinear.from_linear(torch.nn.Conv1d(64, 16, 1), "q8_0")   # (its weight is 3-D)
     ql = qz.QuantLinear(qt)
     with pytest.raises(ValueError, match="x requires grad, but quantzoo.ops.matmul has no backward"):
         ql(torch.zeros(2, 64, requires_grad=True))   # its output had requires_grad False: grads cut

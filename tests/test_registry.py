@@ -158,14 +158,17 @@ def test_awq_rejects_what_fp16_cannot_hold():
 
 @pytest.mark.parametrize("name", STORED)
 def test_dequantize_refuses_another_formats_weight(name, rng):
-    """fmt.dequantize(qt) of another format's weight: one clear error, not garbage (fp16 read a
-    q8_0 weight's 272 bytes a row as 136 halves) or a reshape error."""
+    """fmt.dequantize(qt) and fmt.nonfinite_rows(qt) of another format's weight: one clear error,
+    not garbage (fp16 read a q8_0 weight's 272 bytes a row as 136 halves) or a reshape error
+    (nonfinite_rows' was numpy's)."""
     w = rng.standard_normal((64, 256)).astype(np.float32)
     for other in STORED:
         if other != name:
             qt = get(other).quantize(w)
-            with pytest.raises(ValueError, match=rf"^{name} weight: got a '{other}' weight$"):
-                get(name).dequantize(qt)
+            for read in (get(name).dequantize, get(name).nonfinite_rows):
+                with pytest.raises(ValueError, match=rf"^{name} weight: got a '{other}' weight$"):
+                    read(qt)
+    assert not get(name).nonfinite_rows(get(name).quantize(w)).any()
 
 
 @pytest.mark.parametrize("name", STORED)
