@@ -108,7 +108,7 @@ def emulate_small_gpu(x16, qt):
 def effective_path(label, m, qt):
     """The path a check label names ("small", "graph mma", "slabs", ...), else dispatch's pick."""
     for tok in str(label).split():
-        if tok in ("gemv", "mma", "dequant+cublas", "small", "wgmma"):
+        if tok in ("gemv", "strip", "mma", "dequant+cublas", "small", "wgmma"):
             return tok
         if tok == "slabs":
             return "dequant+cublas"
@@ -122,7 +122,7 @@ def check(y, x16, qt, w16, path=""):
     m, k = x16.shape
     assert y.shape == (m, qt.shape[0]) and y.dtype == torch.float16
     assert not torch.isnan(y).any(), f"{path}: NaN left in the output (unwritten or NaN math) {seed_note()}"
-    small = effective_path(path, m, qt) in ("small", "gemv")   # the group-scaled kernels
+    small = effective_path(path, m, qt) in ("small", "gemv", "strip")   # the group-scaled kernels
     if m * k * qt.shape[0] <= 2e8:
         emul = awq_fp16.emulate_group_scaled if small else qt.fmt.emulate
         ref, bound = emul(x16.astype(np.float32), qt, return_bound=True)
@@ -164,7 +164,7 @@ def paths_for(m, n):
     awq = awq_mod()
     hopper = (["wgmma"] if awq.wgmma_available(torch.device("cuda")) and n % awq.WGMMA_N_MULTIPLE == 0
               else [])
-    return (["gemv"] if m == 1 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
+    return (["gemv", "strip"] if m == 1 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
 
 
 NMSE_MIN_OUTPUTS = 8192   # outputs a sample needs before its NMSE is held to the format's ceiling
@@ -356,6 +356,8 @@ def test_bad_inputs_raise_before_launch():
         awq.matmul(x, qtc, out=torch.empty(4, 8, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="path"):
         awq.matmul(x[:1].contiguous().repeat(9, 1), qtc, path="gemv")
+    with pytest.raises(ValueError, match="path: 'strip' takes M = 1, got M=2"):
+        awq.matmul(x[:1].contiguous().repeat(2, 1), qtc, path="strip")
     with pytest.raises(ValueError, match="path: 'small'"):
         awq.matmul(x[:1].contiguous().repeat(17, 1), qtc, path="small")
     # the weight's checks are remembered per QuantizedTensor (kernels.checked_once), but a storage
@@ -546,7 +548,7 @@ def test_choose_path_names():
     awq = awq_mod()
     _, _, qtc, _ = weight(4096, 1024, 128)
     for m in MS:
-        assert awq.choose_path(m, qtc) in ("gemv", "small", "mma", "dequant+cublas", "wgmma")
+        assert awq.choose_path(m, qtc) in ("gemv", "strip", "small", "mma", "dequant+cublas", "wgmma")
 
 
 # ---- glu=True: silu(x @ gate) * (x @ up), fused into the wgmma epilogue -----------------------------

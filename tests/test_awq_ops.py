@@ -111,8 +111,11 @@ def test_group_size_inferred_from_scales():
 
 def test_choose_path_and_sources():
     names = {awq.choose_path(m) for m in (1, 2, 8, 9, 16, 100, 256, 1000, 4096)}
-    assert names <= {"gemv", "small", "mma", "dequant+cublas"}
-    assert awq.choose_path(1) == ("small" if awq.SMALL_MAX_M >= 1 else "mma")   # 4096 x 4096
+    assert names <= {"gemv", "strip", "small", "mma", "dequant+cublas"}
+    assert awq.choose_path(1) == "strip" and awq.choose_path(2) == "small"   # 4096 x 4096
+    strip = set(awq.SOURCES["awq_strip.cu"])
+    for g in (32, 64, 128):   # an instance whose ring depth divides the group's k-steps
+        assert any((g // 8) % d == 0 and f"awq_strip_kernel<{awq.STRIP_WARPS}, {d}>" in strip for d in awq.STRIP_D)
     small = set(awq.SOURCES["awq_small.cu"])
     for m in range(1, awq.SMALL_MAX_M + 1):
         cfg = awq.small_config(m, 4096)
@@ -161,6 +164,18 @@ def test_small_dispatch_thresholds():
     assert [awq.choose_path(m, shape(12288, 4096)) for m in (1, 4, 5, 8, 9)] == ["small"] * 4 + ["mma"]
     assert [awq.choose_path(m, shape(24576, 4096)) for m in (1, 8, 9, 16)] == ["gemv", "small"] + ["mma"] * 2
     assert [awq.choose_path(m, shape(1024, 4096)) for m in (1, 8, 16, 17)] == ["small"] * 3 + ["mma"]
+
+
+def test_strip_dispatch_thresholds():
+    """M = 1 takes the strip kernel on the weights it won on (K <= 5120, 3072 <= N <= 8192: the
+    Qwen3-8B qkv and o_proj among them), not on 12288 -> 4096 (down), 8192 -> 4096, 4096 -> 2048,
+    4096 -> 12288, nor where the GEMV takes wide weights; M = 2 stays on awq_small."""
+    shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
+    for n, k in ((4096, 4096), (6144, 4096), (8192, 4096), (3072, 4096), (5120, 5120), (4096, 1024)):
+        assert awq.choose_path(1, shape(n, k)) == "strip" and awq.choose_path(2, shape(n, k)) == "small"
+    for n, k in ((4096, 12288), (4096, 8192), (12288, 4096), (2048, 4096), (1024, 4096)):
+        assert awq.choose_path(1, shape(n, k)) == "small", (n, k)
+    assert awq.choose_path(1, shape(24576, 4096)) == "gemv"
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):

@@ -77,6 +77,23 @@ def test_pdl_graph_equals_plain_launches(fmt, M, rng):
     _pdl_equals_plain(lambda: _chain(h0, h, ws, norm_w, 6), h, f"{fmt} M={M} (seed {seed})")
 
 
+def test_pdl_awq_strip_chain(rng):
+    """The AWQ strip kernel (cuda/awq_strip.cu) in a PDL chain: the square chain above (D = 1024)
+    never reaches it; at D = 4096, M = 1 dispatch sends both weights to it (choose_path from the
+    shapes alone), as the runner's decode sends Qwen3-8B's o_proj."""
+    from quantzoo.kernels import awq
+
+    seed = int(rng.integers(2**31))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    D = 4096
+    ws = [random_weight("awq", D, D, "cuda", gen, std=0.01) for _ in range(2)]
+    assert awq.choose_path(1, awq._Shape(D, D)) == "strip" == awq.choose_path(1, ws[0])
+    h0 = torch.randn(1, D, device="cuda", generator=gen).half()
+    norm_w = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).half()
+    h = torch.empty_like(h0)
+    _pdl_equals_plain(lambda: _chain(h0, h, ws, norm_w, 6), h, f"awq strip D={D} (seed {seed})")
+
+
 def _mlp_chain(h0, h, gate_up, down, norm_w, steps):
     """h <- h0; then `steps` times the runner's decode MLP (model/llm.py): x = rms_norm(h +=
     delta); delta = down(silu(x @ gate.T) * (x @ up.T)), the SwiGLU by matmul(glu=True)."""

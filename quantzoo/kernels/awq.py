@@ -1,4 +1,4 @@
-"""AWQ W4A16 on CUDA: dequant, an M = 1 GEMV, small-M and tensor-core GEMMs, dequant + cuBLAS;
+"""AWQ W4A16 on CUDA: dequant, two M = 1 GEMVs, small-M and tensor-core GEMMs, dequant + cuBLAS;
 dispatch by M.
 
     y = x @ W  with  W[k, n] = fp16((q - z) * s)  from qweight int32 [K, N/8], qzeros int32
@@ -8,6 +8,9 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
     "gemv"            cuda/awq_gemv.cu   M = 1: each lane streams its weight words into registers,
                                          the tensor cores used lane by lane, scale per group on
                                          fp32 partials (as "small"); chosen for N >= GEMV_MIN_N
+    "strip"           cuda/awq_strip.cu  M = 1: the GEMV's lane arithmetic, one block per 64
+                                         columns and all of K (no split K, a lean loop); chosen
+                                         for K <= STRIP_MAX_K and STRIP_MIN_N <= N <= STRIP_MAX_N
     "small"           cuda/awq_small.cu  M <= 16: weights as the MMA's A operand, streamed through
                                          a per-warp shared-memory ring, scale applied per group to
                                          fp32 partials (no fp16 weight); chosen for M <= 8, and
@@ -59,6 +62,11 @@ SOURCES = {
                          for v in ("true", "false")),
     "awq_mma.cu": tuple(f"awq_mma_kernel<{mt}, {ng}, {occ}>" for mt, ng, occ in MMA_CFGS),
 }
+# strip kernel (cuda/awq_strip.cu, M = 1): (WARPS, D) = warps per block, k-steps of loads a lane has
+# in flight; D must divide the group's G / 8 steps, so group size 32 takes the D = 4 instance
+STRIP_WARPS = 16
+STRIP_D = (8, 4)
+SOURCES["awq_strip.cu"] = tuple(f"awq_strip_kernel<{STRIP_WARPS}, {d}>" for d in STRIP_D)
 # small-M kernel (cuda/awq_small.cu): (MB, NW, WARPS, CW, MODE, D) = batch tiles of 8 rows,
 # column words per thread, warps per block, warps side by side along N, 0 subnormal nibbles +
 # sum(x) zero fix-up / 1 exact q - z via the magic number, stages of each warp's cp.async ring
@@ -130,6 +138,18 @@ WGMMA_MID_MAX_M = 64               # and for 17 <= M <= WGMMA_MID_MAX_M on weigh
 WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte rows: N/8 words % 4 == 0
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
+# M = 1 on a weight of K <= STRIP_MAX_K rows and STRIP_MIN_N <= N <= STRIP_MAX_N columns: strip.
+# H100, us under PDL, rotated weights, graph replays (bench/NOTES.md session 48), strip vs
+# awq_small, K->N: 1024->4096 4.12 vs 5.21, 2048->4096 4.76 vs 5.75, 3072->3072 6.88 vs 7.50,
+# 4096->3072 7.20 vs 7.82, 4096->4096 7.58 vs 8.69, 4096->6144 9.40 vs 10.08, 4096->8192 10.49 vs
+# 12.11, 5120->5120 11.20 vs 13.91; it loses with too few blocks for the steps (4096->2048: 32
+# blocks, 6.79 vs 6.01), too many steps a warp (8192->4096 12.99 vs 12.14; 12288->4096 18.8 vs
+# 15.4) and past one wave of blocks (one 512-thread block per SM: 4096->12288 has 192, 17.46 vs
+# 14.90). (2048->2048 won too, 4.26 vs 5.13, outside this rule.) In the runner's decode graph,
+# Qwen3-8B's qkv and o_proj on it: AWQ decode 359 -> 365.5 tok/s.
+STRIP_MAX_K = 5120
+STRIP_MIN_N = 3072
+STRIP_MAX_N = 8192
 GEMV_DEFAULT = (2, 8, 4)
 GEMV_MIN_STEPS = 8      # gemv_plan: fewest k-steps (8 rows) per warp
 # (K, N) -> ((NW, WARPS, D), K splits). The runner's fused gate/up: (4, 4, 4) with 4 splits, picked
@@ -352,6 +372,8 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         return "wgmma"
     if m == 1 and n >= GEMV_MIN_N:
         return "gemv"
+    if m == 1 and k <= STRIP_MAX_K and STRIP_MIN_N <= n <= STRIP_MAX_N:
+        return "strip"
     if m <= 8 or (m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
         return "small"
     limit = MMA_MAX_M_BIG if (n >= 8192 or k >= 8192) else MMA_MAX_M
@@ -422,6 +444,15 @@ def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     _launch(kern, (tiles, splits), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), rows))
+
+
+def _strip(x2, qweight, scales, qzeros, y, m, k, n, g):
+    if m != 1:
+        raise ValueError(f"path: 'strip' takes M = 1, got M={m}")
+    d = next(d for d in STRIP_D if (g // 8) % d == 0)
+    _launch(_kernel("awq_strip.cu", f"awq_strip_kernel<{STRIP_WARPS}, {d}>"), (-(-(n // 8) // 8),), (32 * STRIP_WARPS,),
+            (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
+             np.int32(k), np.int32(n), np.int32(g)))
 
 
 def mma_config(m: int, n: int) -> tuple[int, int, int]:
@@ -643,8 +674,8 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
                                            splits, 4, glu))
 
 
-_PATHS = {"gemv": _gemv, "mma": _mma, "dequant+cublas": _dequant_cublas, "small": _small,
-          "wgmma": _wgmma}
+_PATHS = {"gemv": _gemv, "strip": _strip, "mma": _mma, "dequant+cublas": _dequant_cublas,
+          "small": _small, "wgmma": _wgmma}
 
 
 @on_tensor_device

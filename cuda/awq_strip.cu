@@ -1,0 +1,151 @@
+// awq_strip.cu -- AWQ W4A16 at M = 1 without split K: one block per 64 output columns (8 column
+// words, a 32-byte strip of every weight row), all of K in the block.
+//
+//   y[n] = fp16( sum_g  s[g, n] * sum_{k in g} (q[k, n] - z[g, n]) * x[k] )
+//
+// The same function and arithmetic as awq_gemv.cu with one column word per lane (exact products
+// on the tensor cores, fp32 sums per group, the zero taken out as z * sum_k x_k, the scale once
+// per group; reference/awq_fp16.py::emulate_group_scaled and its fp32-order bound).
+//
+// Why it exists. AWQ's [K, N/8] layout gives a 4096-column weight only 32-64 column tiles of
+// 64-128 B rows, so awq_small and awq_gemv split K across blocks to fill the SMs, and each split
+// tile ends in a fence / ticket / read-back tail. A block that owns a 32-byte strip of every row
+// needs no split: 64 blocks for N = 4096, and a read of the qweight in that pattern (64 SMs, 16
+// warps each) ran at 85-88 % of the fastest plain read of the same bytes (bench/NOTES.md, session
+// 48). With half the SMs busy, though, the loop must spend few instructions per byte: awq_small's
+// and awq_gemv's loops without a split were issue-bound there (Nsight Compute: 122 and 57
+// instructions per warp step) and ran at half the read's rate. So:
+// * Lane (g, t) keeps column word 8 b + g and, in k-step s, rows 8 s + 2t and 8 s + 2t + 1 --
+//   awq_gemv.cu's diagonal use of mma.m16n8k16 (its header explains it): the 8 lanes of equal t
+//   read the strip's 32 bytes of one row, two 4-byte loads a lane a step.
+// * Each warp owns a run of whole groups, and a ring of D steps divides a group (D | G / 8), so
+//   the group's fix-up runs after its rounds instead of a test in every step; the ring's reloads
+//   are unconditional in every round but the warp's last, which is a second, reload-free copy of
+//   the round (a load under a per-step condition made ptxas wait for it: awq_gemv.cu). A step is
+//   24 instructions in the SASS (nvcc 13, sm_90): 3 loads, 2 byte permutes, 2 shifts, 8 masks,
+//   3 MMAs; the fix-up ~64 a group.
+// * The warps meet in shared memory in fixed order; one launch, no workspace, graph-replayable.
+// * Tails: K is a multiple of the group size. Lanes whose column word lies past N/8 (the last
+//   block when N/8 % 8 != 0) read the last word instead and store nothing. A warp without groups
+//   (K / G < WARPS) adds zeros.
+//
+// Measured on the H100 (bench/NOTES.md, session 48), us, plain / PDL, against the kernels dispatch
+// took before: 4096->4096 8.25 / 7.61 vs 9.05 / 8.64 (awq_small, 8 splits); 4096->6144 9.54 / 9.76
+// vs 10.67 / 10.05; the runner's AWQ decode +1.8 % with qkv and o_proj on it. On 12288->4096 (48
+// steps a warp: the ring's round trips show) it loses (18.8 vs 15.4): dispatch (awq.STRIP_*)
+// takes it only where it won.
+#include "awq_common.cuh"
+
+// grid (ceil(N/8 / 8)); block 32*WARPS threads; D | G / 8
+template <int WARPS, int D>
+__global__ void __launch_bounds__(32 * WARPS)
+awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
+                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
+                 half* __restrict__ y, int K, int N, int G) {
+  pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
+  __shared__ __align__(16) float red[WARPS][64];
+  const int n8 = N / 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int cw = min(blockIdx.x * 8 + g, n8 - 1);
+  const int spg = G / 8;   // k-steps per group, a multiple of D
+  const int ngroups = K / G;
+  const int g0 = (int)((long long)ngroups * warp / WARPS);
+  const int g1 = (int)((long long)ngroups * (warp + 1) / WARPS);
+  // B fragment selectors (awq_gemv.cu): x[r0], x[r1] onto this lane's own output columns
+  const unsigned sel0 = g == 2 * t ? 0x4410u : g == 2 * t + 1 ? 0x1044u : 0x4444u;
+  const unsigned sel1 = g == 2 * t ? 0x4432u : g == 2 * t + 1 ? 0x3244u : 0x4444u;
+  const unsigned ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  if (g0 < g1) {
+    const size_t step_words = (size_t)8 * n8;
+    const unsigned* p0 = qweight + (size_t)g0 * G * n8 + (size_t)(2 * t) * n8 + cw;   // row r0
+    const unsigned* p1 = p0 + n8;                                                       // row r1
+    const unsigned* xp = reinterpret_cast<const unsigned*>(x) + (size_t)g0 * G / 2 + t;   // (x[r0], x[r1])
+    const int total = (g1 - g0) * spg;
+    unsigned w0[D], w1[D], xr[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {   // D <= total: a warp holds at least one group
+      w0[d] = __ldg(p0); w1[d] = __ldg(p1); xr[d] = __ldg(xp);
+      p0 += step_words; p1 += step_words; xp += 4;
+    }
+    uint4 sv = __ldg(reinterpret_cast<const uint4*>(scales + (size_t)g0 * N + 8 * cw));
+    unsigned zv = __ldg(qzeros + (size_t)g0 * n8 + cw);
+    // one step on ring slot d: sum x on the all-ones MMA, both column halves of the lane's word
+    auto step = [&](float (&part)[2][4], float (&sx)[4], unsigned a0, unsigned a1, unsigned xw) {
+      const unsigned b0 = __byte_perm(xw, 0u, sel0), b1 = __byte_perm(xw, 0u, sel1);
+      awq::mma16816(sx, ones, b0, b1);
+      const unsigned u0 = a0 >> 8, u1 = a1 >> 8;
+      const unsigned lo[4] = {a0 & awq::kLowMask, a0 & awq::kHighMask, a1 & awq::kLowMask, a1 & awq::kHighMask};
+      const unsigned hi[4] = {u0 & awq::kLowMask, u0 & awq::kHighMask, u1 & awq::kLowMask, u1 & awq::kHighMask};
+      awq::mma16816(part[0], lo, b0, b1);
+      awq::mma16816(part[1], hi, b0, b1);
+    };
+    int done = 0;
+    for (int grp = g0; grp < g1; ++grp) {
+      float part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      float sx[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int r = 0; r < spg; r += D, done += D) {
+        if (done + D < total) {   // not the warp's last round: reload every slot
+#pragma unroll
+          for (int d = 0; d < D; ++d) {
+            const unsigned a0 = w0[d], a1 = w1[d], xw = xr[d];
+            w0[d] = __ldg(p0); w1[d] = __ldg(p1); xr[d] = __ldg(xp);
+            p0 += step_words; p1 += step_words; xp += 4;
+            step(part, sx, a0, a1, xw);
+          }
+        } else {
+#pragma unroll
+          for (int d = 0; d < D; ++d) step(part, sx, w0[d], w1[d], xr[d]);
+        }
+      }
+      // the group's fix-up, the next group's scale and zero words already requested
+      const unsigned su[4] = {sv.x, sv.y, sv.z, sv.w};
+      const unsigned zs = zv >> 8;
+      const unsigned zu[4] = {zv & awq::kLowMask, zv & awq::kHighMask, zs & awq::kLowMask, zs & awq::kHighMask};
+      if (grp + 1 < g1) {
+        sv = __ldg(reinterpret_cast<const uint4*>(scales + (size_t)(grp + 1) * N + 8 * cw));
+        zv = __ldg(qzeros + (size_t)(grp + 1) * n8 + cw);
+      }
+      // column 4h + e of the word in part[h][e]: e < 2 in units of 2^-24, e >= 2 of 2^-20, as z'
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 s2 = __half22float2(awq::as_h2(su[2 * h + e / 2]));
+          const float2 z2 = __half22float2(awq::as_h2(zu[2 * h + e / 2]));
+          const float sf = (e & 1) ? s2.y : s2.x, zf = (e & 1) ? z2.y : z2.x;
+          acc[h][e] = fmaf(sf, fmaf(-zf, sx[0], part[h][e]), acc[h][e]);
+        }
+    }
+  }
+  // units off, the four lanes t of a column word meet, then the warps in fixed order
+  float v[8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float a = acc[h][e] * (e < 2 ? 16777216.f : 1048576.f);
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      v[4 * h + e] = a;
+    }
+  if (t == 0) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) red[warp][8 * g + c] = v[c];
+  }
+  __syncthreads();
+  if (threadIdx.x < 8) {
+    const int cwo = blockIdx.x * 8 + threadIdx.x;
+    if (cwo < n8) {
+      float o[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) o[c] = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) o[c] += red[w][8 * threadIdx.x + c];
+      awq::store8_half(y + 8 * cwo, o);
+    }
+  }
+}
