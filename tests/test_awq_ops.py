@@ -178,6 +178,43 @@ def test_strip_dispatch_thresholds():
     assert awq.choose_path(1, shape(24576, 4096)) == "gemv"
 
 
+def test_strip_launch_dry_run(monkeypatch):
+    """What _strip launches (meta tensors; launches recorded): for every group size, a compiled
+    awq_strip_kernel<STRIP_WARPS, D> whose ring depth D divides the group's G / 8 k-steps (the
+    kernel's loop needs it: D = 8 at G = 32 would run one 8-step round over a 4-step group and
+    load past the warp's last step), D = 8 where it divides (the measured instance); one
+    32 * STRIP_WARPS-thread block per 8 column words, the last one's lanes clamped where N / 8 %
+    8 != 0; K, N, G as int32. K = 2^31 - G, refused by name on the split-K paths
+    (test_split_k_rows_past_2_31_dry_run), is taken: no split, so no split end to overflow, and
+    every offset in the kernel is formed in 64 bits. M = 2 is refused before any launch."""
+    calls = []
+    monkeypatch.setattr(awq, "_kernel", lambda src, name: (src, name))
+    monkeypatch.setattr(awq, "_launch", lambda kern, grid, block, args, smem=0: calls.append((kern, grid, block, args)))
+    meta = dict(device="meta")
+    for g in (32, 64, 128):
+        for k, n in ((g, 8), (9 * g, 72), (18 * g, 8 * 43), (4096, 4096), (2**31 - g, 32)):
+            qw = torch.empty((k, n // 8), dtype=torch.int32, **meta)
+            sc = torch.empty((k // g, n), dtype=torch.float16, **meta)
+            qz = torch.empty((k // g, n // 8), dtype=torch.int32, **meta)
+            calls.clear()
+            y = awq._gemm(torch.empty((1, k), dtype=torch.float16, **meta), qw, sc, qz, k, n, g, None, "strip")
+            assert y.shape == (1, n) and len(calls) == 1, (g, k, n, calls)
+            (src, name), grid, block, args = calls[0]
+            assert src == "awq_strip.cu" and name in awq.SOURCES[src], name
+            warps, d = map(int, re.fullmatch(r"awq_strip_kernel<(\d+), (\d+)>", name).groups())
+            assert warps == awq.STRIP_WARPS and d in awq.STRIP_D
+            assert (g // 8) % d == 0 and d == (8 if g >= 64 else 4), (g, name)
+            assert grid == (-(-n // 64),) and block == (32 * awq.STRIP_WARPS,), (n, grid, block)
+            assert [type(a) for a in args[5:]] == [np.int32] * 3 and [int(a) for a in args[5:]] == [k, n, g]
+        calls.clear()
+        with pytest.raises(ValueError, match="path: 'strip' takes M = 1, got M=2"):
+            awq._gemm(torch.empty((2, 4096), dtype=torch.float16, **meta),
+                      torch.empty((4096, 512), dtype=torch.int32, **meta),
+                      torch.empty((4096 // g, 4096), dtype=torch.float16, **meta),
+                      torch.empty((4096 // g, 512), dtype=torch.int32, **meta), 4096, 4096, g, None, "strip")
+        assert not calls
+
+
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     """wgmma takes 8 <= M <= WGMMA_MAX_M (2048) on weights of at least 4096 x 4096 and 17 <= M <= 64 from
     1024 x 4096, with N % 32 == 0, and only where the device is a Hopper GPU; elsewhere (or with
