@@ -22,8 +22,13 @@
 //   the group's fix-up runs after its rounds instead of a test in every step; the ring's reloads
 //   are unconditional in every round but the warp's last, which is a second, reload-free copy of
 //   the round (a load under a per-step condition made ptxas wait for it: awq_gemv.cu). A step is
-//   24 instructions in the SASS (nvcc 13, sm_90): 3 loads, 2 byte permutes, 2 shifts, 8 masks,
-//   3 MMAs; the fix-up ~64 a group.
+//   ~24 instructions in the SASS of <16, 8> (nvcc 13, sm_90: 197 a reload round of 8 steps):
+//   3 loads, 2 byte permutes, 2 shifts, 8 masks, 3 MMAs, 2 address steps, the rest register
+//   copies and the round's selector set-up; the fix-up ~64 a group. The loads still wait more
+//   than the ring suggests: ptxas puts 18 of a round's 24 reloads (10 of 12 at D = 4) in
+//   temporaries copied into the ring at the round's end, and the next group's scale and zero
+//   words, loaded under `grp + 1 < g1`, are copied into sv / zv ~40 instructions later, at the
+//   fix-up's end: each copy waits for its load (what removing them buys: not measured).
 // * The warps meet in shared memory in fixed order; one launch, no workspace, graph-replayable.
 // * Tails: K is a multiple of the group size. Lanes whose column word lies past N/8 (the last
 //   block when N/8 % 8 != 0) read the last word instead and store nothing. A warp without groups
@@ -31,7 +36,7 @@
 //
 // Measured on the H100 (bench/NOTES.md, session 48), us, plain / PDL, against the kernels dispatch
 // took before: 4096->4096 8.25 / 7.61 vs 9.05 / 8.64 (awq_small, 8 splits); 4096->6144 9.54 / 9.76
-// vs 10.67 / 10.05; the runner's AWQ decode +1.8 % with qkv and o_proj on it. On 12288->4096 (48
+// vs 10.67 / 10.05; the runner's AWQ decode +1.8 % with qkv and o_proj on it. On 12288->4096 (96
 // steps a warp: the ring's round trips show) it loses (18.8 vs 15.4): dispatch (awq.STRIP_*)
 // takes it only where it won.
 #include "awq_common.cuh"
