@@ -28,7 +28,9 @@
 //   than the ring suggests: ptxas puts 18 of a round's 24 reloads (10 of 12 at D = 4) in
 //   temporaries copied into the ring at the round's end, and the next group's scale and zero
 //   words, loaded under `grp + 1 < g1`, are copied into sv / zv ~40 instructions later, at the
-//   fix-up's end: each copy waits for its load (what removing them buys: not measured).
+//   fix-up's end: each copy waits for its load. (Requesting the next group's words at the group's
+//   start instead, unconditionally, ran 1-3 % slower: 4096->4096 7.71 vs 7.60 us under PDL, AWQ
+//   decode 366 vs 368 tok/s; bench/NOTES.md session 48.)
 // * The warps meet in shared memory in fixed order; one launch, no workspace, graph-replayable.
 // * Tails: K is a multiple of the group size. Lanes whose column word lies past N/8 (the last
 //   block when N/8 % 8 != 0) read the last word instead and store nothing. A warp without groups

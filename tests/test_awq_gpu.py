@@ -300,6 +300,28 @@ def test_group_sizes(g, m):
     check_paths_and_nmse(rand_x(rng, m, k), w, qt, qtc, w16, f" g{g}")
 
 
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_strip_tails_store_nothing_past_y(g):
+    """The strip kernel (M = 1, one block per 8 column words, warps owning whole groups): N / 8
+    % 8 of 1, 4, 7 and 0 (the last block's lanes past N / 8 clamp and must not store) and K / G
+    groups that 16 warps share unevenly (g128 reaches two rounds per group only here), each
+    against the group-scaled emulation, with y the front of a sentinel-filled buffer that must
+    keep its sentinel past N."""
+    awq = awq_mod()
+    rng = case_rng()
+    for n8, groups in ((9, 9), (12, 18), (15, 17), (8, 1), (31, 40)):
+        n, k = 8 * n8, g * groups
+        w, qt, qtc, w16 = weight(k, n, g)
+        x16 = rand_x(rng, 1, k)
+        buf = torch.full((n + 64,), 7.0, dtype=torch.float16, device="cuda")
+        buf[:n] = float("nan")
+        awq.matmul(torch.from_numpy(x16).cuda(), qtc, out=buf[:n].view(1, n), path="strip")
+        torch.cuda.synchronize()
+        check(buf[:n].view(1, n), x16, qt, w16, f"strip {k}->{n} g{g}")
+        assert torch.equal(buf[n:], torch.full((64,), 7.0, dtype=torch.float16, device="cuda")), \
+            f"strip {k}->{n} g{g}: a store past y {seed_note()}"
+
+
 def test_emulate_gpu_matches_numpy():
     """The float64 GPU oracles used for large cases are the numpy references' formulas."""
     rng = case_rng()

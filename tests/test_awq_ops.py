@@ -167,13 +167,13 @@ def test_small_dispatch_thresholds():
 
 
 def test_strip_dispatch_thresholds():
-    """M = 1 takes the strip kernel on the weights it won on (K <= 5120, 3072 <= N <= 8192: the
+    """M = 1 takes the strip kernel on the weights it won on (1024 <= K <= 5120, 3072 <= N <= 8192: the
     Qwen3-8B qkv and o_proj among them), not on 12288 -> 4096 (down), 8192 -> 4096, 4096 -> 2048,
     4096 -> 12288, nor where the GEMV takes wide weights; M = 2 stays on awq_small."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     for n, k in ((4096, 4096), (6144, 4096), (8192, 4096), (3072, 4096), (5120, 5120), (4096, 1024)):
         assert awq.choose_path(1, shape(n, k)) == "strip" and awq.choose_path(2, shape(n, k)) == "small"
-    for n, k in ((4096, 12288), (4096, 8192), (12288, 4096), (2048, 4096), (1024, 4096)):
+    for n, k in ((4096, 12288), (4096, 8192), (12288, 4096), (2048, 4096), (1024, 4096), (4096, 512)):
         assert awq.choose_path(1, shape(n, k)) == "small", (n, k)
     assert awq.choose_path(1, shape(24576, 4096)) == "gemv"
 

@@ -10,7 +10,8 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          fp32 partials (as "small"); chosen for N >= GEMV_MIN_N
     "strip"           cuda/awq_strip.cu  M = 1: the GEMV's lane arithmetic, one block per 64
                                          columns and all of K (no split K, a lean loop); chosen
-                                         for K <= STRIP_MAX_K and STRIP_MIN_N <= N <= STRIP_MAX_N
+                                         for STRIP_MIN_K <= K <= STRIP_MAX_K and STRIP_MIN_N <= N
+                                         <= STRIP_MAX_N
     "small"           cuda/awq_small.cu  M <= 16: weights as the MMA's A operand, streamed through
                                          a per-warp shared-memory ring, scale applied per group to
                                          fp32 partials (no fp16 weight); chosen for M <= 8, and
@@ -138,7 +139,8 @@ WGMMA_MID_MAX_M = 64               # and for 17 <= M <= WGMMA_MID_MAX_M on weigh
 WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte rows: N/8 words % 4 == 0
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
-# M = 1 on a weight of K <= STRIP_MAX_K rows and STRIP_MIN_N <= N <= STRIP_MAX_N columns: strip.
+# M = 1 on a weight of STRIP_MIN_K <= K <= STRIP_MAX_K rows and STRIP_MIN_N <= N <= STRIP_MAX_N
+# columns: strip (K from 1024, the smallest measured: below, few warps of a block have groups).
 # H100, us under PDL, rotated weights, graph replays (bench/NOTES.md session 48), strip vs
 # awq_small, K->N: 1024->4096 4.12 vs 5.21, 2048->4096 4.76 vs 5.75, 3072->3072 6.88 vs 7.50,
 # 4096->3072 7.20 vs 7.82, 4096->4096 7.58 vs 8.69, 4096->6144 9.40 vs 10.08, 4096->8192 10.49 vs
@@ -147,6 +149,7 @@ GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 # 15.4) and past one wave of blocks (one 512-thread block per SM: 4096->12288 has 192, 17.46 vs
 # 14.90). (2048->2048 won too, 4.26 vs 5.13, outside this rule.) In the runner's decode graph,
 # Qwen3-8B's qkv and o_proj on it: AWQ decode 359 -> 365.5 tok/s.
+STRIP_MIN_K = 1024
 STRIP_MAX_K = 5120
 STRIP_MIN_N = 3072
 STRIP_MAX_N = 8192
@@ -372,7 +375,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         return "wgmma"
     if m == 1 and n >= GEMV_MIN_N:
         return "gemv"
-    if m == 1 and k <= STRIP_MAX_K and STRIP_MIN_N <= n <= STRIP_MAX_N:
+    if m == 1 and STRIP_MIN_K <= k <= STRIP_MAX_K and STRIP_MIN_N <= n <= STRIP_MAX_N:
         return "strip"
     if m <= 8 or (m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
         return "small"
