@@ -356,7 +356,7 @@ def _split_rows(k: int, splits: int, rows: int) -> np.int32:
     (awq::slice_steps) min(K, kb + rows) - kb wrapped back to rows, a walk past K's last row."""
     if splits * rows > 2**31 - 1:
         raise ValueError(f"qweight: K={k} rows in {splits} splits of {rows} end at row {splits * rows}, past the "
-                         "kernels' 32-bit rows (path='dequant+cublas' splits no K)")
+                         "kernels' 32-bit rows (path='dequant+cublas' splits no K, nor path='strip' at M = 1)")
     return np.int32(rows)
 
 
