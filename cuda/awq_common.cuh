@@ -94,6 +94,42 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The M = 1 GEMVs' diagonal MMA (awq_gemv.cu, awq_strip.cu) leaves a lane the sums of one column
+// word's 8 columns: column 4h + e in part[h][e], e < 2 in units of 2^-24 (the low mask's
+// subnormal nibbles), e >= 2 in units of 2^-20 (the high mask's). A group's fix-up, with z' taken
+// from the zero word by the same masks (so in the same units) and sx the group's sum of x:
+//   acc += s * (part - z' * sx)
+// su: the word's 8 fp16 scales as 4 half2; zu: its zero word under the masks (gemv_zero_halves).
+__device__ __forceinline__ void gemv_zero_halves(unsigned z, unsigned (&zu)[4]) {
+  const unsigned zs = z >> 8;
+  zu[0] = z & kLowMask; zu[1] = z & kHighMask; zu[2] = zs & kLowMask; zu[3] = zs & kHighMask;
+}
+__device__ __forceinline__ void gemv_group_fixup(float (&acc)[2][4], const float (&part)[2][4], float sx,
+                                                 const unsigned (&su)[4], const unsigned (&zu)[4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 s2 = __half22float2(as_h2(su[2 * h + e / 2]));
+      const float2 z2 = __half22float2(as_h2(zu[2 * h + e / 2]));
+      const float sf = (e & 1) ? s2.y : s2.x, zf = (e & 1) ? z2.y : z2.x;
+      acc[h][e] = fmaf(sf, fmaf(-zf, sx, part[h][e]), acc[h][e]);
+    }
+}
+// ... and at the end the word's 8 column sums v[4h + e], units off, summed over the four lanes t
+// that hold the word (their rows 2t, 2t + 1 of every step): every lane of the warp must call it.
+__device__ __forceinline__ void gemv_column_sums(const float (&acc)[2][4], float (&v)[8]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float a = acc[h][e] * (e < 2 ? 16777216.f : 1048576.f);
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      v[4 * h + e] = a;
+    }
+}
+
 // The k-steps [x, y) of ROWS rows each that k slice `slice` of `slices` walks: the block's split
 // (rows [blockIdx.y * rows_per_split, + rows_per_split) of K) cut into runs of whole steps that
 // differ by at most one step, in order (awq_small.cu, awq_gemv.cu). An empty run has x == y.

@@ -153,25 +153,19 @@ awq_gemv_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight
       zv[j] = __ldg(qzeros + (size_t)grp * n8 + c);
     }
   };
-  // acc += s * (part - z' * sum x), then clear the group's partials. Column 4h + e of word j sits
-  // in part[j][h][e]; e < 2 in units of 2^-24, e >= 2 in units of 2^-20 (so are z' by the masks).
+  // acc += s * (part - z' * sum x) per column word (awq::gemv_group_fixup), then clear the
+  // group's partials
   auto flush_group = [&]() {
 #pragma unroll
     for (int j = 0; j < NW; ++j) {
       const unsigned su[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};
-      const unsigned zs = zv[j] >> 8;
-      const unsigned zu[4] = {zv[j] & awq::kLowMask, zv[j] & awq::kHighMask, zs & awq::kLowMask,
-                              zs & awq::kHighMask};
+      unsigned zu[4];
+      awq::gemv_zero_halves(zv[j], zu);
+      awq::gemv_group_fixup(acc[j], part[j], sx[0], su, zu);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 s2 = __half22float2(awq::as_h2(su[2 * h + e / 2]));
-          const float2 z2 = __half22float2(awq::as_h2(zu[2 * h + e / 2]));
-          const float sf = (e & 1) ? s2.y : s2.x, zf = (e & 1) ? z2.y : z2.x;
-          acc[j][h][e] = fmaf(sf, fmaf(-zf, sx[0], part[j][h][e]), acc[j][h][e]);
-          part[j][h][e] = 0.f;
-        }
+        for (int e = 0; e < 4; ++e) part[j][h][e] = 0.f;
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) sx[e] = 0.f;
@@ -225,16 +219,7 @@ awq_gemv_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight
   // units off, then the four lanes t of a column (rows 2t, 2t+1 of every step) meet
   float v[NW][8];
 #pragma unroll
-  for (int j = 0; j < NW; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float a = acc[j][h][e] * (e < 2 ? 16777216.f : 1048576.f);
-        a += __shfl_xor_sync(0xffffffffu, a, 1);
-        a += __shfl_xor_sync(0xffffffffu, a, 2);
-        v[j][4 * h + e] = a;
-      }
+  for (int j = 0; j < NW; ++j) awq::gemv_column_sums(acc[j], v[j]);
   if (t == 0) {
 #pragma unroll
     for (int j = 0; j < NW; ++j)

@@ -106,37 +106,20 @@ awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
           for (int d = 0; d < D; ++d) step(part, sx, w0[d], w1[d], xr[d]);
         }
       }
-      // the group's fix-up, the next group's scale and zero words already requested
+      // the group's fix-up, the next group's scale and zero words requested first
       const unsigned su[4] = {sv.x, sv.y, sv.z, sv.w};
-      const unsigned zs = zv >> 8;
-      const unsigned zu[4] = {zv & awq::kLowMask, zv & awq::kHighMask, zs & awq::kLowMask, zs & awq::kHighMask};
+      unsigned zu[4];
+      awq::gemv_zero_halves(zv, zu);
       if (grp + 1 < g1) {
         sv = __ldg(reinterpret_cast<const uint4*>(scales + (size_t)(grp + 1) * N + 8 * cw));
         zv = __ldg(qzeros + (size_t)(grp + 1) * n8 + cw);
       }
-      // column 4h + e of the word in part[h][e]: e < 2 in units of 2^-24, e >= 2 of 2^-20, as z'
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 s2 = __half22float2(awq::as_h2(su[2 * h + e / 2]));
-          const float2 z2 = __half22float2(awq::as_h2(zu[2 * h + e / 2]));
-          const float sf = (e & 1) ? s2.y : s2.x, zf = (e & 1) ? z2.y : z2.x;
-          acc[h][e] = fmaf(sf, fmaf(-zf, sx[0], part[h][e]), acc[h][e]);
-        }
+      awq::gemv_group_fixup(acc, part, sx[0], su, zu);
     }
   }
   // units off, the four lanes t of a column word meet, then the warps in fixed order
   float v[8];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float a = acc[h][e] * (e < 2 ? 16777216.f : 1048576.f);
-      a += __shfl_xor_sync(0xffffffffu, a, 1);
-      a += __shfl_xor_sync(0xffffffffu, a, 2);
-      v[4 * h + e] = a;
-    }
+  awq::gemv_column_sums(acc, v);
   if (t == 0) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) red[warp][8 * g + c] = v[c];
