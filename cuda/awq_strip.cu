@@ -29,18 +29,18 @@
 //   temporaries copied into the ring at the round's end, and the next group's scale and zero
 //   words, loaded under `grp + 1 < g1`, are copied into sv / zv ~40 instructions later, at the
 //   fix-up's end: each copy waits for its load. (Requesting the next group's words at the group's
-//   start instead, unconditionally, ran 1-3 % slower: 4096->4096 7.71 vs 7.60 us under PDL, AWQ
-//   decode 366 vs 368 tok/s; bench/NOTES.md session 48.)
+//   start instead, unconditionally, ran 1-3 % slower, and reloading each slot after its step's
+//   MMAs, which removes the copies, 0.4-2.6 % slower: bench/NOTES.md session 48, sections 7, 8.)
 // * The warps meet in shared memory in fixed order; one launch, no workspace, graph-replayable.
 // * Tails: K is a multiple of the group size. Lanes whose column word lies past N/8 (the last
 //   block when N/8 % 8 != 0) read the last word instead and store nothing. A warp without groups
 //   (K / G < WARPS) adds zeros.
 //
-// Measured on the H100 (bench/NOTES.md, session 48), us, plain / PDL, against the kernels dispatch
-// took before: 4096->4096 8.25 / 7.61 vs 9.05 / 8.64 (awq_small, 8 splits); 4096->6144 9.54 / 9.76
-// vs 10.67 / 10.05; the runner's AWQ decode +1.8 % with qkv and o_proj on it. On 12288->4096 (96
-// steps a warp: the ring's round trips show) it loses (18.8 vs 15.4): dispatch (awq.STRIP_*)
-// takes it only where it won.
+// Measured on the H100 under PDL (bench/NOTES.md session 48; awq.py's STRIP_* comment has the
+// sweep), us, against awq_small: 4096->4096 7.58 vs 8.69, 4096->6144 9.40 vs 10.08, 5120->5120
+// 11.20 vs 13.91; the runner's AWQ decode 358 -> 365 tok/s with Qwen3-8B's qkv and o_proj on it.
+// With few blocks (4096->2048), many steps a warp (12288->4096: 96 k-steps, 18.2 vs 14.7) or a
+// second wave of blocks (4096->12288) it loses: dispatch (awq.STRIP_*) takes it only where it won.
 #include "awq_common.cuh"
 
 // grid (ceil(N/8 / 8)); block 32*WARPS threads; D | G / 8
@@ -83,8 +83,10 @@ awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       const unsigned b0 = __byte_perm(xw, 0u, sel0), b1 = __byte_perm(xw, 0u, sel1);
       awq::mma16816(sx, ones, b0, b1);
       const unsigned u0 = a0 >> 8, u1 = a1 >> 8;
-      const unsigned lo[4] = {a0 & awq::kLowMask, a0 & awq::kHighMask, a1 & awq::kLowMask, a1 & awq::kHighMask};
-      const unsigned hi[4] = {u0 & awq::kLowMask, u0 & awq::kHighMask, u1 & awq::kLowMask, u1 & awq::kHighMask};
+      const unsigned lo[4] = {a0 & awq::kLowMask, a0 & awq::kHighMask, a1 & awq::kLowMask,
+                              a1 & awq::kHighMask};
+      const unsigned hi[4] = {u0 & awq::kLowMask, u0 & awq::kHighMask, u1 & awq::kLowMask,
+                              u1 & awq::kHighMask};
       awq::mma16816(part[0], lo, b0, b1);
       awq::mma16816(part[1], hi, b0, b1);
     };
