@@ -129,6 +129,17 @@ __device__ __forceinline__ void gemv_column_sums(const float (&acc)[2][4], float
       v[4 * h + e] = a;
     }
 }
+// ... then the block's warps meet: o = the 8 column sums at red[w][col ..], summed over the
+// warps w in fixed order (deterministic: the same bits every launch).
+template <int WARPS, int W>
+__device__ __forceinline__ void gemv_sum_warps(float (&o)[8], const float (&red)[WARPS][W], int col) {
+#pragma unroll
+  for (int c = 0; c < 8; ++c) o[c] = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) o[c] += red[w][col + c];
+}
 
 // The k-steps [x, y) of ROWS rows each that k slice `slice` of `slices` walks: the block's split
 // (rows [blockIdx.y * rows_per_split, + rows_per_split) of K) cut into runs of whole steps that

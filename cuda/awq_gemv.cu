@@ -232,12 +232,7 @@ awq_gemv_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight
     const int cw = tile_w0 + task;
     if (cw >= n8) continue;
     float o[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) o[c] = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w)
-#pragma unroll
-      for (int c = 0; c < 8; ++c) o[c] += red[w][8 * task + c];
+    awq::gemv_sum_warps(o, red, 8 * task);
     if (splits == 1) awq::store8_half(y + 8 * cw, o);
     else awq::store8_float(ws + (size_t)blockIdx.y * N + 8 * cw, o);
   }

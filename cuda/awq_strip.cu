@@ -131,12 +131,7 @@ awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
     const int cwo = blockIdx.x * 8 + threadIdx.x;
     if (cwo < n8) {
       float o[8];
-#pragma unroll
-      for (int c = 0; c < 8; ++c) o[c] = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w)
-#pragma unroll
-        for (int c = 0; c < 8; ++c) o[c] += red[w][8 * threadIdx.x + c];
+      awq::gemv_sum_warps(o, red, 8 * threadIdx.x);
       awq::store8_half(y + 8 * cwo, o);
     }
   }

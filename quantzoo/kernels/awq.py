@@ -453,7 +453,8 @@ def _strip(x2, qweight, scales, qzeros, y, m, k, n, g):
     if m != 1:
         raise ValueError(f"path: 'strip' takes M = 1, got M={m}")
     d = next(d for d in STRIP_D if (g // 8) % d == 0)
-    _launch(_kernel("awq_strip.cu", f"awq_strip_kernel<{STRIP_WARPS}, {d}>"), (-(-(n // 8) // 8),), (32 * STRIP_WARPS,),
+    kern = _kernel("awq_strip.cu", f"awq_strip_kernel<{STRIP_WARPS}, {d}>")
+    _launch(kern, (-(-(n // 8) // 8),), (32 * STRIP_WARPS,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              np.int32(k), np.int32(n), np.int32(g)))
 
