@@ -85,7 +85,8 @@ def main(argv=None):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
             t_cublas = time_graph([lambda w=w: torch.nn.functional.linear(x, w, out=None) for w in fw])
-            paths = ((["gemv", "strip"] if m == 1 else []) + (["small"] if m <= awq.SMALL_MAX_M else [])
+            m1 = ["gemv", "strip"] + (["strip-cluster"] if awq.clusters_available(x.device) else [])
+            paths = ((m1 if m == 1 else []) + (["small"] if m <= awq.SMALL_MAX_M else [])
                      + ["mma"] + (["dequant+cublas"] if m >= 16 else [])
                      + (["wgmma"] if m >= awq.WGMMA_MIN_M and awq.wgmma_available(x.device) else []))
             if a.paths == "dispatch":

@@ -1,5 +1,6 @@
-// awq_strip.cu -- AWQ W4A16 at M = 1 without split K: one block per 64 output columns (8 column
-// words, a 32-byte strip of every weight row), all of K in the block.
+// awq_strip.cu -- AWQ W4A16 at M = 1 without a split-K pass: one block (CL = 1), or one cluster
+// of CL blocks (Hopper), per 64 output columns (8 column words, a 32-byte strip of every weight
+// row), all of K in the block or cluster.
 //
 //   y[n] = fp16( sum_g  s[g, n] * sum_{k in g} (q[k, n] - z[g, n]) * x[k] )
 //
@@ -32,33 +33,90 @@
 //   start instead, unconditionally, ran 1-3 % slower, and reloading each slot after its step's
 //   MMAs, which removes the copies, 0.4-2.6 % slower: bench/NOTES.md session 48, sections 7, 8.)
 // * The warps meet in shared memory in fixed order; one launch, no workspace, graph-replayable.
+// * Clusters (CL > 1, sm_90's thread-block clusters): with few strips (N <= 4096: 64 blocks or
+//   fewer) half the SMs or more sit idle and each warp walks many groups. CL blocks of a cluster
+//   share one strip, each warp a 1 / (CL * WARPS) run of its groups, and every warp stores its 8
+//   column sums straight into block 0's shared memory (mapa + st.shared::cluster, distributed
+//   shared memory); one cluster barrier (release / acquire) later block 0 sums them in fixed
+//   order. The split costs no workspace, no fence / ticket and no second launch. Each block
+//   arrives on the cluster barrier at its start and waits on it before its remote stores, so no
+//   block writes into block 0 before block 0 runs (the CUDA guide's rule for distributed shared
+//   memory) at no cost: by then every block has long started. Measured (H100, PDL, us; the
+//   dispatch before -> <4, 8, 8>, bench/NOTES.md session 49): 4096->1024 5.31 -> 4.26, 4096->4096
+//   (strip) 7.76 -> 7.18, 2048->2048 5.16 -> 4.26, 1024->1024 5.11 -> 3.47, 8192->2048 9.16 -> 7.61;
+//   it loses past ~8192 x 4096 (12288->4096 15.2 vs 14.5) and with more strips (4096->6144 10.7
+//   vs 9.5), where one block a strip or a split-K pass keeps the SMs busy already.
 // * Tails: K is a multiple of the group size. Lanes whose column word lies past N/8 (the last
 //   block when N/8 % 8 != 0) read the last word instead and store nothing. A warp without groups
 //   (K / G < WARPS) adds zeros.
 //
 // Measured on the H100 under PDL (bench/NOTES.md session 48; awq.py's STRIP_* comment has the
-// sweep), us, against awq_small: 4096->4096 7.58 vs 8.69, 4096->6144 9.40 vs 10.08, 5120->5120
-// 11.20 vs 13.91; the runner's AWQ decode 358 -> 365 tok/s with Qwen3-8B's qkv and o_proj on it.
-// With few blocks (4096->2048), many steps a warp (12288->4096: 96 k-steps, 18.2 vs 14.7) or a
-// second wave of blocks (4096->12288) it loses: dispatch (awq.STRIP_*) takes it only where it won.
+// sweep), CL = 1, us, against awq_small: 4096->4096 7.58 vs 8.69, 4096->6144 9.40 vs 10.08,
+// 5120->5120 11.20 vs 13.91; the runner's AWQ decode 358 -> 365 tok/s with Qwen3-8B's qkv and
+// o_proj on it. With few blocks (4096->2048), many steps a warp (12288->4096: 96 k-steps, 18.2 vs
+// 14.7) or a second wave of blocks (4096->12288) it loses: dispatch (awq.STRIP_* and CLUSTER_*)
+// takes each form only where it won.
 #include "awq_common.cuh"
 
-// grid (ceil(N/8 / 8)); block 32*WARPS threads; D | G / 8
-template <int WARPS, int D>
-__global__ void __launch_bounds__(32 * WARPS)
+// Thread-block clusters (the header's "Clusters") are sm_90's: older GPUs compile the attribute
+// away, and CL > 1 is never launched there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define QZ_CLUSTER_X(n)
+#else
+#define QZ_CLUSTER_X(n) __cluster_dims__(n, 1, 1)
+#endif
+
+namespace strip {
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_sync() {   // release my writes, acquire the others'
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// v[0..7] into block 0's copy of the shared array at `local` (16-byte aligned)
+__device__ __forceinline__ void store8_block0(float* local, const float* v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned a = (unsigned)__cvta_generic_to_shared(local), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(r) : "r"(a));
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(r), "f"(v[0]), "f"(v[1]), "f"(v[2]),
+               "f"(v[3]) : "memory");
+  asm volatile("st.shared::cluster.v4.f32 [%0+16], {%1, %2, %3, %4};" ::"r"(r), "f"(v[4]), "f"(v[5]),
+               "f"(v[6]), "f"(v[7]) : "memory");
+#else
+  __trap();   // CL > 1 is never launched before sm_90
+#endif
+}
+}  // namespace strip
+
+// grid (CL * ceil(N/8 / 8)); block 32*WARPS threads; D | G / 8; clusters of CL blocks along x
+template <int WARPS, int D, int CL = 1>
+__global__ void __launch_bounds__(32 * WARPS) QZ_CLUSTER_X(CL)
 awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
                  const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
                  half* __restrict__ y, int K, int N, int G) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
-  __shared__ __align__(16) float red[WARPS][64];
+  if (CL > 1) strip::cluster_arrive_relaxed();   // "I have started": waited for before block 0 is written
+  __shared__ __align__(16) float red[CL * WARPS][64];
   const int n8 = N / 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int cw = min(blockIdx.x * 8 + g, n8 - 1);
+  const int rank = CL > 1 ? (int)(blockIdx.x % CL) : 0;   // == %cluster_ctarank for a 1-D grid
+  const int sb = CL > 1 ? (int)(blockIdx.x / CL) : (int)blockIdx.x;
+  const int cw = min(sb * 8 + g, n8 - 1);
   const int spg = G / 8;   // k-steps per group, a multiple of D
   const int ngroups = K / G;
-  const int g0 = (int)((long long)ngroups * warp / WARPS);
-  const int g1 = (int)((long long)ngroups * (warp + 1) / WARPS);
+  const int gw = rank * WARPS + warp;   // the warp's place among the cluster's CL * WARPS
+  const int g0 = (int)((long long)ngroups * gw / (CL * WARPS));
+  const int g1 = (int)((long long)ngroups * (gw + 1) / (CL * WARPS));
   // B fragment selectors (awq_gemv.cu): x[r0], x[r1] onto this lane's own output columns
   const unsigned sel0 = g == 2 * t ? 0x4410u : g == 2 * t + 1 ? 0x1044u : 0x4444u;
   const unsigned sel1 = g == 2 * t ? 0x4432u : g == 2 * t + 1 ? 0x3244u : 0x4444u;
@@ -122,13 +180,20 @@ awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
   // units off, the four lanes t of a column word meet, then the warps in fixed order
   float v[8];
   awq::gemv_column_sums(acc, v);
-  if (t == 0) {
+  if (CL > 1) {
+    strip::cluster_wait();   // every block of the cluster has started: block 0's array exists
+    if (t == 0) strip::store8_block0(&red[gw][8 * g], v);
+    strip::cluster_sync();
+    if (rank != 0) return;
+  } else {
+    if (t == 0) {
 #pragma unroll
-    for (int c = 0; c < 8; ++c) red[warp][8 * g + c] = v[c];
+      for (int c = 0; c < 8; ++c) red[warp][8 * g + c] = v[c];
+    }
+    __syncthreads();
   }
-  __syncthreads();
   if (threadIdx.x < 8) {
-    const int cwo = blockIdx.x * 8 + threadIdx.x;
+    const int cwo = sb * 8 + threadIdx.x;
     if (cwo < n8) {
       float o[8];
       awq::gemv_sum_warps(o, red, 8 * threadIdx.x);

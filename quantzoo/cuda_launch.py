@@ -162,6 +162,14 @@ def wgmma_available(device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+@lru_cache(maxsize=None)
+def clusters_available(device) -> bool:
+    """Thread-block clusters and distributed shared memory: compute capability 9.0 and newer."""
+    import torch
+
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 _SMEM_MAX: dict = {}   # kernel's function handle -> the dynamic shared memory it may take so far
 _SMEM_LOCK = threading.Lock()
 

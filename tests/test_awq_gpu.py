@@ -108,7 +108,7 @@ def emulate_small_gpu(x16, qt):
 def effective_path(label, m, qt):
     """The path a check label names ("small", "graph mma", "slabs", ...), else dispatch's pick."""
     for tok in str(label).split():
-        if tok in ("gemv", "strip", "mma", "dequant+cublas", "small", "wgmma"):
+        if tok in ("gemv", "strip", "strip-cluster", "mma", "dequant+cublas", "small", "wgmma"):
             return tok
         if tok == "slabs":
             return "dequant+cublas"
@@ -122,7 +122,7 @@ def check(y, x16, qt, w16, path=""):
     m, k = x16.shape
     assert y.shape == (m, qt.shape[0]) and y.dtype == torch.float16
     assert not torch.isnan(y).any(), f"{path}: NaN left in the output (unwritten or NaN math) {seed_note()}"
-    small = effective_path(path, m, qt) in ("small", "gemv", "strip")   # the group-scaled kernels
+    small = effective_path(path, m, qt) in ("small", "gemv", "strip", "strip-cluster")   # the group-scaled kernels
     if m * k * qt.shape[0] <= 2e8:
         emul = awq_fp16.emulate_group_scaled if small else qt.fmt.emulate
         ref, bound = emul(x16.astype(np.float32), qt, return_bound=True)
@@ -160,11 +160,12 @@ def run(x16, qt_cuda, path=None):
 
 def paths_for(m, n):
     """Every path that takes M rows of an N-column weight on this GPU (wgmma: Hopper only, N % 32
-    == 0; test_wgmma_refuses_n_not_multiple_of_32 covers the rest)."""
+    == 0; test_wgmma_refuses_n_not_multiple_of_32 covers the rest; strip-cluster: clusters only)."""
     awq = awq_mod()
-    hopper = (["wgmma"] if awq.wgmma_available(torch.device("cuda")) and n % awq.WGMMA_N_MULTIPLE == 0
-              else [])
-    return (["gemv", "strip"] if m == 1 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
+    dev = torch.device("cuda")
+    hopper = ["wgmma"] if awq.wgmma_available(dev) and n % awq.WGMMA_N_MULTIPLE == 0 else []
+    m1 = ["gemv", "strip"] + (["strip-cluster"] if awq.clusters_available(dev) else [])
+    return (m1 if m == 1 else []) + (["small"] if m <= 16 else []) + ["mma", "dequant+cublas"] + hopper
 
 
 NMSE_MIN_OUTPUTS = 8192   # outputs a sample needs before its NMSE is held to the format's ceiling
@@ -300,14 +301,18 @@ def test_group_sizes(g, m):
     check_paths_and_nmse(rand_x(rng, m, k), w, qt, qtc, w16, f" g{g}")
 
 
+@pytest.mark.parametrize("path", ["strip", "strip-cluster"])
 @pytest.mark.parametrize("g", [32, 64, 128])
-def test_strip_tails_store_nothing_past_y(g):
-    """The strip kernel (M = 1, one block per 8 column words, warps owning whole groups): N / 8
-    % 8 of 1, 4, 7 and 0 (the last block's lanes past N / 8 clamp and must not store) and K / G
-    groups that 16 warps share unevenly (g128 reaches two rounds per group only here), each
-    against the group-scaled emulation, with y the front of a sentinel-filled buffer that must
-    keep its sentinel past N."""
+def test_strip_tails_store_nothing_past_y(g, path):
+    """The strip kernel (M = 1, one block -- or a cluster of 8 -- per 8 column words, warps owning
+    whole groups): N / 8 % 8 of 1, 4, 7 and 0 (the last block's lanes past N / 8 clamp and must
+    not store) and K / G groups that 16 warps (32 in a cluster) share unevenly, one group among
+    32 warps included (g128 reaches two rounds per group only here), each against the
+    group-scaled emulation, with y the front of a sentinel-filled buffer that must keep its
+    sentinel past N."""
     awq = awq_mod()
+    if path == "strip-cluster" and not awq.clusters_available(torch.device("cuda")):
+        pytest.skip("thread-block clusters need compute capability 9.0")
     rng = case_rng()
     for n8, groups in ((9, 9), (12, 18), (15, 17), (8, 1), (31, 40)):
         n, k = 8 * n8, g * groups
@@ -315,11 +320,11 @@ def test_strip_tails_store_nothing_past_y(g):
         x16 = rand_x(rng, 1, k)
         buf = torch.full((n + 64,), 7.0, dtype=torch.float16, device="cuda")
         buf[:n] = float("nan")
-        awq.matmul(torch.from_numpy(x16).cuda(), qtc, out=buf[:n].view(1, n), path="strip")
+        awq.matmul(torch.from_numpy(x16).cuda(), qtc, out=buf[:n].view(1, n), path=path)
         torch.cuda.synchronize()
-        check(buf[:n].view(1, n), x16, qt, w16, f"strip {k}->{n} g{g}")
+        check(buf[:n].view(1, n), x16, qt, w16, f"{path} {k}->{n} g{g}")
         assert torch.equal(buf[n:], torch.full((64,), 7.0, dtype=torch.float16, device="cuda")), \
-            f"strip {k}->{n} g{g}: a store past y {seed_note()}"
+            f"{path} {k}->{n} g{g}: a store past y {seed_note()}"
 
 
 def test_emulate_gpu_matches_numpy():
@@ -378,8 +383,9 @@ def test_bad_inputs_raise_before_launch():
         awq.matmul(x, qtc, out=torch.empty(4, 8, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="path"):
         awq.matmul(x[:1].contiguous().repeat(9, 1), qtc, path="gemv")
-    with pytest.raises(ValueError, match="path: 'strip' takes M = 1, got M=2"):
-        awq.matmul(x[:1].contiguous().repeat(2, 1), qtc, path="strip")
+    for p in ("strip", "strip-cluster"):
+        with pytest.raises(ValueError, match=f"path: '{p}' takes M = 1, got M=2"):
+            awq.matmul(x[:1].contiguous().repeat(2, 1), qtc, path=p)
     with pytest.raises(ValueError, match="path: 'small'"):
         awq.matmul(x[:1].contiguous().repeat(17, 1), qtc, path="small")
     # the weight's checks are remembered per QuantizedTensor (kernels.checked_once), but a storage
@@ -570,7 +576,7 @@ def test_choose_path_names():
     awq = awq_mod()
     _, _, qtc, _ = weight(4096, 1024, 128)
     for m in MS:
-        assert awq.choose_path(m, qtc) in ("gemv", "strip", "small", "mma", "dequant+cublas", "wgmma")
+        assert awq.choose_path(m, qtc) in ("gemv", "strip", "strip-cluster", "small", "mma", "dequant+cublas", "wgmma")
 
 
 # ---- glu=True: silu(x @ gate) * (x @ up), fused into the wgmma epilogue -----------------------------
@@ -652,8 +658,9 @@ def test_wgmma_glu_epilogue(k, n, g):
 
 
 def test_glu_other_paths_plans_and_graph():
-    """matmul(glu=True) off the fused epilogue (M = 1: small, 80: mma, 130: dequant + cuBLAS,
-    whose torch step writes the workspace; asserted) runs the product into a workspace, then
+    """matmul(glu=True) off the fused epilogue (M = 1: strip-cluster, or small on a GPU without
+    clusters, 2: small, 80: mma, 130: dequant + cuBLAS, whose torch step writes the workspace;
+    asserted) runs the product into a workspace, then
     silu_mul: bit-equal to silu_mul of matmul; the default dispatch replays its recorded launches
     (the second call) and is graph-capturable; N not in whole [gate | up] words is a ValueError."""
     from quantzoo.kernels import layer_ops
@@ -662,7 +669,8 @@ def test_glu_other_paths_plans_and_graph():
     rng = case_rng()
     k, n = 4096, 1024
     _, _, qtc, _ = weight(k, n, 128)
-    for m, path in ((1, "small"), (80, "mma"), (130, "dequant+cublas")):
+    m1 = "strip-cluster" if awq.clusters_available(torch.device("cuda")) else "small"
+    for m, path in ((1, m1), (2, "small"), (80, "mma"), (130, "dequant+cublas")):
         assert awq.choose_path(m, qtc) == path, f"M={m}: dispatch moved, pick an M that takes {path}"
         x = torch.from_numpy(rand_x(rng, m, k)).cuda()
         want = layer_ops.silu_mul(awq.matmul(x, qtc))

@@ -114,8 +114,10 @@ def test_choose_path_and_sources():
     assert names <= {"gemv", "strip", "small", "mma", "dequant+cublas"}
     assert awq.choose_path(1) == "strip" and awq.choose_path(2) == "small"   # 4096 x 4096
     strip = set(awq.SOURCES["awq_strip.cu"])
-    for g in (32, 64, 128):   # an instance whose ring depth divides the group's k-steps
+    for g in (32, 64, 128):   # an instance whose ring depth divides the group's k-steps, each form
         assert any((g // 8) % d == 0 and f"awq_strip_kernel<{awq.STRIP_WARPS}, {d}>" in strip for d in awq.STRIP_D)
+        assert any((g // 8) % d == 0 and f"awq_strip_kernel<{awq.CLUSTER_WARPS}, {d}, {awq.CLUSTER_SIZE}>" in strip
+                   for d in awq.STRIP_D)
     small = set(awq.SOURCES["awq_small.cu"])
     for m in range(1, awq.SMALL_MAX_M + 1):
         cfg = awq.small_config(m, 4096)
@@ -178,6 +180,30 @@ def test_strip_dispatch_thresholds():
     assert awq.choose_path(1, shape(24576, 4096)) == "gemv"
 
 
+def test_strip_cluster_dispatch_thresholds(monkeypatch):
+    """On a device with thread-block clusters, M = 1 takes strip-cluster on the weights it won on
+    (1024 <= K, 512 <= N <= 4096, N * K <= 8192 x 4096, not N = 4096 with K < 4096): Qwen3-8B's
+    o_proj and k / v, the small Qwen3 models' o_proj and down; the strip rule keeps 1024 -> 4096,
+    2048 -> 4096 and N past 4096 (the fused qkv), awq_small 12288 -> 4096 (down). Without clusters,
+    or with no device, nothing changes; M = 2 stays on awq_small."""
+    shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(awq, "clusters_available", lambda dev: True)
+    monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
+    won = ((4096, 4096), (1024, 4096), (2048, 4096), (1024, 1024), (2048, 1024), (1024, 2048), (512, 4096),
+           (3072, 4096), (3072, 3072), (4096, 6144), (4096, 8192), (1024, 8192), (2048, 8192), (1024, 12288),
+           (2048, 12288), (1024, 3072), (2048, 6144))
+    for n, k in won:
+        assert awq.choose_path(1, shape(n, k), cuda) == "strip-cluster", (n, k)
+        assert awq.choose_path(1, shape(n, k)) != "strip-cluster" and awq.choose_path(2, shape(n, k), cuda) == "small"
+    for n, k in ((4096, 1024), (4096, 2048), (6144, 4096), (5120, 5120), (8192, 4096)):
+        assert awq.choose_path(1, shape(n, k), cuda) == "strip", (n, k)
+    for n, k in ((4096, 12288), (256, 4096), (1024, 512), (4096, 16384)):
+        assert awq.choose_path(1, shape(n, k), cuda) == "small", (n, k)
+    monkeypatch.setattr(awq, "clusters_available", lambda dev: False)
+    assert awq.choose_path(1, shape(4096, 4096), cuda) == "strip" and awq.choose_path(1, shape(1024, 1024), cuda) == "small"
+
+
 def test_strip_launch_dry_run(monkeypatch):
     """What _strip launches (meta tensors; launches recorded): for every group size, a compiled
     awq_strip_kernel<STRIP_WARPS, D> whose ring depth D divides the group's G / 8 k-steps (the
@@ -186,33 +212,46 @@ def test_strip_launch_dry_run(monkeypatch):
     32 * STRIP_WARPS-thread block per 8 column words, the last one's lanes clamped where N / 8 %
     8 != 0; K, N, G as int32. K = 2^31 - G, refused by name on the split-K paths
     (test_split_k_rows_past_2_31_dry_run), is taken: no split, so no split end to overflow, and
-    every offset in the kernel is formed in 64 bits. M = 2 is refused before any launch."""
+    every offset in the kernel is formed in 64 bits. M = 2 is refused before any launch. The
+    cluster form (path 'strip-cluster'): awq_strip_kernel<CLUSTER_WARPS, D, CLUSTER_SIZE>,
+    CLUSTER_SIZE blocks per 8 column words (the kernel's __cluster_dims__ groups them), and
+    refused by name, before any launch, on a device without clusters."""
     calls = []
     monkeypatch.setattr(awq, "_kernel", lambda src, name: (src, name))
     monkeypatch.setattr(awq, "_launch", lambda kern, grid, block, args, smem=0: calls.append((kern, grid, block, args)))
+    monkeypatch.setattr(awq, "clusters_available", lambda dev: True)
     meta = dict(device="meta")
-    for g in (32, 64, 128):
-        for k, n in ((g, 8), (9 * g, 72), (18 * g, 8 * 43), (4096, 4096), (2**31 - g, 32)):
-            qw = torch.empty((k, n // 8), dtype=torch.int32, **meta)
-            sc = torch.empty((k // g, n), dtype=torch.float16, **meta)
-            qz = torch.empty((k // g, n // 8), dtype=torch.int32, **meta)
+    forms = (("strip", awq.STRIP_WARPS, 1), ("strip-cluster", awq.CLUSTER_WARPS, awq.CLUSTER_SIZE))
+    for path, warps_want, cl in forms:
+        for g in (32, 64, 128):
+            for k, n in ((g, 8), (9 * g, 72), (18 * g, 8 * 43), (4096, 4096), (2**31 - g, 32)):
+                qw = torch.empty((k, n // 8), dtype=torch.int32, **meta)
+                sc = torch.empty((k // g, n), dtype=torch.float16, **meta)
+                qz = torch.empty((k // g, n // 8), dtype=torch.int32, **meta)
+                calls.clear()
+                y = awq._gemm(torch.empty((1, k), dtype=torch.float16, **meta), qw, sc, qz, k, n, g, None, path)
+                assert y.shape == (1, n) and len(calls) == 1, (g, k, n, calls)
+                (src, name), grid, block, args = calls[0]
+                assert src == "awq_strip.cu" and name in awq.SOURCES[src], name
+                warps, d, cl_got = re.fullmatch(r"awq_strip_kernel<(\d+), (\d+)(?:, (\d+))?>", name).groups()
+                assert int(warps) == warps_want and int(d) in awq.STRIP_D and int(cl_got or 1) == cl, (path, name)
+                assert (g // 8) % int(d) == 0 and int(d) == (8 if g >= 64 else 4), (g, name)
+                assert grid == (cl * -(-n // 64),) and block == (32 * warps_want,), (n, grid, block)
+                assert [type(a) for a in args[5:]] == [np.int32] * 3 and [int(a) for a in args[5:]] == [k, n, g]
             calls.clear()
-            y = awq._gemm(torch.empty((1, k), dtype=torch.float16, **meta), qw, sc, qz, k, n, g, None, "strip")
-            assert y.shape == (1, n) and len(calls) == 1, (g, k, n, calls)
-            (src, name), grid, block, args = calls[0]
-            assert src == "awq_strip.cu" and name in awq.SOURCES[src], name
-            warps, d = map(int, re.fullmatch(r"awq_strip_kernel<(\d+), (\d+)>", name).groups())
-            assert warps == awq.STRIP_WARPS and d in awq.STRIP_D
-            assert (g // 8) % d == 0 and d == (8 if g >= 64 else 4), (g, name)
-            assert grid == (-(-n // 64),) and block == (32 * awq.STRIP_WARPS,), (n, grid, block)
-            assert [type(a) for a in args[5:]] == [np.int32] * 3 and [int(a) for a in args[5:]] == [k, n, g]
-        calls.clear()
-        with pytest.raises(ValueError, match="path: 'strip' takes M = 1, got M=2"):
-            awq._gemm(torch.empty((2, 4096), dtype=torch.float16, **meta),
-                      torch.empty((4096, 512), dtype=torch.int32, **meta),
-                      torch.empty((4096 // g, 4096), dtype=torch.float16, **meta),
-                      torch.empty((4096 // g, 512), dtype=torch.int32, **meta), 4096, 4096, g, None, "strip")
-        assert not calls
+            with pytest.raises(ValueError, match=f"path: '{path}' takes M = 1, got M=2"):
+                awq._gemm(torch.empty((2, 4096), dtype=torch.float16, **meta),
+                          torch.empty((4096, 512), dtype=torch.int32, **meta),
+                          torch.empty((4096 // g, 4096), dtype=torch.float16, **meta),
+                          torch.empty((4096 // g, 512), dtype=torch.int32, **meta), 4096, 4096, g, None, path)
+            assert not calls
+    monkeypatch.setattr(awq, "clusters_available", lambda dev: False)
+    with pytest.raises(ValueError, match=r"^path: 'strip-cluster' needs thread-block clusters \(compute capability "
+                                         r"9\.0 or newer\), which meta lacks$"):
+        awq._gemm(torch.empty((1, 4096), dtype=torch.float16, **meta), torch.empty((4096, 512), dtype=torch.int32, **meta),
+                  torch.empty((32, 4096), dtype=torch.float16, **meta), torch.empty((32, 512), dtype=torch.int32, **meta),
+                  4096, 4096, 128, None, "strip-cluster")
+    assert not calls
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
@@ -262,10 +301,15 @@ def test_gpu_tier_reaches_its_kernels(monkeypatch):
     assert awq.choose_path(20, shape(2048, 1024), cuda) == "mma" == awq.choose_path(20, shape(2048, 1024))
     assert awq.choose_path(20, shape(8704, 2048), cuda) == "wgmma"
     assert awq.wgmma_config(20, 8704, 2048, 132) == (2, 32, 12) and (2, 32, 12) in awq.WGMMA_GLU_CFGS
+    monkeypatch.setattr(awq, "clusters_available", lambda dev: False)
     for d, f in ((1024, 8192), (4096, 12288)):
         assert awq.choose_path(1, shape(2 * f, d), cuda) == "gemv" == awq.choose_path(1, shape(2 * f, d))
         assert awq.choose_path(1, shape(d, f), cuda) == "small"
-    assert awq.choose_path(1, shape(1024, 1024), cuda) == "small"   # test_pdl_gpu's square chain
+    monkeypatch.setattr(awq, "clusters_available", lambda dev: True)
+    assert awq.choose_path(1, shape(1024, 1024), cuda) == "strip-cluster"   # test_pdl_gpu's square chain
+    assert awq.choose_path(1, shape(1024, 8192), cuda) == "strip-cluster"   # ... and its D = 1024 MLP's down
+    assert awq.choose_path(1, shape(4096, 4096), cuda) == "strip-cluster"   # its strip chains
+    assert awq.choose_path(1, shape(5120, 5120), cuda) == "strip"
     assert awq.gemv_config(24576, 4096) == ((4, 4, 4), 4)
 
 
@@ -454,7 +498,7 @@ def test_split_k_rows_past_2_31_dry_run(monkeypatch):
             if k == 2**31 - 32 and path != "dequant+cublas":
                 with pytest.raises(ValueError, match=rf"^qweight: K={k} rows in \d+ splits of \d+ end at row \d+, "
                                                      r"past the kernels' 32-bit rows \(path='dequant\+cublas' "
-                                                     r"splits no K, nor path='strip' at M = 1\)$"):
+                                                     r"splits no K, nor 'strip' or 'strip-cluster' at M = 1\)$"):
                     awq._gemm(x, qw, sc, qz, k, n, g, None, path)
                 assert not calls, path
                 continue

@@ -77,17 +77,19 @@ def test_pdl_graph_equals_plain_launches(fmt, M, rng):
     _pdl_equals_plain(lambda: _chain(h0, h, ws, norm_w, 6), h, f"{fmt} M={M} (seed {seed})")
 
 
-def test_pdl_awq_strip_chain(rng):
-    """The AWQ strip kernel (cuda/awq_strip.cu) in a PDL chain: the square chain above (D = 1024)
-    never reaches it; at D = 4096, M = 1 dispatch sends both weights to it (choose_path from the
-    shapes alone), as the runner's decode sends Qwen3-8B's o_proj."""
+@pytest.mark.parametrize("D", [4096, 5120])
+def test_pdl_awq_strip_chain(D, rng):
+    """The AWQ strip kernel (cuda/awq_strip.cu) in a PDL chain, as the runner's decode sends
+    Qwen3-8B's o_proj: at D = 4096 and 5120, M = 1 dispatch sends both weights to its one-block
+    form (choose_path from the shapes alone); on the weights' device, D = 4096 takes its cluster
+    form where the GPU has thread-block clusters (the square chain above, D = 1024, does too)."""
     from quantzoo.kernels import awq
 
     seed = int(rng.integers(2**31))
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    D = 4096
     ws = [random_weight("awq", D, D, "cuda", gen, std=0.01) for _ in range(2)]
-    assert awq.choose_path(1, awq._Shape(D, D)) == "strip" == awq.choose_path(1, ws[0])
+    on_device = "strip-cluster" if D == 4096 and awq.clusters_available(torch.device("cuda")) else "strip"
+    assert awq.choose_path(1, awq._Shape(D, D)) == "strip" and awq.choose_path(1, ws[0]) == on_device
     h0 = torch.randn(1, D, device="cuda", generator=gen).half()
     norm_w = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).half()
     h = torch.empty_like(h0)
@@ -110,10 +112,11 @@ def _mlp_chain(h0, h, gate_up, down, norm_w, steps):
 @pytest.mark.parametrize("D,F", [(1024, 8192), (4096, 12288)], ids=str)
 def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
     """The AWQ GEMV (cuda/awq_gemv.cu) in a PDL chain. The square chain above never reaches it:
-    M = 1 takes the GEMV only where N >= GEMV_MIN_N (16384), and D = 1024 takes awq_small. Here
-    the runner's decode MLP at M = 1: gate/up has 2F >= 16384 columns, so dispatch sends it to the
-    GEMV (into the GLU workspace, then silu_mul), and down to awq_small; both asserted from the
-    shapes alone (choose_path, no device needed at M = 1), and the GEMV seen called. (1024, 8192):
+    M = 1 takes the GEMV only where N >= GEMV_MIN_N (16384). Here the runner's decode MLP at
+    M = 1: gate/up has 2F >= 16384 columns, so dispatch sends it to the GEMV (into the GLU
+    workspace, then silu_mul), and down to awq_small; both asserted from the shapes alone
+    (choose_path, no device needed at M = 1), and the GEMV seen called. On a GPU with
+    thread-block clusters D = 1024's down runs strip-cluster instead. (1024, 8192):
     the default (2, 8, 4) GEMV with gemv_plan's K splits; (4096, 12288), Qwen3-8B's: the tuned
     (4, 4, 4) with 4 splits (GEMV_TUNED), the runner's own decode launch."""
     from quantzoo.kernels import awq
@@ -123,7 +126,9 @@ def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
     gate_up = random_weight("awq", 2 * F, D, "cuda", gen, std=0.01)
     down = random_weight("awq", D, F, "cuda", gen, std=0.01)
     assert awq.choose_path(1, awq._Shape(2 * F, D)) == "gemv" == awq.choose_path(1, gate_up)
-    assert awq.choose_path(1, awq._Shape(D, F)) == "small" == awq.choose_path(1, down)
+    assert awq.choose_path(1, awq._Shape(D, F)) == "small"
+    assert awq.choose_path(1, down) == ("strip-cluster" if D == 1024 and awq.clusters_available(torch.device("cuda"))
+                                        else "small")
     gemv_calls = []
     real_gemv = awq._PATHS["gemv"]
 

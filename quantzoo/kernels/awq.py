@@ -12,6 +12,11 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          columns and all of K (no split K, a lean loop); chosen
                                          for STRIP_MIN_K <= K <= STRIP_MAX_K and STRIP_MIN_N <= N
                                          <= STRIP_MAX_N
+    "strip-cluster"   cuda/awq_strip.cu  M = 1, Hopper: the same, each strip's K split over a
+                                         thread-block cluster of CLUSTER_SIZE blocks that sum in
+                                         block 0's shared memory; chosen for CLUSTER_MIN_K <= K,
+                                         CLUSTER_MIN_N <= N <= CLUSTER_MAX_N and N * K <=
+                                         CLUSTER_MAX_NK, but not N = 4096 with K < 4096
     "small"           cuda/awq_small.cu  M <= 16: weights as the MMA's A operand, streamed through
                                          a per-warp shared-memory ring, scale applied per group to
                                          fp32 partials (no fp16 weight); chosen for M <= 8, and
@@ -47,7 +52,7 @@ from quantzoo.cuda_launch import resident_blocks as _blocks_per_sm
 from quantzoo.cuda_launch import set_max_dynamic_smem as _set_smem
 from quantzoo.cuda_launch import sm_count as _sm_count
 from quantzoo.cuda_launch import MAX_GRID_YZ, launch_tma, on_tensor_device, tensor_map_2d, tensor_map_halves, torch_step
-from quantzoo.cuda_launch import wgmma_available
+from quantzoo.cuda_launch import clusters_available, wgmma_available
 from quantzoo.kernels import check_out_overlap, checked_once, negated, run_planned, run_unplanned, wgmma_tiles, workspaces
 from quantzoo.formats.awq import GROUP_SIZES
 
@@ -67,7 +72,11 @@ SOURCES = {
 # in flight; D must divide the group's G / 8 steps, so group size 32 takes the D = 4 instance
 STRIP_WARPS = 16
 STRIP_D = (8, 4)
-SOURCES["awq_strip.cu"] = tuple(f"awq_strip_kernel<{STRIP_WARPS}, {d}>" for d in STRIP_D)
+# ... and its cluster form (Hopper): CLUSTER_SIZE blocks of CLUSTER_WARPS warps share a strip
+CLUSTER_WARPS = 4
+CLUSTER_SIZE = 8
+SOURCES["awq_strip.cu"] = (tuple(f"awq_strip_kernel<{STRIP_WARPS}, {d}>" for d in STRIP_D)
+                           + tuple(f"awq_strip_kernel<{CLUSTER_WARPS}, {d}, {CLUSTER_SIZE}>" for d in STRIP_D))
 # small-M kernel (cuda/awq_small.cu): (MB, NW, WARPS, CW, MODE, D) = batch tiles of 8 rows,
 # column words per thread, warps per block, warps side by side along N, 0 subnormal nibbles +
 # sum(x) zero fix-up / 1 exact q - z via the magic number, stages of each warp's cp.async ring
@@ -153,6 +162,21 @@ STRIP_MIN_K = 1024
 STRIP_MAX_K = 5120
 STRIP_MIN_N = 3072
 STRIP_MAX_N = 8192
+# M = 1 on Hopper, CLUSTER_MIN_K <= K, CLUSTER_MIN_N <= N <= CLUSTER_MAX_N, N * K <= CLUSTER_MAX_NK,
+# not N = 4096 with K < 4096: strip-cluster (<4, D, 8>: 8 blocks of 4 warps a strip). H100, us under
+# PDL, rotated weights (bench/NOTES.md session 49), dispatch before -> it, K->N: 1024->1024 5.11 ->
+# 3.47 (small), 1024->2048 5.16 -> 3.79, 2048->1024 5.03 -> 3.65, 2048->2048 5.16 -> 4.26, 4096->512
+# 5.25 -> 3.65, 4096->1024 5.31 -> 4.26, 4096->2048 5.99 -> 5.21, 3072->3072 7.12 -> 5.91 (strip),
+# 4096->3072 7.29 -> 6.43, 4096->4096 7.76 -> 7.18, 6144->4096 10.56 -> 9.45 (small), 8192->1024 6.57 ->
+# 6.22, 8192->2048 9.16 -> 7.61, 8192->4096 12.27 -> 11.24, 12288->1024 8.92 -> 8.48, 12288->2048
+# 11.65 -> 10.85; it loses at 1024->4096 (strip 4.33 vs 4.48) and 2048->4096 (5.04 vs 5.25), where
+# 32 warps a strip share 8-16 groups, past 8192 x 4096 (12288->4096 small 14.52 vs 15.33) and
+# with more strips (4096->6144 strip 9.52 vs 10.71, 5120->5120 11.43 vs 13.75, 4096->8192 10.52
+# vs 12.70).
+CLUSTER_MIN_K = 1024
+CLUSTER_MIN_N = 512
+CLUSTER_MAX_N = 4096
+CLUSTER_MAX_NK = 8192 * 4096
 GEMV_DEFAULT = (2, 8, 4)
 GEMV_MIN_STEPS = 8      # gemv_plan: fewest k-steps (8 rows) per warp
 # (K, N) -> ((NW, WARPS, D), K splits). The runner's fused gate/up: (4, 4, 4) with 4 splits, picked
@@ -356,7 +380,7 @@ def _split_rows(k: int, splits: int, rows: int) -> np.int32:
     (awq::slice_steps) min(K, kb + rows) - kb wrapped back to rows, a walk past K's last row."""
     if splits * rows > 2**31 - 1:
         raise ValueError(f"qweight: K={k} rows in {splits} splits of {rows} end at row {splits * rows}, past the "
-                         "kernels' 32-bit rows (path='dequant+cublas' splits no K, nor path='strip' at M = 1)")
+                         "kernels' 32-bit rows (path='dequant+cublas' splits no K, nor 'strip' or 'strip-cluster' at M = 1)")
     return np.int32(rows)
 
 
@@ -375,6 +399,9 @@ def choose_path(m: int, qt=None, dev=None) -> str:
         return "wgmma"
     if m == 1 and n >= GEMV_MIN_N:
         return "gemv"
+    if (m == 1 and CLUSTER_MIN_K <= k and CLUSTER_MIN_N <= n <= CLUSTER_MAX_N and n * k <= CLUSTER_MAX_NK
+            and not (k < 4096 <= n) and dev is not None and dev.type == "cuda" and clusters_available(dev)):
+        return "strip-cluster"
     if m == 1 and STRIP_MIN_K <= k <= STRIP_MAX_K and STRIP_MIN_N <= n <= STRIP_MAX_N:
         return "strip"
     if m <= 8 or (m <= SMALL_MAX_M and n * k <= SMALL_MMA_NK):
@@ -449,14 +476,24 @@ def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
              ws.data_ptr(), ctr.data_ptr(), np.int32(k), np.int32(n), np.int32(g), rows))
 
 
-def _strip(x2, qweight, scales, qzeros, y, m, k, n, g):
+def _strip(x2, qweight, scales, qzeros, y, m, k, n, g, cluster=False):
+    """One block (or, with cluster, one thread-block cluster of CLUSTER_SIZE) per 8 column words."""
+    path = "strip-cluster" if cluster else "strip"
     if m != 1:
-        raise ValueError(f"path: 'strip' takes M = 1, got M={m}")
+        raise ValueError(f"path: '{path}' takes M = 1, got M={m}")
+    if cluster and not clusters_available(x2.device):
+        raise ValueError(f"path: 'strip-cluster' needs thread-block clusters (compute capability 9.0 or newer), "
+                         f"which {x2.device} lacks")
     d = next(d for d in STRIP_D if (g // 8) % d == 0)
-    kern = _kernel("awq_strip.cu", f"awq_strip_kernel<{STRIP_WARPS}, {d}>")
-    _launch(kern, (-(-(n // 8) // 8),), (32 * STRIP_WARPS,),
+    warps, cl = (CLUSTER_WARPS, CLUSTER_SIZE) if cluster else (STRIP_WARPS, 1)
+    kern = _kernel("awq_strip.cu", f"awq_strip_kernel<{warps}, {d}{f', {cl}' if cluster else ''}>")
+    _launch(kern, (cl * -(-(n // 8) // 8),), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              np.int32(k), np.int32(n), np.int32(g)))
+
+
+def _strip_cluster(*args):
+    _strip(*args, cluster=True)
 
 
 def mma_config(m: int, n: int) -> tuple[int, int, int]:
@@ -678,7 +715,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
                                            splits, 4, glu))
 
 
-_PATHS = {"gemv": _gemv, "strip": _strip, "mma": _mma, "dequant+cublas": _dequant_cublas,
+_PATHS = {"gemv": _gemv, "strip": _strip, "strip-cluster": _strip_cluster, "mma": _mma, "dequant+cublas": _dequant_cublas,
           "small": _small, "wgmma": _wgmma}
 
 
