@@ -95,14 +95,13 @@ __device__ __forceinline__ void store8_block0(float* local, const float* v) {
   __trap();   // CL > 1 is never launched before sm_90
 #endif
 }
-}  // namespace strip
 
-// grid (CL * ceil(N/8 / 8)); block 32*WARPS threads; D | G / 8; clusters of CL blocks along x
-template <int WARPS, int D, int CL = 1>
-__global__ void __launch_bounds__(32 * WARPS) QZ_CLUSTER_X(CL)
-awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
-                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
-                 half* __restrict__ y, int K, int N, int G) {
+// Both forms' body (the kernels below): grid (CL * ceil(N/8 / 8)); block 32*WARPS threads;
+// D | G / 8; clusters of CL blocks along x
+template <int WARPS, int D, int CL>
+__device__ __forceinline__ void body(const half* __restrict__ x, const unsigned* __restrict__ qweight,
+                                     const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
+                                     half* __restrict__ y, int K, int N, int G) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
   if (CL > 1) strip::cluster_arrive_relaxed();   // "I have started": waited for before block 0 is written
   __shared__ __align__(16) float red[CL * WARPS][64];
@@ -200,4 +199,26 @@ awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweigh
       awq::store8_half(y + 8 * cwo, o);
     }
   }
+}
+}  // namespace strip
+
+// The one-block form: a plain kernel. (One template with __cluster_dims__(CL, 1, 1) would make it
+// an explicit-cluster kernel of 1 x 1 x 1 blocks on sm_90 -- .explicitcluster /
+// .reqnctapercluster 1, 1, 1 in its PTX, a cluster launch -- so the two forms are overloads.)
+template <int WARPS, int D>
+__global__ void __launch_bounds__(32 * WARPS)
+awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
+                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
+                 half* __restrict__ y, int K, int N, int G) {
+  strip::body<WARPS, D, 1>(x, qweight, qzeros, scales, y, K, N, G);
+}
+
+// The cluster form (sm_90): CL > 1 blocks a strip, grouped by the kernel's own cluster dims
+template <int WARPS, int D, int CL>
+__global__ void __launch_bounds__(32 * WARPS) QZ_CLUSTER_X(CL)
+awq_strip_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
+                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
+                 half* __restrict__ y, int K, int N, int G) {
+  static_assert(CL > 1, "CL = 1 is the one-block form, awq_strip_kernel<WARPS, D>");
+  strip::body<WARPS, D, CL>(x, qweight, qzeros, scales, y, K, N, G);
 }

@@ -56,3 +56,35 @@ def test_nvcc_compiles(src, arch, tmp_path):
            "-Werror", "all-warnings", "-o", str(tmp_path / "out.cubin"), str(tu)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"{src} for {arch}:\n{r.stderr[-4000:]}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_strip_cluster_dims_only_on_cluster_form(tmp_path):
+    """awq_strip.cu for sm_90: the cluster form awq_strip_kernel<CLUSTER_WARPS, D, CLUSTER_SIZE>
+    carries its cluster dims (.explicitcluster, .reqnctapercluster CLUSTER_SIZE, 1, 1: the launch
+    passes none), and the one-block form awq_strip_kernel<STRIP_WARPS, D> none -- a
+    __cluster_dims__(1, 1, 1) would make dispatch's 'strip' path an explicit-cluster launch."""
+    import re
+
+    from quantzoo.kernels import awq
+
+    src = "awq_strip.cu"
+    refs = ",\n".join(f"  (const void*)&{e}" for e in sorted(SOURCES[src]))
+    tu = tmp_path / "tu.cu"
+    tu.write_text(f'#include "{source_dir() / src}"\n'
+                  f"__device__ const void* quantzoo_instances[] = {{\n{refs}\n}};\n")
+    ptx = tmp_path / "out.ptx"
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", f"-I{source_dir()}", "--ptx", "-o", str(ptx), str(tu)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    entries = {}
+    for m in re.finditer(r"\.entry (_Z16awq_strip_kernelI((?:Li\d+E)+)E\S*)\((.*?)\{", ptx.read_text(), re.S):
+        args = tuple(int(a) for a in re.findall(r"Li(\d+)E", m.group(2)))
+        head = m.group(3)
+        dims = re.search(r"\.reqnctapercluster\s+(\d+),\s*(\d+),\s*(\d+)", head)
+        entries[args] = (".explicitcluster" in head, tuple(map(int, dims.groups())) if dims else None)
+    want = {}
+    for e in SOURCES[src]:
+        args = tuple(int(a) for a in re.fullmatch(r"awq_strip_kernel<(\d+), (\d+)(?:, (\d+))?>", e).groups() if a)
+        want[args] = (True, (awq.CLUSTER_SIZE, 1, 1)) if len(args) == 3 else (False, None)
+    assert entries == want
