@@ -42,13 +42,13 @@
 //   arrives on the cluster barrier at its start and waits on it before its remote stores, so no
 //   block writes into block 0 before block 0 runs (the CUDA guide's rule for distributed shared
 //   memory) at no cost: by then every block has long started. Measured (H100, PDL, us; the
-//   dispatch before -> <4, 8, 8>, bench/NOTES.md session 49): 4096->1024 5.31 -> 4.26, 4096->4096
-//   (strip) 7.76 -> 7.18, 2048->2048 5.16 -> 4.26, 1024->1024 5.11 -> 3.47, 8192->2048 9.16 -> 7.61;
+//   dispatch before -> <4, 8, 8>, bench/NOTES.md session 49): 4096->1024 5.25 -> 4.25, 4096->4096
+//   (strip) 7.47 -> 7.05, 2048->2048 5.16 -> 4.26, 1024->1024 5.11 -> 3.47, 8192->2048 9.16 -> 7.61;
 //   it loses past ~8192 x 4096 (12288->4096 15.2 vs 14.5) and with more strips (4096->6144 10.7
 //   vs 9.5), where one block a strip or a split-K pass keeps the SMs busy already.
 // * Tails: K is a multiple of the group size. Lanes whose column word lies past N/8 (the last
 //   block when N/8 % 8 != 0) read the last word instead and store nothing. A warp without groups
-//   (K / G < WARPS) adds zeros.
+//   (K / G < CL * WARPS) adds zeros.
 //
 // Measured on the H100 under PDL (bench/NOTES.md session 48; awq.py's STRIP_* comment has the
 // sweep), CL = 1, us, against awq_small: 4096->4096 7.58 vs 8.69, 4096->6144 9.40 vs 10.08,

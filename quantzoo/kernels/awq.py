@@ -172,7 +172,9 @@ STRIP_MAX_N = 8192
 # 11.65 -> 10.85; it loses at 1024->4096 (strip 4.33 vs 4.48) and 2048->4096 (5.04 vs 5.25), where
 # 32 warps a strip share 8-16 groups, past 8192 x 4096 (12288->4096 small 14.52 vs 15.33) and
 # with more strips (4096->6144 strip 9.52 vs 10.71, 5120->5120 11.43 vs 13.75, 4096->8192 10.52
-# vs 12.70).
+# vs 12.70). (The strip figures here are its instance as an explicit 1 x 1 x 1 cluster, 2-3 %
+# slower than the plain kernel dispatch runs since: 4096->4096 strip 7.46 vs strip-cluster 7.04,
+# 4096->6144 strip 9.28, 2048->4096 4.81.)
 CLUSTER_MIN_K = 1024
 CLUSTER_MIN_N = 512
 CLUSTER_MAX_N = 4096
