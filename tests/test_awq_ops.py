@@ -201,7 +201,8 @@ def test_strip_cluster_dispatch_thresholds(monkeypatch):
     for n, k in ((4096, 12288), (256, 4096), (1024, 512), (4096, 16384)):
         assert awq.choose_path(1, shape(n, k), cuda) == "small", (n, k)
     monkeypatch.setattr(awq, "clusters_available", lambda dev: False)
-    assert awq.choose_path(1, shape(4096, 4096), cuda) == "strip" and awq.choose_path(1, shape(1024, 1024), cuda) == "small"
+    assert awq.choose_path(1, shape(4096, 4096), cuda) == "strip"
+    assert awq.choose_path(1, shape(1024, 1024), cuda) == "small"
 
 
 def test_strip_launch_dry_run(monkeypatch):
@@ -248,9 +249,10 @@ def test_strip_launch_dry_run(monkeypatch):
     monkeypatch.setattr(awq, "clusters_available", lambda dev: False)
     with pytest.raises(ValueError, match=r"^path: 'strip-cluster' needs thread-block clusters \(compute capability "
                                          r"9\.0 or newer\), which meta lacks$"):
-        awq._gemm(torch.empty((1, 4096), dtype=torch.float16, **meta), torch.empty((4096, 512), dtype=torch.int32, **meta),
-                  torch.empty((32, 4096), dtype=torch.float16, **meta), torch.empty((32, 512), dtype=torch.int32, **meta),
-                  4096, 4096, 128, None, "strip-cluster")
+        awq._gemm(torch.empty((1, 4096), dtype=torch.float16, **meta),
+                  torch.empty((4096, 512), dtype=torch.int32, **meta),
+                  torch.empty((32, 4096), dtype=torch.float16, **meta),
+                  torch.empty((32, 512), dtype=torch.int32, **meta), 4096, 4096, 128, None, "strip-cluster")
     assert not calls
 
 

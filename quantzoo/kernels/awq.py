@@ -382,7 +382,8 @@ def _split_rows(k: int, splits: int, rows: int) -> np.int32:
     (awq::slice_steps) min(K, kb + rows) - kb wrapped back to rows, a walk past K's last row."""
     if splits * rows > 2**31 - 1:
         raise ValueError(f"qweight: K={k} rows in {splits} splits of {rows} end at row {splits * rows}, past the "
-                         "kernels' 32-bit rows (path='dequant+cublas' splits no K, nor 'strip' or 'strip-cluster' at M = 1)")
+                         "kernels' 32-bit rows (path='dequant+cublas' splits no K, nor 'strip' or 'strip-cluster' "
+                         "at M = 1)")
     return np.int32(rows)
 
 
@@ -717,8 +718,8 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
                                            splits, 4, glu))
 
 
-_PATHS = {"gemv": _gemv, "strip": _strip, "strip-cluster": _strip_cluster, "mma": _mma, "dequant+cublas": _dequant_cublas,
-          "small": _small, "wgmma": _wgmma}
+_PATHS = {"gemv": _gemv, "strip": _strip, "strip-cluster": _strip_cluster, "mma": _mma,
+          "dequant+cublas": _dequant_cublas, "small": _small, "wgmma": _wgmma}
 
 
 @on_tensor_device
