@@ -4,9 +4,8 @@
 
 (formats and parts: comma lists; parts of matmul, layer_ops, runner, all by default.)
 
-Each forced path of every weight format in the registry (awq: gemv / strip / strip-cluster /
-small / mma / dequant+cublas / wgmma; each GGUF format: every one of kernels.gguf.PATHS; fp16: its M = 1 GEMV
-and cuBLAS) runs at M = 1, 3, 9, 40 on N x K = 576 x 384 and 608 x 512 (tails of every tile;
+Each forced path of every weight format in the registry (awq: every one of kernels.awq.PATHS; each
+GGUF format: every one of kernels.gguf.PATHS; fp16: its M = 1 GEMV and cuBLAS) runs at M = 1, 3, 9, 40 on N x K = 576 x 384 and 608 x 512 (tails of every tile;
 K % 256 == 0 for GGUF's wgmma), and with glu=True on 640 x 512. Each product is compared with
 the CPU emulation (ops.matmul, mode "emulate"; for GGUF's fp16-input paths, dequant and wgmma,
 mode "dequant"; GLU as silu(gate) * up of it) to 2 % of its largest value, so that a wrong answer
@@ -34,7 +33,7 @@ from quantzoo import ops
 from quantzoo.formats import get, stored_names
 from quantzoo.kernels import awq, fp16, gguf
 
-KERNELS = {"awq": (awq.matmul, ("gemv", "strip", "strip-cluster", "small", "mma", "dequant+cublas", "wgmma")),
+KERNELS = {"awq": (awq.matmul, awq.PATHS),
            "gguf": (gguf.matmul, gguf.PATHS),
            "fp16": (lambda x, qt, path, glu: fp16.linear(x, qt.data), ("linear",))}
 PATHS = {f: KERNELS[get(f).kernels] for f in stored_names()}

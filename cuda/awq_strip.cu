@@ -85,8 +85,8 @@ __device__ __forceinline__ void cluster_sync() {   // release my writes, acquire
 // v[0..7] into block 0's copy of the shared array at `local` (16-byte aligned)
 __device__ __forceinline__ void store8_block0(float* local, const float* v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned a = (unsigned)__cvta_generic_to_shared(local), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(r) : "r"(a));
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(r) : "r"(awq::smem_addr(local)));
   asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(r), "f"(v[0]), "f"(v[1]), "f"(v[2]),
                "f"(v[3]) : "memory");
   asm volatile("st.shared::cluster.v4.f32 [%0+16], {%1, %2, %3, %4};" ::"r"(r), "f"(v[4]), "f"(v[5]),

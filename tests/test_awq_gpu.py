@@ -108,7 +108,7 @@ def emulate_small_gpu(x16, qt):
 def effective_path(label, m, qt):
     """The path a check label names ("small", "graph mma", "slabs", ...), else dispatch's pick."""
     for tok in str(label).split():
-        if tok in ("gemv", "strip", "strip-cluster", "mma", "dequant+cublas", "small", "wgmma"):
+        if tok in awq_mod().PATHS:
             return tok
         if tok == "slabs":
             return "dequant+cublas"
@@ -576,7 +576,7 @@ def test_choose_path_names():
     awq = awq_mod()
     _, _, qtc, _ = weight(4096, 1024, 128)
     for m in MS:
-        assert awq.choose_path(m, qtc) in ("gemv", "strip", "strip-cluster", "small", "mma", "dequant+cublas", "wgmma")
+        assert awq.choose_path(m, qtc) in awq.PATHS
 
 
 # ---- glu=True: silu(x @ gate) * (x @ up), fused into the wgmma epilogue -----------------------------

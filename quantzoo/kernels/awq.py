@@ -720,6 +720,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
 
 _PATHS = {"gemv": _gemv, "strip": _strip, "strip-cluster": _strip_cluster, "mma": _mma,
           "dequant+cublas": _dequant_cublas, "small": _small, "wgmma": _wgmma}
+PATHS = tuple(_PATHS)   # every name matmul's path= takes
 
 
 @on_tensor_device
@@ -745,7 +746,7 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
         _check_tensor("out", out, torch.float16, lead + (ny,), x.device)
         check_out_overlap(x, out)
     if path is not None and path not in _PATHS:
-        raise ValueError(f"path: {path!r}, choose one of {tuple(_PATHS)}")
+        raise ValueError(f"path: {path!r}, choose one of {PATHS}")
     if m == 0:
         return out
     if m > MAX_M:
