@@ -29,6 +29,15 @@
 //   At M <= 16 the tensor work is small and a block's time is its walk over K, one stage after
 //   another; T = 16 with 16 stages (128 KB of weight words in flight a block) takes 0.86-0.99x
 //   the time of T = 32 with 6 stages there (bench/NOTES.md, session 18).
+// * Several blocks an SM at small T (BPS). That walk is a serial chain per stage (wait, shared
+//   loads, dequant, wgmma group, wait), and a consumer warp issues only about every other cycle
+//   (ncu, 4096->12288 M = 16). So up to T = 128 dispatch runs ONE consumer warpgroup a block (64
+//   or 128 columns) and 2-4 blocks an SM: 12-16 consumer warps an SM instead of 8, and twice the
+//   tiles to spread over the SMs (M = 16 4096->12288 19.6 -> 16.9 us, 4096->24576 30.5 -> 25.5;
+//   bench/NOTES.md, session 50). The launch bound then caps the entry registers at 65536 /
+//   (BPS x threads) and setmaxnreg hands the consumers what the producer gives back (awqw::Regs);
+//   at T <= 32 a consumer needs under 104 registers, at T = 128 about 221 (two blocks of 256
+//   threads allow 224).
 //   No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions
 //   per k-step (j), each thread dequantising half a word; at T = 256 the 64 x 256 fp32
 //   accumulators allow only one (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a
@@ -100,10 +109,10 @@
 // fp16; M = 512: 84-92 against 123 for dequant + cuBLAS and 73-75 for cuBLAS fp16; 4096->4096
 // M = 512: 35 against 41 and 26). Dispatch uses it from M = 8 to 2048 on those weights (in a
 // whole prefill, at the card's power cap, it wins to 2048: session 31), and for M = 17..64 from
-// 1024 x 4096 (awq.WGMMA_MIN_NK, WGMMA_MID_MIN_NK). One block of 2 consumer
-// warpgroups (232 registers a thread) + the producer warpgroup (40) per SM. (Tried and slower:
-// a producer warpgroup issuing cp.async + mbarriers + setmaxnreg, ~300 TFLOP/s, session 7;
-// T = 64 at 2 blocks per SM, 10-30 % slower.)
+// 1024 x 4096 (awq.WGMMA_MIN_NK, WGMMA_MID_MIN_NK). Above M = 128 (and for GLU past M = 16)
+// one block of 2 consumer warpgroups (232 registers a thread) + the producer warpgroup (40) per
+// SM. (Tried and slower: a producer warpgroup issuing cp.async + mbarriers + setmaxnreg, ~300
+// TFLOP/s, session 7; at M >= 512, T = 64 with two warpgroups at 2 blocks per SM, 10-30 %.)
 // Where the rest goes (ncu, 4096->12288 M = 2048, session 19): the tensor pipe is busy 72 % of
 // the elapsed cycles (cuBLAS fp16: 91 %); 22 % of the warps' stall samples are consumers waiting
 // for their own group, most of the rest consumers issuing the dequant chain and dispatching the
@@ -137,6 +146,18 @@ struct Cfg {
   static constexpr int SMEM = D * STAGE + 1024;           // + slack to align the base to 1024
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
   static_assert(ROW == 64 || ROW == 128, "weight rows are one 64- or 128-byte swizzle span");
+};
+
+// setmaxnreg's split of a block's registers: the producer warpgroup keeps few, the consumers take
+// the rest of what BPS blocks an SM leave a block (65536 / BPS registers; the entry allocation is
+// the launch bound's, a multiple of 8 per thread).
+template <int NWG, int BPS>
+struct Regs {
+  static constexpr int THREADS = 128 * NWG + 128;
+  static constexpr int ENTRY = 65536 / BPS / THREADS / 8 * 8;
+  static constexpr int PRODUCER = BPS == 1 ? 40 : 32;
+  static constexpr int CONSUMER_FIT = (ENTRY * THREADS - 128 * PRODUCER) / (128 * NWG) / 8 * 8;
+  static constexpr int CONSUMER = CONSUMER_FIT > 232 ? 232 : CONSUMER_FIT;
 };
 
 // Byte offset of word w of row r in a stage's weight tile, as TMA's swizzle placed it: the
@@ -181,8 +202,8 @@ __device__ __forceinline__ Fragment fragment_of(int tid) {
 // (one zeroed unsigned per tile, left zeroed) and splits == 2: the first half's partial goes to ws
 // in fragment order, T x 8 WORDS floats per split tile; with counters null (any splits): each
 // split's partial to ws for wgmma_reduce (wg::SplitParts: [splits][M][the split columns]).
-template <int NWG, int T, int D, bool GLU = false>
-__global__ void __launch_bounds__(128 * NWG + 128, 1)
+template <int NWG, int T, int D, bool GLU = false, int BPS = 1>
+__global__ void __launch_bounds__(128 * NWG + 128, BPS)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,
                  const __grid_constant__ wg::TmaDesc smap, const __grid_constant__ wg::TmaDesc zmap,
                  half* __restrict__ y, float* __restrict__ ws, unsigned* __restrict__ counters,
@@ -215,7 +236,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   const unsigned full0 = wg::init_stage_bars<D>(bars, C::CONSUMERS / 32), empty0 = full0 + 8 * D;
 
   if (tid >= C::CONSUMERS) {   // the producer warpgroup: one thread issues every copy
-    wg::set_max_regs<false, 40>();
+    wg::set_max_regs<false, awqw::Regs<NWG, BPS>::PRODUCER>();
     if (tid == C::CONSUMERS) {
       wg::prefetch_map(&xmap); wg::prefetch_map(&wmap); wg::prefetch_map(&smap); wg::prefetch_map(&zmap);
       const unsigned tx = x_rows * 128 + C::W_BYTES + gps * C::WORDS * (16 + 4);
@@ -243,7 +264,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     return;
   }
   {   // the consumer warpgroups
-    wg::set_max_regs<true, 232>();
+    wg::set_max_regs<true, awqw::Regs<NWG, BPS>::CONSUMER>();
     constexpr int JN = C::JN;
     const auto [t, c, h, j0] = awqw::fragment_of<JN>(tid);
     const unsigned j_mask = j0 ? awq::kHighMask : awq::kLowMask;                 // JN = 1 only

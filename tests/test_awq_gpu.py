@@ -469,7 +469,9 @@ def test_mma_every_config(k, n, g, m, cfg):
             assert torch.equal(run(x16, qtc), y), f"dispatch's mma (2, 2, 1) differs from the forced one {seed_note()}"
 
 
-SPLIT_K_CFGS = ((2, 128, 5), (2, 64, 6), (2, 256, 5), (2, 16, 16), (2, 32, 12))   # every awq.WGMMA_CFGS (asserted)
+# every awq.WGMMA_CFGS and the GLU configs' plain twins (asserted)
+SPLIT_K_CFGS = ((1, 16, 6, 4), (1, 32, 8, 3), (1, 64, 6, 2), (1, 128, 5, 2), (2, 128, 5), (2, 256, 5),
+                (2, 16, 10, 2), (2, 32, 12), (2, 64, 6))
 
 
 @pytest.mark.parametrize("cfg", SPLIT_K_CFGS, ids=str)
@@ -490,7 +492,7 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
     awq = awq_mod()
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
-    assert {tuple(c) for c in awq.WGMMA_CFGS} <= set(SPLIT_K_CFGS), "a wgmma config this test does not run"
+    assert set(awq.WGMMA_CFGS) | set(awq.WGMMA_GLU_CFGS) <= set(SPLIT_K_CFGS), "a wgmma config this test does not run"
     from quantzoo.cuda_launch import current_stream_ptr, workspaces_changed
     from quantzoo.kernels import wgmma_tiles, workspaces
 
@@ -610,7 +612,7 @@ def test_wgmma_glu_epilogue(k, n, g):
     reads up's words there, their scales and zeros read zeros, and none is stored), G = 32 (two
     groups a stage), F = 4352 at
     M = 300 (whole and split tiles in one launch); K split 2 ways (the hand-over) and 3-5 ways
-    (wgmma_reduce's GLU), every token tile width: M = 7 (2, 16, 16), 20 (2, 32, 12: dispatch's
+    (wgmma_reduce's GLU), every token tile width: M = 7 (2, 16, 10, 2: two blocks an SM), 20 (2, 32, 12: dispatch's
     config for M = 17-32), 33 (2, 64, 6), 130 and 300 (2, 256, 5) / (2, 128, 5). Where dispatch
     itself takes wgmma (2048 x 8704 from M = 17; the others are under WGMMA_MID_MIN_NK), the
     unforced matmul(glu=True) is the same launch, bit for bit -- at M = 20 that is the runner's
@@ -627,7 +629,7 @@ def test_wgmma_glu_epilogue(k, n, g):
     f = n // 2
     sms = sm_count(torch.device("cuda"))
     for m in (7, 20, 33, 130, 300):
-        cfg = awq.wgmma_config(m, n, k, sms)
+        cfg = awq.wgmma_config(m, n, k, sms, glu=True)
         if m == 20:
             assert cfg == (2, 32, 12), f"M = 20 should take the (2, 32, 12) GLU instance, got {cfg}"
         dispatched = awq.choose_path(m, qtc) == "wgmma"

@@ -283,9 +283,12 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     assert [awq.wgmma_config(m)[1] for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 512)] == \
         [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
     assert {awq.wgmma_config(m) for m in (1, 8, 16, 17, 32, 33, 512)} <= set(awq.WGMMA_CFGS)
-    # every config dispatch can pick has its GLU instance (matmul(glu=True))
-    picks = {awq.wgmma_config(m, 24576, 4096, 132) for m in range(1, top + 1)}
-    assert picks <= set(awq.WGMMA_GLU_CFGS) <= set(awq.WGMMA_CFGS)
+    # every config dispatch can pick has its instance, plain and GLU (matmul(glu=True), which
+    # needs two warpgroups: gate and up)
+    assert {awq.wgmma_config(m, 24576, 4096, 132) for m in range(1, top + 1)} <= set(awq.WGMMA_CFGS)
+    glu = {awq.wgmma_config(m, 24576, 4096, 132, glu=True) for m in range(1, top + 1)}
+    assert glu <= set(awq.WGMMA_GLU_CFGS) and all(c[0] == 2 for c in glu)
+    assert [awq.wgmma_config(m, glu=True)[1] for m in (16, 17, 64, 65, 129)] == [16, 32, 64, 128, 256]
 
 
 def test_gpu_tier_reaches_its_kernels(monkeypatch):
@@ -302,7 +305,7 @@ def test_gpu_tier_reaches_its_kernels(monkeypatch):
         == {(2, 2, 1)}
     assert awq.choose_path(20, shape(2048, 1024), cuda) == "mma" == awq.choose_path(20, shape(2048, 1024))
     assert awq.choose_path(20, shape(8704, 2048), cuda) == "wgmma"
-    assert awq.wgmma_config(20, 8704, 2048, 132) == (2, 32, 12) and (2, 32, 12) in awq.WGMMA_GLU_CFGS
+    assert awq.wgmma_config(20, 8704, 2048, 132, glu=True) == (2, 32, 12) in awq.WGMMA_GLU_CFGS
     monkeypatch.setattr(awq, "clusters_available", lambda dev: False)
     for d, f in ((1024, 8192), (4096, 12288)):
         assert awq.choose_path(1, shape(2 * f, d), cuda) == "gemv" == awq.choose_path(1, shape(2 * f, d))
@@ -361,6 +364,30 @@ def test_wgmma_schedule():
     assert wt.schedule(512, 12288, 4096, slots, cfg) == (132, 2, 32)   # 192 tiles: 60 split in two
     assert wt.schedule(512, 24576, 4096, slots, cfg) == (384, 1, 64)   # 384 tiles: 3 whole waves
     assert wt.schedule(512, 12288, 4096, slots, cfg, splits=3, dp_tiles=5) == (5, 3, 22)
+
+
+def test_wgmma_plan_several_blocks_an_sm():
+    """With BPS blocks an SM (a config's 4th entry) plan picks the fewest splits, of those that
+    fit one wave, with the least max(2, ceil(blocks / SMs)) x stages a split: 4096->12288 at M = 16
+    (96 tiles of 128 columns, 64 stages) 4 splits, 3 blocks on most SMs (2 splits: 2 blocks x 32
+    stages; 3: 3 x 22; 5: 4 x 13); 12288->4096 (32 tiles, 192 stages) 8 splits, 2 x 24 (not 16:
+    4 x 12 is no better, nor 4: one block an SM, counted as 2 x 48), where filling the wave
+    (16 splits) ran slower. One block an SM (3 entries, e.g. the GGUF kernel's) keeps the old rule:
+    as many splits as fit one wave."""
+    from quantzoo.kernels import wgmma_tiles as wt
+
+    sms = 132
+    assert wt.schedule(16, 12288, 4096, 4 * sms, (1, 16, 6, 4)) == (0, 4, 16)
+    assert wt.schedule(16, 4096, 12288, 4 * sms, (1, 16, 6, 4)) == (0, 8, 24)
+    assert wt.schedule(16, 24576, 4096, 4 * sms, (1, 16, 6, 4)) == (0, 2, 32)
+    assert wt.schedule(16, 4096, 12288, sms, (2, 16, 16)) == (0, 8, 24)       # 16 tiles: 132 // 16
+    assert wt.plan(16, 4096, 12288, 3 * sms, (2, 16, 16)) == 24                # 1 block an SM: fill the wave
+    for n, k in ((12288, 4096), (4096, 12288), (24576, 4096), (6144, 4096), (1024, 4096), (224, 608)):
+        for cfg in ((1, 16, 6, 4), (1, 32, 8, 3), (1, 64, 6, 2), (1, 128, 5, 2), (2, 16, 10, 2)):
+            m = cfg[1]
+            tm, tn = wt.grid(m, n, cfg)
+            top = max(1, min(cfg[3] * sms // (tm * tn), -(-k // 64) // wt.MIN_STAGES))
+            assert 1 <= wt.plan(m, n, k, cfg[3] * sms, cfg) <= top
 
 
 def test_split_parts_workspace():

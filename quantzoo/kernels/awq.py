@@ -84,16 +84,36 @@ SMALL_CFGS = ((1, 2, 8, 1, 0, 4), (1, 2, 8, 1, 0, 8), (1, 2, 4, 1, 0, 8), (1, 2,
               (1, 2, 8, 4, 0, 4), (1, 2, 8, 1, 1, 4),
               (2, 1, 4, 1, 0, 8), (2, 1, 8, 1, 0, 8), (2, 1, 4, 1, 1, 8))
 SOURCES["awq_small.cu"] = tuple("awq_small_kernel<{}, {}, {}, {}, {}, {}>".format(*c) for c in SMALL_CFGS)
-# Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D) = warpgroups (128 columns each),
-# tokens per block, shared-memory stages: what wgmma_config picks by M. (The sweeps of sessions
-# 8-28 also ran (2, 128, 4/6), (1, 128, 6), (2, 32, 6) and (2, 256, 4); the best of them beat the
-# picks by 1.4 % at most -- 4096->6144 M = 512 (2, 256, 4) 48.6 vs 49.3 us, bench/NOTES.md
-# session 28, where the first timing of a shape alone moved 10-20 % -- so they were dropped.)
-WGMMA_CFGS = ((2, 16, 16), (2, 32, 12), (2, 64, 6), (2, 128, 5), (2, 256, 5))
-# The GLU instances (matmul(glu=True): silu(gate) * up in the epilogue): the same configs.
-WGMMA_GLU_CFGS = WGMMA_CFGS
-SOURCES["awq_wgmma.cu"] = (tuple("awq_wgmma_kernel<{}, {}, {}>".format(*c) for c in WGMMA_CFGS)
-                           + tuple("awq_wgmma_kernel<{}, {}, {}, true>".format(*c) for c in WGMMA_GLU_CFGS)
+# Hopper kernel (cuda/awq_wgmma.cu, sm_90a only): (NWG, T, D[, BPS]) = warpgroups (128 columns
+# each), tokens per block, shared-memory stages[, blocks an SM, default 1]: what wgmma_config
+# picks by M. Up to M = 128 the narrowest T that holds M, with ONE warpgroup a block and as many
+# blocks an SM as registers and shared memory allow: at small M a block's K walk is a serial
+# chain (wait, shared loads, dequant, wgmma group, wait) and a warpgroup issues about half its
+# cycles, so more, narrower blocks an SM (12-16 consumer warps instead of 8) stream faster.
+# H100, us, rotated weights, plain launches, two warpgroups and 1 block an SM before (session
+# 50, bench/NOTES.md): M = 16 4096->12288 19.6 -> 16.9, 4096->24576 30.5 -> 25.5, 4096->4096
+# 10.8 -> 10.1, 12288->4096 17.4 -> 17.6; M = 32 21.2 -> 18.6, 31.8 -> 28.1; M = 64 25.7 -> 24.8,
+# 4096->1024 11.5 -> 9.9; M = 128 34.8 -> 33.9, 4096->4096 19.5 -> 18.7. GLU needs two
+# warpgroups (gate and up); there 2 blocks an SM at M <= 16 (4096->24576 30.8 -> 29.9), the
+# one-block forms above. (Also swept, slower or tied: (2, 16, 8 / 10, 2), (1, 16, 8 / 10, 3),
+# (1, 16, 14, 2), (2, 32, 6, 2); the sweeps of sessions 8-28 ran (2, 128, 4/6), (1, 128, 6),
+# (2, 32, 6) and (2, 256, 4) at 1 block an SM.)
+WGMMA_CFGS = ((1, 16, 6, 4), (1, 32, 8, 3), (1, 64, 6, 2), (1, 128, 5, 2), (2, 128, 5), (2, 256, 5))
+WGMMA_GLU_CFGS = ((2, 16, 10, 2), (2, 32, 12), (2, 64, 6), (2, 128, 5), (2, 256, 5))
+# every non-GLU instance: the GLU configs' plain twins too (test_wgmma_glu_epilogue compares the
+# fused epilogue with them, tile for tile)
+_WGMMA_PLAIN = WGMMA_CFGS + tuple(c for c in WGMMA_GLU_CFGS if c not in WGMMA_CFGS)
+
+
+def _wgmma_name(cfg, glu=False) -> str:
+    """awq_wgmma_kernel's instance for cfg = (NWG, T, D[, BPS]) (BPS: blocks an SM, default 1)."""
+    nwg, t, d, *bps = cfg
+    tail = f", {'true' if glu else 'false'}, {bps[0]}" if bps and bps[0] != 1 else ", true" if glu else ""
+    return f"awq_wgmma_kernel<{nwg}, {t}, {d}{tail}>"
+
+
+SOURCES["awq_wgmma.cu"] = (tuple(_wgmma_name(c) for c in _WGMMA_PLAIN)
+                           + tuple(_wgmma_name(c, True) for c in WGMMA_GLU_CFGS)
                            # split K's sum past 2 splits (cuda/wgmma_sm90.cuh)
                            + ("wgmma_reduce<4>", "wgmma_reduce<4, true>"))
 ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
@@ -129,6 +149,10 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 16.9 on 12288->4096, 36.4 -> 30.2 on 4096->24576, a tie on 4096->12288 18.8 vs 19.1), but not
 # at 4096->1024 (M = 16: 7.0 vs 8.1). At M = 17..32 (2, 32, 12) beats (2, 32, 6) by 2-6 % and
 # mma on the smaller weights too: 4096->4096 M = 32 15.9 -> 10.8, 4096->1024 11.3 -> 9.6.
+# Session 50 (WGMMA_CFGS' one-warpgroup configs, 2-4 blocks an SM): the thresholds stand --
+# 4096->1024 M = 16 small 7.0-7.1 vs wgmma 8.1; at M = 2-4 small still wins on 4096->12288 (15.6
+# vs 17.1) and 12288->4096 (15.7 vs 18.0) but not on 4096->24576 (M = 4 31.0 vs 26.0), a
+# per-shape rule not made.
 # Session 25 (bench/awq_bench.py --paths all, rotated weights, us; after the split-K hand-over of
 # session 23 and the whole-sector stores of session 25): wgmma now beats every other path on
 # 4096->4096 from M = 32 to 1024 -- M = 64 13.9 vs 20.4 (mma), M = 128 19.2 vs 30.7 (dequant +
@@ -648,14 +672,14 @@ def _wgmma_smem(nwg: int, t: int, d: int) -> int:
     return wgmma_tiles.smem_bytes(t * 128 + 64 * words * 4 + 2 * words * 16 + 2 * words * 4, d)
 
 
-def wgmma_config(m: int, n: int | None = None, k: int | None = None, slots: int | None = None):
-    """(NWG, T, D) of the AWQ wgmma kernel for M rows: a 16-token tile with 16 stages up to M = 16,
-    32 tokens with 12 stages to M = 32 (the measured small-M configs, WGMMA_MIN_M's comment), above
-    that the rule both wgmma kernels share (wgmma_tiles.config)."""
-    if m <= 16:
-        return (2, 16, 16)
-    if m <= 32:
-        return (2, 32, 12)
+def wgmma_config(m: int, n: int | None = None, k: int | None = None, slots: int | None = None,
+                 glu: bool = False):
+    """(NWG, T, D[, BPS]) of the AWQ wgmma kernel for M rows: up to M = 128 the narrowest token
+    tile that holds M (WGMMA_CFGS, or WGMMA_GLU_CFGS with glu: the comment above them says why),
+    above that the rule both wgmma kernels share (wgmma_tiles.config)."""
+    if m <= 128:
+        t = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        return next(c for c in (WGMMA_GLU_CFGS if glu else WGMMA_CFGS) if c[1] == t)
     return wgmma_tiles.config(m, n, k, slots)
 
 
@@ -672,18 +696,19 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     if glu and n % (2 * WGMMA_N_MULTIPLE):
         raise ValueError(f"path: 'wgmma' with glu needs N % {2 * WGMMA_N_MULTIPLE} == 0 (each half's rows "
                          f"come by TMA, 16 bytes at a time), got N={n}")
-    nwg, t, d = cfg or wgmma_config(m, n, k, _sm_count(dev))   # 1 block an SM
-    if glu and (nwg, t, d) not in WGMMA_GLU_CFGS:
-        raise ValueError(f"cfg: {(nwg, t, d)} has no GLU instance; one of {WGMMA_GLU_CFGS}")
-    name = f"awq_wgmma_kernel<{nwg}, {t}, {d}{', true' if glu else ''}>"
-    kern = _kernel("awq_wgmma.cu", name)
+    cfg = tuple(cfg or wgmma_config(m, n, k, _sm_count(dev), glu))
+    if cfg not in (WGMMA_GLU_CFGS if glu else _WGMMA_PLAIN):
+        raise ValueError(f"cfg: {cfg} has no {'GLU ' if glu else ''}instance; one of "
+                         f"{WGMMA_GLU_CFGS if glu else _WGMMA_PLAIN}")
+    nwg, t, d = cfg[:3]
+    kern = _kernel("awq_wgmma.cu", _wgmma_name(cfg, glu))
     smem = _wgmma_smem(nwg, t, d)
     _set_smem(kern, smem)
-    tiles_m, tiles_n = wgmma_tiles.grid(m, n, (nwg, t, d))
+    tiles_m, tiles_n = wgmma_tiles.grid(m, n, cfg)
     tiles = tiles_m * tiles_n
     threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup
     slots = _blocks_per_sm(kern, smem, threads) * _sm_count(dev)
-    dp, splits, per = wgmma_tiles.schedule(m, n, k, slots, (nwg, t, d), splits, dp_tiles)
+    dp, splits, per = wgmma_tiles.schedule(m, n, k, slots, cfg, splits, dp_tiles)
     # per: 64-row stages a split; one split's blocks walk all of K and never read it
     rows = _split_rows(k, splits, 64 * per if splits > 1 else k)
     # Split K's partials: at 2 splits the tile's halves meet in the kernel (tile counters; the
@@ -695,7 +720,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     words = wgmma_tiles.columns(nwg, t) // 8
     # past 2 splits the split tiles' columns (wg::SplitParts); at 2 the first half's T x columns a tile
     ws = workspaces.scratch("partials", 1 if splits == 1 else (tiles - dp) * t * 8 * words if not reduce
-                            else wgmma_tiles.parts_numel(m, n // 2 if glu else n, (nwg, t, d), dp, splits, glu),
+                            else wgmma_tiles.parts_numel(m, n // 2 if glu else n, cfg, dp, splits, glu),
                             torch.float32, dev)
     ctr = None if reduce else workspaces.counters(tiles, dev)
     gps = 2 if g == 32 else 1   # groups a 64-row stage spans
@@ -714,7 +739,7 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
                 np.int32(xr)), smem)
     if reduce:   # the split tiles' partials, summed in split order, 4 columns a thread (N % 32 == 0)
         _launch(_kernel("awq_wgmma.cu", f"wgmma_reduce<4{', true' if glu else ''}>"),
-                *wgmma_tiles.reduce_launch(ws.data_ptr(), y.data_ptr(), m, n // 2 if glu else n, (nwg, t, d), dp,
+                *wgmma_tiles.reduce_launch(ws.data_ptr(), y.data_ptr(), m, n // 2 if glu else n, cfg, dp,
                                            splits, 4, glu))
 
 

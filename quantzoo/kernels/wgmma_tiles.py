@@ -58,8 +58,8 @@ def columns(nwg: int, t: int) -> int:
 
 
 def grid(m: int, n: int, cfg) -> tuple[int, int]:
-    """(token tiles, column tiles) of a launch with configuration cfg = (NWG, T, D)."""
-    nwg, t, _ = cfg
+    """(token tiles, column tiles) of a launch with configuration cfg = (NWG, T, D[, blocks an SM])."""
+    nwg, t = cfg[:2]
     return -(-m // t), -(-n // columns(nwg, t))
 
 
@@ -67,7 +67,7 @@ def parts_numel(m: int, ny: int, cfg, dp_tiles: int, splits: int, glu: bool = Fa
     """fp32 elements of the split tiles' partials (wg::SplitParts in cuda/wgmma_sm90.cuh): splits
     x M rows x y's columns from the first split tile's on (tiles are numbered token tile
     fastest), twice that with glu (gate and up)."""
-    nwg, t, _ = cfg
+    nwg, t = cfg[:2]
     cols = columns(nwg, t) // (2 if glu else 1)   # y's columns a tile
     tiles_m = -(-m // t)
     if splits > 1 and dp_tiles >= tiles_m * -(-ny // cols):
@@ -82,7 +82,7 @@ def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int,
     split launch of either kernel: the partials at part_ptr (parts_numel's layout) of the tiles
     past dp_tiles summed into y (n columns), v columns a thread; glu: y = swiglu of the gate and
     up partials, a tile holding half its columns' worth of y."""
-    nwg, t, _ = cfg
+    nwg, t = cfg[:2]
     rows = columns(nwg, t) // (2 if glu else 1)   # y's columns per tile
     tiles_m, tiles_n = -(-m // t), -(-n // rows)
     count = (tiles_m * tiles_n - dp_tiles) * t * rows
@@ -93,9 +93,22 @@ def reduce_launch(part_ptr: int, y_ptr: int, m: int, n: int, cfg, dp_tiles: int,
 
 def plan(m: int, n: int, k: int, slots: int, cfg) -> int:
     """K splits for M x N outputs over K on a GPU that holds `slots` blocks at once: as many as
-    fit in one wave, at least MIN_STAGES 64-row stages each."""
-    tm, tn = grid(m, n, cfg)
-    return max(1, min(slots // (tm * tn), -(-k // 64) // MIN_STAGES))
+    fit in one wave, at least MIN_STAGES 64-row stages each. With several blocks an SM (cfg's
+    4th entry, BPS) the splits that fill one wave need not be the fastest: an SM's blocks share
+    its issue, so its time is about the blocks it runs x the stages each walks, and a split count
+    that leaves some SMs one block more than others (or one block where two would overlap their
+    latencies) loses. So: the fewest splits, of those that fit, with the least ceil(blocks / SMs)
+    x stages a split, counting at least 2 blocks an SM (one block runs at about the rate of two
+    sharing the SM: 12288->4096 M = 16 at (1, 16, 8, 3), 4 splits 20.1 us, 8 splits 17.1 us;
+    bench/NOTES.md, session 50)."""
+    tiles = -(-m // cfg[1]) * -(-n // columns(cfg[0], cfg[1]))
+    stages = -(-k // 64)
+    top = max(1, min(slots // tiles, stages // MIN_STAGES))
+    bps = cfg[3] if len(cfg) > 3 else 1
+    if bps == 1:
+        return top
+    sms = slots // bps
+    return min(range(1, top + 1), key=lambda s: (max(2, -(-tiles * s // sms)) * -(-stages // s), s))
 
 
 def split_k(m: int, n: int, k: int, slots: int, cfg, splits: int | None = None) -> tuple[int, int]:
