@@ -35,9 +35,9 @@
 //   or 128 columns) and 2-4 blocks an SM: 12-16 consumer warps an SM instead of 8, and twice the
 //   tiles to spread over the SMs (M = 16 4096->12288 19.6 -> 16.9 us, 4096->24576 30.5 -> 25.5;
 //   bench/NOTES.md, session 50). The launch bound then caps the entry registers at 65536 /
-//   (BPS x threads) and setmaxnreg hands the consumers what the producer gives back (awqw::Regs);
-//   at T <= 32 a consumer needs under 104 registers, at T = 128 about 221 (two blocks of 256
-//   threads allow 224).
+//   (BPS x threads) and setmaxnreg hands the consumers what the producer gives back (awqw::Regs):
+//   a consumer's highest register is R71 / R105 / R141 / R221 at T = 16 / 32 / 64 / 128, of the
+//   96 / 128 / 224 / 224 that 4 / 3 / 2 / 2 blocks an SM leave it (ptxas, no spills).
 //   No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions
 //   per k-step (j), each thread dequantising half a word; at T = 256 the 64 x 256 fp32
 //   accumulators allow only one (JN = 1): a warpgroup owns 64 columns and a thread 2 columns of a

@@ -1,8 +1,10 @@
 """Tile and split choices shared by the Hopper wgmma kernels (cuda/awq_wgmma.cu, cuda/gguf_wgmma.cu).
 
-Both walk K in 64-row shared-memory stages with one block of 2 consumer warpgroups and a TMA
+Both walk K in 64-row shared-memory stages with one block of NWG consumer warpgroups and a TMA
 producer warpgroup per tile of T tokens; the rules below were measured on the AWQ
-kernel (bench/NOTES.md, session 8) and the GGUF one is built the same way.
+kernel (bench/NOTES.md, session 8) and the GGUF one is built the same way. A configuration is
+(NWG, T, D) -- one block an SM -- or (NWG, T, D, BPS) with BPS blocks an SM (the AWQ kernel's
+one-warpgroup configs up to M = 128, awq.WGMMA_CFGS; `plan` splits K for them differently).
 """
 from __future__ import annotations
 
