@@ -75,8 +75,15 @@ STRIP_D = (8, 4)
 # ... and its cluster form (Hopper): CLUSTER_SIZE blocks of CLUSTER_WARPS warps share a strip
 CLUSTER_WARPS = 4
 CLUSTER_SIZE = 8
-SOURCES["awq_strip.cu"] = (tuple(f"awq_strip_kernel<{STRIP_WARPS}, {d}>" for d in STRIP_D)
-                           + tuple(f"awq_strip_kernel<{CLUSTER_WARPS}, {d}, {CLUSTER_SIZE}>" for d in STRIP_D))
+
+
+def _strip_name(d: int, cluster: bool) -> str:
+    """awq_strip_kernel's instance: the one-block form <STRIP_WARPS, D> or the cluster form."""
+    return (f"awq_strip_kernel<{CLUSTER_WARPS}, {d}, {CLUSTER_SIZE}>" if cluster
+            else f"awq_strip_kernel<{STRIP_WARPS}, {d}>")
+
+
+SOURCES["awq_strip.cu"] = tuple(_strip_name(d, cluster) for cluster in (False, True) for d in STRIP_D)
 # small-M kernel (cuda/awq_small.cu): (MB, NW, WARPS, CW, MODE, D) = batch tiles of 8 rows,
 # column words per thread, warps per block, warps side by side along N, 0 subnormal nibbles +
 # sum(x) zero fix-up / 1 exact q - z via the magic number, stages of each warp's cp.async ring
@@ -513,7 +520,7 @@ def _strip(x2, qweight, scales, qzeros, y, m, k, n, g, cluster=False):
                          f"which {x2.device} lacks")
     d = next(d for d in STRIP_D if (g // 8) % d == 0)
     warps, cl = (CLUSTER_WARPS, CLUSTER_SIZE) if cluster else (STRIP_WARPS, 1)
-    kern = _kernel("awq_strip.cu", f"awq_strip_kernel<{warps}, {d}{f', {cl}' if cluster else ''}>")
+    kern = _kernel("awq_strip.cu", _strip_name(d, cluster))
     _launch(kern, (cl * -(-(n // 8) // 8),), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
              np.int32(k), np.int32(n), np.int32(g)))

@@ -103,8 +103,8 @@ def plan(m: int, n: int, k: int, slots: int, cfg) -> int:
     x stages a split, counting at least 2 blocks an SM (one block runs at about the rate of two
     sharing the SM: 12288->4096 M = 16 at (1, 16, 8, 3), 4 splits 20.1 us, 8 splits 17.1 us;
     bench/NOTES.md, session 50)."""
-    tiles = -(-m // cfg[1]) * -(-n // columns(cfg[0], cfg[1]))
-    stages = -(-k // 64)
+    tm, tn = grid(m, n, cfg)
+    tiles, stages = tm * tn, -(-k // 64)
     top = max(1, min(slots // tiles, stages // MIN_STAGES))
     bps = cfg[3] if len(cfg) > 3 else 1
     if bps == 1:
