@@ -669,7 +669,7 @@ def test_glu_other_paths_plans_and_graph():
 
     awq = awq_mod()
     rng = case_rng()
-    k, n = 4096, 1024
+    k, n = 2048, 1024   # under WGMMA_MID_MIN_NK: no wgmma at any M
     _, _, qtc, _ = weight(k, n, 128)
     m1 = "strip-cluster" if awq.clusters_available(torch.device("cuda")) else "small"
     for m, path in ((1, m1), (2, "small"), (80, "mma"), (130, "dequant+cublas")):

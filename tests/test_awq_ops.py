@@ -257,9 +257,9 @@ def test_strip_launch_dry_run(monkeypatch):
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
-    """wgmma takes 8 <= M <= WGMMA_MAX_M (2048) on weights of at least 4096 x 4096 and 17 <= M <= 64 from
-    1024 x 4096, with N % 32 == 0, and only where the device is a Hopper GPU; elsewhere (or with
-    no device) the rules above stand."""
+    """wgmma takes 8 <= M <= WGMMA_MAX_M (2048) on weights of at least 4096 x 4096 and 17 <= M <= 256
+    from 1024 x 4096 (64-token tiles past M = 64 there), with N % 32 == 0, and only where the
+    device is a Hopper GPU; elsewhere (or with no device) the rules above stand."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
@@ -270,11 +270,12 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
         == ["small"] + ["wgmma"] * 8 + ["dequant+cublas"]
     assert [awq.choose_path(m, shape(4096, 4096), cuda) for m in (7, 8, 16, 32, 33, 512, 1024, top, top + 1)] == \
         ["small"] + ["wgmma"] * 7 + ["dequant+cublas"]
-    assert [awq.choose_path(m, shape(1024, 4096), cuda) for m in (8, 16, 17, 64, 65, 128)] == \
-        ["small"] * 2 + ["wgmma"] * 2 + ["mma", "dequant+cublas"]
+    assert [awq.choose_path(m, shape(1024, 4096), cuda) for m in (8, 16, 17, 64, 65, 128, 256, 257)] == \
+        ["small"] * 2 + ["wgmma"] * 5 + ["dequant+cublas"]
+    assert [awq.choose_path(m, shape(2048, 1024), cuda) for m in (17, 96, 97)] == ["mma"] * 2 + ["dequant+cublas"]
     assert [awq.choose_path(top, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288), (6144, 4096))] \
         == ["wgmma"] * 3
-    assert awq.choose_path(128, shape(2048, 4096), cuda) == "dequant+cublas"   # too small a weight
+    assert awq.choose_path(128, shape(1024, 2048), cuda) == "dequant+cublas"   # too small a weight
     assert awq.choose_path(128, shape(12296, 4096), cuda) == "mma"             # N % 32 != 0: no TMA rows
     assert awq.choose_path(128, shape(12288, 4096)) == "mma"                   # no device given
     assert awq.choose_path(128, shape(12288, 4096), torch.device("cpu")) == "mma"
@@ -289,6 +290,12 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     glu = {awq.wgmma_config(m, 24576, 4096, 132, glu=True) for m in range(1, top + 1)}
     assert glu <= set(awq.WGMMA_GLU_CFGS) and all(c[0] == 2 for c in glu)
     assert [awq.wgmma_config(m, glu=True)[1] for m in (16, 17, 64, 65, 129)] == [16, 32, 64, 128, 256]
+    # mid-size weights (under WGMMA_MIN_NK) past M = 64: 64-token tiles, one instance each way
+    for n, k in ((1024, 4096), (2560, 4096), (6144, 2048)):
+        assert {awq.wgmma_config(m, n, k, 132) for m in range(65, awq.WGMMA_MID_MAX_M + 1)} == {awq.WGMMA_MID_CFG}
+        assert {awq.wgmma_config(m, n, k, 132, glu=True) for m in (65, 256)} == {awq.WGMMA_MID_GLU_CFG}
+    assert awq.WGMMA_MID_CFG not in {awq.wgmma_config(m, 4096, 4096, 132) for m in range(65, 257)}
+    assert awq.WGMMA_MID_CFG in awq.WGMMA_CFGS and awq.WGMMA_MID_GLU_CFG in awq.WGMMA_GLU_CFGS
 
 
 def test_gpu_tier_reaches_its_kernels(monkeypatch):
