@@ -108,8 +108,9 @@
 // 4096 x 4096 and up (4096->12288 M = 128: 35 us against 93 for mma.sync and 40 for cuBLAS
 // fp16; M = 512: 84-92 against 123 for dequant + cuBLAS and 73-75 for cuBLAS fp16; 4096->4096
 // M = 512: 35 against 41 and 26). Dispatch uses it from M = 8 to 2048 on those weights (in a
-// whole prefill, at the card's power cap, it wins to 2048: session 31), and for M = 17..64 from
-// 1024 x 4096 (awq.WGMMA_MIN_NK, WGMMA_MID_MIN_NK). Above M = 128 (and for GLU past M = 16)
+// whole prefill, at the card's power cap, it wins to 2048: session 31), and for M = 17..256 from
+// 1024 x 4096 (awq.WGMMA_MIN_NK, WGMMA_MID_*; 64-token tiles past M = 64, session 51: 4096->1024
+// M = 128 10.1 vs 13.3 us for dequant + cuBLAS). Above M = 128 (and for GLU past M = 16)
 // one block of 2 consumer warpgroups (232 registers a thread) + the producer warpgroup (40) per
 // SM. (Tried and slower: a producer warpgroup issuing cp.async + mbarriers + setmaxnreg, ~300
 // TFLOP/s, session 7; at M >= 512, T = 64 with two warpgroups at 2 blocks per SM, 10-30 %.)

@@ -78,8 +78,9 @@
 // fifth bits cost 6 instructions per A register in the SASS: a shift by the lane's bit, two
 // shifts and three LOP3). Dispatch uses it in every format from M = 9 to 2048 on weights of
 // 4096 x 4096 and up (gguf.WGMMA_MIN_NK, WGMMA_MAX_M: the whole prefill runs at the card's
-// power cap, where it wins to 2048; session 31); on 4096->1024, mma or dequant + cuBLAS stay
-// faster.
+// power cap, where it wins to 2048; session 31), and to M = 96 on weights from 4096 x 1024 once
+// M N K > 2^27 (gguf.WGMMA_MID_*, session 51: 4096->1024 M = 64 12.4 vs mma 14.9 us); past 96
+// dequant + cuBLAS stays faster on those.
 //
 // Compiled only for sm_90a; for any other target the kernel body is empty and the host
 // (quantzoo/kernels/gguf.py) never launches it there.

@@ -548,10 +548,10 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
             pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
         f = n // 2
         for m in (1, 7, 33, 130, 300):
-            cfg = wgmma_tiles.config(m, n, k, sm_count(torch.device(DEV)))
+            cfg = G.wgmma_config(m, n, k, sm_count(torch.device(DEV)))
             fr = wgmma_tiles.columns(cfg[0], cfg[1]) // 2
             blocked = _glu_blocked(qt_cpu, fr).to(DEV)
-            assert wgmma_tiles.config(m, blocked.shape[0], k, sm_count(torch.device(DEV))) == cfg
+            assert G.wgmma_config(m, blocked.shape[0], k, sm_count(torch.device(DEV))) == cfg
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).to(DEV)
             y = _poisoned((m, f))
             names.clear()
@@ -661,7 +661,7 @@ def test_wgmma_fp32_accumulation_bound(fmt):
         w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
         worst = 0.0
         for m in (1, 7, 33, 65, 100, 130, 200, 300):
-            cfg = wgmma_tiles.config(m, n, k, sms)
+            cfg = G.wgmma_config(m, n, k, sms)
             dp, splits, _ = wgmma_tiles.schedule(m, n, k, sms, cfg)   # 1 block an SM (shared memory)
             schedules.add((dp > 0, splits > 1))
             scale = 2.0 ** rng.uniform(-6, 4, (m, 1))
@@ -710,7 +710,7 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
         w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
         f = n // 2
         for m in ms:
-            cfg = wgmma_tiles.config(m, n, k, sms)
+            cfg = G.wgmma_config(m, n, k, sms)
             rows = wgmma_tiles.columns(cfg[0], cfg[1])
             tiles_m, tiles_n = wgmma_tiles.grid(m, n, cfg)
             tiles = tiles_m * tiles_n

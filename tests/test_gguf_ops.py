@@ -65,7 +65,13 @@ def test_wgmma_dispatch(monkeypatch):
             assert [G.choose_path(m, qt(n, k, fmt)) for m in (8, 9, 256, 257, top, top + 1)] == \
                 ["mmvq"] + ["wgmma"] * 4 + ["dequant"], (fmt, n, k)
     assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
-    assert G.choose_path(64, qt(1024, 4096)) == "mma"            # 4096->1024: too small a weight
+    # mid-size weights: to M = 96 once M N K > 2^27, 64-token tiles past M = 64; never under 4096 x 1024
+    for n, k, first in ((1024, 4096, 33), (2048, 4096, 17), (2048, 6144, 11), (4096, 3072, 11)):
+        assert [G.choose_path(m, qt(n, k)) for m in (first - 1, first, 96, 97)] == \
+            ["mma", "wgmma", "wgmma", "dequant"], (n, k)
+        assert {G.wgmma_config(m, n, k, 132) for m in range(65, 97)} == {G.WGMMA_MID_CFG}
+    assert G.WGMMA_MID_CFG in G.WGMMA_CFGS and G.wgmma_config(100, 4096, 4096, 132) != G.WGMMA_MID_CFG
+    assert [G.choose_path(m, qt(1024, 2048)) for m in (64, 96)] == ["mma", "mma"]   # under 4096 x 1024
 
 
 def test_gpu_tier_shapes_reach_their_paths():
@@ -266,7 +272,7 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 assert names == [f"dequant<{G.BLOCKS[fmt]}>"]
                 assert calls[0][1][0] * 256 >= n * (k // 32) * 4
             elif path == "wgmma":   # one launch (+ the split-K reduce); T and splits as planned
-                nwg, t, d = G.wgmma_tiles.config(m, n, k, 132)
+                nwg, t, d = G.wgmma_config(m, n, k, 132)
                 assert names[0] == f"gguf_wgmma<{G.BLOCKS[fmt]}, {nwg}, {t}, {d}>"
                 rows = 64 * (1 if t == 256 else 2) * nwg
                 tiles_m, tiles = -(-m // t), -(-m // t) * -(-n // rows)

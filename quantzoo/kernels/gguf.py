@@ -20,7 +20,8 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
   "wgmma"    Hopper only, every format (wgmma_ok), WGMMA_MIN_M <= M <= WGMMA_MAX_M on
-                        weights of WGMMA_MIN_NK elements and up: the dequant path's
+                        weights of WGMMA_MIN_NK elements and up, and to WGMMA_MID_MAX_M on
+                        smaller ones (WGMMA_MID_*, M N K > 2^27): the dequant path's
                         function with the blocks unpacked in registers as wgmma's A operand, fed
                         by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
 
@@ -194,6 +195,21 @@ WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D);
 WGMMA_MIN_M = 9
 WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMMA_MIN_M to WGMMA_MAX_M
 WGMMA_MAX_M = 2048
+# Session 51 (bench/NOTES.md; H100, us, rotated weights, graph replays, each path timed twice in
+# opposite orders; q4_0 / q8_0 / q5_1 on 9 weights of 4096 x 1024 to 6144 x 2048): on mid-size
+# weights, WGMMA_MID_MIN_NK <= N K < WGMMA_MIN_NK, wgmma also beats mma up to M = 96 once
+# M N K > WGMMA_MID_MIN_MNK -- from M = 33 on 4096 x 1024, from 17 on 4096 x 2048, from 9 on
+# 6144 x 2048 -- and by most where mma is slowest, M = 65..96 (64-token tiles there,
+# WGMMA_MID_CFG): q4_0 M = 32 / 64 / 96, wgmma vs mma: 4096->1024 10.4 / 12.4 / 12.3 vs 10.9 /
+# 14.9 / 18.9; 2048->6144 12.1 / 14.3 / 18.0 vs 19.1 / 27.1 / 43.4; q8_0 6144->2048 15.7 / 17.7 /
+# 21.6 vs 18.4 / 25.2 / 40.0; q5_1 1024->4096 M = 64 / 96 14.2 / 14.3 vs 14.4 / 19.1. Below
+# that product mma keeps it (q5_1 4096->1024 M = 32: 11.4 vs 12.7 wgmma); past M = 96 dequant +
+# cuBLAS wins on the smaller of these weights (q4_0 1024->4096 M = 128 9.2 vs 11.9-16.4), wgmma
+# on the larger (q4_0 6144->2048 M = 128 18.2 vs 26.0), left to dequant + cuBLAS.
+WGMMA_MID_MIN_NK = 4096 * 1024
+WGMMA_MID_MIN_MNK = 2**27
+WGMMA_MID_MAX_M = 96
+WGMMA_MID_CFG = (2, 64, 6)
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -379,6 +395,8 @@ def choose_path(m: int, qt, x=None) -> str:
         n, k = qt.shape
         if m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
             return "wgmma"
+        if m <= WGMMA_MID_MAX_M and n * k >= WGMMA_MID_MIN_NK and m * n * k > WGMMA_MID_MIN_MNK:
+            return "wgmma"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
         return "mma"
@@ -395,6 +413,15 @@ def wgmma_ok(qt) -> bool:
     return (getattr(qt, "format", None) in WGMMA_FORMATS and hasattr(data, "data_ptr")
             and data.device.type == "cuda" and qt.shape[1] % 256 == 0 and data.data_ptr() % 16 == 0
             and qt.shape[1] // 32 * BYTES[qt.format] < 2**31 and wgmma_available(data.device))
+
+
+def wgmma_config(m: int, n: int, k: int, slots: int) -> tuple[int, int, int]:
+    """(NWG, T, D) of the wgmma kernel for M rows of an N x K weight on a GPU of `slots` SMs:
+    WGMMA_MID_CFG on a weight under WGMMA_MIN_NK past M = 64, else the rule both wgmma kernels
+    share (wgmma_tiles.config)."""
+    if 64 < m <= WGMMA_MID_MAX_M and n * k < WGMMA_MIN_NK:
+        return WGMMA_MID_CFG
+    return wgmma_tiles.config(m, n, k, slots)
 
 
 def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
@@ -414,7 +441,7 @@ def _wgmma_slot(fmt: str) -> int:
 def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False):
     """y2 = x2 @ W.T, or with glu y2 (M, N/2) = swiglu of its halves [gate | up] (the kernel's
     GLU epilogue: each block computes a gate tile and the matching up tile)."""
-    nwg, t, d = cfg = wgmma_tiles.config(m, n, 32 * nb, _sm_count(y2.device))   # 1 block an SM
+    nwg, t, d = cfg = wgmma_config(m, n, 32 * nb, _sm_count(y2.device))   # 1 block an SM
     name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}{', true' if glu else ''}>"
     kern = _kernel("gguf_wgmma.cu", name)
     smem = wgmma_smem_bytes(fmt, nwg, t, d)
