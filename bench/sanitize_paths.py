@@ -6,7 +6,8 @@
 
 Each forced path of every weight format in the registry (awq: every one of kernels.awq.PATHS; each
 GGUF format: every one of kernels.gguf.PATHS; fp16: its M = 1 GEMV and cuBLAS) runs at M = 1, 3,
-9, 20, 40, 100 (every wgmma token tile up to 128) on N x K = 576 x 384 and 608 x 512 (tails of
+9, 20, 40, 80, 100 (every wgmma token tile up to 128; at 80 and 100 two 64-token tiles, the
+wgmma configs of the mid-size rule) on N x K = 576 x 384 and 608 x 512 (tails of
 every tile; K % 256 == 0 for GGUF's wgmma), and with glu=True on 640 x 512. Each product is compared with
 the CPU emulation (ops.matmul, mode "emulate"; for GGUF's fp16-input paths, dequant and wgmma,
 mode "dequant"; GLU as silu(gate) * up of it) to 2 % of its largest value, so that a wrong answer
@@ -72,7 +73,7 @@ def main(seed: int, formats, parts=PARTS) -> int:
             if not glu:
                 bad += dequant(fmt, qt, qg, f"{fmt} dequant {n}x{k}")
             for path in paths:
-                for m in (1, 3, 9, 20, 40, 100):
+                for m in (1, 3, 9, 20, 40, 80, 100):
                     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                     name = f"{fmt} {path} {n}x{k}{' glu' if glu else ''} M={m}"
                     try:
