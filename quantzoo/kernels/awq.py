@@ -185,7 +185,8 @@ WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 # 18.9 / 21.7 / 21.0; 6144->2048 14.4 / 15.1 / 19.1 / 22.5 vs 23.3 / 23.7 / 26.1 / 28.7;
 # 2048->6144 15.3 / 15.2 / 20.9 / 21.1 vs 30.3 / 19.4 / 27.2 / 24.8; 1024->4096 10.1 / 10.1 /
 # 10.8 / 11.4 vs 11.9 / 10.4 / 11.0 / 11.1 -- losing only at M = 256 on the two smallest weights
-# (1024->4096 above, 2048->2048 12.9 vs 12.2). (1, 128, 5, 2) was 3-20 % slower there. Past
+# (1024->4096 above, 2048->2048 12.9 vs 12.2). (1, 128, 5, 2) was up to 20 % slower there
+# (4096->1024 M = 128 12.1), 2-4 % faster on a few (2048->6144 M = 80 14.7). Past
 # 256 dequant + cuBLAS wins on the smaller of them (2048->4096 M = 320 18.4 vs 21.0). GLU, the
 # same weights as [gate | up] (WGMMA_MID_GLU_CFG): 1024->6144 14.4 / 13.9 / 14.6 / 14.6 vs
 # dispatch's mma or dequant + cuBLAS and silu_mul 24.5 / 14.5 / 18.3 / 18.1; 2560->4096 14.4 /

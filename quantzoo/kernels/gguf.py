@@ -204,7 +204,7 @@ WGMMA_MAX_M = 2048
 # 14.9 / 18.9; 2048->6144 12.1 / 14.3 / 18.0 vs 19.1 / 27.1 / 43.4; q8_0 6144->2048 15.7 / 17.7 /
 # 21.6 vs 18.4 / 25.2 / 40.0; q5_1 1024->4096 M = 64 / 96 14.2 / 14.3 vs 14.4 / 19.1. Below
 # that product mma keeps it (q5_1 4096->1024 M = 32: 11.4 vs 12.7 wgmma); past M = 96 dequant +
-# cuBLAS wins on the smaller of these weights (q4_0 1024->4096 M = 128 9.2 vs 11.9-16.4), wgmma
+# cuBLAS wins on the smaller of these weights (q4_0 1024->4096 M = 128 9.2 vs 12.2-16.4), wgmma
 # on the larger (q4_0 6144->2048 M = 128 18.2 vs 26.0), left to dequant + cuBLAS.
 WGMMA_MID_MIN_NK = 4096 * 1024
 WGMMA_MID_MIN_MNK = 2**27
