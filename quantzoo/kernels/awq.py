@@ -744,7 +744,8 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     # runs each: M = 64 4096->12288 29.3 -> 26.9, 12288->4096 29.8 -> 25.0, 4096->6144 20.5 ->
     # 17.1; 4096->6144 M = 1536 (5 splits) 141 -> 131). At small M that launch is 15-30 % of the
     # product (session 51: 4096->12288 M = 16 16.8 us, 14.2 without it); a generalised hand_over
-    # summing 3-8 parts in the kernel hung on launches of more blocks than SMs (bench/NOTES.md).
+    # summing 3-8 parts in the kernel hung (one counter for arrivals and stores; a fix waits for
+    # the GPU, bench/NOTES.md session 51).
     reduce = splits > 2
     words = wgmma_tiles.columns(nwg, t) // 8
     # past 2 splits the split tiles' columns (wg::SplitParts); at 2 the first half's T x columns a tile
