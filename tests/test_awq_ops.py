@@ -292,10 +292,11 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     assert [awq.wgmma_config(m, glu=True)[1] for m in (16, 17, 64, 65, 129)] == [16, 32, 64, 128, 256]
     # mid-size weights (under WGMMA_MIN_NK) past M = 64: 64-token tiles, one instance each way
     for n, k in ((1024, 4096), (2560, 4096), (6144, 2048)):
-        assert {awq.wgmma_config(m, n, k, 132) for m in range(65, awq.WGMMA_MID_MAX_M + 1)} == {awq.WGMMA_MID_CFG}
-        assert {awq.wgmma_config(m, n, k, 132, glu=True) for m in (65, 256)} == {awq.WGMMA_MID_GLU_CFG}
-    assert awq.WGMMA_MID_CFG not in {awq.wgmma_config(m, 4096, 4096, 132) for m in range(65, 257)}
-    assert awq.WGMMA_MID_CFG in awq.WGMMA_CFGS and awq.WGMMA_MID_GLU_CFG in awq.WGMMA_GLU_CFGS
+        assert {awq.wgmma_config(m, n, k, 132) for m in range(65, awq.WGMMA_MID_MAX_M + 1)} == {(1, 64, 6, 2)}
+        assert {awq.wgmma_config(m, n, k, 132, glu=True) for m in (65, 256)} == {(2, 64, 6)}
+        assert awq.wgmma_config(awq.WGMMA_MID_MAX_M + 1, n, k, 132)[1] != 64
+    assert (1, 64, 6, 2) not in {awq.wgmma_config(m, 4096, 4096, 132) for m in range(65, 257)}
+    assert (1, 64, 6, 2) in awq.WGMMA_CFGS and (2, 64, 6) in awq.WGMMA_GLU_CFGS
 
 
 def test_gpu_tier_reaches_its_kernels(monkeypatch):

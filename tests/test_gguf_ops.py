@@ -69,8 +69,8 @@ def test_wgmma_dispatch(monkeypatch):
     for n, k, first in ((1024, 4096, 33), (2048, 4096, 17), (2048, 6144, 11), (4096, 3072, 11)):
         assert [G.choose_path(m, qt(n, k)) for m in (first - 1, first, 96, 97)] == \
             ["mma", "wgmma", "wgmma", "dequant"], (n, k)
-        assert {G.wgmma_config(m, n, k, 132) for m in range(65, 97)} == {G.WGMMA_MID_CFG}
-    assert G.WGMMA_MID_CFG in G.WGMMA_CFGS and G.wgmma_config(100, 4096, 4096, 132) != G.WGMMA_MID_CFG
+        assert {G.wgmma_config(m, n, k, 132) for m in range(65, 97)} == {(2, 64, 6)}
+    assert (2, 64, 6) in G.WGMMA_CFGS and G.wgmma_config(100, 4096, 4096, 132) != (2, 64, 6)
     assert [G.choose_path(m, qt(1024, 2048)) for m in (64, 96)] == ["mma", "mma"]   # under 4096 x 1024
 
 

@@ -179,7 +179,7 @@ WGMMA_MID_MAX_M = 256              # and for 17 <= M <= WGMMA_MID_MAX_M on weigh
 WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 # Session 51 (bench/NOTES.md; H100, us, rotated weights, graph replays, each candidate timed twice
 # in opposite orders): on those mid-size weights (WGMMA_MID_MIN_NK <= N K < WGMMA_MIN_NK) wgmma
-# with 64-token tiles, WGMMA_MID_CFG (several token tiles a launch past M = 64), beats mma and
+# with 64-token tiles (WGMMA_CFGS' T = 64 config, several token tiles a launch past M = 64) beats mma and
 # dequant + cuBLAS from M = 65 to 256 -- K->N at M = 80 / 128 / 192 / 256: 4096->1024 9.9 / 10.1
 # / 11.6 / 12.7 vs 12.4 / 13.3 / 13.8 / 14.4; 4096->2560 13.3 / 13.9 / 16.8 / 20.0 vs 22.0 /
 # 18.9 / 21.7 / 21.0; 6144->2048 14.4 / 15.1 / 19.1 / 22.5 vs 23.3 / 23.7 / 26.1 / 28.7;
@@ -188,11 +188,9 @@ WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 # (1024->4096 above, 2048->2048 12.9 vs 12.2). (1, 128, 5, 2) was up to 20 % slower there
 # (4096->1024 M = 128 12.1), 2-4 % faster on a few (2048->6144 M = 80 14.7). Past
 # 256 dequant + cuBLAS wins on the smaller of them (2048->4096 M = 320 18.4 vs 21.0). GLU, the
-# same weights as [gate | up] (WGMMA_MID_GLU_CFG): 1024->6144 14.4 / 13.9 / 14.6 / 14.6 vs
+# same weights as [gate | up] (the T = 64 GLU config): 1024->6144 14.4 / 13.9 / 14.6 / 14.6 vs
 # dispatch's mma or dequant + cuBLAS and silu_mul 24.5 / 14.5 / 18.3 / 18.1; 2560->4096 14.4 /
 # 15.0 / 20.6 / 21.4 vs 23.4 / 21.5 / 23.4 / 23.6.
-WGMMA_MID_CFG = (1, 64, 6, 2)
-WGMMA_MID_GLU_CFG = (2, 64, 6)
 WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte rows: N/8 words % 4 == 0
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 # M = 1 on a weight of STRIP_MIN_K <= K <= STRIP_MAX_K rows and STRIP_MIN_N <= N <= STRIP_MAX_N
@@ -697,15 +695,13 @@ def _wgmma_smem(nwg: int, t: int, d: int) -> int:
 
 def wgmma_config(m: int, n: int | None = None, k: int | None = None, slots: int | None = None,
                  glu: bool = False):
-    """(NWG, T, D[, BPS]) of the AWQ wgmma kernel for M rows: on an N x K weight under
-    WGMMA_MIN_NK at 64 < M <= WGMMA_MID_MAX_M, 64-token tiles (WGMMA_MID_CFG / WGMMA_MID_GLU_CFG);
-    else up to M = 128 the narrowest token tile that holds M (WGMMA_CFGS, or WGMMA_GLU_CFGS with
-    glu: the comment above them says why), above that the rule both wgmma kernels share
-    (wgmma_tiles.config)."""
-    if 64 < m <= WGMMA_MID_MAX_M and n is not None and k is not None and n * k < WGMMA_MIN_NK:
-        return WGMMA_MID_GLU_CFG if glu else WGMMA_MID_CFG
-    if m <= 128:
-        t = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    """(NWG, T, D[, BPS]) of the AWQ wgmma kernel for M rows: up to M = 128 the narrowest token
+    tile that holds M (WGMMA_CFGS, or WGMMA_GLU_CFGS with glu: the comment above them says why),
+    and on an N x K weight under WGMMA_MIN_NK 64-token tiles from M = 65 to WGMMA_MID_MAX_M (the
+    comment at WGMMA_MID_MAX_M); above, the rule both wgmma kernels share (wgmma_tiles.config)."""
+    mid = n is not None and k is not None and n * k < WGMMA_MIN_NK
+    if m <= 128 or (mid and m <= WGMMA_MID_MAX_M):
+        t = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 or mid else 128
         return next(c for c in (WGMMA_GLU_CFGS if glu else WGMMA_CFGS) if c[1] == t)
     return wgmma_tiles.config(m, n, k, slots)
 

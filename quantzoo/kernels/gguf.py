@@ -199,8 +199,8 @@ WGMMA_MAX_M = 2048
 # opposite orders; q4_0 / q8_0 / q5_1 on 9 weights of 4096 x 1024 to 6144 x 2048): on mid-size
 # weights, WGMMA_MID_MIN_NK <= N K < WGMMA_MIN_NK, wgmma also beats mma up to M = 96 once
 # M N K > WGMMA_MID_MIN_MNK -- from M = 33 on 4096 x 1024, from 17 on 4096 x 2048, from 9 on
-# 6144 x 2048 -- and by most where mma is slowest, M = 65..96 (64-token tiles there,
-# WGMMA_MID_CFG): q4_0 M = 32 / 64 / 96, wgmma vs mma: 4096->1024 10.4 / 12.4 / 12.3 vs 10.9 /
+# 6144 x 2048 -- and by most where mma is slowest, M = 65..96 (64-token tiles there, the
+# config M = 64 takes: wgmma_config): q4_0 M = 32 / 64 / 96, wgmma vs mma: 4096->1024 10.4 / 12.4 / 12.3 vs 10.9 /
 # 14.9 / 18.9; 2048->6144 12.1 / 14.3 / 18.0 vs 19.1 / 27.1 / 43.4; q8_0 6144->2048 15.7 / 17.7 /
 # 21.6 vs 18.4 / 25.2 / 40.0; q5_1 1024->4096 M = 64 / 96 14.2 / 14.3 vs 14.4 / 19.1. Below
 # that product mma keeps it (q5_1 4096->1024 M = 32: 11.4 vs 12.7 wgmma); past M = 96 dequant +
@@ -209,7 +209,6 @@ WGMMA_MAX_M = 2048
 WGMMA_MID_MIN_NK = 4096 * 1024
 WGMMA_MID_MIN_MNK = 2**27
 WGMMA_MID_MAX_M = 96
-WGMMA_MID_CFG = (2, 64, 6)
 PATHS = ("mmvq", "mma", "mmq", "dequant", "wgmma")
 
 
@@ -417,11 +416,10 @@ def wgmma_ok(qt) -> bool:
 
 def wgmma_config(m: int, n: int, k: int, slots: int) -> tuple[int, int, int]:
     """(NWG, T, D) of the wgmma kernel for M rows of an N x K weight on a GPU of `slots` SMs:
-    WGMMA_MID_CFG on a weight under WGMMA_MIN_NK past M = 64, else the rule both wgmma kernels
-    share (wgmma_tiles.config)."""
-    if 64 < m <= WGMMA_MID_MAX_M and n * k < WGMMA_MIN_NK:
-        return WGMMA_MID_CFG
-    return wgmma_tiles.config(m, n, k, slots)
+    the rule both wgmma kernels share (wgmma_tiles.config), except that on a weight under
+    WGMMA_MIN_NK M = 65..WGMMA_MID_MAX_M keep the 64-token tile of M = 64."""
+    mid = 64 < m <= WGMMA_MID_MAX_M and n * k < WGMMA_MIN_NK
+    return wgmma_tiles.config(64 if mid else m, n, k, slots)
 
 
 def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
