@@ -94,12 +94,38 @@ def main(seed: int, formats, parts=PARTS) -> int:
                     ok = bool(torch.isfinite(got).all()) and err < 2e-2
                     bad += not ok
                     print(f"{'ok ' if ok else 'BAD'} {name}: max error {err:.2e} of the largest value", flush=True)
+    if "matmul" in parts and "awq" in formats:
+        bad += awq_split_k(rng)
     if "layer_ops" in parts:
         bad += layer_ops(seed)
     if "runner" in parts:
         bad += runner(seed, [f for f in formats if f != "fp16"])
     print(f"{bad} wrong")
     return 1 if bad else 0
+
+
+def awq_split_k(rng) -> int:
+    """The AWQ wgmma kernel's split-K sums, forced (on the shapes above dispatch splits no K): at
+    2 splits wg::hand_over, past 2 wg::meet at T = 16 (M = 3, 9; awq.WGMMA_MEET_MAX_T) and
+    wgmma_reduce at T = 32 (M = 20); plain and GLU, against the emulation to 2 %."""
+    if not awq.wgmma_available(torch.device("cuda")):
+        return 0
+    bad = 0
+    for n, k, glu in ((576, 384, False), (640, 512, True)):
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        qt = get("awq").quantize(w, group_size=64)
+        d = qt.to("cuda").data
+        for m in (3, 9, 20):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            want = ops.matmul(x.cpu().float(), qt, mode="emulate").double()
+            if glu:
+                want = torch.nn.functional.silu(want[:, : n // 2]) * want[:, n // 2:]
+            for splits in (2, 3, 5):
+                y = torch.empty(m, n // 2 if glu else n, device="cuda", dtype=torch.float16)
+                awq._wgmma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, 64, splits=splits, glu=glu)
+                torch.cuda.synchronize()
+                bad += _report(f"awq wgmma {n}x{k}{' glu' if glu else ''} M={m} {splits} splits", y, want, tol=2e-2)
+    return bad
 
 
 def dequant(fmt, qt, qg, name) -> int:

@@ -80,10 +80,13 @@
 //   (small M, or N = 4096) is as slow as its longest K walk. The host splits K so that the grid
 //   fills one wave of resident blocks. At 2 splits the first half of a tile to finish hands its
 //   fp32 partial to the second, which adds it to its registers and stores y (wg::hand_over;
-//   wg::work says why the halves are ordered as they are); past 2 the partials meet in a
-//   workspace and the next launch, wgmma_reduce in wgmma_sm90.cuh, adds them in split order
-//   (the last blocks' serial sums of 3 to 16 partials cost more than a launch over the GPU;
-//   M = 64 0.70-0.85x the time with it: bench/NOTES.md, session 17).
+//   wg::work says why the halves are ordered as they are). Past 2, at T = 16 (host:
+//   WGMMA_MEET_MAX_T) every part stores its partial and the last to finish sums them all in split
+//   order and stores y (wg::meet: 2-6 % faster than a reduce launch at M <= 16, session 52); at
+//   larger T the partials meet in a workspace and the next launch, wgmma_reduce in
+//   wgmma_sm90.cuh, adds them in split order (the last blocks' serial sums of 3 to 16 T x 128
+//   partials cost more than a launch over the GPU: M = 64 0.70-0.85x the time with it,
+//   bench/NOTES.md, session 17; again 1.1-1.3x at T = 64 in session 52).
 // * More tiles than resident blocks: the first dp_tiles tiles (whole waves) walk all of K, and
 //   only the tiles of the last, partly empty wave are split, so that they fill it with shorter
 //   blocks (4096->12288 M = 512: 192 tiles on 132 SMs; without this the second wave runs 60
@@ -200,9 +203,10 @@ __device__ __forceinline__ Fragment fragment_of(int tid) {
 // columns, one for the up columns; scales and zeros are 3-D maps (column in the half, gate / up,
 // group row) whose one box holds both halves (tensor_map_halves). K % 32 == 0 (K % G == 0,
 // G >= 32), N % 32 == 0 (GLU: N % 64 == 0). Split tiles, with counters
-// (one zeroed unsigned per tile, left zeroed) and splits == 2: the first half's partial goes to ws
-// in fragment order, T x 8 WORDS floats per split tile; with counters null (any splits): each
-// split's partial to ws for wgmma_reduce (wg::SplitParts: [splits][M][the split columns]).
+// (one zeroed unsigned per tile, left zeroed): partials go to ws in fragment order, T x 8 WORDS
+// floats a slot, one slot per split tile at splits == 2 (wg::hand_over), else one per split of
+// each split tile (wg::meet); with counters null (any splits): each split's partial to ws for
+// wgmma_reduce (wg::SplitParts: [splits][M][the split columns]).
 template <int NWG, int T, int D, bool GLU = false, int BPS = 1>
 __global__ void __launch_bounds__(128 * NWG + 128, BPS)
 awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant__ wg::TmaDesc wmap,
@@ -368,10 +372,12 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     const auto [e_whole, e_tile, e_split, e_n_split] = wg::work(wg::block_index(), dp_tiles, splits, counters);
     const int e_tid = wg::thread_index();
     const auto [e_t, e_c, e_h, e_j0] = awqw::fragment_of<JN>(e_tid);
-    const bool handoff = wg::handoff(counters, splits);
-    if (handoff && e_n_split == 2 && !wg::hand_over<T, JN, C::CONSUMERS>(acc, ws, counters, e_tile, dp_tiles, e_tid))
-      return;   // the first half of the tile: its partial went to the second (wg::hand_over)
-    const bool to_y = e_n_split == 1 || handoff;   // else a split's partial for wgmma_reduce
+    const bool meet = counters != nullptr;   // split tiles' parts summed here, else by wgmma_reduce
+    if (meet && e_n_split > 1 &&
+        !(e_n_split == 2 ? wg::hand_over<T, JN, C::CONSUMERS>(acc, ws, counters, e_tile, dp_tiles, e_tid)
+                         : wg::meet<T, JN, C::CONSUMERS>(acc, ws, counters, e_tile, dp_tiles, e_split, e_n_split, e_tid)))
+      return;   // not the last part of the tile: its partial is out for the last (wg::hand_over, wg::meet)
+    const bool to_y = e_n_split == 1 || meet;   // else a split's partial for wgmma_reduce
     const int e_m0 = wg::x_box_row((e_tile % tiles_m) * T, M, x_rows);
     const int e_col0 = (e_tile / tiles_m) * FW;
 

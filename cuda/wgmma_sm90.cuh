@@ -7,8 +7,9 @@
 // Here: fence / commit / wait, register "pins", setmaxnreg, the register-A m64nTk16 f16 -> f32
 // instructions issued a stage at a time (stage_step), the 128-byte-swizzle shared-memory
 // descriptor, TMA copies onto mbarriers (tma_2d, tma_3d), the stage ring's mbarriers, the block
-// schedule (BlockWork, work, hand_over), the x box rule (x_box_row), the GGUF kernel's GLU store
-// (glu_store), and split K's partials (SplitParts) and their reduce launch (wgmma_reduce).
+// schedule (BlockWork, work), split tiles' parts summed in the kernel (hand_over, meet), the x
+// box rule (x_box_row), the GGUF kernel's GLU store (glu_store), and split K's partials
+// (SplitParts) and their reduce launch (wgmma_reduce).
 // The wgmma pieces are only defined where the architecture-specific features exist (sm_90a);
 // elsewhere the kernels that include this compile to empty bodies. TmaDesc, SplitParts and
 // wgmma_reduce are plain CUDA, defined for every target.
@@ -240,7 +241,8 @@ __device__ __forceinline__ void consumers_sync(int threads) {
 
 // Split K at 2 splits (awq_wgmma.cu; the GGUF kernel sends every split launch to wgmma_reduce):
 // the tile's halves meet in the kernel when the host gives tile counters (handoff); past 2
-// splits, or with counters null, the partials go to a workspace for wgmma_reduce. With handoff
+// splits the parts meet in the kernel in this BlockWork order (wg::meet), or, with counters
+// null, go to a workspace for wgmma_reduce. With handoff
 // the blocks run in the order [first halves | whole tiles | second halves]: with more tiles than
 // SMs the first wave is the R first halves and whole tiles, so the first halves end early and
 // hand their partials over long before the second halves (the second wave, after the whole
@@ -310,6 +312,77 @@ __device__ __forceinline__ bool hand_over(float (&acc)[JN][T / 2], float* ws, un
     for (int v = 0; v < T / 8; ++v) {
       const float4 q = __ldcg(part + (j * T / 8 + v) * THREADS);
       acc[j][4 * v] += q.x; acc[j][4 * v + 1] += q.y; acc[j][4 * v + 2] += q.z; acc[j][4 * v + 3] += q.w;
+    }
+  return true;
+}
+
+// The meeting of a split tile's S > 2 parts (awq_wgmma.cu, where the host gives tile counters
+// past 2 splits: T = 16, awq.WGMMA_MEET_MAX_T), called by the consumer threads after the K loop
+// with the block's split and the tile's splits S. Every part stores its accumulators to its
+// split's slot of ws (T x 64 JN x NWG floats in fragment order, S slots a split tile); after the
+// consumers' barrier one thread fences (cumulative: every consumer's stores are ordered before
+// what follows) and counts the part: the one that reads S - 1 is the last, and every other
+// part's slot is out. It zeroes the counter for the next launch and sums the slots in split order
+// -- wgmma_reduce's order, so the same bits whichever part came last -- loading B splits' slots
+// at a time (16 float4s in flight a thread: a rolled loop waits one L2 round trip a split), and
+// returns true with the tile's sum in acc; the others return false. No part waits: the last reads
+// only what has already been counted. (Session 51's version counted arrivals first, as hand_over
+// does; all but the last stored afterwards and the last spun on a second count. With one
+// counter for both a late arrival could read a count past S - 1 and take the last's path too,
+// and the two "last" parts waited for ever; with the counts apart it ran, no faster than
+// wgmma_reduce. bench/NOTES.md, sessions 51 and 52.)
+template <int T, int JN, int THREADS>
+__device__ __forceinline__ bool meet(float (&acc)[JN][T / 2], float* ws, unsigned* counters, int tile,
+                                     int dp_tiles, int split, int splits, int tid) {
+  constexpr int NF = JN * T / 8;                  // a thread's float4s
+  constexpr int SLOT = THREADS * NF;              // float4s a slot
+  constexpr int B = NF >= 16 ? 1 : 16 / NF;       // splits loaded at a time
+  float4* slots = reinterpret_cast<float4*>(ws) + (size_t)(tile - dp_tiles) * splits * SLOT + tid;
+  auto at = [&](int f) -> float& { return acc[f / (T / 8)][4 * (f % (T / 8))]; };
+#pragma unroll
+  for (int f = 0; f < NF; ++f) {
+    const float* a = &at(f);
+    __stcg(slots + (size_t)split * SLOT + f * THREADS, make_float4(a[0], a[1], a[2], a[3]));
+  }
+  consumers_sync(THREADS);
+  __shared__ unsigned last;
+  if (tid == 0) {
+    __threadfence();   // after the barrier: cumulative, it orders every consumer's stores before the count
+    last = atomicAdd(counters + tile, 1u) == (unsigned)(splits - 1);
+    if (last) {
+      counters[tile] = 0;
+      __threadfence();
+    }
+  }
+  consumers_sync(THREADS);
+  if (!last) return false;
+#pragma unroll
+  for (int f = 0; f < NF; ++f) {
+    const float4 q = __ldcg(slots + f * THREADS);
+    float* a = &at(f);
+    a[0] = q.x; a[1] = q.y; a[2] = q.z; a[3] = q.w;
+  }
+  int z = 1;
+  for (; z + B <= splits; z += B) {
+    float4 q[B][NF];
+#pragma unroll
+    for (int u = 0; u < B; ++u)
+#pragma unroll
+      for (int f = 0; f < NF; ++f) q[u][f] = __ldcg(slots + (size_t)(z + u) * SLOT + f * THREADS);
+#pragma unroll
+    for (int u = 0; u < B; ++u)
+#pragma unroll
+      for (int f = 0; f < NF; ++f) {
+        float* a = &at(f);
+        a[0] += q[u][f].x; a[1] += q[u][f].y; a[2] += q[u][f].z; a[3] += q[u][f].w;
+      }
+  }
+  for (; z < splits; ++z)
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+      const float4 q = __ldcg(slots + (size_t)z * SLOT + f * THREADS);
+      float* a = &at(f);
+      a[0] += q.x; a[1] += q.y; a[2] += q.z; a[3] += q.w;
     }
   return true;
 }
@@ -426,8 +499,8 @@ __device__ __forceinline__ void sum_splits(float (&s)[V], const float* __restric
 // summed inside the kernel by each tile's last block, the few blocks doing it made GGUF's split
 // launches 2x slower with scalar loads (4096->4096 Q4_0 M = 64: 16.4 -> 36.9 us, session 16) and
 // 5-12 % slower with coalesced fragment-order partials (session 17, bench/NOTES.md). The AWQ
-// kernel uses it past 2 splits; at 2 its halves meet in the kernel (hand_over; awq_wgmma.cu
-// says why).
+// kernel uses it past 2 splits at T > 16; at 2 its halves meet in the kernel (hand_over), and
+// past 2 at T = 16 its parts do (meet; awq_wgmma.cu says why).
 template <int V, bool GLU = false>
 __global__ void wgmma_reduce(const float* __restrict__ part, half* __restrict__ y, int M, int N, int T, int rows,
                              int tiles_m, int dp_tiles, int splits, long long count) {

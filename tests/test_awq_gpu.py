@@ -480,15 +480,15 @@ SPLIT_K_CFGS = ((1, 16, 6, 4), (1, 32, 8, 3), (1, 64, 6, 2), (1, 128, 5, 2), (2,
                                                 (12288, 256, 128, 300, 5, 0), (12288, 256, 128, 300, 5, 1),
                                                 (608, 1120, 32, 520, 3, 2), (608, 1120, 32, 520, 2, 5)], ids=str)
 def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
-    """Split K across blocks (fp32 partials, summed by the tile's last block at 2 splits, by the
-    wgmma_reduce launch above): uneven splits, K not a multiple of the 64-row stage (608 = 9.5
-    stages), one stage per split, M and N tails; and the schedule with the first dp tiles whole
-    and only the rest split, by the reduce (3 splits) and by the hand-over (2 splits). Every
+    """Split K across blocks (fp32 partials, summed by the tile's last block at 2 splits and, at
+    T <= WGMMA_MEET_MAX_T, at any splits; else by the wgmma_reduce launch): uneven splits, K not a
+    multiple of the 64-row stage (608 = 9.5 stages), one stage per split, M and N tails; and the
+    schedule with the first dp tiles whole and only the rest split, at 3 splits and at 2. Every
     non-GLU instance against the emulation's bound, (2, 256, 5) included: dispatch's T = 256
     config, whose 2-split hand-over the GLU test only compares with the same kernel. The second
-    call's workspace is exactly the size the host asks for (the first half's T x columns a split
-    tile at 2 splits; past 2, splits x M x the split tiles' columns, wg::SplitParts), with a
-    sentinel guard after it that must stay untouched."""
+    call's workspace is exactly the size the host asks for (wg::meet's: a T x columns slot per
+    split of a split tile; wg::hand_over's: one; wgmma_reduce's: splits x M x the split tiles'
+    columns, wg::SplitParts), with a sentinel guard after it that must stay untouched."""
     awq = awq_mod()
     if not awq.wgmma_available(torch.device("cuda")):
         pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
@@ -514,7 +514,10 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
         tiles_m, dp_run, splits_run = seen[-1]
         tiles = tiles_m * wgmma_tiles.grid(m, n, cfg)[1]
         cols = wgmma_tiles.columns(*cfg[:2])   # a tile's; the split tiles are column tiles dp / tiles_m on
-        need = (tiles - dp_run) * cfg[1] * cols if splits_run == 2 else splits_run * m * (n - dp_run // tiles_m * cols)
+        if splits_run == 2 or cfg[1] <= awq.WGMMA_MEET_MAX_T:   # wg::hand_over's one slot, wg::meet's splits
+            need = (tiles - dp_run) * cfg[1] * cols * (1 if splits_run == 2 else splits_run)
+        else:
+            need = splits_run * m * (n - dp_run // tiles_m * cols)
         key = ("partials", str(x.device), current_stream_ptr())   # workspaces._CACHE: bytes
         if call == 0:   # the cached workspace, replaced by one of exactly `need` floats and a guard
             assert splits_run > 1 and workspaces._CACHE[key].numel() >= 4 * need
@@ -524,6 +527,53 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
         else:
             assert workspaces._CACHE[key].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
             assert bool((guard[need:] == 1234.5).all()), f"wgmma {cfg}: partials written past the workspace"
+
+
+@pytest.mark.parametrize("k,n,m,cfg,splits,glu", [(4096, 12288, 8, (1, 16, 6, 4), 4, False),
+                                                   (4096, 4096, 16, (1, 16, 6, 4), 8, False),
+                                                   (608, 576, 33, (1, 32, 8, 3), 10, False),
+                                                   (4096, 1024, 130, (1, 64, 6, 2), 5, False),
+                                                   (4096, 8704, 7, (2, 16, 10, 2), 4, True),
+                                                   (2048, 8704, 20, (2, 32, 12), 5, True),
+                                                   (2048, 8704, 50, (2, 64, 6), 3, True)], ids=str)
+def test_wgmma_meet_matches_reduce(k, n, m, cfg, splits, glu, monkeypatch):
+    """Past 2 splits a split tile's parts can meet in the kernel (wg::meet: the last to finish sums
+    every part's slot in split order; dispatch does so at T <= WGMMA_MEET_MAX_T, this test at
+    every T) or be left to wgmma_reduce (WGMMA_MEET_MAX_T = 0), which sums in the same order: the
+    two are equal bit for bit. Launches of more blocks than the GPU holds at once (4096->12288 M = 8: 384 blocks; a
+    counter that counted arrivals and stores together hung there, bench/NOTES.md session 51), 10
+    splits of 9.5 stages, M tails, several token tiles (M = 130), GLU; each path called twice, so
+    the counters the first call left must be zero, and left zero at the end; the plain products
+    within the emulation's bound (check)."""
+    from quantzoo.kernels import workspaces
+
+    awq = awq_mod()
+    if not awq.wgmma_available(torch.device("cuda")):
+        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    g = 128 if k % 128 == 0 else 32
+    rng = case_rng()
+    _, qt, qtc, w16 = weight(k, n, g, seed=splits)
+    d = qtc.data
+    x16 = rand_x(rng, m, k)
+    x = torch.from_numpy(x16).cuda()
+    ys, meet_max = {}, 256   # meet at every T (dispatch meets only to WGMMA_MEET_MAX_T), then never
+    for meet_t in (meet_max, 0):
+        monkeypatch.setattr(awq, "WGMMA_MEET_MAX_T", meet_t)
+        for call in range(2):
+            y = torch.full((m, n // 2 if glu else n), float("nan"), dtype=torch.float16, device="cuda")
+            awq._wgmma(x, d["qweight"], d["scales"], d["qzeros"], y, m, k, n, g, cfg=cfg, splits=splits, glu=glu)
+            torch.cuda.synchronize()
+            what = f"{k}x{n} M={m} {cfg} splits={splits} glu={glu} {'meet' if meet_t else 'reduce'} call {call} {seed_note()}"
+            assert torch.isfinite(y).all(), f"{what}: unwritten outputs"
+            if call:
+                assert torch.equal(y, ys[meet_t]), f"{what}: differs from the first call"
+            ys[meet_t] = y
+        if not glu:
+            check(y, x16, qt, w16, what)
+    ctr = workspaces._CACHE[workspaces._key("counters", x.device)]
+    assert int((ctr != 0).sum()) == 0, f"{what}: tile counters left nonzero"
+    diff = float((ys[0].float() - ys[meet_max].float()).abs().max())
+    assert torch.equal(ys[0], ys[meet_max]), f"{what}: in-kernel sum differs from wgmma_reduce's by {diff:.3g}"
 
 
 def test_wgmma_refuses_n_not_multiple_of_32():

@@ -191,6 +191,16 @@ WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 # same weights as [gate | up] (the T = 64 GLU config): 1024->6144 14.4 / 13.9 / 14.6 / 14.6 vs
 # dispatch's mma or dequant + cuBLAS and silu_mul 24.5 / 14.5 / 18.3 / 18.1; 2560->4096 14.4 /
 # 15.0 / 20.6 / 21.4 vs 23.4 / 21.5 / 23.4 / 23.6.
+# Split tiles past 2 splits at token tiles T <= WGMMA_MEET_MAX_T: their parts summed in the kernel
+# by the last to finish (wg::meet), not by a wgmma_reduce launch. Session 52 (H100, us, rotated
+# weights, graph replays, each timed three times in alternating order, min; bench/NOTES.md), meet
+# vs reduce at T = 16, K->N at M = 4 / 8 / 16: 4096->12288 15.4 / 15.5 / 15.5 vs 16.0 / 16.1 /
+# 16.1; 12288->4096 16.6 / 16.6 / 16.7 vs 16.9 / 16.9 / 17.1; 4096->4096 9.4 / 9.7 / 9.7 vs 9.7 /
+# 9.7 / 9.9; 2048->6144 M = 16 8.7 vs 9.3; GLU 4096->8704 M = 4 / 16 14.8 / 15.0 vs 15.7 / 15.7;
+# 6144->2048 M = 16 9.9 vs 9.8. At T = 32 it loses where a tile has many splits (6144->2048
+# M = 32 11.5 vs 10.5, 4096->4096 11.1 vs 10.8: the last block reads every split's T x 128
+# floats alone), and at T = 64 by 10-30 % (4096->1024 M = 128 11.2 vs 9.9).
+WGMMA_MEET_MAX_T = 16
 WGMMA_N_MULTIPLE = 32   # wgmma's weight tiles come by TMA, which needs 16-byte rows: N/8 words % 4 == 0
 GEMV_MIN_N = 16384      # M = 1 and N >= this: gemv
 # M = 1 on a weight of STRIP_MIN_K <= K <= STRIP_MAX_K rows and STRIP_MIN_N <= N <= STRIP_MAX_N
@@ -735,18 +745,19 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     # per: 64-row stages a split; one split's blocks walk all of K and never read it
     rows = _split_rows(k, splits, 64 * per if splits > 1 else k)
     # Split K's partials: at 2 splits the tile's halves meet in the kernel (tile counters; the
-    # first hands its partial, T x columns floats in fragment order, to the second: wg::hand_over),
-    # past 2 a wgmma_reduce launch adds them (session 17, us, in-kernel sum vs reduce launch, two
-    # runs each: M = 64 4096->12288 29.3 -> 26.9, 12288->4096 29.8 -> 25.0, 4096->6144 20.5 ->
-    # 17.1; 4096->6144 M = 1536 (5 splits) 141 -> 131). At small M that launch is 15-30 % of the
-    # product (session 51: 4096->12288 M = 16 16.8 us, 14.2 without it); a generalised hand_over
-    # summing 3-8 parts in the kernel hung (one counter for arrivals and stores; a fix waits for
-    # the GPU, bench/NOTES.md session 51).
-    reduce = splits > 2
+    # first hands its partial, T x columns floats in fragment order, to the second: wg::hand_over);
+    # past 2 at T <= WGMMA_MEET_MAX_T the last part to finish sums them all (wg::meet), at larger
+    # T a wgmma_reduce launch does (session 17, us, in-kernel sum vs reduce launch, two runs each:
+    # M = 64 4096->12288 29.3 -> 26.9, 12288->4096 29.8 -> 25.0, 4096->6144 20.5 -> 17.1;
+    # 4096->6144 M = 1536 (5 splits) 141 -> 131). At small M that launch is 15-30 % of the
+    # product (session 51: 4096->12288 M = 16 16.8 us, 14.2 without it); wg::meet wins back a
+    # third of it at T = 16 (the comment at WGMMA_MEET_MAX_T).
+    reduce = splits > 2 and t > WGMMA_MEET_MAX_T
     words = wgmma_tiles.columns(nwg, t) // 8
-    # past 2 splits the split tiles' columns (wg::SplitParts); at 2 the first half's T x columns a tile
-    ws = workspaces.scratch("partials", 1 if splits == 1 else (tiles - dp) * t * 8 * words if not reduce
-                            else wgmma_tiles.parts_numel(m, n // 2 if glu else n, cfg, dp, splits, glu),
+    # for wgmma_reduce the split tiles' columns (wg::SplitParts); for wg::meet a T x columns slot
+    # per split of a split tile, for wg::hand_over one a split tile (only the first half stores)
+    ws = workspaces.scratch("partials", 1 if splits == 1 else (tiles - dp) * t * 8 * words * (1 if splits == 2 else splits)
+                            if not reduce else wgmma_tiles.parts_numel(m, n // 2 if glu else n, cfg, dp, splits, glu),
                             torch.float32, dev)
     ctr = None if reduce else workspaces.counters(tiles, dev)
     gps = 2 if g == 32 else 1   # groups a 64-row stage spans

@@ -16,7 +16,7 @@ never points into the eager caches: growing or releasing them cannot break one, 
 replay on another stream shares nothing with eager calls there.
 
 Counters must read zero when a kernel starts; each kernel leaves the counters it used at zero
-again (cuda/awq_common.cuh's atomicInc wraps, wg::hand_over stores 0), so consecutive launches
+again (cuda/awq_common.cuh's atomicInc wraps, wg::hand_over and wg::meet store 0), so consecutive launches
 on one stream share one zeroed buffer. Zeroing costs a memset, which in a graph is a node that
 also breaks the programmatic-dependent-launch chain: a capture therefore gets one counter buffer
 per stream it runs on, zeroed at its first use there (one memset node per graph and stream) and
