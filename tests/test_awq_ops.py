@@ -257,19 +257,23 @@ def test_strip_launch_dry_run(monkeypatch):
 
 
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
-    """wgmma takes 8 <= M <= WGMMA_MAX_M (2048) on weights of at least 4096 x 4096 and 17 <= M <= 256
-    from 1024 x 4096 (64-token tiles past M = 64 there), with N % 32 == 0, and only where the
-    device is a Hopper GPU; elsewhere (or with no device) the rules above stand."""
+    """wgmma takes 5 <= M <= WGMMA_MAX_M (2048) on weights of at least 4096 x 4096, 5 <= M <= 256
+    from 2048 x 4096 and 17 <= M <= 256 from 1024 x 4096 (64-token tiles past M = 64 there), with
+    N % 32 == 0, and only where the device is a Hopper GPU; elsewhere (or with no device) the
+    rules above stand."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
     monkeypatch.setattr(awq, "_sm_count", lambda dev: 132)
     top = awq.WGMMA_MAX_M
     assert top == 2048
-    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (7, 8, 16, 17, 256, 257, 512, 1025, top, top + 1)] \
+    assert [awq.choose_path(m, shape(12288, 4096), cuda) for m in (4, 5, 16, 17, 256, 257, 512, 1025, top, top + 1)] \
         == ["small"] + ["wgmma"] * 8 + ["dequant+cublas"]
-    assert [awq.choose_path(m, shape(4096, 4096), cuda) for m in (7, 8, 16, 32, 33, 512, 1024, top, top + 1)] == \
+    assert [awq.choose_path(m, shape(4096, 4096), cuda) for m in (4, 5, 16, 32, 33, 512, 1024, top, top + 1)] == \
         ["small"] + ["wgmma"] * 7 + ["dequant+cublas"]
+    assert [awq.choose_path(m, shape(2048, 4096), cuda) for m in (4, 5, 16, 17, 256, 257)] == \
+        ["small"] + ["wgmma"] * 4 + ["dequant+cublas"]
+    assert [awq.choose_path(m, shape(2016, 4096), cuda) for m in (5, 16, 17)] == ["small"] * 2 + ["wgmma"]
     assert [awq.choose_path(m, shape(1024, 4096), cuda) for m in (8, 16, 17, 64, 65, 128, 256, 257)] == \
         ["small"] * 2 + ["wgmma"] * 5 + ["dequant+cublas"]
     assert [awq.choose_path(m, shape(2048, 1024), cuda) for m in (17, 96, 97)] == ["mma"] * 2 + ["dequant+cublas"]

@@ -479,7 +479,7 @@ def test_model_glu_fusion_is_bit_identical(fmt, monkeypatch):
                       rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
     m = build_model(cfg, synthetic_weights(fmt, cfg, "cuda", seed=3), None, device="cuda")
     mod = awq if fmt == "awq" else gguf
-    for name in ("WGMMA_MIN_NK", "WGMMA_MID_MIN_NK"):   # every weight size
+    for name in ("WGMMA_MIN_NK", "WGMMA_MID_MIN_NK", "WGMMA_LOW_MIN_NK"):   # every weight size
         if hasattr(mod, name):
             monkeypatch.setattr(mod, name, 0)
     gu = m.layers[0].gate_up.qt

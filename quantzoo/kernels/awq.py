@@ -160,6 +160,15 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 4096->1024 M = 16 small 7.0-7.1 vs wgmma 8.1; at M = 2-4 small still wins on 4096->12288 (15.6
 # vs 17.1) and 12288->4096 (15.7 vs 18.0) but not on 4096->24576 (M = 4 31.0 vs 26.0), a
 # per-shape rule not made.
+# Session 52 (bench/NOTES.md; forced paths, us, rotated weights, graph replays, each timed four
+# times in alternating order, min), after wg::meet took wgmma_reduce's launch off T = 16: the
+# small kernel's time climbs with M and wgmma's stays flat, so wgmma wins from M = 5 on weights
+# from 4096 x 2048 (WGMMA_LOW_MIN_NK) -- small vs wgmma at M = 5 / 8: 4096->12288 17.1 / 18.4 vs
+# 15.5 / 15.7; 12288->4096 16.5 / 18.2 vs 16.7 / 16.9 (a 1 % loss at 5, wins from 6); 4096->4096
+# 11.4 / 13.4 vs 9.7 / 9.6; 4096->2048 8.1 / 9.3 vs 8.0 / 8.0; 2048->6144 10.9 / 13.0 vs 8.9 /
+# 8.9; 6144->2048 11.1 / 13.3 vs 9.9 / 9.9; GLU 4096->24576 36.4 / 38.7 vs 30.0 / 30.2. Below M = 5
+# small wins on some (12288->4096 M = 4 16.0 vs 16.9, 4096->2048 7.7 vs 8.0), wgmma on others
+# (GLU 4096->24576 M = 2 32.0 vs 29.8, 4096->4096 M = 4 10.8 vs 9.6): no one rule.
 # Session 25 (bench/awq_bench.py --paths all, rotated weights, us; after the split-K hand-over of
 # session 23 and the whole-sector stores of session 25): wgmma now beats every other path on
 # 4096->4096 from M = 32 to 1024 -- M = 64 13.9 vs 20.4 (mma), M = 128 19.2 vs 30.7 (dequant +
@@ -172,9 +181,10 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # included -- the Qwen3-8B-shaped runner's prefill with wgmma to M = 1536 / 2048 vs to 1024: +9 % /
 # +6 % tok/s (6 rounds each, rotated order, every round the same way); at 4096 dequant + cuBLAS
 # stays ahead (-3 %). gguf.py has the same finding.
-WGMMA_MIN_M = 8         # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M on weights of
+WGMMA_MIN_M = 5         # on Hopper, WGMMA_MIN_M <= M <= WGMMA_MAX_M on weights of
 WGMMA_MAX_M = 2048
 WGMMA_MIN_NK = 4096 * 4096         # at least this many elements,
+WGMMA_LOW_MIN_NK = 4096 * 2048     # for M <= 16 on weights of at least this many,
 WGMMA_MID_MAX_M = 256              # and for 17 <= M <= WGMMA_MID_MAX_M on weights of
 WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 # Session 51 (bench/NOTES.md; H100, us, rotated weights, graph replays, each candidate timed twice
@@ -450,7 +460,7 @@ def choose_path(m: int, qt=None, dev=None) -> str:
     if dev is None and qt is not None and isinstance(getattr(qt, "data", None), dict):
         qw = qt.data.get("qweight")
         dev = qw.device if isinstance(qw, torch.Tensor) else None
-    min_nk = WGMMA_MID_MIN_NK if 16 < m <= WGMMA_MID_MAX_M else WGMMA_MIN_NK
+    min_nk = WGMMA_LOW_MIN_NK if m <= 16 else WGMMA_MID_MIN_NK if m <= WGMMA_MID_MAX_M else WGMMA_MIN_NK
     if (WGMMA_MIN_M <= m <= WGMMA_MAX_M and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"
             and wgmma_available(dev)
             and n * k >= min_nk):
