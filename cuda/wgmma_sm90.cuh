@@ -449,42 +449,46 @@ __device__ __forceinline__ void glu_store(const half* tiles, half* y, int m0, in
 #endif
 
 // ---- split K's reduce (plain CUDA: every target) ----
+// Partials p[V i .. V i + V) (V = 4: one 16-byte load; else V = 1), through L2.
+template <int V>
+struct Part { float v[V]; };
+template <int V>
+__device__ __forceinline__ Part<V> load_part(const float* p, size_t i) {
+  Part<V> r;
+  if constexpr (V == 4) {
+    const float4 q = __ldcg(reinterpret_cast<const float4*>(p) + i);
+    r.v[0] = q.x; r.v[1] = q.y; r.v[2] = q.z; r.v[3] = q.w;
+  } else {
+    r.v[0] = __ldcg(p + i);
+  }
+  return r;
+}
 // The partials of V consecutive elements, summed in split order. The loads go out four splits at
 // a time (a rolled loop waited for each partial before asking for the next: one L2 round trip a
 // split, most of the launch at small M -- bench/NOTES.md, session 51).
 template <int V>
 __device__ __forceinline__ void sum_splits(float (&s)[V], const float* __restrict__ part, size_t o, size_t stride,
                                            int splits) {
-  if constexpr (V == 4) {
-    const float4* p = reinterpret_cast<const float4*>(part + o);
-    const size_t st = stride / 4;   // stride is a multiple of 4 floats when V == 4
-    float4 a = __ldcg(p);
-    int z = 1;
-    for (; z + 4 <= splits; z += 4) {
-      float4 q[4];
+  const float* p = part + o;
+  const size_t st = stride / V;   // stride is a multiple of V floats
+  Part<V> a = load_part<V>(p, 0);
+  int z = 1;
+  for (; z + 4 <= splits; z += 4) {
+    Part<V> q[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) q[u] = __ldcg(p + (z + u) * st);
+    for (int u = 0; u < 4; ++u) q[u] = load_part<V>(p, (z + u) * st);
 #pragma unroll
-      for (int u = 0; u < 4; ++u) { a.x += q[u].x; a.y += q[u].y; a.z += q[u].z; a.w += q[u].w; }
-    }
-    for (; z < splits; ++z) {
-      const float4 q = __ldcg(p + z * st);
-      a.x += q.x; a.y += q.y; a.z += q.z; a.w += q.w;
-    }
-    s[0] = a.x; s[1] = a.y; s[2] = a.z; s[3] = a.w;
-  } else {
-    float a = __ldcg(part + o);
-    int z = 1;
-    for (; z + 4 <= splits; z += 4) {
-      float q[4];
+    for (int u = 0; u < 4; ++u)
 #pragma unroll
-      for (int u = 0; u < 4; ++u) q[u] = __ldcg(part + (z + u) * stride + o);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) a += q[u];
-    }
-    for (; z < splits; ++z) a += __ldcg(part + z * stride + o);
-    s[0] = a;
+      for (int e = 0; e < V; ++e) a.v[e] += q[u].v[e];
   }
+  for (; z < splits; ++z) {
+    const Part<V> q = load_part<V>(p, z * st);
+#pragma unroll
+    for (int e = 0; e < V; ++e) a.v[e] += q.v[e];
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e) s[e] = a.v[e];
 }
 
 // wgmma_reduce, a launch of its own after either kernel: y = the sum of the split tiles'
