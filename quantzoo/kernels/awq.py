@@ -27,10 +27,11 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
     "wgmma"           cuda/awq_wgmma.cu  Hopper (sm_90a) only: wgmma with the weight dequantised
                                          in registers as operand A, every tile by TMA from a
                                          producer warpgroup, split K, any M, N % 32 == 0;
-                                         chosen on Hopper for 8 <= M <= WGMMA_MAX_M on weights
-                                         of WGMMA_MIN_NK (4096 x 4096) elements and up, and
-                                         for 17 <= M <= 256 from 1024 x 4096 (bench/NOTES.md
-                                         sessions 8, 13, 15, 18, 25, 51)
+                                         chosen on Hopper for 5 <= M <= WGMMA_MAX_M on weights
+                                         of WGMMA_MIN_NK (4096 x 4096) elements and up, for
+                                         5 <= M <= 256 from 2048 x 4096 and for 17 <= M <= 256
+                                         from 1024 x 4096 (bench/NOTES.md sessions 8, 13, 15,
+                                         18, 25, 51, 52)
 matmul(x, qt, glu=True) is the decoder MLP's silu(x @ gate) * (x @ up) for a weight whose columns
 are [gate | up]: on the wgmma path in the kernel's epilogue (cuda/awq_wgmma.cu, GLU), elsewhere
 the product into a workspace, then layer_ops.silu_mul (the same values either way).
@@ -166,7 +167,12 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # from 4096 x 2048 (WGMMA_LOW_MIN_NK) -- small vs wgmma at M = 5 / 8: 4096->12288 17.1 / 18.4 vs
 # 15.5 / 15.7; 12288->4096 16.5 / 18.2 vs 16.7 / 16.9 (a 1 % loss at 5, wins from 6); 4096->4096
 # 11.4 / 13.4 vs 9.7 / 9.6; 4096->2048 8.1 / 9.3 vs 8.0 / 8.0; 2048->6144 10.9 / 13.0 vs 8.9 /
-# 8.9; 6144->2048 11.1 / 13.3 vs 9.9 / 9.9; GLU 4096->24576 36.4 / 38.7 vs 30.0 / 30.2. Below M = 5
+# 8.9; 6144->2048 11.1 / 13.3 vs 9.9 / 9.9; GLU 4096->24576 36.4 / 38.7 vs 30.0 / 30.2; at M = 9 /
+# 16 (those weights under 4096 x 4096 went to small there too): 2048->6144 12.4 / 14.1 vs 8.7 /
+# 8.7, 4096->2048 8.3 / 9.4 vs 7.8 / 7.9, 2048->4096 8.1 / 9.2 vs 7.5 / 7.5, 4096->2560 11.1 /
+# 13.2 vs 9.2 / 9.3. Under 4096 x 2048 small mostly stays ahead (4096->1024 M = 16 7.0 vs 7.8,
+# 2048->2048 M = 9 6.6 vs 7.0), though GLU 1024->6144 (6.3M elements) would gain from M = 8
+# (M = 16 12.1 vs 9.2): left as is. Below M = 5
 # small wins on some (12288->4096 M = 4 16.0 vs 16.9, 4096->2048 7.7 vs 8.0), wgmma on others
 # (GLU 4096->24576 M = 2 32.0 vs 29.8, 4096->4096 M = 4 10.8 vs 9.6): no one rule.
 # Session 25 (bench/awq_bench.py --paths all, rotated weights, us; after the split-K hand-over of
@@ -259,7 +265,8 @@ MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
 # (4096->12288 M = 8: 17.9 vs mma 20.3 / wgmma 20.0; 12288->4096: 18.0 vs 21.0 / 20.1; a tie only
 # at 4096->24576 M = 8, 35.5 vs mma 34.7), and at 8 < M <= 16 only for the small weights
 # (4096->1024 M = 16: 7.2 vs 10.8; 4096->12288 M = 16: 31.0 vs mma 22.6). On Hopper choose_path
-# asks wgmma first, which since session 18 takes M = 8 on weights of WGMMA_MIN_NK and up.
+# asks wgmma first, which since session 18 takes M = 8 on weights of WGMMA_MIN_NK and up, and
+# since session 52 M = 5 on weights from WGMMA_LOW_MIN_NK (the comment at WGMMA_MIN_M).
 SMALL_MAX_M = 16        # M <= 8, and M <= this with ...
 SMALL_MMA_NK = 1 << 24  # ... N * K <= this: the small-M kernel (awq_small.cu); else mma
 SMALL_M1 = (1, 2, 8, 1, 0, 4)   # config for M <= 8 on untuned shapes ...
