@@ -239,10 +239,10 @@ __device__ __forceinline__ void consumers_sync(int threads) {
   asm volatile("bar.sync 1, %0;\n" :: "r"(threads) : "memory");
 }
 
-// Split K at 2 splits (awq_wgmma.cu; the GGUF kernel sends every split launch to wgmma_reduce):
-// the tile's halves meet in the kernel when the host gives tile counters (handoff); past 2
-// splits the parts meet in the kernel in this BlockWork order (wg::meet), or, with counters
-// null, go to a workspace for wgmma_reduce. With handoff
+// Split K in the AWQ kernel (the GGUF kernel sends every split launch to wgmma_reduce): when the
+// host gives tile counters, a tile's halves meet in the kernel at 2 splits (handoff, hand_over),
+// and past 2 its parts do in BlockWork's own order, a tile's parts side by side (meet); with
+// counters null the partials go to a workspace for wgmma_reduce. With handoff
 // the blocks run in the order [first halves | whole tiles | second halves]: with more tiles than
 // SMs the first wave is the R first halves and whole tiles, so the first halves end early and
 // hand their partials over long before the second halves (the second wave, after the whole

@@ -773,7 +773,8 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     words = wgmma_tiles.columns(nwg, t) // 8
     # for wgmma_reduce the split tiles' columns (wg::SplitParts); for wg::meet a T x columns slot
     # per split of a split tile, for wg::hand_over one a split tile (only the first half stores)
-    ws = workspaces.scratch("partials", 1 if splits == 1 else (tiles - dp) * t * 8 * words * (1 if splits == 2 else splits)
+    slot = t * 8 * words
+    ws = workspaces.scratch("partials", 1 if splits == 1 else (tiles - dp) * slot * (1 if splits == 2 else splits)
                             if not reduce else wgmma_tiles.parts_numel(m, n // 2 if glu else n, cfg, dp, splits, glu),
                             torch.float32, dev)
     ctr = None if reduce else workspaces.counters(tiles, dev)
