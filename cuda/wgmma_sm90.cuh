@@ -275,6 +275,34 @@ __device__ __forceinline__ int thread_index() {
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(b));
   return b;
 }
+// A split tile's partial in a slot of ws (hand_over and meet below): this thread's accumulators
+// at part + f THREADS, f = j T / 8 + v for float4 v of instruction j, so that a warp's float4
+// stores and loads are 512 contiguous bytes (fragment order). take_partial sets acc to the slot's
+// values (ADD = false) or adds them to it.
+template <int T, int JN, int THREADS>
+__device__ __forceinline__ void store_partial(const float (&acc)[JN][T / 2], float4* part) {
+#pragma unroll
+  for (int j = 0; j < JN; ++j)
+#pragma unroll
+    for (int v = 0; v < T / 8; ++v)
+      __stcg(part + (j * T / 8 + v) * THREADS, make_float4(acc[j][4 * v], acc[j][4 * v + 1], acc[j][4 * v + 2], acc[j][4 * v + 3]));
+}
+template <int T, int JN, int THREADS, bool ADD>
+__device__ __forceinline__ void take_partial(float (&acc)[JN][T / 2], const float4* part) {
+#pragma unroll
+  for (int j = 0; j < JN; ++j)
+#pragma unroll
+    for (int v = 0; v < T / 8; ++v) {
+      const float4 q = __ldcg(part + (j * T / 8 + v) * THREADS);
+      float* a = &acc[j][4 * v];
+      if constexpr (ADD) {
+        a[0] += q.x; a[1] += q.y; a[2] += q.z; a[3] += q.w;
+      } else {
+        a[0] = q.x; a[1] = q.y; a[2] = q.z; a[3] = q.w;
+      }
+    }
+}
+
 // The hand-over of a split tile's halves (handoff, 2 splits), called by the consumer threads
 // (0 .. THREADS - 1, named barrier 1) after the K loop. Each half counts itself on arrival; the
 // first stores its accumulators to its tile's slot of ws (T x 64 JN x NWG floats a split tile) in
@@ -290,11 +318,7 @@ __device__ __forceinline__ bool hand_over(float (&acc)[JN][T / 2], float* ws, un
   consumers_sync(THREADS);
   float4* part = reinterpret_cast<float4*>(ws + (size_t)(tile - dp_tiles) * THREADS * (JN * T / 2)) + tid;
   if (arrived == 0) {
-#pragma unroll
-    for (int j = 0; j < JN; ++j)
-#pragma unroll
-      for (int v = 0; v < T / 8; ++v)
-        __stcg(part + (j * T / 8 + v) * THREADS, make_float4(acc[j][4 * v], acc[j][4 * v + 1], acc[j][4 * v + 2], acc[j][4 * v + 3]));
+    store_partial<T, JN, THREADS>(acc, part);
     __threadfence();
     consumers_sync(THREADS);
     if (tid == 0) atomicAdd(counters + tile, 1);   // 3 once both have arrived and this partial is out
@@ -306,13 +330,7 @@ __device__ __forceinline__ bool hand_over(float (&acc)[JN][T / 2], float* ws, un
     __threadfence();
   }
   consumers_sync(THREADS);
-#pragma unroll
-  for (int j = 0; j < JN; ++j)
-#pragma unroll
-    for (int v = 0; v < T / 8; ++v) {
-      const float4 q = __ldcg(part + (j * T / 8 + v) * THREADS);
-      acc[j][4 * v] += q.x; acc[j][4 * v + 1] += q.y; acc[j][4 * v + 2] += q.z; acc[j][4 * v + 3] += q.w;
-    }
+  take_partial<T, JN, THREADS, true>(acc, part);
   return true;
 }
 
@@ -338,12 +356,7 @@ __device__ __forceinline__ bool meet(float (&acc)[JN][T / 2], float* ws, unsigne
   constexpr int SLOT = THREADS * NF;              // float4s a slot
   constexpr int B = NF >= 16 ? 1 : 16 / NF;       // splits loaded at a time
   float4* slots = reinterpret_cast<float4*>(ws) + (size_t)(tile - dp_tiles) * splits * SLOT + tid;
-  auto at = [&](int f) -> float& { return acc[f / (T / 8)][4 * (f % (T / 8))]; };
-#pragma unroll
-  for (int f = 0; f < NF; ++f) {
-    const float* a = &at(f);
-    __stcg(slots + (size_t)split * SLOT + f * THREADS, make_float4(a[0], a[1], a[2], a[3]));
-  }
+  store_partial<T, JN, THREADS>(acc, slots + (size_t)split * SLOT);
   consumers_sync(THREADS);
   __shared__ unsigned last;
   if (tid == 0) {
@@ -356,12 +369,8 @@ __device__ __forceinline__ bool meet(float (&acc)[JN][T / 2], float* ws, unsigne
   }
   consumers_sync(THREADS);
   if (!last) return false;
-#pragma unroll
-  for (int f = 0; f < NF; ++f) {
-    const float4 q = __ldcg(slots + f * THREADS);
-    float* a = &at(f);
-    a[0] = q.x; a[1] = q.y; a[2] = q.z; a[3] = q.w;
-  }
+  take_partial<T, JN, THREADS, false>(acc, slots);
+  auto at = [&](int f) -> float& { return acc[f / (T / 8)][4 * (f % (T / 8))]; };
   int z = 1;
   for (; z + B <= splits; z += B) {
     float4 q[B][NF];
@@ -377,13 +386,7 @@ __device__ __forceinline__ bool meet(float (&acc)[JN][T / 2], float* ws, unsigne
         a[0] += q[u][f].x; a[1] += q[u][f].y; a[2] += q[u][f].z; a[3] += q[u][f].w;
       }
   }
-  for (; z < splits; ++z)
-#pragma unroll
-    for (int f = 0; f < NF; ++f) {
-      const float4 q = __ldcg(slots + (size_t)z * SLOT + f * THREADS);
-      float* a = &at(f);
-      a[0] += q.x; a[1] += q.y; a[2] += q.z; a[3] += q.w;
-    }
+  for (; z < splits; ++z) take_partial<T, JN, THREADS, true>(acc, slots + (size_t)z * SLOT);
   return true;
 }
 

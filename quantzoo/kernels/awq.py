@@ -771,12 +771,13 @@ def _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, dp
     # third of it at T = 16 (the comment at WGMMA_MEET_MAX_T).
     reduce = splits > 2 and t > WGMMA_MEET_MAX_T
     words = wgmma_tiles.columns(nwg, t) // 8
-    # for wgmma_reduce the split tiles' columns (wg::SplitParts); for wg::meet a T x columns slot
-    # per split of a split tile, for wg::hand_over one a split tile (only the first half stores)
-    slot = t * 8 * words
-    ws = workspaces.scratch("partials", 1 if splits == 1 else (tiles - dp) * slot * (1 if splits == 2 else splits)
-                            if not reduce else wgmma_tiles.parts_numel(m, n // 2 if glu else n, cfg, dp, splits, glu),
-                            torch.float32, dev)
+    if splits == 1:
+        parts = 1
+    elif reduce:   # the split tiles' columns (wg::SplitParts)
+        parts = wgmma_tiles.parts_numel(m, n // 2 if glu else n, cfg, dp, splits, glu)
+    else:   # a T x columns slot a split of each split tile (wg::meet); one (wg::hand_over: the first half's)
+        parts = (tiles - dp) * t * 8 * words * (1 if splits == 2 else splits)
+    ws = workspaces.scratch("partials", parts, torch.float32, dev)
     ctr = None if reduce else workspaces.counters(tiles, dev)
     gps = 2 if g == 32 else 1   # groups a 64-row stage spans
     xr = wgmma_tiles.x_rows(m, t)
