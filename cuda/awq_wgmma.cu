@@ -35,7 +35,7 @@
 //   or 128 columns) and 2-4 blocks an SM: 12-16 consumer warps an SM instead of 8, and twice the
 //   tiles to spread over the SMs (M = 16 4096->12288 19.6 -> 16.9 us, 4096->24576 30.5 -> 25.5;
 //   bench/NOTES.md, session 50). The launch bound then caps the entry registers at 65536 /
-//   (BPS x threads) and setmaxnreg hands the consumers what the producer gives back (awqw::Regs):
+//   (BPS x threads) and setmaxnreg hands the consumers what the producer gives back (wg::Regs):
 //   a consumer's highest register is R71 / R105 / R141 / R221 at T = 16 / 32 / 64 / 128, of the
 //   96 / 128 / 224 / 224 that 4 / 3 / 2 / 2 blocks an SM leave it (ptxas, no spills).
 //   No x box reaches past token M (wg::x_box_row). Up to T = 128 a warpgroup issues 2 instructions
@@ -152,18 +152,6 @@ struct Cfg {
   static_assert(ROW == 64 || ROW == 128, "weight rows are one 64- or 128-byte swizzle span");
 };
 
-// setmaxnreg's split of a block's registers: the producer warpgroup keeps few, the consumers take
-// the rest of what BPS blocks an SM leave a block (65536 / BPS registers; the entry allocation is
-// the launch bound's, a multiple of 8 per thread).
-template <int NWG, int BPS>
-struct Regs {
-  static constexpr int THREADS = 128 * NWG + 128;
-  static constexpr int ENTRY = 65536 / BPS / THREADS / 8 * 8;
-  static constexpr int PRODUCER = BPS == 1 ? 40 : 32;
-  static constexpr int CONSUMER_FIT = (ENTRY * THREADS - 128 * PRODUCER) / (128 * NWG) / 8 * 8;
-  static constexpr int CONSUMER = CONSUMER_FIT > 232 ? 232 : CONSUMER_FIT;
-};
-
 // Byte offset of word w of row r in a stage's weight tile, as TMA's swizzle placed it: the
 // 16-byte chunk index XORed with address bits 7.. of the row (r % 8 at 128-byte rows, r / 2 % 4
 // at 64-byte rows). GLU: the tile is two tiles of BK rows of ROW / 2 bytes (the 64- or 32-byte
@@ -241,7 +229,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
   const unsigned full0 = wg::init_stage_bars<D>(bars, C::CONSUMERS / 32), empty0 = full0 + 8 * D;
 
   if (tid >= C::CONSUMERS) {   // the producer warpgroup: one thread issues every copy
-    wg::set_max_regs<false, awqw::Regs<NWG, BPS>::PRODUCER>();
+    wg::set_max_regs<false, wg::Regs<NWG, BPS>::PRODUCER>();
     if (tid == C::CONSUMERS) {
       wg::prefetch_map(&xmap); wg::prefetch_map(&wmap); wg::prefetch_map(&smap); wg::prefetch_map(&zmap);
       const unsigned tx = x_rows * 128 + C::W_BYTES + gps * C::WORDS * (16 + 4);
@@ -269,7 +257,7 @@ awq_wgmma_kernel(const __grid_constant__ wg::TmaDesc xmap, const __grid_constant
     return;
   }
   {   // the consumer warpgroups
-    wg::set_max_regs<true, awqw::Regs<NWG, BPS>::CONSUMER>();
+    wg::set_max_regs<true, wg::Regs<NWG, BPS>::CONSUMER>();
     constexpr int JN = C::JN;
     const auto [t, c, h, j0] = awqw::fragment_of<JN>(tid);
     const unsigned j_mask = j0 ? awq::kHighMask : awq::kLowMask;                 // JN = 1 only

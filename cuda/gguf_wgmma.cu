@@ -20,24 +20,35 @@
 //
 // Block: NWG consumer warpgroups, each owning 64 JN weight rows (JN = 2 instructions per k-step
 // up to T = 128, 1 at T = 256), x T tokens, and a producer warpgroup; K walked in D
-// shared-memory stages of 64 k = 2 GGUF blocks.
+// shared-memory stages of BK = 64 k (2 GGUF blocks), or 128 k (4 blocks) up to M = 32.
 //
 // Why the tricks:
 // * Copies by TMA from one producer thread, as in awq_wgmma.cu (which says why: no per-thread
-//   copy addresses or predicates, no block barrier in the K loop, setmaxnreg 40 / 232). The
+//   copy addresses or predicates, no block barrier in the K loop, setmaxnreg: wg::Regs). The
 //   weight is seen as a byte matrix [N, nb BYTES] (rows 16-byte multiples: K % 256 == 0, checked
-//   by the host). A row's two blocks of stage s are RB = 36 / 40 / 44 / 48 / 68 bytes (Q4_0 /
-//   Q4_1 / Q5_0 / Q5_1 / Q8_0) at byte s RB, mostly not a multiple of 16, and a TMA box must
-//   start on a 16-byte boundary (an unaligned innermost coordinate is an illegal instruction,
-//   found here). So a stage's box is ROWS rows x SLOT = 48 / 48 / 64 / 48 / 80 bytes from the
-//   16-byte window holding the stage, and the readers add the stage's offset o = (s RB) % 16,
+//   by the host). A row's blocks of stage s are RB = 36 / 40 / 44 / 48 / 68 bytes (Q4_0 /
+//   Q4_1 / Q5_0 / Q5_1 / Q8_0; twice that at BK = 128) at byte s RB, mostly not a multiple of
+//   16, and a TMA box must start on a 16-byte boundary (an unaligned innermost coordinate is an
+//   illegal instruction, found here). So a stage's box is ROWS rows x SLOT = 48 / 48 / 64 / 48 /
+//   80 bytes (80 / 80 / 96 / 96 / 144 at BK = 128) from the 16-byte window holding the stage, and the readers add the stage's offset o = (s RB) % 16,
 //   the same in every row (a multiple of gcd(RB, 16), so at most 16 - gcd(RB, 16)). Bytes of
 //   the window outside the stage are never read; past the row's end TMA reads zeros, and rows
 //   past N read as zeros (d = 0: they contribute 0, and are not stored). Before (sessions 8 to
 //   15) every thread issued 3-5 16-byte cp.async a stage into such windows and the block met at
 //   one barrier a stage.
-// * Shared rows of 48 or 80 bytes (12 or 20 words) put the 8 rows g of a warp's reads 4 words
-//   apart mod 32 banks; a thread's 2-byte reads of one row span at most 3 words: no conflicts.
+// * 128-k stages up to M = 32 (host: gguf.WGMMA_CFGS), with one consumer warpgroup a block and
+//   3-4 blocks an SM as in awq_wgmma.cu. At small M what a block waits for is its stage's TMA
+//   copy, and the copy's time went with its ROWS box rows more than with its bytes: the same
+//   bytes in boxes of half the rows, twice as wide, took q4_0 4096->12288 M = 16 from 24.9 to
+//   20.7 us and q8_0 from 31.7 to 26.1, while dropping all dequant work saved only 5 %
+//   (bench/NOTES.md, session 53). A 128-k stage's window is one box row of 80 bytes for Q4_0's
+//   72 (two rows of 48 for 2 x 36 before). The consumers take such a stage as two 64-k wgmma
+//   groups one after the other: the A fragments of the whole stage would not fit the registers
+//   that 4 blocks an SM leave (ptxas then serialises the wgmmas).
+// * Shared rows of 48, 80 or 144 bytes (12, 20 or 36 words) put the 8 rows g of a warp's reads 4
+//   words apart mod 32 banks; a thread's 2-byte reads of one row span at most 3 words: no
+//   conflicts. (Q5_0 / Q5_1's 96-byte rows at BK = 128 put rows g and g + 4 on the same banks:
+//   2-way conflicts, left as they are -- those formats still gained most from the wider rows.)
 //   Q5_0's 64-byte rows would put rows g and g + 2 on the same banks (4-way conflicts); they come
 //   in TMA's 64-byte swizzle instead, which moves each pair of rows to its own 16-byte chunk
 //   position, and the readers XOR their in-row offsets with the same key.
@@ -51,9 +62,9 @@
 //   mantissa bit 4 (bit 8 in the 16x form). Q8_0: signed bytes,
 //   (b & 0xff) ^ 0x80 in the mantissa of 1024 (one LOP3: (v & 0x00ff00ff) ^ 0x64806480) is
 //   1152 + b, exact b by hsub2.
-// * A stage's fragments are all dequantised, then issued as one wgmma group that the warpgroup
-//   waits for (wg::stage_step says why) before it frees the buffer; the other consumer
-//   warpgroup dequantises meanwhile.
+// * 64 k of fragments (a 64-k stage, or half a 128-k one) are all dequantised, then issued as one
+//   wgmma group that the warpgroup waits for (wg::stage_step says why), and the buffer is freed
+//   after the stage's last group; another consumer warpgroup (or block) dequantises meanwhile.
 // * Split K and whole waves as in awq_wgmma.cu: with no more tiles than resident blocks every
 //   tile is split so that the grid fills one wave; with more, whole waves of tiles walk all of K
 //   and only the last, partly empty wave's tiles are split. Their partials meet in an fp32
@@ -90,22 +101,24 @@
 
 namespace ggw {
 
-constexpr int BK = 64;  // k per stage: 2 GGUF blocks
+constexpr int HK = 64;  // k per wgmma group: 2 GGUF blocks, one 128-byte swizzle row of x
 
-template <class F, int NWG, int T, int D, bool GLU = false>
+template <class F, int NWG, int T, int D, bool GLU = false, int BK = HK>
 struct Cfg {
   static constexpr int CONSUMERS = 128 * NWG;
   static constexpr int THREADS = CONSUMERS + 128;      // + the producer warpgroup
   static constexpr int JN = T == 256 ? 1 : 2;          // wgmma instructions (64 rows) per k-step
   static constexpr int ROWS = 64 * JN * NWG;           // weight rows (output columns) per block
-  static constexpr int RB = 2 * F::BYTES;              // bytes of a row per stage (36, 40, 44, 48, 68)
+  static constexpr int HALVES = BK / HK;               // 64-k x tiles (and wgmma groups) a stage
+  static constexpr int RB = BK / 32 * F::BYTES;        // bytes of a row per stage (BK = 64: 36, 40, 44, 48, 68)
   static constexpr int GCD16 = (RB & -RB) < 16 ? (RB & -RB) : 16;   // gcd(RB, 16): RB's lowest set bit, at most 16
   static constexpr int MAX_O = 16 - GCD16;             // the largest stage offset o in a window
   static constexpr int SLOT = (RB + MAX_O + 15) / 16 * 16;   // the TMA box's row: 48, 48, 64, 48, 80 bytes
   static constexpr int SWIZZLE = SLOT == 64 ? 64 : 0;   // the weight box's TMA swizzle (bytes; Q5_0)
   static constexpr int PH = F::HAS_MIN ? 4 : 2;        // in a block: qh (5-bit formats) after d [, m]
   static constexpr int PQ = PH + (F::BITS == 5 ? 4 : 0);   // and qs after that
-  static constexpr int X_BYTES = T * 128;              // T tokens x 64 halves, swizzled
+  static constexpr int X_HALF = T * 128;               // a 64-k x tile: T tokens x 64 halves, swizzled
+  static constexpr int X_BYTES = HALVES * X_HALF;
   static constexpr int STAGE = (X_BYTES + ROWS * SLOT + 1023) / 1024 * 1024;
   static constexpr int SMEM = D * STAGE + 1024;        // + slack to align the base to 1024
   static_assert(F::BITS == 8 ? !F::HAS_MIN && F::OFFSET == 0
@@ -113,7 +126,8 @@ struct Cfg {
                 "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0");
   static_assert(RB % 4 == 0, "a stage sits at a 4-byte offset o of its window (SLOT), its fields 2-byte aligned");
   static_assert(T % 8 == 0 && T >= 8 && T <= 256, "wgmma N (tokens) is a multiple of 8");
-  static_assert(ROWS <= 256, "a TMA box is at most 256 rows");
+  static_assert(ROWS <= 256 && SLOT <= 256, "a TMA box is at most 256 rows of 256 bytes");
+  static_assert(BK == HK || (BK == 2 * HK && SWIZZLE == 0), "64- or 128-k stages (the 64-byte swizzle spans 64 bytes)");
   static_assert(!GLU || NWG == 2, "GLU: warpgroup 0 takes the gate rows, warpgroup 1 the up rows");
   static_assert(!GLU || D * STAGE >= 2 * T * (ROWS / 2 + 8) * 2, "GLU: the stages hold the gate and up tiles (fp16)");
 };
@@ -132,14 +146,14 @@ struct Cfg {
 // multiples: nb % 8 == 0). With
 // splits > 1 the split tiles' fp32 partials go to part (wg::SplitParts: [splits][M][the split
 // columns]), which wgmma_reduce (the next launch) sums.
-template <class F, int NWG, int T, int D, bool GLU = false>
-__global__ void __launch_bounds__(128 * NWG + 128, 1)
+template <class F, int NWG, int T, int D, bool GLU = false, int BPS = 1, int BK = ggw::HK>
+__global__ void __launch_bounds__(128 * NWG + 128, BPS)
 gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg::TmaDesc xmap,
            half* __restrict__ y, float* __restrict__ part, int M, int N, int nb, int tiles_m, int dp_tiles,
            int splits, int sps, int x_rows) {
   pdl::grid_sync();  // cuda/pdl.cuh: before any memory access
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = ggw::Cfg<F, NWG, T, D, GLU>;
+  using C = ggw::Cfg<F, NWG, T, D, GLU, BK>;
   constexpr int JN = C::JN;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const unsigned base = (awq::smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -154,29 +168,31 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
   constexpr int FR = GLU ? C::ROWS / 2 : C::ROWS;
   const int n0 = (tile / tiles_m) * FR;
   const int st0 = split * sps;
-  const int n_stages = whole ? nb / 2 : min(nb / 2, st0 + sps) - st0;
+  const int nst = nb / (BK / 32);   // stages of K (the host takes K % 256 == 0)
+  const int n_stages = whole ? nst : min(nst, st0 + sps) - st0;
 
   // full[b]: stage in buffer b has landed; empty[b]: every consumer warp is done with buffer b
   __shared__ unsigned long long bars[2 * D];
   const unsigned full0 = wg::init_stage_bars<D>(bars, C::CONSUMERS / 32), empty0 = full0 + 8 * D;
 
   if (tid >= C::CONSUMERS) {   // the producer warpgroup: one thread issues every copy
-    wg::set_max_regs<false, 40>();
+    wg::set_max_regs<false, wg::Regs<NWG, BPS>::PRODUCER>();
     if (tid == C::CONSUMERS) {
       wg::prefetch_map(&xmap); wg::prefetch_map(&wmap);
       for (int st = 0; st < n_stages; ++st) {
         const int b = st % D, s = st0 + st;
         if (st >= D) wg::mbar_wait(empty0 + 8 * b, (st / D - 1) & 1);
         const unsigned S0 = base + b * C::STAGE, bar = full0 + 8 * b;
-        wg::mbar_arrive_expect_tx(bar, x_rows * 128 + C::ROWS * C::SLOT);
-        wg::tma_2d(S0, &xmap, 64 * s, m0, bar);
+        wg::mbar_arrive_expect_tx(bar, C::HALVES * x_rows * 128 + C::ROWS * C::SLOT);
+#pragma unroll
+        for (int hx = 0; hx < C::HALVES; ++hx) wg::tma_2d(S0 + hx * C::X_HALF, &xmap, BK * s + ggw::HK * hx, m0, bar);
         wg::tma_2d(S0 + C::X_BYTES, &wmap, (s * C::RB) & ~15, n0, bar);   // the 16-byte window
         if constexpr (GLU) wg::tma_2d(S0 + C::X_BYTES + FR * C::SLOT, &wmap, (s * C::RB) & ~15, N / 2 + n0, bar);
       }
     }
     return;   // nothing after setmaxnreg.dec is shared with the consumers (awq_wgmma.cu says why)
   }
-  wg::set_max_regs<true, 232>();
+  wg::set_max_regs<true, wg::Regs<NWG, BPS>::CONSUMER>();
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t = lane & 3;
   // 64-byte weight rows come in TMA's 64-byte swizzle (16-byte chunk c of row r at chunk
@@ -190,11 +206,15 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
     const int buf = st % D;
     wg::mbar_wait(full0 + 8 * buf, (st / D) & 1);
     const unsigned char* S0 = smem + buf * C::STAGE;
-    const unsigned long long desc = wg::desc_sw128(base + buf * C::STAGE);
     const int o = ((st0 + st) * C::RB) & 15;   // the stage's offset in each row's window
-    unsigned a[ggw::BK / 16][JN][4];   // the stage's A fragments, all dequantised before its wgmma
+    // a 128-k stage in two 64-k groups, one after the other (wg::stage_step waits): the A
+    // fragments of a whole stage would not fit the registers at several blocks an SM
+#pragma unroll 1
+    for (int hx = 0; hx < C::HALVES; ++hx) {
+    const unsigned long long desc = wg::desc_sw128(base + buf * C::STAGE + hx * C::X_HALF);
+    unsigned a[ggw::HK / 16][JN][4];   // the group's A fragments, all dequantised before its wgmma
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {   // the stage's two GGUF blocks, 2 k-steps each
+    for (int b = 0; b < 2; ++b) {   // the group's two GGUF blocks, 2 k-steps each
       // per row (j, r8): d (and m) broadcast, and the 16-bit words the k pairs come from -- 4 and
       // 5 bits: bytes 2t, 2t+1 and 2t+8, 2t+9 of qs (both k-steps of the block) plus, for 5 bits,
       // the 32 fifth bits qh (bit k: element k); Q8_0: bytes 16 h + 2t.. and 16 h + 2t + 8.. for
@@ -209,7 +229,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
         for (int r8 = 0; r8 < 2; ++r8) {
           // the row's bytes; `at` places in-row byte offset f as TMA's swizzle put it
           const unsigned char* row = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT;
-          const int ob = o + b * F::BYTES;   // the block's offset in the row
+          const int ob = o + (2 * hx + b) * F::BYTES;   // the block's offset in the row
           auto at = [&](int f) { return row + (f ^ key); };
           // d (and m) in both lanes of a half2: byte_perm 0x1010 -> (d, d), 0x3232 -> (m, m);
           // a 16-bit d times 0x10001 copies it into the high half
@@ -268,9 +288,10 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
               a[2 * b + hf][j][r8 + 2 * p] = awq::as_u32(w);
             }
     }
-    // the stage's 4 k-steps as one wgmma group, done on return: the buffer is free again
-    wg::stage_step<T, JN, ggw::BK / 16>(acc, a, desc, st > 0);
-    if (lane == 0) wg::mbar_arrive(empty0 + 8 * buf);
+    // the group's 4 k-steps as one wgmma group, done on return
+    wg::stage_step<T, JN, ggw::HK / 16>(acc, a, desc, st > 0 || hx > 0);
+    }
+    if (lane == 0) wg::mbar_arrive(empty0 + 8 * buf);   // the buffer is free again
   }
   wg::drain<T, JN>(acc);
 

@@ -43,6 +43,21 @@ struct SplitParts {
 };
 }  // namespace wg
 
+namespace wg {
+// setmaxnreg's split of a block's registers, for both kernels: the producer warpgroup keeps few,
+// the NWG consumer warpgroups take the rest of what BPS blocks an SM leave a block (65536 / BPS
+// registers; the entry allocation is the launch bound's, a multiple of 8 per thread). At BPS = 1:
+// 40 and 232 a thread.
+template <int NWG, int BPS>
+struct Regs {
+  static constexpr int THREADS = 128 * NWG + 128;
+  static constexpr int ENTRY = 65536 / BPS / THREADS / 8 * 8;
+  static constexpr int PRODUCER = BPS == 1 ? 40 : 32;
+  static constexpr int CONSUMER_FIT = (ENTRY * THREADS - 128 * PRODUCER) / (128 * NWG) / 8 * 8;
+  static constexpr int CONSUMER = CONSUMER_FIT > 232 ? 232 : CONSUMER_FIT;
+};
+}  // namespace wg
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace wg {
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

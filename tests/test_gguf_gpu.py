@@ -469,7 +469,7 @@ def test_fp16_paths_weights_bit_exact(fmt):
 # ---- the Hopper wgmma path: tails, split K, graph replay -------------------------------------------
 @pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
 def test_wgmma_tails_splits_graph(fmt):
-    """M and N tails of every token tile (T = 32 .. 256), K split into 5-8 parts (uneven: 44
+    """M and N tails of every token tile (T = 16 .. 256), K split into 5-8 parts (uneven: 44
     stages in 5) and summed by wgmma_reduce (1-wide at N = 202, 4-wide else), more tiles than an
     H100 holds at once (8704 rows at M = 130 / 300: 136 tiles, 132 walking all of K and the last
     4 split), a second call equal to the first (the split sum's order is fixed), and a graph
@@ -481,7 +481,7 @@ def test_wgmma_tails_splits_graph(fmt):
         if not G.wgmma_ok(qt):
             pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
         w16 = qt_cpu.fmt.dequantize(qt_cpu).astype(np.float16).astype(np.float64)
-        for m in (1, 7, 33, 65, 130, 300):
+        for m in (1, 7, 20, 33, 65, 130, 300):
             x16 = rng.standard_normal((m, k)).astype(np.float16)
             y = _run(torch.from_numpy(x16).to(DEV), qt, "wgmma")
             _check_fp16(y, x16, w16, f"{fmt} wgmma {n}x{k} M={m}")
@@ -527,7 +527,8 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
     up rows that are not stored), K split 5-8 ways (uneven: 44 stages in 5; the split tiles' GLU
     in wgmma_reduce: 4-wide where F % 4 == 0, i.e. F = 100, 36, 4352; 1-wide,
     wgmma_reduce<1, true>, only at F = 102; the launches asked for are recorded to prove it), more
-    tiles than an H100 holds (F = 4352 at M = 130 / 300), every token tile width."""
+    tiles than an H100 holds (F = 4352 at M = 130 / 300), every token tile width. The unfused
+    launch is the GLU config's plain twin, forced to the GLU launch's schedule."""
     from quantzoo.cuda_launch import sm_count
     from quantzoo.kernels import layer_ops, wgmma_tiles
 
@@ -538,7 +539,15 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
         names.append(name)
         return real_kernel(source, name)
 
+    launches = []   # (whole tiles, splits) of each wgmma launch
+    real_launch = G.launch_tma
+
+    def spy_launch(kern, grid, block, args, shared_mem=0):
+        launches.append((int(args[8]), int(args[9])))
+        return real_launch(kern, grid, block, args, shared_mem)
+
     monkeypatch.setattr(G, "_kernel", spy)
+    monkeypatch.setattr(G, "launch_tma", spy_launch)
     reduces = set()
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k in ((200, 4096), (204, 4096), (8704, 2048), (72, 2816)):
@@ -547,19 +556,24 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
         if not G.wgmma_ok(qt):
             pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
         f = n // 2
-        for m in (1, 7, 33, 130, 300):
-            cfg = G.wgmma_config(m, n, k, sm_count(torch.device(DEV)))
+        for m in (1, 7, 20, 33, 130, 300):
+            cfg = G.wgmma_config(m, n, k, sm_count(torch.device(DEV)), glu=True)
             fr = wgmma_tiles.columns(cfg[0], cfg[1]) // 2
             blocked = _glu_blocked(qt_cpu, fr).to(DEV)
-            assert G.wgmma_config(m, blocked.shape[0], k, sm_count(torch.device(DEV))) == cfg
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16)).to(DEV)
             y = _poisoned((m, f))
             names.clear()
+            launches.clear()
             G.matmul(x, qt, out=y, path="wgmma", glu=True)
             red = [s for s in names if s.startswith("wgmma_reduce")]
             assert red in ([], [f"wgmma_reduce<{4 if f % 4 == 0 else 1}, true>"]), (n, k, m, names)
             reduces.update(red)
-            yb = G.matmul(x, blocked, path="wgmma").view(m, -1, 2, fr)
+            # the plain twin of the GLU config on the blocked rows, with the GLU launch's schedule
+            dp, splits = launches[0]
+            yb = torch.empty((m, blocked.shape[0]), dtype=torch.float16, device=DEV)
+            G._launch_wgmma(fmt, x, blocked.data, yb, m, blocked.shape[0], k // 32, cfg=cfg, splits=splits, dp_tiles=dp)
+            assert launches[1] == launches[0], "the unfused launch took another schedule"
+            yb = yb.view(m, -1, 2, fr)
             gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
             want = layer_ops.silu_mul(gu)
             torch.cuda.synchronize()
@@ -640,16 +654,24 @@ def _check_fp32_sum(y, x16, w16, what):
 
 
 @pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
-def test_wgmma_fp32_accumulation_bound(fmt):
+def test_wgmma_fp32_accumulation_bound(fmt, monkeypatch):
     """The wgmma path against float64 on its own fp16 weights (_wgmma_w16) in the fp32-summation
     bound (_check_fp32_sum), 4-32x tighter than the cuBLAS-style bound the other wgmma tests
-    take: every token tile (M = 1, 7: T = 32; 33: 64; 65, 100: 128; 130, 200: 256; 300: 128 or
-    256), all tiles split (8 ways at 202 x 4096 -- the 1-wide reduce --, 3 at 8704 x 2048 while
+    take: every token tile (M = 1, 7: T = 16 and 20: T = 32, both in 128-k stages; 33: 64; 65,
+    100: 128; 130, 200: 256; 300: 128 or 256), all tiles split (8 ways at 202 x 4096 -- the 1-wide reduce --, 3 at 8704 x 2048 while
     M <= 128, 5 uneven at 72 x 2816: 44 stages in 5), whole-K tiles only (8704 x 2048 above
-    M = 128, 1000 x 512: K = 512, 32x tighter), M and N tails; x rows scaled 2^-6 .. 2^4."""
+    M = 128, 1000 x 512: K = 512, 32x tighter), M and N tails; x rows scaled 2^-6 .. 2^4. The
+    schedules are read from the launches; both kinds must have run."""
     from quantzoo.cuda_launch import sm_count
-    from quantzoo.kernels import wgmma_tiles
 
+    launches = []   # (whole tiles, splits) of each wgmma launch, as launched
+    real_launch = G.launch_tma
+
+    def spy_launch(kern, grid, block, args, shared_mem=0):
+        launches.append((int(args[8]), int(args[9])))
+        return real_launch(kern, grid, block, args, shared_mem)
+
+    monkeypatch.setattr(G, "launch_tma", spy_launch)
     rng = np.random.default_rng(RNG.integers(1 << 32))
     sms = sm_count(torch.device(DEV))
     schedules = set()
@@ -660,13 +682,14 @@ def test_wgmma_fp32_accumulation_bound(fmt):
             pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
         w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
         worst = 0.0
-        for m in (1, 7, 33, 65, 100, 130, 200, 300):
+        for m in (1, 7, 20, 33, 65, 100, 130, 200, 300):
             cfg = G.wgmma_config(m, n, k, sms)
-            dp, splits, _ = wgmma_tiles.schedule(m, n, k, sms, cfg)   # 1 block an SM (shared memory)
-            schedules.add((dp > 0, splits > 1))
             scale = 2.0 ** rng.uniform(-6, 4, (m, 1))
             x16 = (rng.standard_normal((m, k)) * scale).astype(np.float16)
+            launches.clear()
             y = _run(torch.from_numpy(x16).to(DEV), qt, "wgmma")
+            dp, splits = launches[0]
+            schedules.add((dp > 0, splits > 1))
             worst = max(worst, _check_fp32_sum(y, x16, w16, f"{fmt} wgmma {n}x{k} M={m} T={cfg[1]} "
                                                              f"whole tiles={dp} splits={splits}"))
         print(f"{fmt} {n}x{k}: worst |y - ref| / fp32 bound {worst:.3g}")

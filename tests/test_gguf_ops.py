@@ -228,6 +228,48 @@ def test_import_needs_no_cupy():
                               "gguf_dequant.cu", "gguf_wgmma.cu"}
 
 
+# a weight row's TMA window in a wgmma stage (ggw::Cfg::SLOT), by k a stage: the stage's blocks
+# (bk / 32 of them) at any 16-byte window offset a stage can have
+WGMMA_SLOT = {64: {"q4_0": 48, "q4_1": 48, "q5_0": 64, "q5_1": 48, "q8_0": 80},
+              128: {"q4_0": 80, "q4_1": 80, "q5_0": 96, "q5_1": 96, "q8_0": 144}}
+
+
+def _check_wgmma_launch(calls, fmt, qt, x, m, n, k, glu):
+    """The recorded wgmma launch (and its reduce) of matmul(x, qt, path="wgmma", glu=glu) on 132
+    SMs at one block an SM (resident_blocks stubbed): instance, grid, schedule, maps, reduce."""
+    names = [c[0] for c in calls]
+    nb = k // 32
+    cfg = G.wgmma_config(m, n, k, 132, glu)
+    nwg, t, d = cfg[:3]
+    bps, bk = cfg[3:] if len(cfg) > 3 else (1, 64)
+    tail = f", {'true' if glu else 'false'}, {bps}, {bk}" if (bps, bk) != (1, 64) else ", true" if glu else ""
+    assert names[0] == f"gguf_wgmma<{G.BLOCKS[fmt]}, {nwg}, {t}, {d}{tail}>"
+    rows = 64 * (1 if t == 256 else 2) * nwg   # a tile's weight rows (GLU: half gate, half up)
+    tiles_m, tiles = -(-m // t), -(-m // t) * -(-n // rows)
+    args = calls[0][3]
+    assert [int(a) for a in args[4:8]] == [m, n, nb, tiles_m] and int(args[11]) == min(m, t)
+    dp, splits, sps = (int(a) for a in args[8:11])
+    assert calls[0][1] == (dp + (tiles - dp) * splits,) and calls[0][2] == (128 * nwg + 128,)
+    stages = nb // (bk // 32)
+    assert (splits - 1) * sps < stages <= splits * sps   # every split non-empty
+    assert (dp == tiles) == (splits == 1) and (args[3] != 0) == (splits > 1)
+    assert calls[0][4] == G.wgmma_smem_bytes(fmt, nwg, t, d, bk) <= 227 * 1024
+    # by TMA: the weight as bytes [N, nb BYTES], boxes of the block's rows (GLU: a gate box and
+    # an up box of half the rows) x the 16-byte window of a stage's blocks; the whole [M, K]
+    # activation, boxes of T tokens (M when M < T: never past row M) x 64 k, 128-byte swizzle
+    slot = WGMMA_SLOT[bk][fmt]
+    swizzle = 64 if slot == 64 else 0   # Q5_0's 64-byte rows: 64-byte swizzle
+    box = rows // 2 if glu else rows
+    assert args[0] == ("tmap", qt.data.data_ptr(), n, nb * G.BYTES[fmt], box, slot, swizzle, "u8")
+    assert args[1] == ("tmap", x.data_ptr(), m, k, min(m, t), 64, 128, "f16")
+    ny = n // 2 if glu else n
+    v = 4 if ny % 4 == 0 else 1   # columns a thread (y from torch: aligned)
+    assert names[1:] == ([f"wgmma_reduce<{v}{', true' if glu else ''}>"] if splits > 1 else [])
+    if splits > 1:   # every output of the split tiles
+        assert [int(a) for a in calls[1][3][2:6]] == [m, ny, t, box]
+        assert int(calls[1][3][-1]) == (tiles - dp) * t * box <= calls[1][1][0] * 256 * v
+
+
 @pytest.mark.parametrize("mmvq_kernel", G.MMVQ_KERNELS)
 @pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
 def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
@@ -272,40 +314,11 @@ def test_launch_plumbing_dry_run(fmt, mmvq_kernel, monkeypatch):
                 assert names == [f"dequant<{G.BLOCKS[fmt]}>"]
                 assert calls[0][1][0] * 256 >= n * (k // 32) * 4
             elif path == "wgmma":   # one launch (+ the split-K reduce); T and splits as planned
-                nwg, t, d = G.wgmma_config(m, n, k, 132)
-                assert names[0] == f"gguf_wgmma<{G.BLOCKS[fmt]}, {nwg}, {t}, {d}>"
-                rows = 64 * (1 if t == 256 else 2) * nwg
-                tiles_m, tiles = -(-m // t), -(-m // t) * -(-n // rows)
-                args = calls[0][3]
-                assert [int(a) for a in args[4:8]] == [m, n, nb, tiles_m] and int(args[11]) == min(m, t)
-                dp, splits, sps = (int(a) for a in args[8:11])
-                assert calls[0][1] == (dp + (tiles - dp) * splits,) and calls[0][2] == (128 * nwg + 128,)
-                assert (splits - 1) * sps < nb // 2 <= splits * sps   # every split non-empty
-                assert (dp == tiles) == (splits == 1) and (args[3] != 0) == (splits > 1)
-                assert calls[0][4] == G.wgmma_smem_bytes(fmt, nwg, t, d) <= 227 * 1024
-                # by TMA: the weight as bytes [N, nb BYTES], boxes of the block's rows x the
-                # 16-byte window of a stage's 2 blocks; the whole [M, K] activation,
-                # boxes of T tokens (M when M < T: never past row M) x 64 k, 128-byte swizzle
-                slot = {"q4_0": 48, "q4_1": 48, "q5_0": 64, "q5_1": 48, "q8_0": 80}[fmt]
-                swizzle = 64 if slot == 64 else 0   # Q5_0's 64-byte rows: 64-byte swizzle
-                assert calls[0][3][0] == ("tmap", qt.data.data_ptr(), n, nb * G.BYTES[fmt], rows, slot, swizzle, "u8")
-                assert calls[0][3][1] == ("tmap", x.data_ptr(), m, k, min(m, t), 64, 128, "f16")
-                v = 4 if n % 4 == 0 else 1   # columns a thread (y from torch: aligned)
-                assert names[1:] == ([f"wgmma_reduce<{v}>"] if splits > 1 else [])
-                if splits > 1:   # every element of the split tiles
-                    assert int(calls[1][3][-1]) == (tiles - dp) * t * rows <= calls[1][1][0] * 256 * v
-                if n % 4 == 0:   # glu=True: the GLU instance on the same grid, the weight box half the
-                    first = calls[0]   # rows (a gate box and an up box), y (M, N / 2)
+                _check_wgmma_launch(calls, fmt, qt, x, m, n, k, glu=False)
+                if n % 4 == 0:   # glu=True: the GLU instance, a gate box and an up box, y (M, N / 2)
                     calls.clear()
                     assert G.matmul(x, qt, path=path, glu=True).shape == (m, n // 2)
-                    assert calls[0][0] == f"gguf_wgmma<{G.BLOCKS[fmt]}, {nwg}, {t}, {d}, true>"
-                    assert calls[0][1:3] == first[1:3] and calls[0][3][4:] == first[3][4:]
-                    assert calls[0][3][0] == first[3][0][:4] + (rows // 2,) + first[3][0][5:]
-                    v = 4 if n // 2 % 4 == 0 else 1
-                    assert [c[0] for c in calls[1:]] == ([f"wgmma_reduce<{v}, true>"] if splits > 1 else [])
-                    if splits > 1:   # every output of the split tiles: half a tile's rows
-                        assert [int(a) for a in calls[1][3][2:6]] == [m, n // 2, t, rows // 2]
-                        assert int(calls[1][3][-1]) == (tiles - dp) * t * rows // 2
+                    _check_wgmma_launch(calls, fmt, qt, x, m, n, k, glu=True)
             elif path == "mma":
                 assert names[0].startswith("quantize_q8_1_split<")
                 bm, split, kchunk = G.mma_plan(m, n, nb, G._sm_count(None), None)

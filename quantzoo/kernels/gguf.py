@@ -160,7 +160,18 @@ DEQUANT_BUFFER_BYTES = 128 << 20
 # accumulation) with the weights unpacked in registers as wgmma's A operand; needs a
 # 16-byte-aligned weight with K % 256 == 0 (wgmma_ok).
 WGMMA_FORMATS = tuple(f for f in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0") if f in BLOCKS)
-WGMMA_CFGS = ((2, 32, 6), (2, 64, 6), (2, 128, 5), (2, 256, 5))   # (NWG, T, D); wgmma_tiles.config
+# (NWG, T, D[, BPS, BK]) = consumer warpgroups, tokens a block, shared-memory stages[, blocks an
+# SM (default 1), k a stage (64 or 128, default 64)]: what wgmma_config picks by M. GLU needs two
+# warpgroups (gate and up). Up to M = 32 stages of 128 k: a stage's weight box is ROWS rows of one
+# 16-byte window each, and with 64-k stages (a row's 2 blocks, 36 bytes of Q4_0 in a 48-byte
+# window) these small-M launches were bound by how many rows TMA copies, not by bytes or by the
+# dequant -- the same bytes in boxes of half the rows, twice as wide, took q4_0 4096->12288 M = 16
+# from 24.9 to 20.7 us, q8_0 from 31.7 to 26.1; no dequant at all only to 23.6 / 30.5
+# (bench/NOTES.md, session 53). One warpgroup a block and 3-4 blocks an SM there, as AWQ's.
+WGMMA_CFGS = ((1, 16, 3, 4, 128), (1, 32, 3, 3, 128), (2, 64, 6), (2, 128, 5), (2, 256, 5))
+WGMMA_GLU_CFGS = ((2, 32, 4, 1, 128), (2, 64, 6), (2, 128, 5), (2, 256, 5))
+# every non-GLU instance: the GLU configs' plain twins too
+_WGMMA_PLAIN = WGMMA_CFGS + tuple(c for c in WGMMA_GLU_CFGS if c not in WGMMA_CFGS)
 # Dispatch on Hopper (us, rotated weights, event medians). Session 8: wgmma beats mma and dequant
 # + cuBLAS from M = 9 to 256 on weights of 4096 x 4096 and up -- q4_0 4096->12288 M = 16 26.8 vs
 # 42.5 (mma), M = 128 48.9 vs 89.3 (dequant) -- and loses on 4096->1024 (M = 16: 11.7 vs 9.8).
@@ -218,6 +229,20 @@ def mmvq16_name(fmt: str, m: int, r: int, noalloc: bool | None = None, u: int = 
     return f"mmvq16<{BLOCKS[fmt]}, {m}, {r}, {'true' if noalloc else 'false'}{tail}>"
 
 
+def _wgmma_name(fmt: str, cfg, glu: bool = False) -> str:
+    """gguf_wgmma's instance for cfg = (NWG, T, D[, BPS, BK])."""
+    nwg, t, d = cfg[:3]
+    bps, bk = _wgmma_bps_bk(cfg)
+    if (bps, bk) == (1, 64):
+        return f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}{', true' if glu else ''}>"
+    return f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}, {'true' if glu else 'false'}, {bps}, {bk}>"
+
+
+def _wgmma_bps_bk(cfg) -> tuple[int, int]:
+    """(blocks an SM, k a stage) of a wgmma config (NWG, T, D[, BPS, BK])."""
+    return (cfg[3], cfg[4]) if len(cfg) > 3 else (1, 64)
+
+
 SOURCES = {
     "q8_1_quantize.cu": ("quantize_q8_1<__half>", "quantize_q8_1<float>",
                          "quantize_q8_1_split<__half>", "quantize_q8_1_split<float>"),
@@ -230,8 +255,8 @@ SOURCES = {
                    + ("mma_reduce",),
     "gguf_mmq.cu": tuple(f"mmq<{b}>" for b in BLOCKS.values()),
     "gguf_dequant.cu": tuple(f"dequant<{b}>" for b in BLOCKS.values()),
-    "gguf_wgmma.cu": tuple(f"gguf_wgmma<{BLOCKS[f]}, {n}, {t}, {d}{glu}>" for f in WGMMA_FORMATS
-                           for n, t, d in WGMMA_CFGS for glu in ("", ", true"))
+    "gguf_wgmma.cu": tuple(_wgmma_name(f, c) for f in WGMMA_FORMATS for c in _WGMMA_PLAIN)
+                     + tuple(_wgmma_name(f, c, True) for f in WGMMA_FORMATS for c in WGMMA_GLU_CFGS)
                      + tuple(f"wgmma_reduce<{v}{glu}>" for v in (1, 4) for glu in ("", ", true")),
 }
 ARCH_SPECIFIC = {"gguf_wgmma.cu"}   # compiled for sm_90a, not sm_90
@@ -414,48 +439,58 @@ def wgmma_ok(qt) -> bool:
             and qt.shape[1] // 32 * BYTES[qt.format] < 2**31 and wgmma_available(data.device))
 
 
-def wgmma_config(m: int, n: int, k: int, slots: int) -> tuple[int, int, int]:
-    """(NWG, T, D) of the wgmma kernel for M rows of an N x K weight on a GPU of `slots` SMs:
-    the rule both wgmma kernels share (wgmma_tiles.config), except that on a weight under
-    WGMMA_MIN_NK M = 65..WGMMA_MID_MAX_M keep the 64-token tile of M = 64."""
+def wgmma_config(m: int, n: int, k: int, slots: int, glu: bool = False) -> tuple:
+    """(NWG, T, D[, BPS, BK]) of the wgmma kernel for M rows of an N x K weight on a GPU of
+    `slots` SMs: up to M = 32 the narrowest token tile that holds M (WGMMA_CFGS, or
+    WGMMA_GLU_CFGS with glu: 32 tokens, the comment above them says why); above, the rule both
+    wgmma kernels share (wgmma_tiles.config), except that on a weight under WGMMA_MIN_NK
+    M = 65..WGMMA_MID_MAX_M keep the 64-token tile of M = 64."""
+    if m <= 32:
+        cfgs = WGMMA_GLU_CFGS if glu else WGMMA_CFGS
+        return next(c for c in cfgs if c[1] >= m)
     mid = 64 < m <= WGMMA_MID_MAX_M and n * k < WGMMA_MIN_NK
     return wgmma_tiles.config(64 if mid else m, n, k, slots)
 
 
-def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int) -> int:
-    """ggw::Cfg<F, NWG, T, D>::SMEM in cuda/gguf_wgmma.cu."""
+def wgmma_smem_bytes(fmt: str, nwg: int, t: int, d: int, bk: int = 64) -> int:
+    """ggw::Cfg<F, NWG, T, D, GLU, BK>::SMEM in cuda/gguf_wgmma.cu (stages of bk k)."""
     rows = wgmma_tiles.columns(nwg, t)   # weight rows = output columns
-    return wgmma_tiles.smem_bytes(t * 128 + rows * _wgmma_slot(fmt), d)
+    return wgmma_tiles.smem_bytes(bk // 64 * t * 128 + rows * _wgmma_slot(fmt, bk), d)
 
 
-def _wgmma_slot(fmt: str) -> int:
+def _wgmma_slot(fmt: str, bk: int = 64) -> int:
     """Bytes of a weight row in a stage of the wgmma kernel (ggw::Cfg::SLOT): the 16-byte window
-    that holds its 2 blocks (rb bytes) at any offset a stage can have in it, a multiple of
+    that holds its bk / 32 blocks (rb bytes) at any offset a stage can have in it, a multiple of
     gcd(rb, 16) (a TMA box starts on a 16-byte boundary)."""
-    rb = 2 * BYTES[fmt]
+    rb = bk // 32 * BYTES[fmt]
     return -(-(rb + 16 - math.gcd(rb, 16)) // 16) * 16
 
 
-def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False):
+def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False, cfg=None, splits=None, dp_tiles=None):
     """y2 = x2 @ W.T, or with glu y2 (M, N/2) = swiglu of its halves [gate | up] (the kernel's
-    GLU epilogue: each block computes a gate tile and the matching up tile)."""
-    nwg, t, d = cfg = wgmma_config(m, n, 32 * nb, _sm_count(y2.device))   # 1 block an SM
-    name = f"gguf_wgmma<{BLOCKS[fmt]}, {nwg}, {t}, {d}{', true' if glu else ''}>"
-    kern = _kernel("gguf_wgmma.cu", name)
-    smem = wgmma_smem_bytes(fmt, nwg, t, d)
+    GLU epilogue: each block computes a gate tile and the matching up tile). cfg, splits and
+    dp_tiles force wgmma_config's and wgmma_tiles.schedule's choices (tests, sweeps)."""
+    cfg = tuple(cfg or wgmma_config(m, n, 32 * nb, _sm_count(y2.device), glu))
+    if cfg not in (WGMMA_GLU_CFGS if glu else _WGMMA_PLAIN):
+        raise ValueError(f"cfg: {cfg} has no {'GLU ' if glu else ''}instance; one of "
+                         f"{WGMMA_GLU_CFGS if glu else _WGMMA_PLAIN}")
+    nwg, t, d = cfg[:3]
+    bk = _wgmma_bps_bk(cfg)[1]
+    kern = _kernel("gguf_wgmma.cu", _wgmma_name(fmt, cfg, glu))
+    smem = wgmma_smem_bytes(fmt, nwg, t, d, bk)
     set_max_dynamic_smem(kern, smem)
     tiles_m, tiles_n = wgmma_tiles.grid(m, n, cfg)
     tiles = tiles_m * tiles_n
     threads = 128 * nwg + 128   # the consumer warpgroups and the producer warpgroup
-    slots = resident_blocks(kern, smem, threads) * _sm_count(y2.device)
-    dp, splits, sps = wgmma_tiles.schedule(m, n, 32 * nb, slots, cfg)   # sps: 64-k stages a split
+    dp, splits, sps = wgmma_schedule(m, n, nb, resident_blocks(kern, smem, threads) * _sm_count(y2.device), cfg,
+                                     splits, dp_tiles)
     part = None   # held until both launches are queued (a fresh tensor during graph capture)
     if splits > 1:   # the split tiles' partials: their columns only (wg::SplitParts)
         part = workspaces.scratch("partials", wgmma_tiles.parts_numel(m, y2.shape[1], cfg, dp, splits, glu), torch.float32,
                                   y2.device)
     # the weight as bytes [N, nb BYTES], a stage's box ROWS rows x SLOT bytes; x tiles of T
     # tokens (M when M < T) x 64 k in the 128-byte swizzle
-    slot = _wgmma_slot(fmt)   # 64-byte rows (Q5_0) in the 64-byte swizzle (ggw::Cfg::SWIZZLE)
+    slot = _wgmma_slot(fmt, bk)   # 64-byte rows (Q5_0) in the 64-byte swizzle (ggw::Cfg::SWIZZLE)
     box_rows = wgmma_tiles.columns(nwg, t) // (2 if glu else 1)   # GLU: a gate box and an up box
     wmap = tensor_map_2d(w.data_ptr(), n, nb * BYTES[fmt], box_rows, slot, 64 if slot == 64 else 0, "u8")
     xr = wgmma_tiles.x_rows(m, t)
@@ -469,6 +504,13 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False):
         v = 4 if ny % 4 == 0 and y2.data_ptr() % 8 == 0 else 1   # columns a thread
         launch(_kernel("gguf_wgmma.cu", f"wgmma_reduce<{v}{', true' if glu else ''}>"),
                *wgmma_tiles.reduce_launch(part.data_ptr(), y2.data_ptr(), m, ny, cfg, dp, splits, v, glu))
+
+
+def wgmma_schedule(m: int, n: int, nb: int, slots: int, cfg, splits=None, dp_tiles=None) -> tuple[int, int, int]:
+    """(whole tiles, K splits, stages a split) of a wgmma launch of cfg over nb blocks of K on a
+    GPU that holds `slots` of its blocks at once: wgmma_tiles.schedule, which counts 64-k
+    stages, over K / (BK / 64) of them (a BK-k stage is one of its stages)."""
+    return wgmma_tiles.schedule(m, n, 32 * nb * 64 // _wgmma_bps_bk(cfg)[1], slots, cfg, splits, dp_tiles)
 
 
 def mmvq16_ok(qt) -> bool:

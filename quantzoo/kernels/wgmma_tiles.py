@@ -20,15 +20,16 @@ SPLIT_STAGES = 7     # a split launch's extra time, the split-K reduce (~5 us / 
 
 
 def config(m: int, n: int | None = None, k: int | None = None, slots: int | None = None) -> tuple[int, int, int]:
-    """(NWG, T, D) for M rows: the narrowest token tile that holds M up to 128 (T = 32 / 64 / 128
-    each fastest in its range); above, T = 128 or 256, whichever `cost` predicts faster for an
+    """(NWG, T, D) for M rows: the narrowest token tile that holds M up to 128 (T = 64 / 128;
+    below M = 33 both kernels take their own one-warpgroup configs, awq.WGMMA_CFGS and
+    gguf.WGMMA_CFGS); above, T = 128 or 256, whichever `cost` predicts faster for an
     N x K weight on a GPU holding `slots` blocks at once (T = 256 without them). T = 256, one
     64 x 256 instruction per k-step and half the dequant per MMA, is 3-15 % faster than T = 128
     on whole tiles; T = 128 wins where it leaves fewer tokens padded or SMs idle: 4096->12288
     M = 384 76.4 vs 90.4 us (144 vs 192 tiles on 132 SMs), M = 640 113.4 vs 130.6
     (bench/NOTES.md, session 17)."""
     if m <= 128:
-        return (2, 32, 6) if m <= 32 else (2, 64, 6) if m <= 64 else (2, 128, 5)
+        return (2, 64, 6) if m <= 64 else (2, 128, 5)
     wide = (2, 256, 5)
     if n is None or k is None or not slots:
         return wide
