@@ -30,12 +30,12 @@
 //   Q4_1 / Q5_0 / Q5_1 / Q8_0; twice that at BK = 128) at byte s RB, mostly not a multiple of
 //   16, and a TMA box must start on a 16-byte boundary (an unaligned innermost coordinate is an
 //   illegal instruction, found here). So a stage's box is ROWS rows x SLOT = 48 / 48 / 64 / 48 /
-//   80 bytes (80 / 80 / 96 / 96 / 144 at BK = 128) from the 16-byte window holding the stage, and the readers add the stage's offset o = (s RB) % 16,
-//   the same in every row (a multiple of gcd(RB, 16), so at most 16 - gcd(RB, 16)). Bytes of
-//   the window outside the stage are never read; past the row's end TMA reads zeros, and rows
-//   past N read as zeros (d = 0: they contribute 0, and are not stored). Before (sessions 8 to
-//   15) every thread issued 3-5 16-byte cp.async a stage into such windows and the block met at
-//   one barrier a stage.
+//   80 bytes (80 / 80 / 96 / 96 / 144 at BK = 128) from the 16-byte window holding the stage,
+//   and the readers add the stage's offset o = (s RB) % 16, the same in every row (a multiple
+//   of gcd(RB, 16), so at most 16 - gcd(RB, 16)). Bytes of the window outside the stage are
+//   never read; past the row's end TMA reads zeros, and rows past N read as zeros (d = 0: they
+//   contribute 0, and are not stored). Before (sessions 8 to 15) every thread issued 3-5
+//   16-byte cp.async a stage into such windows and the block met at one barrier a stage.
 // * 128-k stages up to M = 32 (host: gguf.WGMMA_CFGS), with one consumer warpgroup a block and
 //   3-4 blocks an SM as in awq_wgmma.cu. At small M what a block waits for is its stage's TMA
 //   copy, and the copy's time went with its ROWS box rows more than with its bytes: the same
@@ -48,7 +48,7 @@
 // * Shared rows of 48, 80 or 144 bytes (12, 20 or 36 words) put the 8 rows g of a warp's reads 4
 //   words apart mod 32 banks; a thread's 2-byte reads of one row span at most 3 words: no
 //   conflicts. (Q5_0 / Q5_1's 96-byte rows at BK = 128 put rows g and g + 4 on the same banks:
-//   2-way conflicts, left as they are -- those formats still gained most from the wider rows.)
+//   2-way conflicts, left as they are; those formats gained least from the wider rows.)
 //   Q5_0's 64-byte rows would put rows g and g + 2 on the same banks (4-way conflicts); they come
 //   in TMA's 64-byte swizzle instead, which moves each pair of rows to its own 16-byte chunk
 //   position, and the readers XOR their in-row offsets with the same key.
@@ -113,7 +113,7 @@ struct Cfg {
   static constexpr int RB = BK / 32 * F::BYTES;        // bytes of a row per stage (BK = 64: 36, 40, 44, 48, 68)
   static constexpr int GCD16 = (RB & -RB) < 16 ? (RB & -RB) : 16;   // gcd(RB, 16): RB's lowest set bit, at most 16
   static constexpr int MAX_O = 16 - GCD16;             // the largest stage offset o in a window
-  static constexpr int SLOT = (RB + MAX_O + 15) / 16 * 16;   // the TMA box's row: 48, 48, 64, 48, 80 bytes
+  static constexpr int SLOT = (RB + MAX_O + 15) / 16 * 16;   // the TMA box's row: 48, 48, 64, 48, 80 bytes at BK = 64
   static constexpr int SWIZZLE = SLOT == 64 ? 64 : 0;   // the weight box's TMA swizzle (bytes; Q5_0)
   static constexpr int PH = F::HAS_MIN ? 4 : 2;        // in a block: qh (5-bit formats) after d [, m]
   static constexpr int PQ = PH + (F::BITS == 5 ? 4 : 0);   // and qs after that
@@ -211,85 +211,85 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
     // fragments of a whole stage would not fit the registers at several blocks an SM
 #pragma unroll 1
     for (int hx = 0; hx < C::HALVES; ++hx) {
-    const unsigned long long desc = wg::desc_sw128(base + buf * C::STAGE + hx * C::X_HALF);
-    unsigned a[ggw::HK / 16][JN][4];   // the group's A fragments, all dequantised before its wgmma
+      const unsigned long long desc = wg::desc_sw128(base + buf * C::STAGE + hx * C::X_HALF);
+      unsigned a[ggw::HK / 16][JN][4];   // the group's A fragments, all dequantised before its wgmma
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {   // the group's two GGUF blocks, 2 k-steps each
-      // per row (j, r8): d (and m) broadcast, and the 16-bit words the k pairs come from -- 4 and
-      // 5 bits: bytes 2t, 2t+1 and 2t+8, 2t+9 of qs (both k-steps of the block) plus, for 5 bits,
-      // the 32 fifth bits qh (bit k: element k); Q8_0: bytes 16 h + 2t.. and 16 h + 2t + 8.. for
-      // k-step half h.
-      constexpr int NQ = F::BITS == 8 ? 4 : 2;
-      unsigned qv[JN][2][NQ];
-      unsigned qh[JN][2];
-      half2 dd[JN][2], mm[JN][2];
-#pragma unroll
-      for (int j = 0; j < JN; ++j)
-#pragma unroll
-        for (int r8 = 0; r8 < 2; ++r8) {
-          // the row's bytes; `at` places in-row byte offset f as TMA's swizzle put it
-          const unsigned char* row = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT;
-          const int ob = o + (2 * hx + b) * F::BYTES;   // the block's offset in the row
-          auto at = [&](int f) { return row + (f ^ key); };
-          // d (and m) in both lanes of a half2: byte_perm 0x1010 -> (d, d), 0x3232 -> (m, m);
-          // a 16-bit d times 0x10001 copies it into the high half
-          if constexpr (F::HAS_MIN) {   // 20 / 24-byte blocks, o in {0, 8}: ob % 4 == 0, d, m one word
-            const unsigned dm = *reinterpret_cast<const unsigned*>(at(ob));
-            dd[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x1010));
-            mm[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x3232));
-          } else {
-            dd[j][r8] = awq::as_h2(unsigned(*reinterpret_cast<const unsigned short*>(at(ob))) * 0x10001u);
-          }
-#pragma unroll
-          for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs may sit at an even, not 4-byte, offset
-            qv[j][r8][q] = *reinterpret_cast<const unsigned short*>(at(ob + C::PQ + 16 * (q >> 1) + 8 * (q & 1) + 2 * t));
-          if constexpr (F::BITS == 5)
-            qh[j][r8] = unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH)))
-                      | (unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH + 2))) << 16);
-        }
-      // 4 / 5 bits: (1024 + q) - (1024 + OFFSET), and (1024 + 16 q) / 16 - (64 + OFFSET), both
-      // exact: the halves of 1024 + OFFSET and -(64 + OFFSET) (fp16's ulp is 1 at 1024 and 1/16
-      // at 64, so adding OFFSET, or 16 OFFSET, to the bits of 0x6400 / 0xd400 adds OFFSET)
-      constexpr unsigned LO = (0x6400u + F::OFFSET) * 0x10001u, HI = (0xd400u + 16 * F::OFFSET) * 0x10001u;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)   // which 16 of the block's 32 k
+      for (int b = 0; b < 2; ++b) {   // the group's two GGUF blocks, 2 k-steps each
+        // per row (j, r8): d (and m) broadcast, and the 16-bit words the k pairs come from -- 4 and
+        // 5 bits: bytes 2t, 2t+1 and 2t+8, 2t+9 of qs (both k-steps of the block) plus, for 5 bits,
+        // the 32 fifth bits qh (bit k: element k); Q8_0: bytes 16 h + 2t.. and 16 h + 2t + 8.. for
+        // k-step half h.
+        constexpr int NQ = F::BITS == 8 ? 4 : 2;
+        unsigned qv[JN][2][NQ];
+        unsigned qh[JN][2];
+        half2 dd[JN][2], mm[JN][2];
 #pragma unroll
         for (int j = 0; j < JN; ++j)
 #pragma unroll
-          for (int r8 = 0; r8 < 2; ++r8)
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {   // p: k pair 2t.. or 2t + 8..
-              half2 v;
-              if constexpr (F::BITS == 8) {
-                const unsigned sp = __byte_perm(qv[j][r8][2 * hf + p], 0u, 0x4140);
-                unsigned u;
-                // (a & b) ^ c: LUT 0x6A = (0xF0 & 0xCC) ^ 0xAA
-                asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(u) : "r"(sp), "r"(0x00ff00ffu), "r"(0x64806480u));
-                v = __hsub2(awq::as_h2(u), awq::as_h2(0x64806480u));   // (1152 + b) - 1152 = b
-              } else {
-                const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);   // [b0, 0, b1, 0]
-                // 5 bits: the fifth bits of elements k, k + 1 (k = 16 hf + 8 p + 2t) onto mantissa
-                // bit 4 of each lane (bit 8 in the 16x high-nibble form): 1024 + q, or 1024 + 16 q
-                unsigned hi = 0;
-                if constexpr (F::BITS == 5) {
-                  const unsigned hb = qh[j][r8] >> (16 * hf + 8 * p + 2 * t);
-                  hi = ((hb & 1u) << 4) | ((hb & 2u) << 19);   // bits 4 and 20
-                }
-                if (hf == 0)
-                  v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic) | hi), awq::as_h2(LO));
-                else
-                  v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic) | (hi << 4)),
-                              awq::as_h2(0x2c002c00u), awq::as_h2(HI));
-              }
-              // v = q - OFFSET exactly; then one rounding: (q - OFFSET) d, or q d + m
-              half2 w;
-              if constexpr (F::HAS_MIN) w = __hfma2(v, dd[j][r8], mm[j][r8]);
-              else w = __hmul2_rn(v, dd[j][r8]);
-              a[2 * b + hf][j][r8 + 2 * p] = awq::as_u32(w);
+          for (int r8 = 0; r8 < 2; ++r8) {
+            // the row's bytes; `at` places in-row byte offset f as TMA's swizzle put it
+            const unsigned char* row = S0 + C::X_BYTES + (rr(j) + 8 * r8) * C::SLOT;
+            const int ob = o + (2 * hx + b) * F::BYTES;   // the block's offset in the row
+            auto at = [&](int f) { return row + (f ^ key); };
+            // d (and m) in both lanes of a half2: byte_perm 0x1010 -> (d, d), 0x3232 -> (m, m);
+            // a 16-bit d times 0x10001 copies it into the high half
+            if constexpr (F::HAS_MIN) {   // 20 / 24-byte blocks, o in {0, 8}: ob % 4 == 0, d, m one word
+              const unsigned dm = *reinterpret_cast<const unsigned*>(at(ob));
+              dd[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x1010));
+              mm[j][r8] = awq::as_h2(__byte_perm(dm, 0u, 0x3232));
+            } else {
+              dd[j][r8] = awq::as_h2(unsigned(*reinterpret_cast<const unsigned short*>(at(ob))) * 0x10001u);
             }
-    }
-    // the group's 4 k-steps as one wgmma group, done on return
-    wg::stage_step<T, JN, ggw::HK / 16>(acc, a, desc, st > 0 || hx > 0);
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs may sit at an even, not 4-byte, offset
+              qv[j][r8][q] = *reinterpret_cast<const unsigned short*>(at(ob + C::PQ + 16 * (q >> 1) + 8 * (q & 1) + 2 * t));
+            if constexpr (F::BITS == 5)
+              qh[j][r8] = unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH)))
+                        | (unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH + 2))) << 16);
+          }
+        // 4 / 5 bits: (1024 + q) - (1024 + OFFSET), and (1024 + 16 q) / 16 - (64 + OFFSET), both
+        // exact: the halves of 1024 + OFFSET and -(64 + OFFSET) (fp16's ulp is 1 at 1024 and 1/16
+        // at 64, so adding OFFSET, or 16 OFFSET, to the bits of 0x6400 / 0xd400 adds OFFSET)
+        constexpr unsigned LO = (0x6400u + F::OFFSET) * 0x10001u, HI = (0xd400u + 16 * F::OFFSET) * 0x10001u;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)   // which 16 of the block's 32 k
+#pragma unroll
+          for (int j = 0; j < JN; ++j)
+#pragma unroll
+            for (int r8 = 0; r8 < 2; ++r8)
+#pragma unroll
+              for (int p = 0; p < 2; ++p) {   // p: k pair 2t.. or 2t + 8..
+                half2 v;
+                if constexpr (F::BITS == 8) {
+                  const unsigned sp = __byte_perm(qv[j][r8][2 * hf + p], 0u, 0x4140);
+                  unsigned u;
+                  // (a & b) ^ c: LUT 0x6A = (0xF0 & 0xCC) ^ 0xAA
+                  asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(u) : "r"(sp), "r"(0x00ff00ffu), "r"(0x64806480u));
+                  v = __hsub2(awq::as_h2(u), awq::as_h2(0x64806480u));   // (1152 + b) - 1152 = b
+                } else {
+                  const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);   // [b0, 0, b1, 0]
+                  // 5 bits: the fifth bits of elements k, k + 1 (k = 16 hf + 8 p + 2t) onto mantissa
+                  // bit 4 of each lane (bit 8 in the 16x high-nibble form): 1024 + q, or 1024 + 16 q
+                  unsigned hi = 0;
+                  if constexpr (F::BITS == 5) {
+                    const unsigned hb = qh[j][r8] >> (16 * hf + 8 * p + 2 * t);
+                    hi = ((hb & 1u) << 4) | ((hb & 2u) << 19);   // bits 4 and 20
+                  }
+                  if (hf == 0)
+                    v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic) | hi), awq::as_h2(LO));
+                  else
+                    v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic) | (hi << 4)),
+                                awq::as_h2(0x2c002c00u), awq::as_h2(HI));
+                }
+                // v = q - OFFSET exactly; then one rounding: (q - OFFSET) d, or q d + m
+                half2 w;
+                if constexpr (F::HAS_MIN) w = __hfma2(v, dd[j][r8], mm[j][r8]);
+                else w = __hmul2_rn(v, dd[j][r8]);
+                a[2 * b + hf][j][r8 + 2 * p] = awq::as_u32(w);
+              }
+      }
+      // the group's 4 k-steps as one wgmma group, done on return
+      wg::stage_step<T, JN, ggw::HK / 16>(acc, a, desc, st > 0 || hx > 0);
     }
     if (lane == 0) wg::mbar_arrive(empty0 + 8 * buf);   // the buffer is free again
   }

@@ -658,10 +658,10 @@ def test_wgmma_fp32_accumulation_bound(fmt, monkeypatch):
     """The wgmma path against float64 on its own fp16 weights (_wgmma_w16) in the fp32-summation
     bound (_check_fp32_sum), 4-32x tighter than the cuBLAS-style bound the other wgmma tests
     take: every token tile (M = 1, 7: T = 16 and 20: T = 32, both in 128-k stages; 33: 64; 65,
-    100: 128; 130, 200: 256; 300: 128 or 256), all tiles split (8 ways at 202 x 4096 -- the 1-wide reduce --, 3 at 8704 x 2048 while
-    M <= 128, 5 uneven at 72 x 2816: 44 stages in 5), whole-K tiles only (8704 x 2048 above
-    M = 128, 1000 x 512: K = 512, 32x tighter), M and N tails; x rows scaled 2^-6 .. 2^4. The
-    schedules are read from the launches; both kinds must have run."""
+    100: 128; 130, 200: 256; 300: 128 or 256), all tiles split (202 x 4096 -- the 1-wide
+    reduce --, 8704 x 2048 while M <= 128, 72 x 2816 unevenly), whole-K tiles only (8704 x 2048
+    above M = 128, 1000 x 512: K = 512, 32x tighter), M and N tails; x rows scaled 2^-6 .. 2^4.
+    The schedules are read from the launches; both kinds must have run."""
     from quantzoo.cuda_launch import sm_count
 
     launches = []   # (whole tiles, splits) of each wgmma launch, as launched
