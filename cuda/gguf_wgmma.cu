@@ -36,8 +36,9 @@
 //   never read; past the row's end TMA reads zeros, and rows past N read as zeros (d = 0: they
 //   contribute 0, and are not stored). Before (sessions 8 to 15) every thread issued 3-5
 //   16-byte cp.async a stage into such windows and the block met at one barrier a stage.
-// * 128-k stages up to M = 32 (host: gguf.WGMMA_CFGS), with one consumer warpgroup a block and
-//   3-4 blocks an SM as in awq_wgmma.cu. At small M what a block waits for is its stage's TMA
+// * 128-k stages up to M = 32 (host: gguf.WGMMA_CFGS), plain launches with one consumer
+//   warpgroup a block and 3-4 blocks an SM as in awq_wgmma.cu (shared memory holds 3 and 2 of
+//   Q8_0's), GLU with its two warpgroups at one block an SM. At small M what a block waits for is its stage's TMA
 //   copy, and the copy's time went with its ROWS box rows more than with its bytes: the same
 //   bytes in boxes of half the rows, twice as wide, took q4_0 4096->12288 M = 16 from 24.9 to
 //   20.7 us and q8_0 from 31.7 to 26.1, while dropping all dequant work saved only 5 %
@@ -49,7 +50,7 @@
 //   words apart mod 32 banks; a thread's 2-byte reads of one row span at most 3 words: no
 //   conflicts. (Q5_0 / Q5_1's 96-byte rows at BK = 128 put rows g and g + 4 on the same banks:
 //   2-way conflicts, left as they are; those formats gained least from the wider rows.)
-//   Q5_0's 64-byte rows would put rows g and g + 2 on the same banks (4-way conflicts); they come
+//   Q5_0's 64-byte rows (BK = 64) would put rows g and g + 2 on the same banks (4-way conflicts); they come
 //   in TMA's 64-byte swizzle instead, which moves each pair of rows to its own 16-byte chunk
 //   position, and the readers XOR their in-row offsets with the same key.
 // * A fragment (mma.sync's m16n8k16 A, per warp of the warpgroup): thread (g, t) holds rows g,
@@ -138,7 +139,7 @@ struct Cfg {
 // (token tile i % tiles_m, row tile i / tiles_m), token tiles varying fastest so that the blocks
 // reading the same weights run together. Blocks below dp_tiles each do tile i over all of K; the
 // rest do split j % splits of tile dp_tiles + j / splits (j = block - dp_tiles): stages
-// [split sps, (split + 1) sps) of the nb / 2 (the host makes every split non-empty) -- the
+// [split sps, (split + 1) sps) of the nb / (BK / 32) (the host makes every split non-empty) -- the
 // schedule of awq_wgmma.cu (wgmma_tiles.schedule). Block ggw::Cfg::THREADS (128 NWG + 128)
 // threads. Tensor maps (host, kernels/gguf.py): x fp16 [M, K] box 64 x x_rows (x_rows =
 // min(T, M): wg::x_box_row), 128-byte swizzle; W bytes [N, nb BYTES] box SLOT x ROWS (GLU: x

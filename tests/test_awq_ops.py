@@ -385,7 +385,7 @@ def test_wgmma_plan_several_blocks_an_sm():
     stages; 3: 3 x 22; 5: 4 x 13); 12288->4096 (32 tiles, 192 stages) 8 splits, 2 x 24 (12 and
     16, 3 x 16 and 4 x 12, are no better; 4, one block an SM, counts as 2 x 48), where the old
     rule's 12 splits ran slower (18.0 vs 17.1 us at (1, 16, 8, 3)). One block an SM (3 entries,
-    e.g. the GGUF kernel's) keeps the old rule: as many splits as fit one wave."""
+    e.g. the GGUF kernel's from M = 33) keeps the old rule: as many splits as fit one wave."""
     from quantzoo.kernels import wgmma_tiles as wt
 
     sms = 132

@@ -469,11 +469,11 @@ def test_fp16_paths_weights_bit_exact(fmt):
 # ---- the Hopper wgmma path: tails, split K, graph replay -------------------------------------------
 @pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
 def test_wgmma_tails_splits_graph(fmt):
-    """M and N tails of every token tile (T = 16 .. 256), K split into 5-8 parts (uneven: 44
-    stages in 5) and summed by wgmma_reduce (1-wide at N = 202, 4-wide else), more tiles than an
-    H100 holds at once (8704 rows at M = 130 / 300: 136 tiles, 132 walking all of K and the last
-    4 split), a second call equal to the first (the split sum's order is fixed), and a graph
-    replay equal to the eager call."""
+    """M and N tails of every token tile (T = 16 .. 256), K split (from M = 33 into 5-8 parts,
+    uneven: 44 stages in 5; below, in 128-k stages, 2-8) and summed by wgmma_reduce (1-wide at
+    N = 202, 4-wide else), more tiles than an H100 holds at once (8704 rows at M = 130 / 300: 136
+    tiles, 132 walking all of K and the last 4 split), a second call equal to the first (the
+    split sum's order is fixed), and a graph replay equal to the eager call."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k in ((202, 4096), (8704, 2048), (72, 2816)):   # N % 4 != 0: the 1-wide reduce
         w, qt_cpu = _weight(fmt, n, k, rng)
@@ -524,8 +524,8 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
     """matmul(glu=True) on the wgmma path equals layer_ops.silu_mul of the gate and up products,
     bit for bit, those products taken from an unfused wgmma launch on the same rows in the same
     tile places (_glu_blocked). Shapes: F = 100, 102 and 36 (gate tiles that run past F, reading
-    up rows that are not stored), K split 5-8 ways (uneven: 44 stages in 5; the split tiles' GLU
-    in wgmma_reduce: 4-wide where F % 4 == 0, i.e. F = 100, 36, 4352; 1-wide,
+    up rows that are not stored), K split (5-8 ways from M = 33, uneven: 44 stages in 5; the split
+    tiles' GLU in wgmma_reduce: 4-wide where F % 4 == 0, i.e. F = 100, 36, 4352; 1-wide,
     wgmma_reduce<1, true>, only at F = 102; the launches asked for are recorded to prove it), more
     tiles than an H100 holds (F = 4352 at M = 130 / 300), every token tile width. The unfused
     launch is the GLU config's plain twin, forced to the GLU launch's schedule."""
@@ -580,8 +580,9 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
             assert torch.isfinite(y).all(), f"{fmt} {n}x{k} M={m}: unwritten outputs"
             assert torch.equal(y, want), (f"{fmt} {n}x{k} M={m}: GLU epilogue differs from silu_mul of the "
                                           f"products, worst {float((y.float() - want.float()).abs().max()):.3g}")
-    # F = 102 splits K 8 ways at every M here (a few tiles, 64 stages; checked on the CPU with
-    # 1 or 2 blocks an SM on 114 or 132 SMs): its outputs came through the 1-wide GLU reduce
+    # F = 102 splits K at every M here (a few tiles; 8 ways from M = 33, 64 stages, checked on the
+    # CPU with 1 or 2 blocks an SM on 114 or 132 SMs; 4 ways below, 32 stages of 128 k): its
+    # outputs came through the 1-wide GLU reduce
     assert reduces == {"wgmma_reduce<1, true>", "wgmma_reduce<4, true>"}, reduces
     # the other paths (M = 3: mmvq, 40: mma, 130: dequant + cuBLAS, whose torch step writes the
     # workspace) run the product into a workspace, then silu_mul; the default dispatch replays its

@@ -71,6 +71,11 @@ def test_wgmma_dispatch(monkeypatch):
             ["mma", "wgmma", "wgmma", "dequant"], (n, k)
         assert {G.wgmma_config(m, n, k, 132) for m in range(65, 97)} == {(2, 64, 6)}
     assert (2, 64, 6) in G.WGMMA_CFGS and G.wgmma_config(100, 4096, 4096, 132) != (2, 64, 6)
+    # up to M = 32 the one-warpgroup, 128-k configs (the narrowest T that holds M); GLU: T = 32
+    assert [G.wgmma_config(m, 4096, 4096, 132) for m in (1, 16, 17, 32, 33)] == \
+        [(1, 16, 3, 4, 128)] * 2 + [(1, 32, 3, 3, 128)] * 2 + [(2, 64, 6)]
+    assert {G.wgmma_config(m, 24576, 4096, 132, glu=True) for m in range(1, 33)} == {(2, 32, 4, 1, 128)}
+    assert G.wgmma_config(33, 24576, 4096, 132, glu=True) == (2, 64, 6)
     assert [G.choose_path(m, qt(1024, 2048)) for m in (64, 96)] == ["mma", "mma"]   # under 4096 x 1024
 
 

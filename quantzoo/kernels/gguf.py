@@ -167,7 +167,8 @@ WGMMA_FORMATS = tuple(f for f in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0") if f i
 # window) these small-M launches were bound by how many rows TMA copies, not by bytes or by the
 # dequant -- the same bytes in boxes of half the rows, twice as wide, took q4_0 4096->12288 M = 16
 # from 24.9 to 20.7 us, q8_0 from 31.7 to 26.1; no dequant at all only to 23.6 / 30.5
-# (bench/NOTES.md, session 53). One warpgroup a block and 3-4 blocks an SM there, as AWQ's.
+# (bench/NOTES.md, session 53). Plain launches there: one warpgroup a block, 3-4 blocks an SM
+# as AWQ's (shared memory holds 3 and 2 of Q8_0's); GLU: two warpgroups, one block an SM.
 WGMMA_CFGS = ((1, 16, 3, 4, 128), (1, 32, 3, 3, 128), (2, 64, 6), (2, 128, 5), (2, 256, 5))
 WGMMA_GLU_CFGS = ((2, 32, 4, 1, 128), (2, 64, 6), (2, 128, 5), (2, 256, 5))
 # every non-GLU instance: the GLU configs' plain twins too
@@ -441,8 +442,9 @@ def wgmma_ok(qt) -> bool:
 
 def wgmma_config(m: int, n: int, k: int, slots: int, glu: bool = False) -> tuple:
     """(NWG, T, D[, BPS, BK]) of the wgmma kernel for M rows of an N x K weight on a GPU of
-    `slots` SMs: up to M = 32 the narrowest token tile that holds M (WGMMA_CFGS, or
-    WGMMA_GLU_CFGS with glu: 32 tokens, the comment above them says why); above, the rule both
+    `slots` SMs: up to M = 32 the narrowest token tile that holds M (WGMMA_CFGS), with glu the
+    32-token config (WGMMA_GLU_CFGS; at M = 16 it beat 16-token GLU configs for q4_0 by 10 % and
+    lost 5 % for q8_0: bench/NOTES.md, session 53); above, the rule both
     wgmma kernels share (wgmma_tiles.config), except that on a weight under WGMMA_MIN_NK
     M = 65..WGMMA_MID_MAX_M keep the 64-token tile of M = 64."""
     if m <= 32:
@@ -509,7 +511,13 @@ def _launch_wgmma(fmt, x2, w, y2, m, n, nb, glu: bool = False, cfg=None, splits=
 def wgmma_schedule(m: int, n: int, nb: int, slots: int, cfg, splits=None, dp_tiles=None) -> tuple[int, int, int]:
     """(whole tiles, K splits, stages a split) of a wgmma launch of cfg over nb blocks of K on a
     GPU that holds `slots` of its blocks at once: wgmma_tiles.schedule, which counts 64-k
-    stages, over K / (BK / 64) of them (a BK-k stage is one of its stages)."""
+    stages, over K / (BK / 64) of them (a BK-k stage is one of its stages). Its split plan
+    divides `slots` by the config's BPS even where shared memory holds fewer blocks an SM (Q8_0:
+    3 of (1, 16, 3, 4, 128), 2 of (1, 32, 3, 3, 128)), so it plans for fewer SMs than there are
+    and splits less. Planned for the blocks really held instead, q8_0 ran 1-4 % slower on two
+    of three shapes (4096->12288 M = 16: 4 splits 29.4 vs 2 splits 28.2 us; 12288->4096 M = 16
+    29.8 vs 29.5; 4096->6144 M = 32 19.6 vs 20.1; bench/NOTES.md, session 53): kept as it is.
+    At BK = 128 MIN_STAGES' 8 stages a split are 1024 k (512 at BK = 64)."""
     return wgmma_tiles.schedule(m, n, 32 * nb * 64 // _wgmma_bps_bk(cfg)[1], slots, cfg, splits, dp_tiles)
 
 

@@ -1,10 +1,12 @@
 """Tile and split choices shared by the Hopper wgmma kernels (cuda/awq_wgmma.cu, cuda/gguf_wgmma.cu).
 
-Both walk K in 64-row shared-memory stages with one block of NWG consumer warpgroups and a TMA
+Both walk K in shared-memory stages with one block of NWG consumer warpgroups and a TMA
 producer warpgroup per tile of T tokens; the rules below were measured on the AWQ
 kernel (bench/NOTES.md, session 8) and the GGUF one is built the same way. A configuration is
-(NWG, T, D) -- one block an SM -- or (NWG, T, D, BPS) with BPS blocks an SM (the AWQ kernel's
-one-warpgroup configs up to M = 128, awq.WGMMA_CFGS; `plan` splits K for them differently).
+(NWG, T, D) -- one block an SM -- or (NWG, T, D, BPS[, BK]) with BPS blocks an SM (the AWQ
+kernel's one-warpgroup configs up to M = 128, awq.WGMMA_CFGS, and the GGUF kernel's up to
+M = 32, gguf.WGMMA_CFGS; `plan` splits K for them differently). Stages here are 64 rows of K;
+the GGUF kernel's BK = 128 stages are counted by passing K / 2 (gguf.wgmma_schedule).
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ SPLIT_STAGES = 7     # a split launch's extra time, the split-K reduce (~5 us / 
 
 
 def config(m: int, n: int | None = None, k: int | None = None, slots: int | None = None) -> tuple[int, int, int]:
-    """(NWG, T, D) for M rows: the narrowest token tile that holds M up to 128 (T = 64 / 128;
-    below M = 33 both kernels take their own one-warpgroup configs, awq.WGMMA_CFGS and
-    gguf.WGMMA_CFGS); above, T = 128 or 256, whichever `cost` predicts faster for an
+    """(NWG, T, D) for M rows: T = 64 up to M = 64, 128 up to 128 (the kernels take their own
+    configs below: AWQ up to M = 128, awq.WGMMA_CFGS; GGUF up to M = 32, gguf.WGMMA_CFGS); above,
+    T = 128 or 256, whichever `cost` predicts faster for an
     N x K weight on a GPU holding `slots` blocks at once (T = 256 without them). T = 256, one
     64 x 256 instruction per k-step and half the dequant per MMA, is 3-15 % faster than T = 128
     on whole tiles; T = 128 wins where it leaves fewer tokens padded or SMs idle: 4096->12288
