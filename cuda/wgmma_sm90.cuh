@@ -11,8 +11,9 @@
 // box rule (x_box_row), the GGUF kernel's GLU store (glu_store), and split K's partials
 // (SplitParts) and their reduce launch (wgmma_reduce).
 // The wgmma pieces are only defined where the architecture-specific features exist (sm_90a);
-// elsewhere the kernels that include this compile to empty bodies. TmaDesc, SplitParts and
-// wgmma_reduce are plain CUDA, defined for every target.
+// elsewhere the kernels that include this compile to empty bodies. TmaDesc, SplitParts, Regs
+// (setmaxnreg's split, used as template arguments) and wgmma_reduce are plain CUDA, defined for
+// every target.
 #pragma once
 #include <cuda_fp16.h>
 #include "mbarrier.cuh"
@@ -41,9 +42,7 @@ struct SplitParts {
     return ((size_t)split * M + m) * pitch + (up ? w : 0) + (n - first);
   }
 };
-}  // namespace wg
 
-namespace wg {
 // setmaxnreg's split of a block's registers, for both kernels: the producer warpgroup keeps few,
 // the NWG consumer warpgroups take the rest of what BPS blocks an SM leave a block (65536 / BPS
 // registers; the entry allocation is the launch bound's, a multiple of 8 per thread). At BPS = 1:
