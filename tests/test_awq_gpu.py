@@ -682,7 +682,7 @@ def test_wgmma_glu_epilogue(k, n, g):
         cfg = awq.wgmma_config(m, n, k, sms, glu=True)
         if m == 20:
             assert cfg == (2, 32, 12), f"M = 20 should take the (2, 32, 12) GLU instance, got {cfg}"
-        dispatched = awq.choose_path(m, qtc) == "wgmma"
+        dispatched = awq.choose_path(m, qtc, glu=True) == "wgmma"
         if (k, n) == (2048, 8704) and m >= 5:
             assert dispatched, f"{k}x{n} M={m}: dispatch moved off wgmma, pick a shape it sends there"
         fr = wgmma_tiles.columns(cfg[0], cfg[1]) // 2
@@ -707,6 +707,31 @@ def test_wgmma_glu_epilogue(k, n, g):
                 if dispatched:   # and dispatch's own choice (a planned call, the same cfg and schedule)
                     for _ in range(2):
                         assert torch.equal(awq.matmul(x, qtc, glu=True), y), f"{what}: dispatch"
+
+
+def test_glu_wgmma_from_m_2():
+    """matmul(glu=True) on a [gate | up] weight of 2048 x 12288 elements takes wgmma from M = 2
+    (session 54; plain matmul there keeps small to M = 4): the default call is the forced wgmma
+    launch bit for bit, planned replay included, and agrees with the small path's GLU to fp16
+    weights' rounding (wgmma dequantises to fp16, small scales fp32 partials)."""
+    from quantzoo.kernels import layer_ops
+
+    awq = awq_mod()
+    if not awq.wgmma_available(torch.device("cuda")):
+        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    rng = case_rng()
+    k, n = 2048, 12288
+    _, _, qtc, _ = weight(k, n, 128)
+    for m in (1, 2, 3, 4):
+        path = awq.choose_path(m, qtc, glu=True)
+        assert (path == "wgmma") == (m >= 2) and awq.choose_path(m, qtc) != "wgmma", (m, path)
+        x = torch.from_numpy(rand_x(rng, m, k)).cuda()
+        want = awq.matmul(x, qtc, path=path, glu=True)
+        for _ in range(2):
+            assert torch.equal(awq.matmul(x, qtc, glu=True), want), f"M={m} ({path}) {seed_note()}"
+        other = layer_ops.silu_mul(awq.matmul(x, qtc, path="small"))
+        err = float((want.float() - other.float()).abs().max()) / float(other.float().abs().max())
+        assert err < 5e-3, f"M={m}: {path} vs small GLU, relative {err:.2e} {seed_note()}"
 
 
 def test_glu_other_paths_plans_and_graph():

@@ -259,8 +259,8 @@ def test_strip_launch_dry_run(monkeypatch):
 def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     """wgmma takes 5 <= M <= WGMMA_MAX_M (2048) on weights of at least 4096 x 4096, 5 <= M <= 256
     from 2048 x 4096 and 17 <= M <= 256 from 1024 x 4096 (64-token tiles past M = 64 there), with
-    N % 32 == 0, and only where the device is a Hopper GPU; elsewhere (or with no device) the
-    rules above stand."""
+    glu from M = 2 on 2048 x 12288 and up and from M = 5 on 1024 x 6144, with N % 32 == 0, and
+    only where the device is a Hopper GPU; elsewhere (or with no device) the rules above stand."""
     shape = lambda n, k: type("S", (), {"shape": (n, k)})()  # noqa: E731
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(awq, "wgmma_available", lambda dev: True)
@@ -280,6 +280,15 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
     assert [awq.choose_path(top, shape(n, k), cuda) for n, k in ((24576, 4096), (4096, 12288), (6144, 4096))] \
         == ["wgmma"] * 3
     assert awq.choose_path(128, shape(1024, 2048), cuda) == "dequant+cublas"   # too small a weight
+    # glu=True: from M = 2 on 2048 x 12288 and up, to M = 16 from 1024 x 6144 (session 54)
+    for n, k in ((24576, 4096), (19456, 2560), (12288, 2048)):
+        assert [awq.choose_path(m, shape(n, k), cuda, glu=True) for m in (2, 4, 16, 17)] == ["wgmma"] * 4, (n, k)
+        assert awq.choose_path(1, shape(n, k), cuda, glu=True) == awq.choose_path(1, shape(n, k), cuda) != "wgmma"
+    assert [awq.choose_path(m, shape(12288, 2048), cuda) for m in (2, 4, 5)] == ["small"] * 2 + ["wgmma"]
+    assert [awq.choose_path(m, shape(6144, 1024), cuda, glu=True) for m in (4, 5, 16, 17, 96)] == \
+        ["small"] + ["wgmma"] * 4
+    assert [awq.choose_path(m, shape(6144, 1024), cuda) for m in (5, 16, 17)] == ["small"] * 2 + ["wgmma"]
+    assert awq.choose_path(8, shape(6112, 1024), cuda, glu=True) == "small"   # under 1024 x 6144
     assert awq.choose_path(128, shape(12296, 4096), cuda) == "mma"             # N % 32 != 0: no TMA rows
     assert awq.choose_path(128, shape(12288, 4096)) == "mma"                   # no device given
     assert awq.choose_path(128, shape(12288, 4096), torch.device("cpu")) == "mma"

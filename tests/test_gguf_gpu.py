@@ -440,7 +440,8 @@ def test_fp16_paths_weights_bit_exact(fmt):
     fmt.dequantize rounded to half, wgmma's (Hopper) the correctly rounded half of the exact
     value q d + m or (q - offset) d (float64 holds it exactly). Q4_1 / Q5_1 with |q d| and |m|
     far apart are where the two differ (the float32 sum rounds first); everywhere else they agree.
-    N = 200: a row tile's tail; K = 512: all 8 stages' offsets in their 16-byte windows."""
+    N = 200: a row tile's tail; K = 512: all 8 stages' offsets in their 16-byte windows (64-k
+    stages: M = 512, 64), all 4 of the 128-k stages' (M = 32, 16: every k by 32-row slices)."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
     f = qz.formats.get(fmt)
     n, k = 200, 512
@@ -455,7 +456,10 @@ def test_fp16_paths_weights_bit_exact(fmt):
     qt = qt_cpu.to(DEV)
     eye = torch.eye(k, dtype=torch.float16, device=DEV)
     for path in (["dequant"] + (["wgmma"] if G.wgmma_ok(qt) else [])):
-        for rows in (slice(0, k), slice(128, 192)):   # M = 512 (T = 256) and 64 (T = 64)
+        # M = 512 (T = 256), 64 (T = 64), and every k in 128-k stages: 32-row slices (T = 32) and
+        # two of 16 (T = 16)
+        slices = [slice(0, k), slice(128, 192), slice(16, 32), slice(k - 16, k)]
+        for rows in slices + [slice(r, r + 32) for r in range(0, k, 32)]:
             got = _run(eye[rows].contiguous(), qt, path).T
             diff = got != want[path][:, rows].astype(np.float32)
             assert not diff.any(), (f"{fmt} {path}: {diff.sum()} weights differ, first at "
@@ -652,6 +656,66 @@ def _check_fp32_sum(y, x16, w16, what):
     e2, r2 = float(((yt - ref) ** 2).sum()), float((ref ** 2).sum())
     assert e2 <= 4e-7 * r2 + yt.numel() * 2.0 ** -50, f"{what}: NMSE {e2 / max(r2, 1e-300):.3g} > 4e-7"
     return ratio
+
+
+@pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
+def test_wgmma_128k_forced_schedules(fmt, monkeypatch):
+    """The 128-k stage configs (M <= 32) under schedules dispatch never makes on these shapes,
+    forced: K = 2816 (22 stages) split 3 ways (8, 8, 6 stages) and 5 ways (5, 5, 5, 5, 2), with no
+    whole tiles and with 3 whole tiles beside the split ones in one launch; N = 1000 (8 tiles of
+    128 rows, the last a row tail). Plain configs against float64 on the kernel's own weights in
+    the fp32-summation bound; GLU (F = 500) equal, bit for bit, to silu_mul of its plain twin's
+    products on the blocked rows under the same forced schedule. The launches' own (whole
+    tiles, splits, stages a split) are read back."""
+    from quantzoo.kernels import layer_ops, wgmma_tiles
+
+    launches = []
+    real_launch = G.launch_tma
+
+    def spy_launch(kern, grid, block, args, shared_mem=0):
+        launches.append(tuple(int(a) for a in args[8:11]))
+        return real_launch(kern, grid, block, args, shared_mem)
+
+    monkeypatch.setattr(G, "launch_tma", spy_launch)
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    n, k = 1000, 2816
+    _, qt_cpu = _weight(fmt, n, k, rng)
+    qt = qt_cpu.to(DEV)
+    if not G.wgmma_ok(qt):
+        pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+    w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
+    f = n // 2
+    cfgs = [(c, False) for c in G.WGMMA_CFGS if G._wgmma_bps_bk(c)[1] == 128]
+    cfgs += [(c, True) for c in G.WGMMA_GLU_CFGS if G._wgmma_bps_bk(c)[1] == 128]
+    assert len(cfgs) == 3, cfgs
+    for cfg, glu in cfgs:
+        rows = wgmma_tiles.columns(cfg[0], cfg[1])
+        blocked = _glu_blocked(qt_cpu, rows // 2).to(DEV) if glu else None
+        for m in (3, cfg[1]):
+            x16 = (rng.standard_normal((m, k)) * 2.0 ** rng.uniform(-4, 4, (m, 1))).astype(np.float16)
+            x = torch.from_numpy(x16).to(DEV)
+            for splits, dp in ((3, 0), (5, 0), (3, 3), (5, 3)):
+                what = f"{fmt} {cfg} glu={glu} {n}x{k} M={m} splits={splits} whole tiles={dp}"
+                y = _poisoned((m, f if glu else n))
+                launches.clear()
+                G._launch_wgmma(fmt, x, qt.data, y, m, n, k // 32, glu=glu, cfg=cfg, splits=splits, dp_tiles=dp)
+                per = -(-(k // 128) // splits)
+                assert launches == [(dp, splits, per)], (what, launches)
+                if not glu:
+                    _check_fp32_sum(y, x16, w16, what)
+                    continue
+                nb = blocked.shape[0]
+                yb = torch.empty((m, nb), dtype=torch.float16, device=DEV)
+                G._launch_wgmma(fmt, x, blocked.data, yb, m, nb, k // 32, cfg=cfg, splits=splits, dp_tiles=dp)
+                assert launches[1] == launches[0], what
+                fr = rows // 2
+                yb = yb.view(m, -1, 2, fr)
+                gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
+                want = layer_ops.silu_mul(gu)
+                torch.cuda.synchronize()
+                assert torch.isfinite(y).all(), f"{what}: unwritten outputs"
+                assert torch.equal(y, want), (f"{what}: GLU differs from silu_mul of the products, worst "
+                                              f"{float((y.float() - want.float()).abs().max()):.3g}")
 
 
 @pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
@@ -980,6 +1044,44 @@ def test_matmul_q8_1_equals_matmul(fmt, m):
     with pytest.raises(ValueError, match="m: 9"):
         G.matmul_q8_1(xq, qt, 9, layout)
     assert G.q8_1_layout(qt, 9) is None and G.q8_1_layout(qt.to("cpu"), 1) is None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wgmma_below_mmvq_max_m(fmt):
+    """A weight of 4096 x 12288 elements (K >= WGMMA_SMALL_LONG_K), M = 1..8, plain and glu: dispatch
+    takes mmvq, or (on Hopper) wgmma from the M session 54 measured (WGMMA_SMALL_M: Q8_0 plain
+    from 7, GLU from 5). matmul's default launch is the chosen path's bit for bit; where that is
+    wgmma, q8_1_layout is None (the runner hands the linear fp16) and matmul_q8_1 refuses the M;
+    the plain result is x16 @ half(W) to fp16's rounding, and mmvq's on the same x (Q8_1-rounded
+    activations) is near it."""
+    rng = np.random.default_rng(RNG.integers(1 << 32))
+    n, k = 4096, 12288
+    _, q = _weight(fmt, 256, k, rng)   # 256 random rows, repeated: the dispatch sees N x K
+    qt = qz.formats.QuantizedTensor(fmt, (n, k), np.tile(q.data, (n // 256, 1))).to(DEV)
+    w16 = q.dequantize().astype(np.float16).astype(np.float64)
+    small = G.WGMMA_SMALL_M.get(fmt, (9, 9, 9)) if G.wgmma_ok(qt) else (9, 9, 9)
+    for glu in (False, True):
+        paths = []
+        for m in range(1, 9):
+            x16 = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-8, 8, (m, 1)))).astype(np.float16)
+            x = torch.from_numpy(x16).to(DEV)
+            path = G.choose_path(m, qt, x, glu)
+            paths.append(path)
+            y = G.matmul(x, qt, glu=glu)
+            assert torch.equal(y, G.matmul(x, qt, path=path, glu=glu)), f"{fmt} M={m} glu={glu} ({path})"
+            assert (G.q8_1_layout(qt, m, glu) is None) == (path != "mmvq"), (fmt, m, glu, path)
+            if path != "wgmma" or glu:
+                continue
+            with pytest.raises(ValueError, match=f"m: {m}; matmul_q8_1 takes"):
+                G.matmul_q8_1(torch.zeros(m * k // 32 * 36, dtype=torch.uint8, device=DEV), qt, m, "split")
+            ref = np.tile(x16.astype(np.float64) @ w16.T, (1, n // 256))
+            yw = y.float().cpu().numpy()
+            assert _nmse(yw, ref) < 1e-6, f"{fmt} M={m}: wgmma nmse {_nmse(yw, ref):.2e}"
+            ym = G.matmul(x, qt, path="mmvq").float().cpu().numpy()
+            assert _nmse(ym, ref) < 1e-3, f"{fmt} M={m}: mmvq nmse {_nmse(ym, ref):.2e}"
+        first = small[0 if glu else 1]
+        assert paths == ["mmvq"] * (first - 1) + ["wgmma"] * (9 - first), (glu, paths)
+    torch.cuda.synchronize()
 
 
 def test_quant_linear_state_dict_on_cuda(tmp_path):

@@ -48,8 +48,9 @@ def test_choose_path_thresholds(fmt):
 
 def test_wgmma_dispatch(monkeypatch):
     """Where wgmma_ok holds (on Hopper): M = 9 to WGMMA_MAX_M on weights of 4096 x 4096
-    and up, whatever the grid's wave fill (4096->12288 M = 512: 192 tiles, 1.45 waves); never
-    below 9 (mmvq), nor on smaller weights."""
+    and up, whatever the grid's wave fill (4096->12288 M = 512: 192 tiles, 1.45 waves); below 9
+    (mmvq's range) only for Q4_0 / Q4_1 / Q8_0 from the M measured (session 54: sooner for GLU
+    and for K >= 8192), never on smaller weights."""
     class Data:
         device = "cuda:0"
 
@@ -60,10 +61,21 @@ def test_wgmma_dispatch(monkeypatch):
     monkeypatch.setattr(G, "_aligned16", lambda q: True)
     assert set(G.WGMMA_FORMATS) == set(G.BLOCKS)
     top = G.WGMMA_MAX_M
+    # the first M that takes wgmma: with glu, for K >= 8192, for the rest
+    first = {"q4_0": (6, 7, 9), "q4_1": (5, 7, 9), "q5_0": (9, 9, 9), "q5_1": (9, 9, 9), "q8_0": (5, 7, 8)}
     for fmt in G.WGMMA_FORMATS:
-        for n, k in ((4096, 4096), (6144, 4096), (12288, 4096), (4096, 12288), (24576, 4096)):
-            assert [G.choose_path(m, qt(n, k, fmt)) for m in (8, 9, 256, 257, top, top + 1)] == \
-                ["mmvq"] + ["wgmma"] * 4 + ["dequant"], (fmt, n, k)
+        for n, k in ((4096, 4096), (6144, 4096), (12288, 4096), (4096, 12288), (24576, 4096), (2560, 9728)):
+            for glu in (False, True):
+                f = first[fmt][0 if glu else 1 if k >= 8192 else 2]
+                assert [G.choose_path(m, qt(n, k, fmt), glu=glu) for m in range(1, 10)] == \
+                    ["mmvq"] * (f - 1) + ["wgmma"] * (10 - f), (fmt, n, k, glu)
+                assert [G.choose_path(m, qt(n, k, fmt), glu=glu) for m in (256, 257, top, top + 1)] == \
+                    ["wgmma"] * 3 + ["dequant"], (fmt, n, k)
+        for glu in (False, True):   # under 4096 x 4096
+            assert [G.choose_path(m, qt(4096, 4096 - 256, fmt), glu=glu) for m in (1, 8)] == ["mmvq"] * 2
+    monkeypatch.setattr(G, "wgmma_ok", lambda q: False)   # not Hopper, or a weight TMA cannot read
+    assert [G.choose_path(m, qt(24576, 4096, "q8_0"), glu=True) for m in (1, 6, 8, 9)] == ["mmvq"] * 3 + ["mma"]
+    monkeypatch.setattr(G, "wgmma_ok", lambda q: q.format in G.WGMMA_FORMATS)
     assert G.choose_path(64, qt(4096, 4096)) == "wgmma"
     # mid-size weights: to M = 96 once M N K > 2^27, 64-token tiles past M = 64; never under 4096 x 1024
     for n, k, first in ((1024, 4096, 33), (2048, 4096, 17), (2048, 6144, 11), (4096, 3072, 11)):

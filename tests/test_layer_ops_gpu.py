@@ -413,6 +413,49 @@ def test_model_q8_1_fusion_is_bit_identical(fmt):
         assert torch.equal(runs[True, graph], runs[False, graph]), f"graph={graph}"
 
 
+def test_model_glu_wgmma_beside_q8_1_down(monkeypatch):
+    """A gate/up weight that takes wgmma below M = 9 while down still takes mmvq (WGMMA_SMALL_M:
+    on a Qwen3-8B or 4B, Q8_0 gate/up from M = 5, down not until 7) keeps its GLU epilogue, and
+    down quantizes its own input: made here on a small model with the size threshold lowered. The 5-token prefill calls matmul(glu=True) once a layer, and its
+    logits (and the decode's) are bit-identical with and without Q8_1 fusion."""
+    from quantzoo.bench.model import synthetic_weights
+    from quantzoo.kernels import gguf as G
+    from quantzoo.model import build_model
+    from quantzoo.model.config import ModelConfig
+
+    cfg = ModelConfig(arch="qwen3", vocab_size=1000, hidden_size=512, intermediate_size=1536,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
+    m = build_model(cfg, synthetic_weights("q8_0", cfg, "cuda", seed=3), None, device="cuda")
+    lay = m.layers[0]
+    monkeypatch.setattr(G, "WGMMA_MIN_NK", lay.gate_up.qt.shape[0] * lay.gate_up.qt.shape[1])   # down's is under it
+    monkeypatch.setattr(G, "WGMMA_SMALL_M", {"q8_0": (5, 7, 8)})
+    if not G.wgmma_ok(lay.gate_up.qt):
+        pytest.skip("wgmma needs a Hopper GPU")
+    assert lay.gate_up.q8_1_layout(5, glu=True) is None and lay.down.q8_1_layout(5) is not None
+    assert lay.gate_up.q8_1_layout(4, glu=True) is not None
+    glu_calls = []
+    matmul = G.matmul
+
+    def spy(x, qt, *a, **kw):
+        glu_calls.append(bool(kw.get("glu")) and G.choose_path(x.shape[0], qt, x, glu=True) == "wgmma")
+        return matmul(x, qt, *a, **kw)
+
+    monkeypatch.setattr(G, "matmul", spy)
+    ids = [(41 * i + 7) % 1000 for i in range(9)]
+    runs = {}
+    for fusion in (True, False):
+        m.q8_1_fusion = fusion
+        m.use_graph, m._graph = False, None
+        m.setup_cache(256)
+        glu_calls.clear()
+        out = [m.prefill(ids[:5])]
+        assert glu_calls.count(True) == cfg.num_layers, (fusion, glu_calls)
+        out += [m.decode_step(t, 5 + i) for i, t in enumerate(ids[5:])]
+        runs[fusion] = torch.stack(out)
+    assert torch.equal(runs[True], runs[False])
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "q4_0", "awq"])
 def test_model_fused_equals_torch_ops(fmt):
     """A small Qwen3 (hd 128, 4 query heads per KV head, random norm weights) in `fmt`: fused

@@ -280,8 +280,8 @@ class ReadLinear:
     def glu(self, x):
         return self._read(x.numel() // x.shape[-1], self.shape[0] // 2)
 
-    def q8_1_layout(self, m: int):
-        return self.lin.q8_1_layout(m)
+    def q8_1_layout(self, m: int, glu: bool = False):
+        return self.lin.q8_1_layout(m, glu)
 
     def from_q8_1(self, xq, m: int, layout: str):
         return self._read(m, self.shape[0])

@@ -4,7 +4,7 @@ dispatch by M.
     y = x @ W  with  W[k, n] = fp16((q - z) * s)  from qweight int32 [K, N/8], qzeros int32
     [K/G, N/8], scales fp16 [K/G, N] (HF "gemm" layout, formats/awq.py); x fp16 [.., K].
 
-Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within the M it takes):
+Paths (choose_path(m, qt, glu=glu) names the one matmul takes; path= forces one, within the M it takes):
     "gemv"            cuda/awq_gemv.cu   M = 1: each lane streams its weight words into registers,
                                          the tensor cores used lane by lane, scale per group on
                                          fp32 partials (as "small"); chosen for N >= GEMV_MIN_N
@@ -30,8 +30,10 @@ Paths (choose_path(m, qt) names the one matmul takes; path= forces one, within t
                                          chosen on Hopper for 5 <= M <= WGMMA_MAX_M on weights
                                          of WGMMA_MIN_NK (4096 x 4096) elements and up, for
                                          5 <= M <= 256 from 2048 x 4096 and for 17 <= M <= 256
-                                         from 1024 x 4096 (bench/NOTES.md sessions 8, 13, 15,
-                                         18, 25, 51, 52)
+                                         from 1024 x 4096, and with glu=True from M = 2 on
+                                         weights of 2048 x 12288 and up, to M = 16 from 1024 x
+                                         6144 (bench/NOTES.md sessions 8, 13, 15, 18, 25, 51,
+                                         52, 54)
 matmul(x, qt, glu=True) is the decoder MLP's silu(x @ gate) * (x @ up) for a weight whose columns
 are [gate | up]: on the wgmma path in the kernel's epilogue (cuda/awq_wgmma.cu, GLU), elsewhere
 the product into a workspace, then layer_ops.silu_mul (the same values either way).
@@ -193,6 +195,17 @@ WGMMA_MIN_NK = 4096 * 4096         # at least this many elements,
 WGMMA_LOW_MIN_NK = 4096 * 2048     # for M <= 16 on weights of at least this many,
 WGMMA_MID_MAX_M = 256              # and for 17 <= M <= WGMMA_MID_MAX_M on weights of
 WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
+# GLU (matmul(glu=True): wgmma's epilogue, where small writes the [M, N] product and silu_mul
+# reads it back) from M = WGMMA_GLU_MIN_M on weights of WGMMA_GLU_MIN_NK and up, and to M = 16
+# from WGMMA_GLU_LOW_MIN_NK. Session 54 (bench/NOTES.md; H100, us, rotated weights, graph
+# replays, alternated, min of 3), wgmma vs small, K->N as [gate | up], M = 2 / 4 / 8:
+# 2048->12288 12.6 / 12.6 / 12.5 vs 16.1 / 17.8 / 21.7; 2560->19456 19.5 / 19.4 / 19.6 vs 24.0 /
+# 26.7 / 32.4; 4096->24576 29.7 / 29.7 / 29.7 vs 31.7 / 33.3 / 38.2; 1024->6144 from M = 5: 8.9 /
+# 8.9 / 8.8 vs 8.1 / 8.8 / 10.1 (M = 5 8.9 vs 9.2, M = 16 9.1 vs 12.1). Plain weights keep
+# WGMMA_MIN_M: at M = 2-4 small wins on 12288->4096 (15.0 vs 16.7 at M = 2).
+WGMMA_GLU_MIN_M = 2
+WGMMA_GLU_MIN_NK = 2048 * 12288
+WGMMA_GLU_LOW_MIN_NK = 1024 * 6144
 # Session 51 (bench/NOTES.md; H100, us, rotated weights, graph replays, each candidate timed twice
 # in opposite orders): on those mid-size weights (WGMMA_MID_MIN_NK <= N K < WGMMA_MIN_NK) wgmma
 # with 64-token tiles (WGMMA_CFGS' T = 64 config, several token tiles a launch past M = 64) beats mma and
@@ -460,15 +473,19 @@ def _split_rows(k: int, splits: int, rows: int) -> np.int32:
 
 
 # ------------------------------------------------------------------ public entry points
-def choose_path(m: int, qt=None, dev=None) -> str:
+def choose_path(m: int, qt=None, dev=None, glu: bool = False) -> str:
     """The path matmul takes for M rows of x and weight qt on device dev (default: qt's device;
-    thresholds measured on the H100)."""
+    thresholds measured on the H100); glu: for matmul(glu=True), which wgmma takes sooner."""
     n, k = qt.shape if qt is not None else (4096, 4096)
     if dev is None and qt is not None and isinstance(getattr(qt, "data", None), dict):
         qw = qt.data.get("qweight")
         dev = qw.device if isinstance(qw, torch.Tensor) else None
     min_nk = WGMMA_LOW_MIN_NK if m <= 16 else WGMMA_MID_MIN_NK if m <= WGMMA_MID_MAX_M else WGMMA_MIN_NK
-    if (WGMMA_MIN_M <= m <= WGMMA_MAX_M and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"
+    min_m = WGMMA_MIN_M
+    if glu:
+        min_m = WGMMA_GLU_MIN_M if n * k >= WGMMA_GLU_MIN_NK else WGMMA_MIN_M
+        min_nk = min(min_nk, WGMMA_GLU_LOW_MIN_NK) if m <= 16 else min_nk
+    if (min_m <= m <= WGMMA_MAX_M and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"
             and wgmma_available(dev)
             and n * k >= min_nk):
         return "wgmma"
@@ -836,10 +853,10 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
         raise ValueError(f"path: 'small' takes M <= {SMALL_MAX_M}, got M={m}")
     if path is None and qt is not None:
         run_planned(qt, ("glu", m) if glu else m, x, out, lambda: _queue(
-            choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales, qzeros, out.view(m, ny), m, k, n, g,
-            glu))
+            choose_path(m, _Shape(n, k), x.device, glu), x.view(m, k), qweight, scales, qzeros, out.view(m, ny), m, k,
+            n, g, glu))
         return out
-    run_unplanned(lambda: _queue(path or choose_path(m, _Shape(n, k), x.device), x.view(m, k), qweight, scales,
+    run_unplanned(lambda: _queue(path or choose_path(m, _Shape(n, k), x.device, glu), x.view(m, k), qweight, scales,
                                  qzeros, out.view(m, ny), m, k, n, g, glu))
     return out
 

@@ -6,7 +6,7 @@ The weight stays in its .gguf block bytes (uint8 (N, K/32 * bytes), file order).
 picked by M (rows of x) and format -- `choose_path` -- with thresholds measured on the H100
 (bench/gguf_bench.py, numbers in bench/notes-gguf.md):
 
-  "mmvq"     M <= MMVQ_MAX_M[fmt]  quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused
+  "mmvq"     M <= MMVQ_MAX_M[fmt]  (but where wgmma takes it) quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused
                         GEMV-like kernel per format, M (1..8) and rows per CTA (cuda/gguf_mmvq.cu):
                         a stream over W, DP4A; M > 8 runs it on chunks of 8 activation rows.
                         Per format and M (MMVQ_CHOICE, measured) either the scalar-load kernel
@@ -20,7 +20,8 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
   "dequant"  larger M   W -> fp16 a slice of rows at a time into one bounded, reused buffer
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
   "wgmma"    Hopper only, every format (wgmma_ok), WGMMA_MIN_M <= M <= WGMMA_MAX_M on
-                        weights of WGMMA_MIN_NK elements and up, and to WGMMA_MID_MAX_M on
+                        weights of WGMMA_MIN_NK elements and up (Q4_0 / Q4_1 / Q8_0 from
+                        M = 5-8, inside mmvq's range, by GLU and K: WGMMA_SMALL_M), and to WGMMA_MID_MAX_M on
                         smaller ones (WGMMA_MID_*, M N K > 2^27): the dequant path's
                         function with the blocks unpacked in registers as wgmma's A operand, fed
                         by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
@@ -206,6 +207,29 @@ _WGMMA_PLAIN = WGMMA_CFGS + tuple(c for c in WGMMA_GLU_CFGS if c not in WGMMA_CF
 # ahead (q8_0 -7 %, q4_0 a tie). So every format takes wgmma to 2048 (bench/NOTES.md, session 31).
 WGMMA_MIN_M = 9
 WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMMA_MIN_M to WGMMA_MAX_M
+# Below WGMMA_MIN_M: mmvq's time grows with M (each weight block meets M activation blocks by
+# DP4A), wgmma's does not (one 16-token tile), so from some M <= MMVQ_MAX_M wgmma is ahead on
+# weights of WGMMA_MIN_NK elements and up -- soonest for a GLU gate/up (matmul(glu=True): wgmma's
+# epilogue saves the product's round trip and silu_mul's launch) and on long rows (K >=
+# WGMMA_SMALL_LONG_K: mmvq's Q8_1 activation reads grow with M K). WGMMA_SMALL_M[fmt] = (from
+# which M for GLU, for K >= WGMMA_SMALL_LONG_K, for the rest); a format not named (Q5_0 / Q5_1,
+# whose fifth bits slow wgmma: M = 8 GLU 4096->24576 45.4 / 50.1 vs 52.5 / 50.6) keeps mmvq to
+# MMVQ_MAX_M. Session 54 (bench/NOTES.md; H100, us, rotated weights, graph replays, alternated,
+# min of 3), mmvq as the runner calls it (on Q8_1 written by the op before; matmul's own quantize
+# launch adds ~1.8 us; GLU: product and silu_mul) vs wgmma, Qwen3-8B / Qwen3-4B weights:
+#   GLU 4096->24576 / 2560->19456: q8_0 M = 5 48.1 / 32.4 vs 49.0 / 25.8, M = 8 61.1 / 40.3 vs
+#        49.8 / 25.9; q4_1 M = 5 33.0 / 23.3 vs 33.2 / 22.3, M = 6 41.0 / 29.5 vs 33.1 / 22.3;
+#        q4_0 M = 6 33.5 / 21.9 vs 32.8 / 21.2, M = 7 37.1 / 24.1 vs 32.9 / 21.3 (M = 4-5 ties);
+#   down 12288->4096 / 9728->2560: q8_0 M = 7 29.4 / 17.1 vs 28.4 / 17.4, M = 8 34.3 / 18.3 vs
+#        28.8 / 17.5; q4_1 M = 7 20.4 / 17.1 vs 20.7 / 14.7 (M = 6 22.7 / 12.7 vs 20.7 / 14.8);
+#        q4_0 M = 7 22.4 / 17.0 vs 20.3 / 14.7 (M = 6 18.0 / 14.5 vs 20.3 / 14.6);
+#   K = 4096: q8_0 M = 8 4096->4096 13.9 vs 13.2, 4096->6144 18.7 vs 17.8 (M = 7 12.6 / 16.8 vs
+#        13.2 / 17.8; 4096->2560, under WGMMA_MIN_NK, 9.7 vs 11.8); q4_0 / q4_1 lose at M = 8
+#        (4096->4096 9.1 / 10.8 vs 11.4 / 11.2; q4_0 4096->12288 20.1 vs 21.0).
+# A Qwen3-8B layer (qkv, o, gate/up, down) at M = 8, mmvq vs this rule: q8_0 128.0 vs 109.6,
+# q4_1 90.8 vs 79.1, q4_0 83.2 vs 73.6.
+WGMMA_SMALL_LONG_K = 8192
+WGMMA_SMALL_M = {"q4_0": (6, 7, WGMMA_MIN_M), "q4_1": (5, 7, WGMMA_MIN_M), "q8_0": (5, 7, 8)}
 WGMMA_MAX_M = 2048
 # Session 51 (bench/NOTES.md; H100, us, rotated weights, graph replays, each path timed twice in
 # opposite orders; q4_0 / q8_0 / q5_1 on 9 weights of 4096 x 1024 to 6144 x 2048): on mid-size
@@ -404,24 +428,29 @@ def _launch_dequant(fmt, w, out, row0: int, rows: int, nb: int):
            (w.data_ptr(), out.data_ptr(), np.int64(row0), np.int32(rows), np.int32(nb)))
 
 
-def choose_path(m: int, qt, x=None) -> str:
+def choose_path(m: int, qt, x=None, glu: bool = False) -> str:
     """Which kernel path matmul takes for M activation rows and this weight's format (and, given
-    x, its address: the wgmma path reads x by TMA, which takes 16-byte aligned addresses only)."""
+    x, its address: the wgmma path reads x by TMA, which takes 16-byte aligned addresses only);
+    glu: for matmul(glu=True), which wgmma takes from a smaller M (WGMMA_SMALL_M)."""
     fmt = qt if isinstance(qt, str) else getattr(qt, "format", None)
     if fmt not in BLOCKS:
         raise ValueError(f"qt: format {fmt!r} has no GGUF kernel here; one of {sorted(BLOCKS)}")
     m = int(m)
     if m < 0:
         raise ValueError(f"m: {m} rows")
-    if m <= MMVQ_MAX_M[fmt]:
-        return "mmvq"
-    if (fmt in WGMMA_FORMATS and m >= WGMMA_MIN_M and not isinstance(qt, str) and wgmma_ok(qt)
+    glu_m, long_m, short_m = WGMMA_SMALL_M.get(fmt, (WGMMA_MIN_M,) * 3)
+    if (fmt in WGMMA_FORMATS and m >= min(glu_m, long_m, short_m) and not isinstance(qt, str) and wgmma_ok(qt)
             and (x is None or x.data_ptr() % 16 == 0)):
         n, k = qt.shape
-        if m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
+        if m < WGMMA_MIN_M:
+            if n * k >= WGMMA_MIN_NK and m >= (glu_m if glu else long_m if k >= WGMMA_SMALL_LONG_K else short_m):
+                return "wgmma"
+        elif m <= WGMMA_MAX_M and n * k >= WGMMA_MIN_NK:
             return "wgmma"
-        if m <= WGMMA_MID_MAX_M and n * k >= WGMMA_MID_MIN_NK and m * n * k > WGMMA_MID_MIN_MNK:
+        elif m <= WGMMA_MID_MAX_M and n * k >= WGMMA_MID_MIN_NK and m * n * k > WGMMA_MID_MIN_MNK:
             return "wgmma"
+    if m <= MMVQ_MAX_M[fmt]:
+        return "mmvq"
     aligned = isinstance(qt, str) or _aligned16(qt)
     if m <= MMA_MAX_M[fmt] and aligned:
         return "mma"
@@ -593,11 +622,11 @@ def matmul(x, qt, out=None, path: str | None = None, mmvq_rows: int | None = Non
     if path is None and mmvq_rows is None and mmvq_kernel is None and mma_split is None:
         if m:
             run_planned(qt, ("glu", m) if glu else m, x, out,
-                        lambda: _queue(fmt, x, qt, out, m, n, k, choose_path(m, qt, x), _vec_default(fmt, m, qt),
+                        lambda: _queue(fmt, x, qt, out, m, n, k, choose_path(m, qt, x, glu), _vec_default(fmt, m, qt),
                                        None, None, glu))
         return out
     if path is None:
-        path = choose_path(m, qt, x)
+        path = choose_path(m, qt, x, glu)
     elif path not in PATHS:
         raise ValueError(f"path: {path!r}, one of {PATHS}")
     if mmvq_rows is not None and (isinstance(mmvq_rows, bool) or mmvq_rows not in MMVQ_ROW_CHOICES):
@@ -688,13 +717,16 @@ def _launch_mmvq_rows(fmt, w, xq, y2, m, n, nb, vec: bool, mmvq_rows=None):
             launch_mmvq(fmt, w, xq.data_ptr() + c0 * nb * Q8_1_BYTES, y2.data_ptr() + c0 * n * 2, n, nb, mc, r)
 
 
-def q8_1_layout(qt, m: int) -> str | None:
+def q8_1_layout(qt, m: int, glu: bool = False) -> str | None:
     """The Q8_1 layout in which matmul_q8_1 takes M rows of x for this (CUDA, GGUF) weight:
     "split" (the vector-load mmvq) or "interleaved" (the scalar one), as matmul would quantize
-    them itself; None where matmul runs no mmvq (M outside 1..MMVQ_MAX_M) or the weight is not
-    a GGUF block format on CUDA. The runner asks it to have its layer ops emit Q8_1 directly."""
+    them itself; None where matmul runs no mmvq (choose_path(m, qt) is another path: M outside
+    1..MMVQ_MAX_M, or where wgmma takes over below it) or the weight is not a GGUF block format
+    on CUDA. glu: the same for matmul(x, qt, glu=True), whose mmvq is matmul_q8_1 and silu_mul
+    (wgmma takes it from a smaller M). The runner asks it to have its layer ops emit Q8_1 directly."""
     fmt = getattr(qt, "format", None)
-    if fmt not in BLOCKS or not 1 <= m <= MMVQ_MAX_M[fmt] or not getattr(qt.data, "is_cuda", False):
+    if (fmt not in BLOCKS or not 1 <= m <= MMVQ_MAX_M[fmt] or not getattr(qt.data, "is_cuda", False)
+            or choose_path(m, qt, glu=glu) != "mmvq"):
         return None
     return "split" if _vec_default(fmt, m, qt) else "interleaved"
 
@@ -707,7 +739,8 @@ def matmul_q8_1(xq, qt, m: int, layout: str, out=None):
     fmt, n, k = checked_once(qt, check_weight)
     want = q8_1_layout(qt, m) if isinstance(m, int) and not isinstance(m, bool) else None
     if want is None:
-        raise ValueError(f"m: {m!r}; matmul_q8_1 takes 1 <= M <= {MMVQ_MAX_M[fmt]} rows (the mmvq path)")
+        raise ValueError(f"m: {m!r}; matmul_q8_1 takes the M this {fmt} weight's matmul runs on the mmvq path "
+                         f"(1 <= M <= {MMVQ_MAX_M[fmt]}, and below {n} x {k}'s wgmma threshold: choose_path)")
     if layout != want:
         raise ValueError(f"layout: {layout!r}, this {fmt} weight's mmvq at M={m} reads {want!r}")
     nb = k // QK

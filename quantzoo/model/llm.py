@@ -103,17 +103,18 @@ class Linear:
                 return mod.matmul(x, self.qt, glu=True)
         return layer_ops.silu_mul(self(x))
 
-    def q8_1_layout(self, m: int) -> str | None:
+    def q8_1_layout(self, m: int, glu: bool = False) -> str | None:
         """The Q8_1 layout in which this linear's GGUF kernel takes M rows already quantized
-        (kernels.gguf.q8_1_layout), or None: it takes fp16 x (other formats, other M, CPU)."""
+        (kernels.gguf.q8_1_layout; glu: for self.glu), or None: it takes fp16 x (other formats,
+        other M, CPU)."""
         if self.qt is None or self.qt.fmt.kernels != "gguf" or self.mode != "emulate":
             return None
         layouts = self.__dict__.setdefault("_q8_layouts", {})
-        if m not in layouts:
+        if (m, glu) not in layouts:
             from ..kernels import gguf
 
-            layouts[m] = gguf.q8_1_layout(self.qt, m)
-        return layouts[m]
+            layouts[m, glu] = gguf.q8_1_layout(self.qt, m, glu)
+        return layouts[m, glu]
 
     def from_q8_1(self, xq, m: int, layout: str):
         """y for M rows of x given as Q8_1 blocks in `layout` (q8_1_layout(m)); equal to self(x)."""
@@ -607,7 +608,7 @@ class Model:
 
         def norm_into(lin, h, delta, w, glu=False):
             # h += delta, RMSNorm, lin (glu: lin.glu): in Q8_1 where lin takes it
-            lq = lin.q8_1_layout(h.shape[0]) if q8 is not None else None
+            lq = lin.q8_1_layout(h.shape[0], glu) if q8 is not None else None
             if lq is None:
                 x = lo.add_rms_norm(h, delta, w, eps)
                 return lin.glu(x) if glu else lin(x)
@@ -629,7 +630,9 @@ class Model:
             else:
                 a = self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd)
             lq = lay.down.q8_1_layout(T) if q8 is not None else None
-            if lq is None:   # silu(gate) * up fused into the gate/up matmul where it can be
+            if lq is None or lay.gate_up.q8_1_layout(T, glu=True) is None:
+                # silu(gate) * up fused into the gate/up matmul where it can be (a gate/up on the
+                # wgmma path keeps its GLU epilogue even where down would take Q8_1: down quantizes)
                 delta = lay.down(norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm, glu=True))
             else:            # silu(gate) * up written in Q8_1 for down's GEMV
                 gu = norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm)
