@@ -90,7 +90,8 @@
 // fifth bits cost 6 instructions per A register in the SASS: a shift by the lane's bit, two
 // shifts and three LOP3). Dispatch uses it in every format from M = 9 to 2048 on weights of
 // 4096 x 4096 and up (gguf.WGMMA_MIN_NK, WGMMA_MAX_M: the whole prefill runs at the card's
-// power cap, where it wins to 2048; session 31), and to M = 96 on weights from 4096 x 1024 once
+// power cap, where it wins to 2048; session 31) -- Q4_0 / Q4_1 / Q8_0 from M = 5-8 there, by
+// GLU and K (gguf.WGMMA_SMALL_M, session 54: mmvq's time grows with M) --, and to M = 96 on weights from 4096 x 1024 once
 // M N K > 2^27 (gguf.WGMMA_MID_*, session 51: 4096->1024 M = 64 12.4 vs mma 14.9 us); past 96
 // dequant + cuBLAS stays faster on those.
 //
