@@ -245,9 +245,9 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
 #pragma unroll
             for (int q = 0; q < NQ; ++q)   // 2-byte loads: qs may sit at an even, not 4-byte, offset
               qv[j][r8][q] = *reinterpret_cast<const unsigned short*>(at(ob + C::PQ + 16 * (q >> 1) + 8 * (q & 1) + 2 * t));
-            if constexpr (F::BITS == 5)
-              qh[j][r8] = unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH)))
-                        | (unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH + 2))) << 16);
+            if constexpr (F::BITS == 5)   // shifted so that the pair (16 hf + 8 p + 2t, + 1) sits at 8 (2 hf + p)
+              qh[j][r8] = (unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH)))
+                           | (unsigned(*reinterpret_cast<const unsigned short*>(at(ob + C::PH + 2))) << 16)) >> (2 * t);
           }
         // 4 / 5 bits: (1024 + q) - (1024 + OFFSET), and (1024 + 16 q) / 16 - (64 + OFFSET), both
         // exact: the halves of 1024 + OFFSET and -(64 + OFFSET) (fp16's ulp is 1 at 1024 and 1/16
@@ -258,7 +258,22 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
 #pragma unroll
           for (int j = 0; j < JN; ++j)
 #pragma unroll
-            for (int r8 = 0; r8 < 2; ++r8)
+            for (int r8 = 0; r8 < 2; ++r8) {
+              // 5 bits: the magic's high bytes with the fifth bits of this half's two k pairs
+              // already in place (mantissa bit 4 of each lane, bit 8 in the 16x form), the
+              // pair of p in byte p of fa (element k) and fb (element k + 1); one byte permute
+              // a pair then makes the word the nibbles are or-ed into (see the header)
+              unsigned fa = 0, fb = 0;
+              if constexpr (F::BITS == 5) {
+                const unsigned h = qh[j][r8];
+                if (hf == 0) {
+                  fa = awq::lop3_and_or(h << 4, 0x00001010u, 0x64640000u);
+                  fb = awq::lop3_and_or(h << 3, 0x00001010u, 0x64640000u);
+                } else {
+                  fa = awq::lop3_and_or(h >> 16, 0x00000101u, 0x00006464u);
+                  fb = awq::lop3_and_or(h >> 17, 0x00000101u, 0x00006464u);
+                }
+              }
 #pragma unroll
               for (int p = 0; p < 2; ++p) {   // p: k pair 2t.. or 2t + 8..
                 half2 v;
@@ -270,18 +285,17 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
                   v = __hsub2(awq::as_h2(u), awq::as_h2(0x64806480u));   // (1152 + b) - 1152 = b
                 } else {
                   const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);   // [b0, 0, b1, 0]
-                  // 5 bits: the fifth bits of elements k, k + 1 (k = 16 hf + 8 p + 2t) onto mantissa
-                  // bit 4 of each lane (bit 8 in the 16x high-nibble form): 1024 + q, or 1024 + 16 q
-                  unsigned hi = 0;
-                  if constexpr (F::BITS == 5) {
-                    const unsigned hb = qh[j][r8] >> (16 * hf + 8 * p + 2 * t);
-                    hi = ((hb & 1u) << 4) | ((hb & 2u) << 19);   // bits 4 and 20
-                  }
+                  // the bits around the nibbles: the magic 1024 in each lane, or for 5 bits
+                  // 1024 + 16 fifth (1024 + 256 fifth in the 16x form): [fa.p, fa.2, fb.p, fa.2]
+                  // for the low nibbles, [0, fa.p, 0, fb.p] for the high ones
+                  unsigned mag = awq::kMagic;
+                  if constexpr (F::BITS == 5)
+                    mag = __byte_perm(fa, fb, hf == 0 ? 0x6420u + 0x101u * p : 0x4302u + 0x1010u * p);
                   if (hf == 0)
-                    v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, awq::kMagic) | hi), awq::as_h2(LO));
+                    v = __hsub2(awq::as_h2(awq::lop3_and_or(sp, 0x000f000fu, mag)), awq::as_h2(LO));
                   else
-                    v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, awq::kMagic) | (hi << 4)),
-                                awq::as_h2(0x2c002c00u), awq::as_h2(HI));
+                    v = __hfma2(awq::as_h2(awq::lop3_and_or(sp, 0x00f000f0u, mag)), awq::as_h2(0x2c002c00u),
+                                awq::as_h2(HI));
                 }
                 // v = q - OFFSET exactly; then one rounding: (q - OFFSET) d, or q d + m
                 half2 w;
@@ -289,6 +303,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
                 else w = __hmul2_rn(v, dd[j][r8]);
                 a[2 * b + hf][j][r8 + 2 * p] = awq::as_u32(w);
               }
+            }
       }
       // the group's 4 k-steps as one wgmma group, done on return
       wg::stage_step<T, JN, ggw::HK / 16>(acc, a, desc, st > 0 || hx > 0);
