@@ -289,6 +289,7 @@ def test_wgmma_dispatch_on_hopper_only(monkeypatch):
         ["small"] + ["wgmma"] * 4
     assert [awq.choose_path(m, shape(6144, 1024), cuda) for m in (5, 16, 17)] == ["small"] * 2 + ["wgmma"]
     assert awq.choose_path(8, shape(6112, 1024), cuda, glu=True) == "small"   # under 1024 x 6144
+    assert awq.choose_path(2, shape(24544, 4096), cuda, glu=True) == "small"  # N % 64 != 0: no GLU epilogue
     assert awq.choose_path(128, shape(12296, 4096), cuda) == "mma"             # N % 32 != 0: no TMA rows
     assert awq.choose_path(128, shape(12288, 4096)) == "mma"                   # no device given
     assert awq.choose_path(128, shape(12288, 4096), torch.device("cpu")) == "mma"

@@ -61,8 +61,10 @@ def test_wgmma_dispatch(monkeypatch):
     monkeypatch.setattr(G, "_aligned16", lambda q: True)
     assert set(G.WGMMA_FORMATS) == set(G.BLOCKS)
     top = G.WGMMA_MAX_M
-    # the first M that takes wgmma: with glu, for K >= 8192, for the rest
+    # the first M that takes wgmma: with glu, for K >= 8192, for the rest. glu's never later than
+    # plain's: the runner's unfused gate/up (on mmvq with glu) hands matmul_q8_1 the glu layout
     first = {"q4_0": (6, 7, 9), "q4_1": (5, 7, 9), "q5_0": (9, 9, 9), "q5_1": (9, 9, 9), "q8_0": (5, 7, 8)}
+    assert all(g <= min(rest) for g, *rest in G.WGMMA_SMALL_M.values())
     for fmt in G.WGMMA_FORMATS:
         for n, k in ((4096, 4096), (6144, 4096), (12288, 4096), (4096, 12288), (24576, 4096), (2560, 9728)):
             for glu in (False, True):

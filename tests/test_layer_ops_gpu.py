@@ -456,6 +456,45 @@ def test_model_glu_wgmma_beside_q8_1_down(monkeypatch):
     assert torch.equal(runs[True], runs[False])
 
 
+def test_model_dense_gate_up_feeds_q8_1_down(monkeypatch):
+    """A dense (fp16) gate/up beside a GGUF down on mmvq -- a GGUF file's F16 fallback --: silu_mul
+    writes down's input in Q8_1 (down.from_q8_1 once a layer in a decode step), not an fp16
+    product that down would quantize again; only a GGUF gate/up on the wgmma path takes the
+    fused GLU there (test_model_glu_wgmma_beside_q8_1_down)."""
+    from quantzoo.bench.model import random_weight, synthetic_weights
+    from quantzoo.kernels import gguf as G
+    from quantzoo.model import build_model
+    from quantzoo.model.config import ModelConfig
+
+    cfg = ModelConfig(arch="qwen3", vocab_size=1000, hidden_size=512, intermediate_size=1536,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
+    w = synthetic_weights("q8_0", cfg, "cuda", seed=4)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for i in range(cfg.num_layers):
+        for name in ("gate_proj", "up_proj"):
+            w[f"model.layers.{i}.mlp.{name}.weight"] = random_weight("fp16", cfg.intermediate_size, cfg.hidden_size,
+                                                                     "cuda", gen)
+    m = build_model(cfg, w, None, device="cuda")
+    lay = m.layers[0]
+    assert lay.down.q8_1_layout(1) is not None and not lay.gate_up.gguf_fp16_input(1, glu=True)
+    calls = []
+    real = G.matmul_q8_1
+
+    def spy(xq, qt, *a, **kw):
+        calls.append(qt)
+        return real(xq, qt, *a, **kw)
+
+    monkeypatch.setattr(G, "matmul_q8_1", spy)
+    ids = [(31 * i + 9) % 1000 for i in range(6)]
+    m.use_graph = False
+    m.setup_cache(64)
+    m.prefill(ids[:5])
+    calls.clear()
+    m.decode_step(ids[5], 5)
+    assert [any(qt is la.down.qt for qt in calls) for la in m.layers] == [True] * cfg.num_layers, calls
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "q4_0", "awq"])
 def test_model_fused_equals_torch_ops(fmt):
     """A small Qwen3 (hd 128, 4 query heads per KV head, random norm weights) in `fmt`: fused

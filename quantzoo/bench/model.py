@@ -251,7 +251,7 @@ class ReadLinear:
     input layouts, but its product is kernels.stream.read (launched in `config`) of a buffer as
     large as the weight (its own, so no two linears share L2 lines), writing an output of the
     right shape.
-    A GGUF linear given fp16 x still quantizes it to Q8_1 first, as the real one does."""
+    A GGUF linear on mmvq given fp16 x still quantizes it to Q8_1 first, as the real one does."""
 
     def __init__(self, lin, config, device):
         import torch
@@ -270,8 +270,7 @@ class ReadLinear:
 
     def __call__(self, x):
         rows = x.numel() // x.shape[-1]
-        qt = self.lin.qt
-        if qt is not None and qt.fmt.kernels == "gguf" and self.lin.mode == "emulate" and rows <= 8:
+        if self.lin.q8_1_layout(rows) is not None:   # (a GGUF linear on mmvq)
             from ..kernels import gguf
 
             gguf.quantize_q8_1_split(x.reshape(rows, -1))
@@ -282,6 +281,9 @@ class ReadLinear:
 
     def q8_1_layout(self, m: int, glu: bool = False):
         return self.lin.q8_1_layout(m, glu)
+
+    def gguf_fp16_input(self, m: int, glu: bool = False) -> bool:
+        return self.lin.gguf_fp16_input(m, glu)
 
     def from_q8_1(self, xq, m: int, layout: str):
         return self._read(m, self.shape[0])

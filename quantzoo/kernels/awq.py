@@ -174,9 +174,10 @@ ARCH_SPECIFIC = {"awq_wgmma.cu"}   # compiled for sm_90a, not sm_90
 # 8.7, 4096->2048 8.3 / 9.4 vs 7.8 / 7.9, 2048->4096 8.1 / 9.2 vs 7.5 / 7.5, 4096->2560 11.1 /
 # 13.2 vs 9.2 / 9.3. Under 4096 x 2048 small mostly stays ahead (4096->1024 M = 16 7.0 vs 7.8,
 # 2048->2048 M = 9 6.6 vs 7.0), though GLU 1024->6144 (6.3M elements) would gain from M = 8
-# (M = 16 12.1 vs 9.2): left as is. Below M = 5
+# (M = 16 12.1 vs 9.2; taken since session 54: WGMMA_GLU_*). Below M = 5
 # small wins on some (12288->4096 M = 4 16.0 vs 16.9, 4096->2048 7.7 vs 8.0), wgmma on others
-# (GLU 4096->24576 M = 2 32.0 vs 29.8, 4096->4096 M = 4 10.8 vs 9.6): no one rule.
+# (GLU 4096->24576 M = 2 32.0 vs 29.8, 4096->4096 M = 4 10.8 vs 9.6): no one rule by N K (GLU:
+# WGMMA_GLU_MIN_M, session 54).
 # Session 25 (bench/awq_bench.py --paths all, rotated weights, us; after the split-K hand-over of
 # session 23 and the whole-sector stores of session 25): wgmma now beats every other path on
 # 4096->4096 from M = 32 to 1024 -- M = 64 13.9 vs 20.4 (mma), M = 128 19.2 vs 30.7 (dequant +
@@ -200,9 +201,11 @@ WGMMA_MID_MIN_NK = 4096 * 1024     # at least this many
 # from WGMMA_GLU_LOW_MIN_NK. Session 54 (bench/NOTES.md; H100, us, rotated weights, graph
 # replays, alternated, min of 3), wgmma vs small, K->N as [gate | up], M = 2 / 4 / 8:
 # 2048->12288 12.6 / 12.6 / 12.5 vs 16.1 / 17.8 / 21.7; 2560->19456 19.5 / 19.4 / 19.6 vs 24.0 /
-# 26.7 / 32.4; 4096->24576 29.7 / 29.7 / 29.7 vs 31.7 / 33.3 / 38.2; 1024->6144 from M = 5: 8.9 /
-# 8.9 / 8.8 vs 8.1 / 8.8 / 10.1 (M = 5 8.9 vs 9.2, M = 16 9.1 vs 12.1). Plain weights keep
-# WGMMA_MIN_M: at M = 2-4 small wins on 12288->4096 (15.0 vs 16.7 at M = 2).
+# 26.7 / 32.4; 4096->24576 29.7 / 29.7 / 29.7 vs 31.7 / 33.3 / 38.2; 1024->6144 9.0 / 8.9 / 8.8
+# vs 8.1 / 8.8 / 10.1 -- ahead there from M = 5 (8.9 vs 9.2; M = 16 9.1 vs 12.1). Only where the
+# epilogue runs (N % 64 == 0; else wgmma too writes the product for silu_mul). Plain weights
+# keep WGMMA_MIN_M: at M = 2 / 4 small wins on 12288->4096 (15.0 / 15.9 vs 16.7 / 16.7), wgmma
+# on 4096->4096 at M = 3-4 (M = 4 9.5 vs 10.6) -- no rule by N K alone.
 WGMMA_GLU_MIN_M = 2
 WGMMA_GLU_MIN_NK = 2048 * 12288
 WGMMA_GLU_LOW_MIN_NK = 1024 * 6144
@@ -279,7 +282,8 @@ MMA_SMALL = (1, 2, 1)   # M <= 16, N >= 2048
 # at 4096->24576 M = 8, 35.5 vs mma 34.7), and at 8 < M <= 16 only for the small weights
 # (4096->1024 M = 16: 7.2 vs 10.8; 4096->12288 M = 16: 31.0 vs mma 22.6). On Hopper choose_path
 # asks wgmma first, which since session 18 takes M = 8 on weights of WGMMA_MIN_NK and up, and
-# since session 52 M = 5 on weights from WGMMA_LOW_MIN_NK (the comment at WGMMA_MIN_M).
+# since session 52 M = 5 on weights from WGMMA_LOW_MIN_NK (the comment at WGMMA_MIN_M); with
+# glu from M = 2 (session 54, WGMMA_GLU_*).
 SMALL_MAX_M = 16        # M <= 8, and M <= this with ...
 SMALL_MMA_NK = 1 << 24  # ... N * K <= this: the small-M kernel (awq_small.cu); else mma
 SMALL_M1 = (1, 2, 8, 1, 0, 4)   # config for M <= 8 on untuned shapes ...
@@ -482,7 +486,7 @@ def choose_path(m: int, qt=None, dev=None, glu: bool = False) -> str:
         dev = qw.device if isinstance(qw, torch.Tensor) else None
     min_nk = WGMMA_LOW_MIN_NK if m <= 16 else WGMMA_MID_MIN_NK if m <= WGMMA_MID_MAX_M else WGMMA_MIN_NK
     min_m = WGMMA_MIN_M
-    if glu:
+    if glu and n % 64 == 0:   # where wgmma's GLU epilogue runs (gate and up halves of whole 32-column tiles)
         min_m = WGMMA_GLU_MIN_M if n * k >= WGMMA_GLU_MIN_NK else WGMMA_MIN_M
         min_nk = min(min_nk, WGMMA_GLU_LOW_MIN_NK) if m <= 16 else min_nk
     if (min_m <= m <= WGMMA_MAX_M and n % WGMMA_N_MULTIPLE == 0 and dev is not None and dev.type == "cuda"

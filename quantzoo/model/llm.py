@@ -116,6 +116,12 @@ class Linear:
             layouts[m, glu] = gguf.q8_1_layout(self.qt, m, glu)
         return layouts[m, glu]
 
+    def gguf_fp16_input(self, m: int, glu: bool = False) -> bool:
+        """Whether this is a GGUF kernel linear that takes M rows of x in fp16 (its kernels
+        quantize no activations there: wgmma, or M past mmvq's), not in Q8_1."""
+        return (self.qt is not None and self.qt.fmt.kernels == "gguf" and self.mode == "emulate"
+                and self.q8_1_layout(m, glu) is None)
+
     def from_q8_1(self, xq, m: int, layout: str):
         """y for M rows of x given as Q8_1 blocks in `layout` (q8_1_layout(m)); equal to self(x)."""
         from ..kernels import gguf
@@ -406,9 +412,9 @@ class Model:
         # layers in one launch; experimental, slower than the per-op graph on the H100)
         self.persistent, self._persistent = False, None
         self.use_persistent(persistent)
-        # fused ops: a norm or SiLU feeding a GGUF linear at M <= 8 writes its output in Q8_1 too,
-        # and the linear skips its quantize launch (bit-identical; False: the linear quantizes its
-        # fp16 input). Not the decode attention: fused there it cost what it saved (session 14).
+        # fused ops: a norm or SiLU feeding a GGUF linear on mmvq (M <= 8 unless wgmma takes it:
+        # Linear.q8_1_layout) writes its output in Q8_1 too, and the linear skips its quantize
+        # launch (bit-identical; False: the linear quantizes its fp16 input). Not the decode attention: fused there it cost what it saved (session 14).
         self.q8_1_fusion = True
 
     # ---- bookkeeping ----------------------------------------------------------------------
@@ -595,7 +601,8 @@ class Model:
         """_forward on CUDA with the per-layer small ops fused (quantzoo.kernels.layer_ops):
         add+RMSNorm, q/k-norm+RoPE+KV-cache write, SiLU*up, and for one token the split-cache
         decode attention -- the same arithmetic as _forward, ~10 launches per layer fewer. A GGUF
-        linear at M <= 8 gets its input in Q8_1 from the op before it (q8_1_fusion)."""
+        linear on mmvq (M <= 8, where wgmma does not take it) gets its input in Q8_1 from the op
+        before it (q8_1_fusion)."""
         from ..kernels import layer_ops as lo
 
         cfg = self.config
@@ -630,9 +637,10 @@ class Model:
             else:
                 a = self._attend(q[None], kc[None], vc[None], T, from_start, mask).reshape(T, H * hd)
             lq = lay.down.q8_1_layout(T) if q8 is not None else None
-            if lq is None or lay.gate_up.q8_1_layout(T, glu=True) is None:
-                # silu(gate) * up fused into the gate/up matmul where it can be (a gate/up on the
-                # wgmma path keeps its GLU epilogue even where down would take Q8_1: down quantizes)
+            if lq is None or lay.gate_up.gguf_fp16_input(T, glu=True):
+                # silu(gate) * up fused into the gate/up matmul where it can be (a GGUF gate/up on
+                # the wgmma path keeps its GLU epilogue even where down would take Q8_1: down
+                # quantizes its input; a gate/up of another kind beside it feeds silu_mul's Q8_1)
                 delta = lay.down(norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm, glu=True))
             else:            # silu(gate) * up written in Q8_1 for down's GEMV
                 gu = norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm)
