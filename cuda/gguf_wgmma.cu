@@ -59,8 +59,14 @@
 //   2t, 2t+1 spread 16 bits apart by one byte permute give, through one LOP3 each, the k pair of
 //   step 0 (low nibbles, 1024 + q) and of step 1 (high nibbles, 1024 + 16 q): exact q - 8 by
 //   one hsub2 / hfma2, then one hmul2 by d (Q4_1: exact q, then one hfma2 by d plus m -- the
-//   same count). Q5_0 / Q5_1: the same, with the two elements' fifth bits from qh or-ed onto
-//   mantissa bit 4 (bit 8 in the 16x form). Q8_0: signed bytes,
+//   same count). Q5_0 / Q5_1: the same, with the two elements' fifth bits on mantissa bit 4
+//   (bit 8 in the 16x form), carried by the word the nibbles are or-ed into -- the magic's
+//   high bytes with the fifth bits already in place. Per row and block, qh shifted by the
+//   lane's 2t puts each k pair's two bits at bits 8 i, 8 i + 1 (i = 2 hf + p); four LOP3 (and
+//   four shifts) build fa / fb, one byte per pair of elements k / k + 1 plus the magic's 0x64
+//   bytes; then one byte permute a k pair picks the lane word (was: a shift by the lane's bits,
+//   two shifts and three LOP3 a pair -- the K loop at T = 256 274 -> 228 instructions a stage,
+//   Q4_0's 138; q5_0 4096->4096 M = 1024 59.6 -> 55.8 us, session 54). Q8_0: signed bytes,
 //   (b & 0xff) ^ 0x80 in the mantissa of 1024 (one LOP3: (v & 0x00ff00ff) ^ 0x64806480) is
 //   1152 + b, exact b by hsub2.
 // * 64 k of fragments (a 64-k stage, or half a 128-k one) are all dequantised, then issued as one
@@ -86,9 +92,8 @@
 // Measured on the H100 (bench/NOTES.md, sessions 8 and 16; rotated weights, us): with the
 // producer warpgroup 0.7-1.0x the time of the session-15 kernel (every thread cp.async'ing, one
 // barrier a stage): q4_0 4096->12288 M = 64 38.2 -> 33.1, M = 512 107.2 -> 97.3, M = 2048
-// 332.9 -> 309.5 (0.90x cuBLAS fp16); q8_0 4096->24576 M = 2048 758 -> 671; q5_0 0.7-0.9x (its
-// fifth bits cost 6 instructions per A register in the SASS: a shift by the lane's bit, two
-// shifts and three LOP3). Dispatch uses it in every format from M = 9 to 2048 on weights of
+// 332.9 -> 309.5 (0.90x cuBLAS fp16); q8_0 4096->24576 M = 2048 758 -> 671; q5_0 0.7-0.9x, its
+// fifth bits' ALU in the K loop (0.8-0.9x since session 54's byte permutes). Dispatch uses it in every format from M = 9 to 2048 on weights of
 // 4096 x 4096 and up (gguf.WGMMA_MIN_NK, WGMMA_MAX_M: the whole prefill runs at the card's
 // power cap, where it wins to 2048; session 31) -- Q4_0 / Q4_1 / Q8_0 from M = 5-8 there, by
 // GLU and K (gguf.WGMMA_SMALL_M, session 54: mmvq's time grows with M) --, and to M = 96 on weights from 4096 x 1024 once
@@ -286,7 +291,7 @@ gguf_wgmma(const __grid_constant__ wg::TmaDesc wmap, const __grid_constant__ wg:
                 } else {
                   const unsigned sp = __byte_perm(qv[j][r8][p], 0u, 0x4140);   // [b0, 0, b1, 0]
                   // the bits around the nibbles: the magic 1024 in each lane, or for 5 bits
-                  // 1024 + 16 fifth (1024 + 256 fifth in the 16x form): [fa.p, fa.2, fb.p, fa.2]
+                  // 1024 + 16 fifth (1024 + 256 fifth in the 16x form): [fa.p, fa.2, fb.p, fb.2]
                   // for the low nibbles, [0, fa.p, 0, fb.p] for the high ones
                   unsigned mag = awq::kMagic;
                   if constexpr (F::BITS == 5)

@@ -213,8 +213,8 @@ WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMM
 # epilogue saves the product's round trip and silu_mul's launch) and on long rows (K >=
 # WGMMA_SMALL_LONG_K: mmvq's Q8_1 activation reads grow with M K). WGMMA_SMALL_M[fmt] = (from
 # which M for GLU, for K >= WGMMA_SMALL_LONG_K, for the rest); a format not named (Q5_0 / Q5_1,
-# whose fifth bits slow wgmma: M = 8 GLU 4096->24576 45.4 / 50.1 vs 52.5 / 50.6) keeps mmvq to
-# MMVQ_MAX_M. Session 54 (bench/NOTES.md; H100, us, rotated weights, graph replays, alternated,
+# whose fifth bits slow wgmma: M = 8 GLU 4096->24576, matmul's mmvq 45.4 / 50.1 vs 52.5 / 50.6)
+# keeps mmvq to MMVQ_MAX_M. Session 54 (bench/NOTES.md; H100, us, rotated weights, graph replays, alternated,
 # min of 3), mmvq as the runner calls it (on Q8_1 written by the op before; matmul's own quantize
 # launch adds ~1.8 us; GLU: product and silu_mul) vs wgmma, Qwen3-8B / Qwen3-4B weights:
 #   GLU 4096->24576 / 2560->19456: q8_0 M = 5 48.1 / 32.4 vs 49.0 / 25.8, M = 8 61.1 / 40.3 vs
@@ -226,6 +226,10 @@ WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMM
 #   K = 4096: q8_0 M = 8 4096->4096 13.9 vs 13.2, 4096->6144 18.7 vs 17.8 (M = 7 12.6 / 16.8 vs
 #        13.2 / 17.8; 4096->2560, under WGMMA_MIN_NK, 9.7 vs 11.8); q4_0 / q4_1 lose at M = 8
 #        (4096->4096 9.1 / 10.8 vs 11.4 / 11.2; q4_0 4096->12288 20.1 vs 21.0).
+# GLU's M = 5-6 thresholds count kernels only: where down stays on mmvq it quantizes its own input
+# then (~1.8 us; Qwen3-8B q8_0 at M = 5: 48.1 vs 49.0 + 1.8), but the layer makes one host call
+# fewer (silu_mul's), and short prefills here are host-bound (bench/NOTES.md, session 54: T = 5
+# +5 % tok/s).
 # A Qwen3-8B layer (qkv, o, gate/up, down) at M = 8, mmvq vs this rule: q8_0 128.0 vs 109.6,
 # q4_1 90.8 vs 79.1, q4_0 83.2 vs 73.6.
 WGMMA_SMALL_LONG_K = 8192
