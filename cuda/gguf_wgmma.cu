@@ -93,10 +93,11 @@
 // producer warpgroup 0.7-1.0x the time of the session-15 kernel (every thread cp.async'ing, one
 // barrier a stage): q4_0 4096->12288 M = 64 38.2 -> 33.1, M = 512 107.2 -> 97.3, M = 2048
 // 332.9 -> 309.5 (0.90x cuBLAS fp16); q8_0 4096->24576 M = 2048 758 -> 671; q5_0 0.7-0.9x, its
-// fifth bits' ALU in the K loop (0.8-0.9x since session 54's byte permutes). Dispatch uses it in every format from M = 9 to 2048 on weights of
-// 4096 x 4096 and up (gguf.WGMMA_MIN_NK, WGMMA_MAX_M: the whole prefill runs at the card's
-// power cap, where it wins to 2048; session 31) -- Q4_0 / Q4_1 / Q8_0 from M = 5-8 there, by
-// GLU and K (gguf.WGMMA_SMALL_M, session 54: mmvq's time grows with M) --, and to M = 96 on weights from 4096 x 1024 once
+// fifth bits' ALU in the K loop (0.8-0.9x since session 54's byte permutes). Dispatch uses it
+// in every format from M = 9 to 2048 on weights of 4096 x 4096 and up (gguf.WGMMA_MIN_NK,
+// WGMMA_MAX_M: the whole prefill runs at the card's power cap, where it wins to 2048; session
+// 31) -- Q4_0 / Q4_1 / Q8_0 from M = 5-8 there, by GLU and K (gguf.WGMMA_SMALL_M, session 54:
+// mmvq's time grows with M) --, and to M = 96 on weights from 4096 x 1024 once
 // M N K > 2^27 (gguf.WGMMA_MID_*, session 51: 4096->1024 M = 64 12.4 vs mma 14.9 us); past 96
 // dequant + cuBLAS stays faster on those.
 //

@@ -6,9 +6,10 @@ The weight stays in its .gguf block bytes (uint8 (N, K/32 * bytes), file order).
 picked by M (rows of x) and format -- `choose_path` -- with thresholds measured on the H100
 (bench/gguf_bench.py, numbers in bench/notes-gguf.md):
 
-  "mmvq"     M <= MMVQ_MAX_M[fmt]  (but where wgmma takes it) quantize x to Q8_1 (cuda/q8_1_quantize.cu), then one fused
-                        GEMV-like kernel per format, M (1..8) and rows per CTA (cuda/gguf_mmvq.cu):
-                        a stream over W, DP4A; M > 8 runs it on chunks of 8 activation rows.
+  "mmvq"     M <= MMVQ_MAX_M[fmt]  (where wgmma does not take it) quantize x to Q8_1
+                        (cuda/q8_1_quantize.cu), then one fused GEMV-like kernel per format,
+                        M (1..8) and rows per CTA (cuda/gguf_mmvq.cu): a stream over W, DP4A;
+                        M > 8 runs it on chunks of 8 activation rows.
                         Per format and M (MMVQ_CHOICE, measured) either the scalar-load kernel
                         (cuda/gguf_mmvq.cu) or the vector-load one (cuda/gguf_mmvq16.cu, Q8_1 in a
                         split layout; needs address and size of W multiples of 16 bytes).
@@ -21,8 +22,8 @@ picked by M (rows of x) and format -- `choose_path` -- with thresholds measured 
                         (cuda/gguf_dequant.cu), each slice multiplied by cuBLAS (torch.mm).
   "wgmma"    Hopper only, every format (wgmma_ok), WGMMA_MIN_M <= M <= WGMMA_MAX_M on
                         weights of WGMMA_MIN_NK elements and up (Q4_0 / Q4_1 / Q8_0 from
-                        M = 5-8, inside mmvq's range, by GLU and K: WGMMA_SMALL_M), and to WGMMA_MID_MAX_M on
-                        smaller ones (WGMMA_MID_*, M N K > 2^27): the dequant path's
+                        M = 5-8, inside mmvq's range, by GLU and K: WGMMA_SMALL_M), and to
+                        WGMMA_MID_MAX_M on smaller ones (WGMMA_MID_*, M N K > 2^27): the dequant path's
                         function with the blocks unpacked in registers as wgmma's A operand, fed
                         by a TMA producer warpgroup (cuda/gguf_wgmma.cu).
 
@@ -214,8 +215,8 @@ WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMM
 # WGMMA_SMALL_LONG_K: mmvq's Q8_1 activation reads grow with M K). WGMMA_SMALL_M[fmt] = (from
 # which M for GLU, for K >= WGMMA_SMALL_LONG_K, for the rest); a format not named (Q5_0 / Q5_1,
 # whose fifth bits slow wgmma: M = 8 GLU 4096->24576, matmul's mmvq 45.4 / 50.1 vs 52.5 / 50.6)
-# keeps mmvq to MMVQ_MAX_M. Session 54 (bench/NOTES.md; H100, us, rotated weights, graph replays, alternated,
-# min of 3), mmvq as the runner calls it (on Q8_1 written by the op before; matmul's own quantize
+# keeps mmvq to MMVQ_MAX_M. Session 54 (bench/NOTES.md; H100, us, rotated weights, graph
+# replays, alternated, min of 3), mmvq as the runner calls it (on Q8_1 written by the op before; matmul's own quantize
 # launch adds ~1.8 us; GLU: product and silu_mul) vs wgmma, Qwen3-8B / Qwen3-4B weights:
 #   GLU 4096->24576 / 2560->19456: q8_0 M = 5 48.1 / 32.4 vs 49.0 / 25.8, M = 8 61.1 / 40.3 vs
 #        49.8 / 25.9; q4_1 M = 5 33.0 / 23.3 vs 33.2 / 22.3, M = 6 41.0 / 29.5 vs 33.1 / 22.3;

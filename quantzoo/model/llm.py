@@ -414,7 +414,8 @@ class Model:
         self.use_persistent(persistent)
         # fused ops: a norm or SiLU feeding a GGUF linear on mmvq (M <= 8 unless wgmma takes it:
         # Linear.q8_1_layout) writes its output in Q8_1 too, and the linear skips its quantize
-        # launch (bit-identical; False: the linear quantizes its fp16 input). Not the decode attention: fused there it cost what it saved (session 14).
+        # launch (bit-identical; False: the linear quantizes its fp16 input). Not the decode
+        # attention: fused there it cost what it saved (session 14).
         self.q8_1_fusion = True
 
     # ---- bookkeeping ----------------------------------------------------------------------
