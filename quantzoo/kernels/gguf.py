@@ -216,8 +216,9 @@ WGMMA_MIN_NK = 4096 * 4096   # weights of at least this many elements, from WGMM
 # which M for GLU, for K >= WGMMA_SMALL_LONG_K, for the rest); a format not named (Q5_0 / Q5_1,
 # whose fifth bits slow wgmma: M = 8 GLU 4096->24576, matmul's mmvq 45.4 / 50.1 vs 52.5 / 50.6)
 # keeps mmvq to MMVQ_MAX_M. Session 54 (bench/NOTES.md; H100, us, rotated weights, graph
-# replays, alternated, min of 3), mmvq as the runner calls it (on Q8_1 written by the op before; matmul's own quantize
-# launch adds ~1.8 us; GLU: product and silu_mul) vs wgmma, Qwen3-8B / Qwen3-4B weights:
+# replays, alternated, min of 3), mmvq as the runner calls it (on Q8_1 written by the op
+# before; matmul's own quantize launch adds ~1.8 us; GLU: product and silu_mul) vs wgmma,
+# Qwen3-8B / Qwen3-4B weights:
 #   GLU 4096->24576 / 2560->19456: q8_0 M = 5 48.1 / 32.4 vs 49.0 / 25.8, M = 8 61.1 / 40.3 vs
 #        49.8 / 25.9; q4_1 M = 5 33.0 / 23.3 vs 33.2 / 22.3, M = 6 41.0 / 29.5 vs 33.1 / 22.3;
 #        q4_0 M = 6 33.5 / 21.9 vs 32.8 / 21.2, M = 7 37.1 / 24.1 vs 32.9 / 21.3 (M = 4-5 ties);
