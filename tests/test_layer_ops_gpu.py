@@ -416,8 +416,9 @@ def test_model_q8_1_fusion_is_bit_identical(fmt):
 def test_model_glu_wgmma_beside_q8_1_down(monkeypatch):
     """A gate/up weight that takes wgmma below M = 9 while down still takes mmvq (WGMMA_SMALL_M:
     on a Qwen3-8B or 4B, Q8_0 gate/up from M = 5, down not until 7) keeps its GLU epilogue, and
-    down quantizes its own input: made here on a small model with the size threshold lowered. The 5-token prefill calls matmul(glu=True) once a layer, and its
-    logits (and the decode's) are bit-identical with and without Q8_1 fusion."""
+    down quantizes its own input: made here on a small model with the size threshold lowered.
+    The 5-token prefill calls matmul(glu=True) on wgmma once a layer, and its logits (and the
+    decode's) are bit-identical with and without Q8_1 fusion."""
     from quantzoo.bench.model import synthetic_weights
     from quantzoo.kernels import gguf as G
     from quantzoo.model import build_model
