@@ -523,6 +523,25 @@ def _glu_blocked(qt_cpu, fr):
     return qz.formats.QuantizedTensor(qt_cpu.format, (out.shape[0], k), out, qt_cpu.params)
 
 
+def _glu_products(yb, f, fr):
+    """[gate | up] (M, 2F) from the products yb (M, rows of _glu_blocked(qt, fr)) of a launch on
+    the blocked weight."""
+    yb = yb.view(yb.shape[0], -1, 2, fr)
+    m = yb.shape[0]
+    return torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
+
+
+def _assert_glu_equals(y, gu, what):
+    """The GLU launch's y is silu_mul of the products gu, bit for bit, every element written."""
+    from quantzoo.kernels import layer_ops
+
+    want = layer_ops.silu_mul(gu)
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all(), f"{what}: unwritten outputs"
+    assert torch.equal(y, want), (f"{what}: GLU differs from silu_mul of the products, worst "
+                                  f"{float((y.float() - want.float()).abs().max()):.3g}")
+
+
 @pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
 def test_wgmma_glu_epilogue(fmt, monkeypatch):
     """matmul(glu=True) on the wgmma path equals layer_ops.silu_mul of the gate and up products,
@@ -577,13 +596,7 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
             yb = torch.empty((m, blocked.shape[0]), dtype=torch.float16, device=DEV)
             G._launch_wgmma(fmt, x, blocked.data, yb, m, blocked.shape[0], k // 32, cfg=cfg, splits=splits, dp_tiles=dp)
             assert launches[1] == launches[0], "the unfused launch took another schedule"
-            yb = yb.view(m, -1, 2, fr)
-            gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
-            want = layer_ops.silu_mul(gu)
-            torch.cuda.synchronize()
-            assert torch.isfinite(y).all(), f"{fmt} {n}x{k} M={m}: unwritten outputs"
-            assert torch.equal(y, want), (f"{fmt} {n}x{k} M={m}: GLU epilogue differs from silu_mul of the "
-                                          f"products, worst {float((y.float() - want.float()).abs().max()):.3g}")
+            _assert_glu_equals(y, _glu_products(yb, f, fr), f"{fmt} {n}x{k} M={m}")
     # F = 102 splits K at every M here (a few tiles; 8 ways from M = 33, 64 stages, checked on the
     # CPU with 1 or 2 blocks an SM on 114 or 132 SMs; 4 ways below, 32 stages of 128 k): its
     # outputs came through the 1-wide GLU reduce
@@ -667,7 +680,7 @@ def test_wgmma_128k_forced_schedules(fmt, monkeypatch):
     the fp32-summation bound; GLU (F = 500) equal, bit for bit, to silu_mul of its plain twin's
     products on the blocked rows under the same forced schedule. The launches' own (whole
     tiles, splits, stages a split) are read back."""
-    from quantzoo.kernels import layer_ops, wgmma_tiles
+    from quantzoo.kernels import wgmma_tiles
 
     launches = []
     real_launch = G.launch_tma
@@ -708,14 +721,7 @@ def test_wgmma_128k_forced_schedules(fmt, monkeypatch):
                 yb = torch.empty((m, nb), dtype=torch.float16, device=DEV)
                 G._launch_wgmma(fmt, x, blocked.data, yb, m, nb, k // 32, cfg=cfg, splits=splits, dp_tiles=dp)
                 assert launches[1] == launches[0], what
-                fr = rows // 2
-                yb = yb.view(m, -1, 2, fr)
-                gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
-                want = layer_ops.silu_mul(gu)
-                torch.cuda.synchronize()
-                assert torch.isfinite(y).all(), f"{what}: unwritten outputs"
-                assert torch.equal(y, want), (f"{what}: GLU differs from silu_mul of the products, worst "
-                                              f"{float((y.float() - want.float()).abs().max()):.3g}")
+                _assert_glu_equals(y, _glu_products(yb, f, rows // 2), what)
 
 
 @pytest.mark.parametrize("fmt", G.WGMMA_FORMATS)
@@ -778,7 +784,7 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
     second plain call and the GLU call get one of exactly that size, a sentinel guard after it
     untouched."""
     from quantzoo.cuda_launch import current_stream_ptr, sm_count, workspaces_changed
-    from quantzoo.kernels import layer_ops, wgmma_tiles, workspaces
+    from quantzoo.kernels import wgmma_tiles, workspaces
 
     seen = []   # (grid, (M, N, nb, tiles_m, dp_tiles, splits, sps)) of each wgmma launch
     real = G.launch_tma
@@ -833,16 +839,12 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
             G.matmul(x, qt, out=yg, path="wgmma", glu=True)
             assert workspaces._CACHE[key].data_ptr() == guard.data_ptr(), "the guarded workspace was not used"
             assert bool((guard[need:] == 0xA5).all()), f"{what}: partials written past the workspace"
-            yb = G.matmul(x, blocked, path="wgmma").view(m, -1, 2, fr)
+            yb = G.matmul(x, blocked, path="wgmma")
             assert len(seen) == 2 and seen[0][0] == seen[1][0] == grid \
                 and seen[0][1][3:] == seen[1][1][3:] == (tm, dp, splits, sps), f"{what} glu: schedules {seen}"
-            gu = torch.cat([yb[:, :, 0].reshape(m, -1)[:, :f], yb[:, :, 1].reshape(m, -1)[:, :f]], 1).contiguous()
+            gu = _glu_products(yb, f, fr)
             _check_fp32_sum(gu, x16, w16, f"{what} blocked [gate | up] products")
-            want = layer_ops.silu_mul(gu)
-            torch.cuda.synchronize()
-            assert torch.isfinite(yg).all(), f"{what} glu: unwritten outputs"
-            assert torch.equal(yg, want), (f"{what} glu: differs from silu_mul of the products, worst "
-                                           f"{float((yg.float() - want.float()).abs().max()):.3g}")
+            _assert_glu_equals(yg, gu, f"{what} glu")
 
 
 # ---- CUDA graph capture -------------------------------------------------------------------------
