@@ -731,8 +731,8 @@ def q8_1_layout(qt, m: int, glu: bool = False) -> str | None:
     on CUDA. glu: the same for matmul(x, qt, glu=True), whose mmvq is matmul_q8_1 and silu_mul
     (wgmma takes it from a smaller M). The runner asks it to have its layer ops emit Q8_1 directly."""
     fmt = getattr(qt, "format", None)
-    if (fmt not in BLOCKS or not 1 <= m <= MMVQ_MAX_M[fmt] or not getattr(qt.data, "is_cuda", False)
-            or choose_path(m, qt, glu=glu) != "mmvq"):
+    if (fmt not in BLOCKS or m < 1 or not getattr(qt.data, "is_cuda", False)
+            or choose_path(m, qt, glu=glu) != "mmvq"):   # (mmvq only to MMVQ_MAX_M)
         return None
     return "split" if _vec_default(fmt, m, qt) else "interleaved"
 

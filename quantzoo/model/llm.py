@@ -107,7 +107,7 @@ class Linear:
         """The Q8_1 layout in which this linear's GGUF kernel takes M rows already quantized
         (kernels.gguf.q8_1_layout; glu: for self.glu), or None: it takes fp16 x (other formats,
         other M, CPU)."""
-        if self.qt is None or self.qt.fmt.kernels != "gguf" or self.mode != "emulate":
+        if not self._gguf_kernel:
             return None
         layouts = self.__dict__.setdefault("_q8_layouts", {})
         if (m, glu) not in layouts:
@@ -119,8 +119,12 @@ class Linear:
     def gguf_fp16_input(self, m: int, glu: bool = False) -> bool:
         """Whether this is a GGUF kernel linear that takes M rows of x in fp16 (its kernels
         quantize no activations there: wgmma, or M past mmvq's), not in Q8_1."""
-        return (self.qt is not None and self.qt.fmt.kernels == "gguf" and self.mode == "emulate"
-                and self.q8_1_layout(m, glu) is None)
+        return self._gguf_kernel and self.q8_1_layout(m, glu) is None
+
+    @property
+    def _gguf_kernel(self) -> bool:
+        """Whether kernels.gguf runs this linear (a GGUF block weight, mode "emulate")."""
+        return self.qt is not None and self.qt.fmt.kernels == "gguf" and self.mode == "emulate"
 
     def from_q8_1(self, xq, m: int, layout: str):
         """y for M rows of x given as Q8_1 blocks in `layout` (q8_1_layout(m)); equal to self(x)."""
