@@ -288,3 +288,50 @@ def test_two_threads_on_one_stream(weights, fmt):
     finally:
         sys.setswitchinterval(saved)
     assert not wrong, f"{fmt}: {len(wrong)} of 600 calls gave another call's product"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 5, 40, 600])
+def test_replay_alone(weights, fmt, m):
+    """kernels.replay (the runner's linears: Linear.planned / from_q8_1) runs nothing and says
+    False until a matmul has recorded the key's plan, then replays it bit-identically to an
+    unplanned call at new addresses -- plain, glu and (GGUF at mmvq's M) from Q8_1 -- and says
+    False again inside a capture, for an x off a 16-byte boundary, and once the plans are dropped."""
+    from quantzoo.cuda_launch import workspaces_changed
+    from quantzoo.kernels import gguf
+
+    qt = weights[fmt]
+    workspaces_changed()
+    big = torch.randn(2 * m + 1, KD, device="cuda").half()
+    x1, x2 = big[:m], big[m + 1:]                      # two addresses
+    y = torch.full((m, N), float("nan"), device="cuda", dtype=torch.float16)
+    assert not K.replay(qt, m, x1, y) and torch.isnan(y).all()
+    ops.matmul(x1, qt)                                  # records the plan
+    assert K.replay(qt, m, x2, y)
+    assert torch.equal(y, _unplanned(x2, qt))
+    mod = ops.kernels_for(qt.fmt)
+    yg = torch.empty((m, N // 2), device="cuda", dtype=torch.float16)
+    mod.matmul(x1, qt, glu=True)
+    assert K.replay(qt, ("glu", m), x2, yg)
+    saved, K.PLANS = K.PLANS, False
+    try:
+        assert torch.equal(yg, mod.matmul(x2, qt, glu=True))
+    finally:
+        K.PLANS = saved
+    layout = gguf.q8_1_layout(qt, m) if qt.fmt.kernels == "gguf" else None
+    if layout is not None:
+        xq = gguf.quantize_q8_1_split(x2) if layout == "split" else gguf.quantize_q8_1(x2).view(-1)
+        want = gguf.matmul_q8_1(xq, qt, m, layout)      # records ("q8_1", m)
+        yq = torch.empty((m, N), device="cuda", dtype=torch.float16)
+        assert K.replay(qt, ("q8_1", m), xq, yq) and torch.equal(yq, want)
+    odd = torch.empty(m * KD + 4, device="cuda", dtype=torch.float16)[4:].view(m, KD)   # 8 bytes in
+    assert odd.data_ptr() % 16 and not K.replay(qt, m, odd, y)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        ops.matmul(x1, qt)                              # (this stream's plan)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            assert not K.replay(qt, m, x2, y)
+    workspaces_changed()
+    assert not K.replay(qt, m, x2, y)
+    torch.cuda.synchronize()

@@ -115,6 +115,73 @@ def test_silu_mul_q8_1(rng, T, F, layout):
     assert torch.equal(q8, _q8_1_ref(out, layout))
 
 
+def test_repeated_ops_equal_checked_ops(rng, monkeypatch):
+    """layer_ops.Repeated (the runner's calls: checked once a shape, then a packed launch aimed
+    at each call's tensors) writes what the checked ops write, bit for bit: outputs, the
+    residual updated in place, Q8_1 bytes, cache rows. Every shape runs three times on fresh
+    tensors (the checked op, then the packed launch twice), and more shapes than LIMIT go
+    through, so that dropped shapes are packed again."""
+    from quantzoo.kernels import layer_ops as lo
+    from quantzoo.model.config import ModelConfig
+    from quantzoo.model.llm import rope_tables
+
+    monkeypatch.setattr(lo.Repeated, "LIMIT", 5)
+    rep, packed_calls = lo.Repeated(), []
+    real = lo.Repeated._launch
+    monkeypatch.setattr(lo.Repeated, "_launch", staticmethod(lambda pl, p: (packed_calls.append(1), real(pl, p))))
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).half()
+
+    def q8_pair(n):   # an output buffer for each side, poisoned alike
+        return [torch.full((n // 32 * 36,), 0xAB, dtype=torch.uint8, device="cuda") for _ in range(2)]
+
+    expected = 0   # calls that must take the packed launch: a shape's second and third
+    for T, D, F in ((1, 4096, 12288), (5, 576, 1536), (40, 2048, 64), (3, 12296, 32)):
+        for layout in (None, "split", "interleaved"):
+            for rep_i in range(3):
+                expected += 3 if rep_i and (layout is None or D % 32 == 0) else 1 if rep_i else 0
+                h, delta, w = rand(T, D, scale=3.0), rand(T, D), (torch.rand(D, device="cuda", generator=g) * 2).half()
+                h2 = h.clone()
+                for d in (delta, None):
+                    if layout is None:
+                        out, want = rep.add_rms_norm(h, d, w, 1e-6), lo.add_rms_norm(h2, d, w, 1e-6)
+                    elif D % 32 == 0:
+                        q8, q8w = q8_pair(T * D)
+                        out = rep.add_rms_norm(h, d, w, 1e-6, q8, layout)
+                        want = lo.add_rms_norm(h2, d, w, 1e-6, q8w, layout)
+                        assert torch.equal(q8, q8w)
+                    else:   # (Q8_1 takes rows of whole 32-value blocks)
+                        continue
+                    assert torch.equal(out, want) and torch.equal(h, h2), (T, D, layout, d is None)
+                gu = rand(T, 2 * F, scale=4.0)
+                if layout is None:
+                    assert torch.equal(rep.silu_mul(gu), lo.silu_mul(gu))
+                else:
+                    q8, q8w = q8_pair(T * F)
+                    assert torch.equal(rep.silu_mul(gu, q8, layout), lo.silu_mul(gu, q8w, layout))
+                    assert torch.equal(q8, q8w)
+    for T, H, KV, hd, norm in ((1, 32, 8, 128, True), (5, 9, 3, 64, False), (17, 6, 2, 64, True)):
+        S = 300
+        cfg = ModelConfig(arch="qwen3", vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=1,
+                          num_heads=H, num_kv_heads=KV, head_dim=hd, rms_norm_eps=1e-6,
+                          rope_theta=1e6, max_position=4096, tie_word_embeddings=True, qk_norm=norm)
+        cos, sin = rope_tables(cfg, S, "cuda", torch.float16)
+        for rep_i in range(3):
+            expected += rep_i > 0
+            qkv = rand(T, (H + 2 * KV) * hd, scale=2.0)
+            pos = torch.randperm(S, device="cuda", generator=g)[:T]
+            w = (torch.rand(H + KV, hd, device="cuda", generator=g) + 0.5).half() if norm else None
+            caches = [rand(KV, S, hd) for _ in range(2)]
+            want_caches = [c.clone() for c in caches]
+            q = rep.qk_rope_store(qkv, w, cos, sin, pos, *caches, H, KV, 1e-6)
+            want = lo.qk_rope_store(qkv, w, cos, sin, pos, *want_caches, H, KV, 1e-6)
+            assert torch.equal(q, want) and all(map(torch.equal, caches, want_caches)), (T, H, KV, hd)
+    assert len(rep._packed) <= 5
+    assert len(packed_calls) == expected
+
+
 def test_q8_1_output_bad_arguments():
     from quantzoo.kernels import layer_ops as lo
 
@@ -419,6 +486,7 @@ def test_model_glu_wgmma_beside_q8_1_down(monkeypatch):
     down quantizes its own input: made here on a small model with the size threshold lowered.
     The 5-token prefill calls matmul(glu=True) on wgmma once a layer, and its logits (and the
     decode's) are bit-identical with and without Q8_1 fusion."""
+    from quantzoo import kernels
     from quantzoo.bench.model import synthetic_weights
     from quantzoo.kernels import gguf as G
     from quantzoo.model import build_model
@@ -443,6 +511,7 @@ def test_model_glu_wgmma_beside_q8_1_down(monkeypatch):
         return matmul(x, qt, *a, **kw)
 
     monkeypatch.setattr(G, "matmul", spy)
+    monkeypatch.setattr(kernels, "PLANS", False)   # (the runner's replays would pass the spy by: kernels.replay)
     ids = [(41 * i + 7) % 1000 for i in range(9)]
     runs = {}
     for fusion in (True, False):
@@ -462,6 +531,7 @@ def test_model_dense_gate_up_feeds_q8_1_down(monkeypatch):
     writes down's input in Q8_1 (down.from_q8_1 once a layer in a decode step), not an fp16
     product that down would quantize again; only a GGUF gate/up on the wgmma path takes the
     fused GLU there (test_model_glu_wgmma_beside_q8_1_down)."""
+    from quantzoo import kernels
     from quantzoo.bench.model import random_weight, synthetic_weights
     from quantzoo.kernels import gguf as G
     from quantzoo.model import build_model
@@ -487,6 +557,7 @@ def test_model_dense_gate_up_feeds_q8_1_down(monkeypatch):
         return real(xq, qt, *a, **kw)
 
     monkeypatch.setattr(G, "matmul_q8_1", spy)
+    monkeypatch.setattr(kernels, "PLANS", False)   # (the runner's replays would pass the spy by: kernels.replay)
     ids = [(31 * i + 9) % 1000 for i in range(6)]
     m.use_graph = False
     m.setup_cache(64)
@@ -573,3 +644,62 @@ def test_model_glu_fusion_is_bit_identical(fmt, monkeypatch):
     fused = m.logits(ids)
     monkeypatch.setattr(mod, "GLU_MATMUL", False)
     assert torch.equal(fused, m.logits(ids))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "q4_0", "q8_0", "awq"])
+def test_model_repeated_prefill_is_bit_identical(fmt, monkeypatch):
+    """The runner's second pass over a length replays its linears' recorded launches
+    (kernels.replay) and its layer ops' packed ones (layer_ops.Repeated), checking nothing; its
+    logits (every position) equal, bit for bit, the first pass's and those of a pass whose every
+    call goes through the checked, dispatched ops (plans off, the public layer ops). T = 5 (mmvq
+    from Q8_1 for GGUF), 40 and 300; replays and packed launches are counted, so that the
+    equality is not vacuous."""
+    from quantzoo import kernels
+    from quantzoo.bench.model import synthetic_weights
+    from quantzoo.kernels import layer_ops as lo
+    from quantzoo.model import build_model
+    from quantzoo.model.config import ModelConfig
+
+    class Checked:   # the public ops, as the runner called them before layer_ops.Repeated
+        add_rms_norm, qk_rope_store, silu_mul = (staticmethod(lo.add_rms_norm), staticmethod(lo.qk_rope_store),
+                                                 staticmethod(lo.silu_mul))
+
+    cfg = ModelConfig(arch="qwen3", vocab_size=1000, hidden_size=512, intermediate_size=1536,
+                      num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
+    m = build_model(cfg, synthetic_weights(fmt, cfg, "cuda", seed=11), None, device="cuda")
+    assert m.fused_ops
+    hits = {"replay": 0, "packed": 0}
+    real_replay, real_launch = kernels.replay, lo.Repeated._launch
+
+    def replay(*a):
+        ok = real_replay(*a)
+        hits["replay"] += ok
+        return ok
+
+    def packed(pl, p):
+        hits["packed"] += 1
+        real_launch(pl, p)
+
+    monkeypatch.setattr(kernels, "replay", replay)
+    monkeypatch.setattr(lo.Repeated, "_launch", staticmethod(packed))
+    gen = torch.Generator().manual_seed(12)
+    repeated = m._repeated
+    kernel_linears = sum(ln.qt is not None and ln.mode == "emulate" for ln in m._all_linears())
+    assert kernel_linears == (0 if fmt == "fp16" else 4 * cfg.num_layers + (fmt != "awq"))   # (AWQ: an fp16 lm_head)
+    for T in (5, 40, 300):
+        ids = torch.randint(0, 1000, (T,), generator=gen).tolist()
+        first = m.logits(ids)
+        hits.update(replay=0, packed=0)
+        again = m.logits(ids)
+        # every layer's 2 norms and RoPE, and the final norm (SiLU too where not in the matmul)
+        assert hits["packed"] >= 3 * cfg.num_layers + 1, (T, hits)
+        assert hits["replay"] == kernel_linears, (T, hits)   # each once a pass
+        monkeypatch.setattr(kernels, "PLANS", False)
+        m._repeated = Checked()
+        hits.update(replay=0, packed=0)
+        checked = m.logits(ids)
+        assert hits == {"replay": 0, "packed": 0}
+        m._repeated = repeated
+        monkeypatch.setattr(kernels, "PLANS", True)
+        assert torch.equal(first, again) and torch.equal(again, checked), (T, fmt)

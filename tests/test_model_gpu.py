@@ -321,7 +321,7 @@ def test_real_default_model_gpu_equals_cpu(monkeypatch):
     2. end to end: the GPU's argmax equals the CPU's wherever the CPU top-1 margin exceeds
        MARGIN (above the largest difference measured), and the perplexity of an English
        paragraph is within 3 % of the CPU emulation's and 6 % of the float32 path's."""
-    from quantzoo import ops
+    from quantzoo import kernels, ops
     from quantzoo.kernels import gguf as gguf_kernels
     from quantzoo.model import llm, load_model
     from quantzoo.model.default_model import default_model_path
@@ -347,6 +347,7 @@ def test_real_default_model_gpu_equals_cpu(monkeypatch):
         return y
 
     monkeypatch.setattr(llm.ops, "matmul", spy)
+    monkeypatch.setattr(kernels, "PLANS", False)   # (the runner's replays would pass the spy by: kernels.replay)
     # every linear through ops.matmul with its fp16 input. Otherwise two fusions bypass it (and
     # this spy): at M <= 8 GGUF linears take Q8_1 from the op before, and gate/up computes
     # silu(gate) * up in its kernel; both are bit-identical to the unfused calls

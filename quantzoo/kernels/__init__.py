@@ -23,12 +23,8 @@ def checked_once(qt, check):
     memo = getattr(qt, "__dict__", {}).get("_kernels_checked")
     # (len(memo) == 5: a weight pickled before the addresses were kept carries a memo of 4 slots,
     # whose memo[4] was an IndexError on its first call: checked again instead)
-    if memo is not None and len(memo) == 5 and memo[0] is check and len(memo[1]) == len(parts):
-        for a, b, at in zip(memo[1], parts, memo[4]):
-            if a is not b or (at is not None and b.data_ptr() != at):
-                break
-        else:
-            return memo[2]
+    if memo is not None and memo[0] is check and _memo_current(memo, parts):
+        return memo[2]
     result = check(qt)
     try:   # QuantizedTensor is a frozen dataclass: the memo is not one of its fields
         # the 4th slot holds the weight's launch plans (run_planned), dropped with the memo; the 5th
@@ -39,6 +35,17 @@ def checked_once(qt, check):
     except (AttributeError, TypeError):
         pass
     return result
+
+
+def _memo_current(memo, parts) -> bool:
+    """Whether a checked_once memo still describes these storage tensors: the same objects at the
+    same addresses."""
+    if len(memo) != 5 or len(memo[1]) != len(parts):
+        return False
+    for a, b, at in zip(memo[1], parts, memo[4]):
+        if a is not b or (at is not None and b.data_ptr() != at):
+            return False
+    return True
 
 
 def _addresses(parts) -> tuple:
@@ -134,3 +141,28 @@ def run_planned(qt, m: int, x, y, queue) -> None:
         with cl.recording() as rec:
             queue()
         plans.put(key, cl.Plan(rec.launches, xp, xb, yp, yb))
+
+
+def replay(qt, key, x, y) -> bool:
+    """run_planned's replay alone: True when weight qt holds a plan for key on the current stream
+    (a matmul's earlier call recorded it) and it has run on x and y; False, launching nothing,
+    where it does not (no plan yet, a capture, fresh_workspaces(), a storage tensor replaced since
+    the weight's check, x or y off a 16-byte boundary) -- the caller then makes the matmul call,
+    which records one. For callers that have checked x and y themselves and pass the key their
+    matmul records under: the runner's linears on its own contiguous fp16 rows (model/llm.py,
+    Linear.planned), whose calls -- 5 a layer in a prefill -- cost 40-45 us of host time through
+    ops.matmul against ~16 us of replay on the lent H100's host (bench/NOTES.md, session 55)."""
+    from quantzoo import cuda_launch as cl
+
+    memo = qt.__dict__.get("_kernels_checked")
+    data = getattr(qt, "data", None)
+    if (not PLANS or memo is None or (x.data_ptr() | y.data_ptr()) % 16
+            or not _memo_current(memo, tuple(data.values()) if isinstance(data, dict) else (data,))
+            or cl.uncached_workspaces()):
+        return False
+    with _LOCK:
+        plan = memo[3].get((key, cl.current_stream_ptr()))
+        if plan is None:
+            return False
+        plan.replay(x, y)
+    return True

@@ -123,11 +123,17 @@ def add_rms_norm(h, delta, w, eps: float, q8_1=None, layout: str = "split"):
     out = torch.empty_like(h)
     if T == 0:   # (a grid of no blocks is an invalid launch)
         return out
-    V, threads = norm_shape(D)
-    launch(_k(f"add_rms_norm<{'true' if delta is not None else 'false'}, {V}, {q}>"), (T,), (threads,),
-           (h.data_ptr(), delta.data_ptr() if delta is not None else 0, w.data_ptr(), out.data_ptr(),
-            q8_1.data_ptr() if q else 0, np.int32(D), np.float32(eps)))
+    kern, grid, block, scalars = _norm_launch(T, D, delta is not None, q, eps)
+    launch(kern, grid, block, (h.data_ptr(), delta.data_ptr() if delta is not None else 0, w.data_ptr(),
+                               out.data_ptr(), q8_1.data_ptr() if q else 0) + scalars)
     return out
+
+
+def _norm_launch(T: int, D: int, has_delta: bool, q: int, eps: float):
+    """add_rms_norm's (kernel, grid, block, scalar arguments); its 5 pointers come first."""
+    V, threads = norm_shape(D)
+    return (_k(f"add_rms_norm<{'true' if has_delta else 'false'}, {V}, {q}>"), (T,), (threads,),
+            (np.int32(D), np.float32(eps)))
 
 
 @on_tensor_device
@@ -158,12 +164,18 @@ def qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int,
     q = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
     if items == 0:   # (a grid of no blocks is an invalid launch)
         return q
-    name = f"qk_rope_store<{HEAD_DIMS[hd]}, {'true' if norm_w is not None else 'false'}>"
-    launch(_k(name), (math.ceil(items / 4),), (128,),
+    kern, grid, block, scalars = _rope_launch(T, H, KV, S, hd, norm_w is not None, eps)
+    launch(kern, grid, block,
            (qkv.data_ptr(), norm_w.data_ptr() if norm_w is not None else 0, cos.data_ptr(), sin.data_ptr(),
-            pos.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            np.int32(T), np.int32(H), np.int32(KV), np.int32(S), np.float32(eps)))
+            pos.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()) + scalars)
     return q
+
+
+def _rope_launch(T: int, H: int, KV: int, S: int, hd: int, has_norm: bool, eps: float):
+    """qk_rope_store's (kernel, grid, block, scalar arguments); its 8 pointers come first."""
+    name = f"qk_rope_store<{HEAD_DIMS[hd]}, {'true' if has_norm else 'false'}>"
+    return (_k(name), (math.ceil(T * (H + 2 * KV) / 4),), (128,),
+            (np.int32(T), np.int32(H), np.int32(KV), np.int32(S), np.float32(eps)))
 
 
 @on_tensor_device
@@ -185,16 +197,98 @@ def silu_mul(gu, q8_1=None, layout: str = "split", out=None):
         _check("out", out, (T, F2 // 2), gu.dtype, gu.device, align=0 if q8_1 is not None else 4)
     if q8_1 is not None:
         _check_q8_1(q8_1, layout, T, F2 // 2, gu.device, "gu")
-        n_blocks = T * F2 // 64
-        if n_blocks == 0:
+        if T * F2 // 64 == 0:   # (no Q8_1 block: a grid of none is an invalid launch)
             return out
-        launch(_k(f"silu_mul_q8_1<{'true' if layout == 'split' else 'false'}>"), (-(-n_blocks // 8),), (256,),
-               (gu.data_ptr(), out.data_ptr(), q8_1.data_ptr(), np.int64(T), np.int32(F2 // 2)))
+        launch(*_silu_launch(T, F2, layout, (gu.data_ptr(), out.data_ptr(), q8_1.data_ptr())))
         return out
-    pairs = T * F2 // 4
-    blocks = max(1, min(math.ceil(pairs / 256), 132 * 8))
-    launch(_k("silu_mul"), (blocks,), (256,), (gu.data_ptr(), out.data_ptr(), np.int64(T), np.int32(F2 // 2)))
+    launch(*_silu_launch(T, F2, None, (gu.data_ptr(), out.data_ptr())))
     return out
+
+
+def _silu_launch(T: int, F2: int, layout: str | None, pointers: tuple):
+    """silu_mul's (kernel, grid, block, arguments) with Q8_1 output in `layout` or without (None);
+    its pointers (gu, out[, q8_1]) come first."""
+    scalars = (np.int64(T), np.int32(F2 // 2))
+    if layout is not None:   # a thread block a run of 8 Q8_1 blocks
+        return (_k(f"silu_mul_q8_1<{'true' if layout == 'split' else 'false'}>"), (-(-(T * F2 // 64) // 8),),
+                (256,), pointers + scalars)
+    blocks = max(1, min(math.ceil(T * F2 // 4 / 256), 132 * 8))   # a thread a pair of outputs
+    return _k("silu_mul"), (blocks,), (256,), pointers + scalars
+
+
+class Repeated:
+    """add_rms_norm, qk_rope_store and silu_mul as the runner calls them (model/llm.py,
+    _forward_fused): on every layer the same shapes, on the model's own tensors, with their
+    device current. The first call of each shape (T rows, sizes, Q8_1 layout) runs the checked op
+    above and packs its launch (cuda_launch.PackedLaunch); later calls of that shape -- the other
+    layers', the next prompt's of the same length -- aim the packed launch at their tensors and
+    check nothing. Through the checked ops a call cost 33-41 us of host time on the lent H100's
+    host, most of a short prefill's time (bench/NOTES.md, session 55). At most LIMIT shapes are
+    kept, the oldest dropped first. One per model: not for two threads at once."""
+    LIMIT = 64
+
+    def __init__(self):
+        self._packed: dict = {}
+
+    def _pack(self, key, launch_cfg, n_pointers: int) -> None:
+        """Keep launch_cfg's (kernel, grid, block, scalar arguments) packed for key, its first
+        n_pointers arguments to be aimed per call."""
+        from quantzoo.cuda_launch import PackedLaunch
+
+        while len(self._packed) >= self.LIMIT:
+            del self._packed[next(iter(self._packed))]
+        kern, grid, block, scalars = launch_cfg
+        self._packed[key] = PackedLaunch(kern, grid, block, (0,) * n_pointers + scalars)
+
+    @staticmethod
+    def _launch(pl, pointers) -> None:
+        for i, p in enumerate(pointers):
+            pl.set_pointer(i, p)
+        pl()
+
+    def add_rms_norm(self, h, delta, w, eps: float, q8_1=None, layout: str = "split"):
+        T, D = h.shape
+        q = Q8_LAYOUTS[layout] if q8_1 is not None else 0
+        key = ("norm", T, D, delta is not None, q, eps)
+        pl = self._packed.get(key)
+        if pl is None:
+            out = add_rms_norm(h, delta, w, eps, q8_1, layout)
+            if T:
+                self._pack(key, _norm_launch(T, D, delta is not None, q, eps), 5)
+            return out
+        out = h.new_empty((T, D))
+        self._launch(pl, (h.data_ptr(), delta.data_ptr() if delta is not None else 0, w.data_ptr(),
+                          out.data_ptr(), q8_1.data_ptr() if q else 0))
+        return out
+
+    def qk_rope_store(self, qkv, norm_w, cos, sin, pos, k_cache, v_cache, H: int, KV: int, eps: float):
+        T, (_, S, hd) = qkv.shape[0], k_cache.shape
+        key = ("rope", T, qkv.shape[1], H, KV, S, hd, norm_w is not None, eps)
+        pl = self._packed.get(key)
+        if pl is None:
+            q = qk_rope_store(qkv, norm_w, cos, sin, pos, k_cache, v_cache, H, KV, eps)
+            if T and S:
+                self._pack(key, _rope_launch(T, H, KV, S, hd, norm_w is not None, eps), 8)
+            return q
+        q = qkv.new_empty((T, H, hd))
+        self._launch(pl, (qkv.data_ptr(), norm_w.data_ptr() if norm_w is not None else 0, cos.data_ptr(),
+                          sin.data_ptr(), pos.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()))
+        return q
+
+    def silu_mul(self, gu, q8_1=None, layout: str = "split"):
+        T, F2 = gu.shape
+        lay = layout if q8_1 is not None else None
+        key = ("silu", T, F2, lay)
+        pl = self._packed.get(key)
+        if pl is None:
+            out = silu_mul(gu, q8_1, layout)
+            if T * F2 // 64:
+                kern, grid, block, args = _silu_launch(T, F2, lay, ())
+                self._pack(key, (kern, grid, block, args), 3 if lay else 2)
+            return out
+        out = gu.new_empty((T, F2 // 2))
+        self._launch(pl, (gu.data_ptr(), out.data_ptr()) + ((q8_1.data_ptr(),) if lay else ()))
+        return out
 
 
 class DecodeWork:

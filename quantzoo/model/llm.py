@@ -35,9 +35,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import kernels, ops
 from ..cuda_launch import call_on_device, programmatic_launches
 from ..kernels import fp16 as fp16_kernels
+from ..kernels import layer_ops
 from ..formats import QuantizedTensor
 from .config import ModelConfig, check_bool, is_int, token_ids
 from .host_memory import check_cache_fits, check_cpu_placement
@@ -95,25 +96,40 @@ class Linear:
         matmul where the format's kernel module does that (GLU_MATMUL: kernels.gguf / kernels.awq
         matmul(..., glu=True), whose wgmma paths compute it in their epilogue), else
         layer_ops.silu_mul on self(x). The same values either way (cuda/swiglu.cuh)."""
-        from ..kernels import layer_ops
-
-        if self.qt is not None and self.mode == "emulate":
-            mod = ops.kernels_for(self.qt.fmt)
-            if getattr(mod, "GLU_MATMUL", False):
-                return mod.matmul(x, self.qt, glu=True)
+        if self._glu_matmul:
+            return ops.kernels_for(self.qt.fmt).matmul(x, self.qt, glu=True)
         return layer_ops.silu_mul(self(x))
+
+    @property
+    def _glu_matmul(self) -> bool:
+        """Whether this linear's matmul computes the GLU itself (a kernel module's GLU_MATMUL)."""
+        return (self.qt is not None and self.mode == "emulate"
+                and getattr(ops.kernels_for(self.qt.fmt), "GLU_MATMUL", False))
+
+    def planned(self, x, glu: bool = False, silu_mul=None):
+        """self(x), or self.glu(x), for the runner's own rows: x (M, K) fp16 on the model's
+        device, which is current. A kernel linear replays the launches its matmul recorded for
+        M (kernels.replay) without the public call's checks and dispatch; the first call for an
+        M, and any other linear, goes through self(x) / self.glu(x) -- where glu is not fused
+        into the matmul, silu_mul (layer_ops.silu_mul's signature; by default that) of self(x)."""
+        if glu and not self._glu_matmul:
+            return (silu_mul or layer_ops.silu_mul)(self.planned(x))
+        if self.qt is not None and self.mode == "emulate" and x.is_contiguous():
+            m = x.shape[0]
+            y = x.new_empty((m, self.shape[0] // 2 if glu else self.shape[0]))
+            if kernels.replay(self.qt, ("glu", m) if glu else m, x, y):
+                return y
+        return self.glu(x) if glu else self(x)
 
     def q8_1_layout(self, m: int, glu: bool = False) -> str | None:
         """The Q8_1 layout in which this linear's GGUF kernel takes M rows already quantized
         (kernels.gguf.q8_1_layout; glu: for self.glu), or None: it takes fp16 x (other formats,
         other M, CPU)."""
-        if not self._gguf_kernel:
-            return None
-        layouts = self.__dict__.setdefault("_q8_layouts", {})
+        layouts = self.__dict__.setdefault("_q8_layouts", {})   # (asked per layer and call)
         if (m, glu) not in layouts:
             from ..kernels import gguf
 
-            layouts[m, glu] = gguf.q8_1_layout(self.qt, m, glu)
+            layouts[m, glu] = gguf.q8_1_layout(self.qt, m, glu) if self._gguf_kernel else None
         return layouts[m, glu]
 
     def gguf_fp16_input(self, m: int, glu: bool = False) -> bool:
@@ -130,7 +146,10 @@ class Linear:
         """y for M rows of x given as Q8_1 blocks in `layout` (q8_1_layout(m)); equal to self(x)."""
         from ..kernels import gguf
 
-        return gguf.matmul_q8_1(xq, self.qt, m, layout)
+        y = xq.new_empty((m, self.shape[0]), dtype=torch.float16)
+        if kernels.replay(self.qt, ("q8_1", m), xq, y):   # (as planned())
+            return y
+        return gguf.matmul_q8_1(xq, self.qt, m, layout, out=y)
 
     @property
     def nbytes(self) -> int:
@@ -410,6 +429,7 @@ class Model:
         self.fused_ops, why = self._fused_ops_status(fused_ops)
         if why and fused_ops:
             raise ValueError(f"fused_ops=True: {why}")
+        self._repeated = layer_ops.Repeated()
         self.k_cache = self.v_cache = None
         self._graph, self._seq = None, []
         # one-token steps through the persistent decode kernel (kernels.persistent: all decoder
@@ -445,8 +465,6 @@ class Model:
             return False, "the fused layer ops run on CUDA in float16"
         if any(lay.qkv is None or lay.gate_up is None for lay in self.layers):
             return False, "q/k/v or gate/up projections could not be fused (their formats differ)"
-        from ..kernels import layer_ops
-
         cfg = self.config
         why = layer_ops.supports(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim,
                                  cfg.num_heads, cfg.num_kv_heads)
@@ -610,6 +628,7 @@ class Model:
         before it (q8_1_fusion)."""
         from ..kernels import layer_ops as lo
 
+        rep = self._repeated   # the layer ops, checked once per shape (layer_ops.Repeated)
         cfg = self.config
         T, eps = ids.shape[0], cfg.rms_norm_eps
         H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -622,12 +641,11 @@ class Model:
             # h += delta, RMSNorm, lin (glu: lin.glu): in Q8_1 where lin takes it
             lq = lin.q8_1_layout(h.shape[0], glu) if q8 is not None else None
             if lq is None:
-                x = lo.add_rms_norm(h, delta, w, eps)
-                return lin.glu(x) if glu else lin(x)
+                return lin.planned(rep.add_rms_norm(h, delta, w, eps), glu, rep.silu_mul)
             xq = q8[: h.numel() // 32 * 36]
-            lo.add_rms_norm(h, delta, w, eps, xq, lq)
+            rep.add_rms_norm(h, delta, w, eps, xq, lq)
             y = lin.from_q8_1(xq, h.shape[0], lq)
-            return lo.silu_mul(y) if glu else y
+            return rep.silu_mul(y) if glu else y
 
         layers = self.layers
         if T == 1 and self._persistent is not None:
@@ -636,7 +654,7 @@ class Model:
         for li, lay in enumerate(layers):
             qkv = norm_into(lay.qkv, h, delta, lay.attn_norm)
             kc, vc = self.k_cache[li, 0], self.v_cache[li, 0]            # (KV, S, hd)
-            q = lo.qk_rope_store(qkv, lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
+            q = rep.qk_rope_store(qkv, lay.qk_norm, self.cos, self.sin, pos, kc, vc, H, KV, eps)
             if T == 1:
                 a = lo.attn_decode(q, kc, vc, pos, self._decode_work)
             else:
@@ -646,11 +664,11 @@ class Model:
                 # silu(gate) * up fused into the gate/up matmul where it can be (a GGUF gate/up on
                 # the wgmma path keeps its GLU epilogue even where down would take Q8_1: down
                 # quantizes its input; a gate/up of another kind beside it feeds silu_mul's Q8_1)
-                delta = lay.down(norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm, glu=True))
+                delta = lay.down.planned(norm_into(lay.gate_up, h, lay.o.planned(a), lay.mlp_norm, glu=True))
             else:            # silu(gate) * up written in Q8_1 for down's GEMV
-                gu = norm_into(lay.gate_up, h, lay.o(a), lay.mlp_norm)
+                gu = norm_into(lay.gate_up, h, lay.o.planned(a), lay.mlp_norm)
                 xq = q8[: T * gu.shape[1] // 64 * 36]
-                lo.silu_mul(gu, xq, lq)
+                rep.silu_mul(gu, xq, lq)
                 delta = lay.down.from_q8_1(xq, T, lq)
         if not all_logits:
             h, delta = h[-1:], (None if delta is None else delta[-1:])
