@@ -279,6 +279,9 @@ class ReadLinear:
     def glu(self, x):
         return self._read(x.numel() // x.shape[-1], self.shape[0] // 2)
 
+    def planned(self, x, glu: bool = False, silu_mul=None):
+        return self.glu(x) if glu else self(x)
+
     def q8_1_layout(self, m: int, glu: bool = False):
         return self.lin.q8_1_layout(m, glu)
 
