@@ -280,9 +280,10 @@ def bench_gguf(fmt, ms, paths, rotate=True):
             reps = max(len(qts), 12 if m <= 64 else 4)
             calls = [lambda qt=qts[i % len(qts)], p=path: G.matmul(x, qt, out=y, path=p) for i in range(reps)]
             res[(m, path)] = time_calls(calls, reps=10 if m <= 64 else 5)
+    dispatch = {m: G.choose_path(m, qts[0]) for m in ms}   # (on the weight: wgmma needs one on a Hopper GPU)
     del qts
     torch.cuda.empty_cache()
-    return res, nbytes
+    return res, nbytes, dispatch
 
 
 def bench_dequant_buffer(fmt, ms=(512, 2048), sizes_mb=(8, 16, 32, 128)):
@@ -373,8 +374,8 @@ def main(argv=None):
 
     rows, raw = [], {"device": dev, "copy_Bps": bw, "cublas_fp16_us": cub, "cublas_fp16_reused_us": cub_reused}
     for fmt in fmts:
-        rot, nbytes = bench_gguf(fmt, sweep, ["mmvq", "mma", "dequant", "wgmma"] + (["mmq"] if a.with_mmq else []))
-        reu, _ = bench_gguf(fmt, [1, 8], ["mmvq"], rotate=False)
+        rot, nbytes, dispatch = bench_gguf(fmt, sweep, ["mmvq", "mma", "dequant", "wgmma"] + (["mmq"] if a.with_mmq else []))
+        reu, _, _ = bench_gguf(fmt, [1, 8], ["mmvq"], rotate=False)
         raw[fmt] = {"bytes": nbytes, "rotated": {f"{m}/{p}": v for (m, p), v in rot.items()},
                     "reused": {f"{m}/{p}": v for (m, p), v in reu.items()}}
         for m in sweep:
@@ -385,11 +386,11 @@ def main(argv=None):
                 rows.append(dict(fmt=fmt, M=m, weights="rotated", path=p + (" *" if p == best else ""),
                                  us=us, TBps=nbytes / (us * 1e-6) / 1e12, pct_copy=100 * nbytes / (us * 1e-6) / bw,
                                  TFLOPs=flops / (us * 1e-6) / 1e12, x_cublas=cub[m] / us,
-                                 dispatch=G.choose_path(m, fmt), llama=LLAMA_CPP.get((fmt, m), "")))
+                                 dispatch=dispatch[m], llama=LLAMA_CPP.get((fmt, m), "")))
         for (m, p), us in reu.items():
             rows.append(dict(fmt=fmt, M=m, weights="reused", path=p, us=us, TBps=nbytes / (us * 1e-6) / 1e12,
                              pct_copy=100 * nbytes / (us * 1e-6) / bw, TFLOPs=2.0 * m * N * K / (us * 1e-6) / 1e12,
-                             x_cublas=cub_reused[m] / us, dispatch=G.choose_path(m, fmt),
+                             x_cublas=cub_reused[m] / us, dispatch=dispatch[m],
                              llama=LLAMA_CPP.get((fmt, m), "")))
         print(f"{fmt} done ({time.time() - t0:.0f} s)", flush=True)
 
