@@ -324,14 +324,22 @@ def test_replay_alone(weights, fmt, m):
         want = gguf.matmul_q8_1(xq, qt, m, layout)      # records ("q8_1", m)
         yq = torch.empty((m, N), device="cuda", dtype=torch.float16)
         assert K.replay(qt, ("q8_1", m), xq, yq) and torch.equal(yq, want)
+    # each refusal right after the same replay succeeds (a call above may have grown a workspace,
+    # which drops the plans: a refusal then would say nothing)
     odd = torch.empty(m * KD + 4, device="cuda", dtype=torch.float16)[4:].view(m, KD)   # 8 bytes in
+    ops.matmul(x1, qt)
+    assert K.replay(qt, m, x2, y)
     assert odd.data_ptr() % 16 and not K.replay(qt, m, odd, y)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         ops.matmul(x1, qt)                              # (this stream's plan)
+        assert K.replay(qt, m, x2, y)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=s):
             assert not K.replay(qt, m, x2, y)
+    torch.cuda.synchronize()
+    ops.matmul(x1, qt)
+    assert K.replay(qt, m, x2, y)
     workspaces_changed()
     assert not K.replay(qt, m, x2, y)
     torch.cuda.synchronize()

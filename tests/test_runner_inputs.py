@@ -235,6 +235,28 @@ def test_non_finite_weights_are_an_error_not_garbage():
         m.generate([1, 2, 3], max_new_tokens=4)
 
 
+def test_norm_weights_placed_contiguous_and_aligned():
+    """A norm weight given as a strided view or a view 4 bytes into its storage is copied when
+    placed (the fused layer ops read 16 bytes at a time, and layer_ops.Repeated checks only a
+    shape's first tensors); an aligned contiguous one is taken as it is, and the values stay."""
+    from quantzoo.bench.model import synthetic_weights
+    from quantzoo.model import build_model
+
+    cfg = make_config(1, tiny=True)
+    w = synthetic_weights("fp16", cfg, "cpu")
+    h = cfg.hidden_size
+    strided = torch.randn(2 * h)[::2]
+    offset = torch.randn(h + 1)[1:]
+    aligned = torch.randn(h)
+    w["model.layers.0.input_layernorm.weight"] = strided
+    w["model.layers.0.post_attention_layernorm.weight"] = offset
+    w["model.norm.weight"] = aligned
+    m = build_model(cfg, w, None, device="cpu")
+    for got, given in ((m.layers[0].attn_norm, strided), (m.layers[0].mlp_norm, offset), (m.norm, aligned)):
+        assert got.is_contiguous() and got.data_ptr() % 16 == 0 and torch.equal(got, given)
+    assert offset.data_ptr() % 16 and m.norm is aligned
+
+
 def test_model_options():
     cfg = make_config(1, tiny=True)
     with pytest.raises(ValueError, match="dtype=torch.float16: the runner computes in torch.float32 on cpu"):

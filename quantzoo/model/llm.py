@@ -114,11 +114,12 @@ class Linear:
         into the matmul, silu_mul (layer_ops.silu_mul's signature; by default that) of self(x)."""
         if glu and not self._glu_matmul:
             return (silu_mul or layer_ops.silu_mul)(self.planned(x))
-        if self.qt is not None and self.mode == "emulate" and x.is_contiguous():
+        if self.qt is not None and self.mode == "emulate" and x.dim() == 2 and x.is_contiguous():
             m = x.shape[0]
             y = x.new_empty((m, self.shape[0] // 2 if glu else self.shape[0]))
             if kernels.replay(self.qt, ("glu", m) if glu else m, x, y):
                 return y
+            del y   # (not held beside the call's own output: all_logits' lm_head output is large)
         return self.glu(x) if glu else self(x)
 
     def q8_1_layout(self, m: int, glu: bool = False) -> str | None:
@@ -129,6 +130,8 @@ class Linear:
         if (m, glu) not in layouts:
             from ..kernels import gguf
 
+            if len(layouts) >= 256:   # (a server sees many prompt lengths)
+                layouts.clear()
             layouts[m, glu] = gguf.q8_1_layout(self.qt, m, glu) if self._gguf_kernel else None
         return layouts[m, glu]
 
@@ -252,6 +255,14 @@ def _kind(w) -> str:
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))   # one linear each where fused
 
 
+def _vector(t, device, dtype) -> torch.Tensor:
+    """A norm weight on device in dtype, contiguous and 16-byte aligned -- a copy where the given
+    tensor is not: the fused layer ops read 16 bytes at a time, and layer_ops.Repeated checks only
+    the first tensors of a shape (a caller's CUDA fp16 view would otherwise be taken as it is)."""
+    t = torch.as_tensor(t).to(device=device, dtype=dtype).contiguous()
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 class Layer:
     """One decoder block's weights. On CUDA q/k/v and gate/up are fused into one linear each
     (fewer launches in the decode graph); on CPU every projection stays its own linear."""
@@ -260,7 +271,7 @@ class Layer:
         p = f"model.layers.{i}."
         get = lambda n: w[p + n + ".weight"]  # noqa: E731
         L = lambda t: Linear(t, device, dtype, mode)  # noqa: E731
-        V = lambda n: torch.as_tensor(get(n)).to(device=device, dtype=dtype)  # noqa: E731
+        V = lambda n: _vector(get(n), device, dtype)  # noqa: E731
         names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         src = {n: get(("self_attn." if n[0] in "qkvo" else "mlp.") + n) for n in names}
         self.kinds = {n: _kind(t) for n, t in src.items()}
@@ -420,7 +431,7 @@ class Model:
             from tqdm import tqdm
             it = tqdm(it, desc=f"placing layers on {device}", unit="layer", leave=False)
         self.layers = [Layer(cfg, weights, i, device, self.dtype, matmul_mode, fuse) for i in it]
-        self.norm = torch.as_tensor(weights["model.norm.weight"]).to(device=device, dtype=self.dtype)
+        self.norm = _vector(weights["model.norm.weight"], device, self.dtype)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = Linear(head, device, self.dtype, matmul_mode)
         self.max_seq = int(max_seq or cfg.max_position)
