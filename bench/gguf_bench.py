@@ -374,7 +374,8 @@ def main(argv=None):
 
     rows, raw = [], {"device": dev, "copy_Bps": bw, "cublas_fp16_us": cub, "cublas_fp16_reused_us": cub_reused}
     for fmt in fmts:
-        rot, nbytes, dispatch = bench_gguf(fmt, sweep, ["mmvq", "mma", "dequant", "wgmma"] + (["mmq"] if a.with_mmq else []))
+        paths = ["mmvq", "mma", "dequant", "wgmma"] + (["mmq"] if a.with_mmq else [])
+        rot, nbytes, dispatch = bench_gguf(fmt, sweep, paths)
         reu, _, _ = bench_gguf(fmt, [1, 8], ["mmvq"], rotate=False)
         raw[fmt] = {"bytes": nbytes, "rotated": {f"{m}/{p}": v for (m, p), v in rot.items()},
                     "reused": {f"{m}/{p}": v for (m, p), v in reu.items()}}
