@@ -37,6 +37,14 @@ def awq_mod():
     return awq
 
 
+def awq_wgmma_mod():
+    """awq_mod() for a wgmma test: skips it off Hopper, where the wgmma kernels do not run."""
+    awq = awq_mod()
+    if not awq.wgmma_available(torch.device("cuda")):
+        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    return awq
+
+
 _CASE = {"seed": 0}   # the running case's seed (case_seed): a dict, so importers see it change
 _WEIGHTS: dict = {}
 
@@ -489,9 +497,7 @@ def test_wgmma_split_k(k, n, g, m, splits, dp, cfg, monkeypatch):
     call's workspace is exactly the size the host asks for (wg::meet's: a T x columns slot per
     split of a split tile; wg::hand_over's: one; wgmma_reduce's: splits x M x the split tiles'
     columns, wg::SplitParts), with a sentinel guard after it that must stay untouched."""
-    awq = awq_mod()
-    if not awq.wgmma_available(torch.device("cuda")):
-        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    awq = awq_wgmma_mod()
     assert set(awq.WGMMA_CFGS) | set(awq.WGMMA_GLU_CFGS) <= set(SPLIT_K_CFGS), "a wgmma config this test does not run"
     from quantzoo.cuda_launch import current_stream_ptr, workspaces_changed
     from quantzoo.kernels import wgmma_tiles, workspaces
@@ -547,9 +553,7 @@ def test_wgmma_meet_matches_reduce(k, n, m, cfg, splits, glu, monkeypatch):
     within the emulation's bound (check)."""
     from quantzoo.kernels import workspaces
 
-    awq = awq_mod()
-    if not awq.wgmma_available(torch.device("cuda")):
-        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    awq = awq_wgmma_mod()
     g = 128 if k % 128 == 0 else 32
     rng = case_rng()
     _, qt, qtc, w16 = weight(k, n, g, seed=splits)
@@ -579,9 +583,7 @@ def test_wgmma_meet_matches_reduce(k, n, m, cfg, splits, glu, monkeypatch):
 def test_wgmma_refuses_n_not_multiple_of_32():
     """The forced wgmma path on N % 32 != 0 (rows TMA cannot copy) is a one-line ValueError, and
     dispatch sends such a weight elsewhere."""
-    awq = awq_mod()
-    if not awq.wgmma_available(torch.device("cuda")):
-        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    awq = awq_wgmma_mod()
     rng = case_rng()
     k, n = 4096, 6152
     _, qt, qtc, w16 = weight(k, n, 128)
@@ -670,9 +672,7 @@ def test_wgmma_glu_epilogue(k, n, g):
     from quantzoo.cuda_launch import sm_count
     from quantzoo.kernels import layer_ops, wgmma_tiles
 
-    awq = awq_mod()
-    if not awq.wgmma_available(torch.device("cuda")):
-        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    awq = awq_wgmma_mod()
     rng = case_rng()
     _, _, qtc, _ = weight(k, n, g, seed=5)
     d = qtc.data
@@ -716,9 +716,7 @@ def test_glu_wgmma_from_m_2():
     weights' rounding (wgmma dequantises to fp16, small scales fp32 partials)."""
     from quantzoo.kernels import layer_ops
 
-    awq = awq_mod()
-    if not awq.wgmma_available(torch.device("cuda")):
-        pytest.skip("wgmma runs on Hopper (compute capability 9.0) only")
+    awq = awq_wgmma_mod()
     rng = case_rng()
     k, n = 2048, 12288
     _, _, qtc, _ = weight(k, n, 128)

@@ -562,15 +562,8 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
         names.append(name)
         return real_kernel(source, name)
 
-    launches = []   # (whole tiles, splits) of each wgmma launch
-    real_launch = G.launch_tma
-
-    def spy_launch(kern, grid, block, args, shared_mem=0):
-        launches.append((int(args[8]), int(args[9])))
-        return real_launch(kern, grid, block, args, shared_mem)
-
     monkeypatch.setattr(G, "_kernel", spy)
-    monkeypatch.setattr(G, "launch_tma", spy_launch)
+    launches = _spy_wgmma(monkeypatch, lambda grid, a: (int(a[8]), int(a[9])))   # (whole tiles, splits)
     reduces = set()
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k in ((200, 4096), (204, 4096), (8704, 2048), (72, 2816)):
@@ -621,6 +614,20 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
 
 
 # ---- wgmma against its own fp16 weights, in the fp32 bound; whole and split tiles in one launch ----
+def _spy_wgmma(monkeypatch, pick) -> list:
+    """Patch G.launch_tma (the wgmma kernel's launch) to keep pick(grid, args) of each launch in the
+    returned list, then launch it. args: (weight map, x map, y, partials, M, N, nb, tiles_m, whole
+    tiles, splits, stages a split, x rows), as _launch_wgmma passes them."""
+    seen, real = [], G.launch_tma
+
+    def spy(kern, grid, block, args, shared_mem=0):
+        seen.append(pick(grid, args))
+        return real(kern, grid, block, args, shared_mem)
+
+    monkeypatch.setattr(G, "launch_tma", spy)
+    return seen
+
+
 def _wgmma_w16(qt_cpu):
     """The wgmma kernel's own fp16 weights as float64 (N, K), by numpy from the block fields: the
     exact value (q - offset) d, or q d + m for Q4_1 / Q5_1 (float64 holds it exactly), rounded
@@ -682,14 +689,7 @@ def test_wgmma_128k_forced_schedules(fmt, monkeypatch):
     tiles, splits, stages a split) are read back."""
     from quantzoo.kernels import wgmma_tiles
 
-    launches = []
-    real_launch = G.launch_tma
-
-    def spy_launch(kern, grid, block, args, shared_mem=0):
-        launches.append(tuple(int(a) for a in args[8:11]))
-        return real_launch(kern, grid, block, args, shared_mem)
-
-    monkeypatch.setattr(G, "launch_tma", spy_launch)
+    launches = _spy_wgmma(monkeypatch, lambda grid, a: tuple(int(v) for v in a[8:11]))
     rng = np.random.default_rng(RNG.integers(1 << 32))
     n, k = 1000, 2816
     _, qt_cpu = _weight(fmt, n, k, rng)
@@ -735,14 +735,7 @@ def test_wgmma_fp32_accumulation_bound(fmt, monkeypatch):
     The schedules are read from the launches; both kinds must have run."""
     from quantzoo.cuda_launch import sm_count
 
-    launches = []   # (whole tiles, splits) of each wgmma launch, as launched
-    real_launch = G.launch_tma
-
-    def spy_launch(kern, grid, block, args, shared_mem=0):
-        launches.append((int(args[8]), int(args[9])))
-        return real_launch(kern, grid, block, args, shared_mem)
-
-    monkeypatch.setattr(G, "launch_tma", spy_launch)
+    launches = _spy_wgmma(monkeypatch, lambda grid, a: (int(a[8]), int(a[9])))   # (whole tiles, splits), as launched
     rng = np.random.default_rng(RNG.integers(1 << 32))
     sms = sm_count(torch.device(DEV))
     schedules = set()
@@ -786,14 +779,8 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
     from quantzoo.cuda_launch import current_stream_ptr, sm_count, workspaces_changed
     from quantzoo.kernels import wgmma_tiles, workspaces
 
-    seen = []   # (grid, (M, N, nb, tiles_m, dp_tiles, splits, sps)) of each wgmma launch
-    real = G.launch_tma
-
-    def spy(kern, grid, block, args, shared_mem=0):
-        seen.append((tuple(grid), tuple(int(a) for a in args[4:11])))
-        return real(kern, grid, block, args, shared_mem)
-
-    monkeypatch.setattr(G, "launch_tma", spy)
+    # (grid, (M, N, nb, tiles_m, dp_tiles, splits, sps)) of each wgmma launch
+    seen = _spy_wgmma(monkeypatch, lambda grid, a: (tuple(grid), tuple(int(v) for v in a[4:11])))
     rng = np.random.default_rng(RNG.integers(1 << 32))
     sms = sm_count(torch.device(DEV))
     for n, k, ms in ((16904, 1024, (129,)), (11272, 2048, (257, 300))):
