@@ -222,8 +222,7 @@ __device__ __forceinline__ void sum8_partials(float* v, const float* ws, size_t 
   }
 }
 
-// After a block has stored its partials: is it the last of the `splits` blocks that share this
-// counter (a tile's K splits; the GEMV's GLU: a gate tile's and its up tile's, 2 x splits)?
+// After a block has stored its partials: is it the last of the tile's `splits` blocks?
 // Call with all threads; returns the same answer in every caller.
 __device__ __forceinline__ bool last_block_of_tile(unsigned* counter, int splits, int* flag_smem) {
   __threadfence();

@@ -47,12 +47,6 @@
 //   (different rows) meet by shuffles, the warps in shared memory (fixed order), the splits in an
 //   fp32 workspace summed in split order by the tile's last block (awq_common.cuh):
 //   deterministic, one launch, graph-replayable.
-// * GLU (the decoder MLP's silu(x @ gate) * (x @ up), W's columns [gate | up], y [N/2]): every
-//   block stores its partials, and gate tile j and up tile j + tiles/2 share one ticket: the last
-//   of their 2 x splits blocks sums both tiles' partials in split order, rounds each to fp16 as
-//   the plain launch stores them, and writes swiglu.cuh's product -- bit for bit what silu_mul
-//   makes of the plain launch's output, without its launch or the [N] product in memory
-//   (bench/NOTES.md, session 56). Needs (N/16) % (8 NW) == 0 (whole tiles in each half).
 // * Tails: K is a multiple of the group size, so of the 8-row step. A lane whose columns run
 //   past N reads the row's last words instead (clamped, never past the row) and its sums are not
 //   stored. VEC = false (N/8 not a multiple of NW) loads single words.
@@ -68,7 +62,6 @@
 // version, whose loads sat under `if (step < end)`, ran 2-4x slower: ptxas loaded into a
 // temporary and copied it into the ring right after, so the copy waited for every load.
 #include "awq_common.cuh"
-#include "swiglu.cuh"
 
 namespace awq_gemv {
 
@@ -91,9 +84,8 @@ __device__ __forceinline__ void load_row(unsigned (&w)[NW], const unsigned* p, i
 }  // namespace awq_gemv
 
 // grid (ceil(N/8 / (8*NW)), splits); block 32*WARPS threads, each warp a slice of the block's k
-// range; rows_per_split a multiple of 8. GLU: y holds N/2 columns, ws splits x N floats (also
-// at one split), and the tiles split evenly between the halves.
-template <int NW, int WARPS, int D, bool VEC, bool GLU = false>
+// range; rows_per_split a multiple of 8.
+template <int NW, int WARPS, int D, bool VEC>
 __global__ void __launch_bounds__(32 * WARPS)
 awq_gemv_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight,
                 const unsigned* __restrict__ qzeros, const half* __restrict__ scales,
@@ -241,23 +233,8 @@ awq_gemv_kernel(const half* __restrict__ x, const unsigned* __restrict__ qweight
     if (cw >= n8) continue;
     float o[8];
     awq::gemv_sum_warps(o, red, 8 * task);
-    if (splits == 1 && !GLU) awq::store8_half(y + 8 * cw, o);
+    if (splits == 1) awq::store8_half(y + 8 * cw, o);
     else awq::store8_float(ws + (size_t)blockIdx.y * N + 8 * cw, o);
-  }
-  if constexpr (GLU) {
-    const int pairs = gridDim.x / 2, pair = blockIdx.x % pairs, up8 = n8 / 2;
-    if (!awq::last_block_of_tile(counters + pair, 2 * splits, &last_flag)) return;
-    for (int task = threadIdx.x; task < TW; task += 32 * WARPS) {
-      const int cw = pair * TW + task;   // the gate word; its up word is cw + N/16
-      float gs[8], us[8], o[8];
-      awq::sum8_partials(gs, ws + 8 * cw, (size_t)N, splits);
-      awq::sum8_partials(us, ws + 8 * (cw + up8), (size_t)N, splits);
-#pragma unroll
-      for (int c = 0; c < 8; ++c)
-        o[c] = swiglu(__half2float(__float2half_rn(gs[c])), __half2float(__float2half_rn(us[c])));
-      awq::store8_half(y + 8 * cw, o);
-    }
-    return;
   }
   if (splits == 1) return;
   if (!awq::last_block_of_tile(counters + blockIdx.x, splits, &last_flag)) return;

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 from quantzoo.formats import get  # noqa: E402
 
 # case_seed (autouse): a fresh seed per case for weight() and case_rng(), printed; replay with QUANTZOO_SEED
-from test_awq_gpu import assert_nmse, case_rng, case_seed, check, emulate_small_gpu, rand_x, seed_note, weight  # noqa: E402,F401
+from test_awq_gpu import assert_nmse, case_rng, case_seed, check, emulate_small_gpu, rand_x, weight  # noqa: E402,F401
 
 FMT = get("awq")
 MS = (1, 2, 3, 7, 8, 9, 16)
@@ -119,63 +119,6 @@ def test_gemv_dispatched_on_wide_weight():
     awq.matmul(torch.from_numpy(x16).cuda(), qtc, out=y)
     exact = torch.as_tensor(x16).cuda().double() @ torch.as_tensor(w).cuda().double().T
     assert_nmse(y, check(y, x16, qt, w16, "gemv"), exact, "gemv")
-
-
-@pytest.mark.parametrize("k,n,g", [(4096, 24576, 128), (608, 1024, 32), (1152, 1280, 64), (1024, 1408, 128)],
-                         ids=str)
-def test_gemv_glu_tail(k, n, g):
-    """matmul(glu=True) at M = 1 on the GEMV: the kernel's split tail (GLU) sums the gate and up
-    tiles' partials and writes silu(gate) * up -- bit for bit layer_ops.silu_mul of the plain GEMV
-    launch with the same config and splits (one split too, where the tail is GLU's alone), for x
-    drawn fresh and x = 0; nothing written past y's N/2 columns; plain and GLU launches share
-    the tile counters in any order. 4096 -> 24576: the runner's decode gate/up, where dispatch
-    takes it (replayed, and in a CUDA graph). 1280 columns: N/16 = 80 is not a multiple of the
-    (4, 4, 4) config's 32-word tiles (a ValueError forced; the default (2, 8, 4) fits); 1408
-    (N/16 = 88) fits neither, and matmul(glu=True) forced onto gemv takes the product and
-    silu_mul instead."""
-    from quantzoo.kernels import layer_ops
-
-    awq = awq_mod()
-    rng = case_rng()
-    _, _, qtc, _ = weight(k, n, g)
-    d = qtc.data
-    f = n // 2
-    args = (d["qweight"], d["scales"], d["qzeros"])
-    for x in (torch.from_numpy(rand_x(rng, 1, k)).cuda(), torch.zeros((1, k), dtype=torch.float16, device="cuda")):
-        for cfg in awq.GEMV_CFGS:
-            if not awq.gemv_glu_fits(n, k, cfg):
-                with pytest.raises(ValueError, match="glu"):
-                    awq._gemv(x, *args, torch.empty((1, f), dtype=torch.float16, device="cuda"), 1, k, n, g,
-                              cfg=cfg, glu=True)
-                continue
-            for splits in (1, 3, None):
-                plain = torch.empty((1, n), dtype=torch.float16, device="cuda")
-                awq._gemv(x, *args, plain, 1, k, n, g, cfg=cfg, splits=splits)
-                buf = torch.full((f + 64,), float("nan"), dtype=torch.float16, device="cuda")
-                awq._gemv(x, *args, buf[:f].view(1, f), 1, k, n, g, cfg=cfg, splits=splits, glu=True)
-                want = layer_ops.silu_mul(plain)
-                torch.cuda.synchronize()
-                what = f"{k}x{n} g{g} {cfg} splits={splits} zero x={not x.any()} {seed_note()}"
-                assert torch.equal(buf[:f].view(1, f), want), (
-                    f"{what}: GLU tail differs from silu_mul of the plain GEMV, worst "
-                    f"{float((buf[:f].float() - want.float()).abs().max()):.3g}")
-                assert torch.isnan(buf[f:]).all(), f"{what}: written past y"
-    x = torch.from_numpy(rand_x(rng, 1, k)).cuda()
-    want = layer_ops.silu_mul(awq.matmul(x, qtc))
-    if (k, n) in awq.GEMV_TUNED:   # the runner's gate/up: dispatch fuses it, replays and captures it
-        assert awq.choose_path(1, qtc, glu=True) == "gemv" and awq.gemv_glu_fits(n, k)
-        for _ in range(2):
-            assert torch.equal(awq.matmul(x, qtc, glu=True), want), f"dispatch {seed_note()}"
-        y = torch.full((1, f), float("nan"), dtype=torch.float16, device="cuda")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            awq.matmul(x, qtc, out=y, glu=True)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, want), f"graph replay {seed_note()}"
-    else:   # forced onto gemv: fused where the tuned config's tiles fit the halves, else silu_mul
-        assert awq.gemv_glu_fits(n, k) == (n % 256 == 0)   # the default config's 16-word tiles
-        assert torch.equal(awq.matmul(x, qtc, path="gemv", glu=True), want), f"forced gemv {seed_note()}"
 
 
 def test_magnitudes_and_zeros_every_config():

@@ -113,8 +113,8 @@ def _mlp_chain(h0, h, gate_up, down, norm_w, steps):
 def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
     """The AWQ GEMV (cuda/awq_gemv.cu) in a PDL chain. The square chain above never reaches it:
     M = 1 takes the GEMV only where N >= GEMV_MIN_N (16384). Here the runner's decode MLP at
-    M = 1: gate/up has 2F >= 16384 columns, so dispatch sends it to the GEMV (the SwiGLU in its
-    split tail: awq.gemv_glu_fits), and down to awq_small; both asserted from the shapes alone
+    M = 1: gate/up has 2F >= 16384 columns, so dispatch sends it to the GEMV (into the GLU
+    workspace, then silu_mul), and down to awq_small; both asserted from the shapes alone
     (choose_path, no device needed at M = 1), and the GEMV seen called. On a GPU with
     thread-block clusters D = 1024's down runs strip-cluster instead. (1024, 8192):
     the default (2, 8, 4) GEMV with gemv_plan's K splits; (4096, 12288), Qwen3-8B's: the tuned
@@ -133,8 +133,7 @@ def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
     real_gemv = awq._PATHS["gemv"]
 
     def counted_gemv(*args, **kwargs):
-        gemv_calls.append(args[5:8] + (kwargs.get("glu"),))   # (m, k, n, glu): _PATHS' (x2, qweight, scales,
-        # qzeros, y, m, k, n, g)
+        gemv_calls.append(args[5:8])   # (m, k, n): _PATHS' (x2, qweight, scales, qzeros, y, m, k, n, g)
         return real_gemv(*args, **kwargs)
 
     monkeypatch.setitem(awq._PATHS, "gemv", counted_gemv)
@@ -142,7 +141,7 @@ def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
     norm_w = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).half()
     h = torch.empty_like(h0)
     _pdl_equals_plain(lambda: _mlp_chain(h0, h, gate_up, down, norm_w, 6), h, f"awq D={D} F={F} (seed {seed})")
-    assert gemv_calls and gemv_calls[0] == (1, D, 2 * F, True), f"the GEMV's GLU was not called: {gemv_calls}"
+    assert gemv_calls and gemv_calls[0] == (1, D, 2 * F), f"the GEMV was not called: {gemv_calls}"
 
 
 def test_programmatic_launches_nests_and_restores():

@@ -35,9 +35,8 @@ Paths (choose_path(m, qt, glu=glu) names the one matmul takes; path= forces one,
                                          6144 (bench/NOTES.md sessions 8, 13, 15, 18, 25, 51,
                                          52, 54)
 matmul(x, qt, glu=True) is the decoder MLP's silu(x @ gate) * (x @ up) for a weight whose columns
-are [gate | up]: on the wgmma path in the kernel's epilogue (cuda/awq_wgmma.cu, GLU), on gemv in its
-split tail (cuda/awq_gemv.cu, GLU: the decode's gate/up), elsewhere the product into a workspace,
-then layer_ops.silu_mul (the same values either way).
+are [gate | up]: on the wgmma path in the kernel's epilogue (cuda/awq_wgmma.cu, GLU), elsewhere
+the product into a workspace, then layer_ops.silu_mul (the same values either way).
 The thresholds below come from bench/awq_bench.py on the H100 (bench/notes-awq.md has the
 tables). Every launch goes on torch's current stream; outputs and workspaces are torch tensors
 (kernels/workspaces.py: cached per stream, a capture's its own), so a matmul can be captured in
@@ -69,7 +68,7 @@ MMA_CFGS = ((1, 1, 1), (1, 2, 1), (1, 2, 4), (2, 1, 1), (2, 2, 1), (4, 1, 1))
 SOURCES = {
     "awq_dequant.cu": ("awq_dequant_kernel",),
     "awq_gemv.cu": tuple("awq_gemv_kernel<{}, {}, {}, {}>".format(*c, v) for c in GEMV_CFGS
-                         for v in ("true", "false", "true, true")),   # the last: GLU (VEC only)
+                         for v in ("true", "false")),
     "awq_mma.cu": tuple(f"awq_mma_kernel<{mt}, {ng}, {occ}>" for mt, ng, occ in MMA_CFGS),
 }
 # strip kernel (cuda/awq_strip.cu, M = 1): (WARPS, D) = warps per block, k-steps of loads a lane has
@@ -549,16 +548,7 @@ def gemv_plan(tiles: int, k: int, warps: int, slots: int) -> int:
     return max(1, min(s, k // (8 * warps * GEMV_MIN_STEPS)))
 
 
-def gemv_glu_fits(n: int, k: int, cfg=None) -> bool:
-    """Whether the GEMV (its tuned config for (N, K), or cfg) computes glu itself: each half of
-    [gate | up] whole column tiles of 8 NW words ((N/16) % (8 NW) == 0; cuda/awq_gemv.cu, GLU)."""
-    nw = (cfg or gemv_config(n, k)[0])[0]
-    return n % 16 == 0 and (n // 16) % (8 * nw) == 0
-
-
-def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, glu=False):
-    """glu: y (1, N/2) = swiglu of W's halves [gate | up], summed in the kernel's split tail
-    (gemv_glu_fits must hold)."""
+def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None):
     if m != 1:
         raise ValueError(f"path: 'gemv' takes M = 1, got M={m}")
     dev = x2.device
@@ -566,11 +556,8 @@ def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, glu
     nw, warps, d = cfg or tuned_cfg
     if cfg is None and splits is None:
         splits = tuned_splits
-    if glu and not gemv_glu_fits(n, k, (nw, warps, d)):
-        raise ValueError(f"path: 'gemv' with glu needs N/16 a multiple of {8 * nw} (whole column tiles in "
-                         f"each of the [gate | up] halves), got N={n}")
     vec = (n // 8) % nw == 0
-    name = "awq_gemv_kernel<{}, {}, {}, {}>".format(nw, warps, d, "true, true" if glu else "true" if vec else "false")
+    name = "awq_gemv_kernel<{}, {}, {}, {}>".format(nw, warps, d, "true" if vec else "false")
     kern = _kernel("awq_gemv.cu", name)
     tiles = -(-(n // 8) // (8 * nw))
     if splits is None:
@@ -578,7 +565,7 @@ def _gemv(x2, qweight, scales, qzeros, y, m, k, n, g, cfg=None, splits=None, glu
     per = 8 * -(-(k // 8) // max(1, splits))
     splits = -(-k // per)
     rows = _split_rows(k, splits, per)
-    ws = workspaces.scratch("partials", splits * n if splits > 1 or glu else 1, torch.float32, dev)
+    ws = workspaces.scratch("partials", splits * n if splits > 1 else 1, torch.float32, dev)
     ctr = workspaces.counters(tiles, dev)
     _launch(kern, (tiles, splits), (32 * warps,),
             (x2.data_ptr(), qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), y.data_ptr(),
@@ -880,14 +867,11 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
 
 def _queue(path, x2, qweight, scales, qzeros, y, m, k, n, g, glu) -> None:
     """The launches of one call on checked arguments (M >= 1). glu: on the wgmma path the kernel's
-    GLU epilogue (N % 64 == 0), on gemv its split tail (gemv_glu_fits), elsewhere the product
-    into a workspace, then layer_ops.silu_mul."""
+    GLU epilogue (N % 64 == 0), elsewhere the product into a workspace, then layer_ops.silu_mul."""
     if not glu:
         _PATHS[path](x2, qweight, scales, qzeros, y, m, k, n, g)
     elif path == "wgmma" and n % (2 * WGMMA_N_MULTIPLE) == 0:
         _wgmma(x2, qweight, scales, qzeros, y, m, k, n, g, glu=True)
-    elif path == "gemv" and gemv_glu_fits(n, k):
-        _PATHS[path](x2, qweight, scales, qzeros, y, m, k, n, g, glu=True)
     else:
         from quantzoo.kernels import layer_ops
 
@@ -906,8 +890,7 @@ def matmul(x, qt, *, out=None, path=None, glu=False):
 
     glu=True: W's columns are [gate | up] (N % 16 == 0), and y [.., N/2] = silu(x @ gate) *
     (x @ up), the decoder MLP's SwiGLU with layer_ops.silu_mul's roundings (cuda/swiglu.cuh) --
-    in the wgmma path's epilogue where N % 64 == 0 and in the gemv path's split tail where
-    gemv_glu_fits (no [M, N] product in memory, no second launch), else the product into a
-    workspace, then layer_ops.silu_mul."""
+    in the wgmma path's epilogue where N % 64 == 0 (no [M, N] product in memory, no second
+    launch), else the product into a workspace, then layer_ops.silu_mul."""
     qweight, scales, qzeros, k, n, g = checked_once(qt, _unpack_qt)
     return _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt, glu)
