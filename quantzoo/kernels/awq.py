@@ -867,7 +867,10 @@ def _gemm(x, qweight, scales, qzeros, k, n, g, out, path, qt=None, glu=False):
 
 def _queue(path, x2, qweight, scales, qzeros, y, m, k, n, g, glu) -> None:
     """The launches of one call on checked arguments (M >= 1). glu: on the wgmma path the kernel's
-    GLU epilogue (N % 64 == 0), elsewhere the product into a workspace, then layer_ops.silu_mul."""
+    GLU epilogue (N % 64 == 0), elsewhere the product into a workspace, then layer_ops.silu_mul.
+    Not fused into the M = 1 GEMV on purpose: built three ways (sessions 28 and 56, each bit-equal),
+    every one cost the PDL decode graph 4-6 % (AWQ 366 -> 350 tok/s): the GEMV fills every SM, and
+    the small silu_mul between it and down_proj is what lets down_proj launch early."""
     if not glu:
         _PATHS[path](x2, qweight, scales, qzeros, y, m, k, n, g)
     elif path == "wgmma" and n % (2 * WGMMA_N_MULTIPLE) == 0:
