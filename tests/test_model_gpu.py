@@ -397,11 +397,29 @@ def test_real_default_model_gpu_equals_cpu(monkeypatch):
     assert abs(p_gpu / p_cpu - 1) < 0.06
 
 
-def test_bench_model_tiny_gpu(tmp_path):
+def test_bench_model_tiny_gpu(tmp_path, monkeypatch):
+    """`quantzoo bench model` end to end on a tiny model: every format's figures and both
+    per-kernel breakdowns, and no timing after a profile (torch.profiler leaves CUPTI attached,
+    which slows the host-bound figures timed after it: bench.model.profile_formats)."""
     import json
 
+    from quantzoo.bench import model as bm
     from quantzoo.cli import main
 
+    profiled, timed_after = [], []
+
+    def spy(fn, profile=False):
+        def wrapped(*a, **k):
+            if profile:
+                profiled.append(fn.__name__)
+            elif profiled:
+                timed_after.append(fn.__name__)
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(bm, "profile_kernels", spy(bm.profile_kernels, profile=True))
+    for name in ("time_decode", "time_prefill", "prefill_side_by_side", "decode_bounds"):
+        monkeypatch.setattr(bm, name, spy(getattr(bm, name)))
     out = tmp_path / "b.json"
     assert main(["bench", "model", "--tiny", "--layers", "2", "--prompt-lens", "64,256",
                  "--decode-tokens", "16", "--eager-tokens", "4", "--long-context", "1000", "--json", str(out)]) == 0
@@ -410,6 +428,10 @@ def test_bench_model_tiny_gpu(tmp_path):
     for r in res:
         assert "error" not in r, r
         assert r["decode_tok_s_graph"] > 0 and r["prefill_tok_s_256"] > 0 and r["decode_tok_s_graph_ctx1000"] > 0
+        for key in ("decode_breakdown", "prefill_breakdown"):
+            head = r[key][0]
+            assert "error" not in head and head["total_gpu_us"] > 0 and head["kernels"] > 0, (r["format"], key, head)
+    assert profiled and not timed_after, f"timed after a profile: {timed_after}"
 
 
 def test_seeded_sampling_repeats_on_gpu():

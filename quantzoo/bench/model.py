@@ -18,7 +18,8 @@ made), one run measures:
   GGUF formats: the graph decode through the experimental persistent kernel (every decoder layer
       in one launch, kernels.persistent) and where one of its steps spends its time;
   a per-op breakdown of one eager decode step and of one prefill (torch.profiler, GPU time per
-      kernel name, and the prefill's wall time: where GPU time < wall time, Python is the limit);
+      kernel name, and the prefill's wall time: where GPU time < wall time, Python is the limit),
+      taken after every timing of the run (profile_formats says why);
   two bounds for the decode graph, on the CUDA runner (kernels.stream: a plain one-launch read
       of a buffer, a measured floor for an M = 1 matmul of that many bytes):
       decode_tok_s_ideal_linears -- the same graph with every linear's product replaced by that
@@ -406,6 +407,38 @@ def profile_kernels(fn, device, top: int) -> list[dict]:
     return [{"total_gpu_us": round(total, 1), "wall_us": round(wall * 1e6, 1), "kernels": len(out)}] + out[:top]
 
 
+def profile_formats(results, cfg, args, device) -> None:
+    """decode_breakdown and prefill_breakdown (the shortest prompt) into each format's record,
+    on a model built again for it. Run after every timing of the run: torch.profiler leaves
+    CUPTI attached when it ends (Kineto does not tear it down unless TEARDOWN_CUPTI=1,
+    pytorch/pytorch#144455), and every host-bound figure timed after a profile read slower --
+    H100, 8 layers, eager decode tok/s before / after one profile: q4_0 310-327 / 230-276, awq
+    567-572 / 472-490, and a 64-token prefill down to half (bench/NOTES.md, session 56); the
+    formats profiled before the others' timings biased the eager decode and prefill walls."""
+    import torch
+
+    from .. import ops
+
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    for r in results:
+        if "error" in r:
+            continue
+        m = synthetic_model(r["format"], cfg, device, group_size=args.awq_group_size)
+        for key in ("decode_breakdown", "prefill_breakdown") if prompt_lens else ("decode_breakdown",):
+            try:
+                if key == "decode_breakdown":
+                    m.setup_cache(decode_cache_positions(args))
+                    r[key] = decode_breakdown(m)
+                else:
+                    m.setup_cache(cache_positions(max(prompt_lens)))
+                    r[key] = prefill_breakdown(m, min(prompt_lens))
+            except Exception as e:  # noqa: BLE001 - the profile is a nicety; never lose the numbers for it
+                r[key] = [{"error": f"{type(e).__name__}: {e}"}]
+        del m
+        ops.release_workspaces()
+        torch.cuda.empty_cache()
+
+
 def prefill_side_by_side(fmts, cfg, args, device, lens, reps: int = 7) -> dict:
     """Prefill wall time with every format's model held at once, timed round-robin (the order
     rotated each round), so that the host's slow and fast phases fall on every format alike.
@@ -525,11 +558,6 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
         r["graph_gain"] = r["decode_tok_s_graph"] / r["decode_tok_s_eager"]
         if bw:
             r["roofline_fraction"] = r["decode_tok_s_graph"] / r["roofline_tok_s"]
-    if device.startswith("cuda") and not args.no_breakdown:
-        try:
-            r["decode_breakdown"] = decode_breakdown(m)
-        except Exception as e:  # the profiler is a nicety; never lose the numbers for it
-            r["decode_breakdown"] = [{"error": f"{type(e).__name__}: {e}"}]
     if device.startswith("cuda"):
         r["peak_decode_bytes"] = torch.cuda.max_memory_allocated(device)
         r["peak_decode_over_weights_kv"] = r["peak_decode_bytes"] / (wbytes + emb + m.kv_cache_bytes())
@@ -557,11 +585,6 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     r["kv_cache_bytes"] = m.kv_cache_bytes()
     for n in prompt_lens:
         r[f"prefill_tok_s_{n}"] = time_prefill(m, n)
-    if device.startswith("cuda") and not args.no_breakdown:
-        try:
-            r["prefill_breakdown"] = prefill_breakdown(m, min(prompt_lens))
-        except Exception as e:  # noqa: BLE001 - the profile is a nicety
-            r["prefill_breakdown"] = [{"error": f"{type(e).__name__}: {e}"}]
     if device.startswith("cuda"):   # prefill phase: cache of pre_seq positions, T=2048 activations
         peak = torch.cuda.max_memory_allocated(device)
         r["peak_gpu_bytes"] = peak
@@ -685,6 +708,9 @@ def run(args) -> int:
             out["prefill_side_by_side"] = prefill_side_by_side(ok, cfg, args, device, lens)
         except Exception as e:   # noqa: BLE001 - never lose the per-format numbers for it
             out["prefill_side_by_side"] = {"skipped": f"{type(e).__name__}: {e}"}
+    if device.startswith("cuda") and not args.no_breakdown:   # last: profile_formats says why
+        print("== per-kernel breakdowns ...", file=sys.stderr, flush=True)
+        profile_formats(results, cfg, args, device)
     print(render(out, args))
     if args.json is not None:
         _write_json(args.json, out)
