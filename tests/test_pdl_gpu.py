@@ -180,6 +180,7 @@ def test_model_prefill_pdl_equals_plain(fmt, monkeypatch):
         launched.update({True: 0, False: 0})
         plain = m.logits(ids)
         assert launched[True] == 0, (T, launched)
+        assert torch.isfinite(plain).all(), f"{fmt} T={T}: the random model's logits are not finite"
         m.pdl = True
         for rep in range(3):
             launched.update({True: 0, False: 0})
