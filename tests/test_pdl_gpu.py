@@ -144,57 +144,6 @@ def test_pdl_awq_gemv_decode_mlp(D, F, rng, monkeypatch):
     assert gemv_calls and gemv_calls[0] == (1, D, 2 * F), f"the GEMV was not called: {gemv_calls}"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_model_prefill_pdl_equals_plain(fmt, monkeypatch):
-    """A model's passes over several tokens (prefill, logits) launch our kernels with PDL
-    (Model._forward, self.pdl): every position's logits equal, bit for bit, those of the same
-    model with plain launches -- T = 5 (GGUF's mmvq from Q8_1, AWQ's small and GLU wgmma), 40 and
-    300 (the wgmma paths, split K and its reduce, the GLU epilogues), each length three times
-    (recorded, re-recorded after a first pass's workspace growth, replayed). The PDL launches are
-    counted, and so are the plain passes' (none): the equality is not vacuous. A one-token
-    step out of the graph keeps plain launches."""
-    from quantzoo import cuda_launch
-    from quantzoo.bench.model import synthetic_weights
-    from quantzoo.model import build_model
-    from quantzoo.model.config import ModelConfig
-
-    # 2048 x 12288 gate/up, 6144 -> 2048 down: wgmma (GLU included) at T = 40 and 300 where the
-    # format has it, the other paths elsewhere
-    cfg = ModelConfig(arch="qwen3", vocab_size=1000, hidden_size=2048, intermediate_size=6144,
-                      num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
-                      rope_theta=1e6, max_position=4096, tie_word_embeddings=False, qk_norm=True)
-    m = build_model(cfg, synthetic_weights(fmt, cfg, "cuda", seed=21), None, device="cuda")
-    assert m.pdl, "the model's PDL is off on this GPU (Hopper or newer needed)"
-    launched = {True: 0, False: 0}
-    real_call = cuda_launch.PackedLaunch.__call__
-
-    def counted(self):
-        launched[cuda_launch.pdl_enabled()] += 1
-        real_call(self)
-
-    monkeypatch.setattr(cuda_launch.PackedLaunch, "__call__", counted)
-    gen = torch.Generator().manual_seed(22)
-    for T in (5, 40, 300):
-        ids = torch.randint(0, 1000, (T,), generator=gen).tolist()
-        m.pdl = False
-        launched.update({True: 0, False: 0})
-        plain = m.logits(ids)
-        assert launched[True] == 0, (T, launched)
-        assert torch.isfinite(plain).all(), f"{fmt} T={T}: the random model's logits are not finite"
-        m.pdl = True
-        for rep in range(3):
-            launched.update({True: 0, False: 0})
-            got = m.logits(ids)
-            assert launched[True] > 0, (fmt, T, rep, launched)
-            assert torch.equal(got, plain), (f"{fmt} T={T} pass {rep}: PDL logits differ from plain launches, "
-                                             f"worst {float((got.float() - plain.float()).abs().max()):.3g}")
-    m.prefill(ids[:8])
-    launched.update({True: 0, False: 0})
-    m.use_graph = False
-    m.decode_step(ids[8], 8)
-    assert launched[True] == 0, f"an eager one-token step launched with PDL: {launched}"
-
-
 def test_programmatic_launches_nests_and_restores():
     from quantzoo import cuda_launch
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels, ops
-from ..cuda_launch import call_on_device, pdl_enabled, programmatic_launches
+from ..cuda_launch import call_on_device, programmatic_launches
 from ..kernels import fp16 as fp16_kernels
 from ..kernels import layer_ops
 from ..formats import QuantizedTensor
@@ -410,9 +410,9 @@ class Model:
         self.dtype = check_dtype(dtype, device)
         self.matmul_mode = matmul_mode
         self.use_graph = cuda_graph and self.is_cuda
-        # Our kernels in the decode graph and in a pass over several tokens start while their
-        # predecessor finishes (programmatic dependent launch, cuda/pdl.cuh; Hopper and newer;
-        # _forward); False launches them plainly (the bench's comparison).
+        # Our kernels in the decode graph start while their predecessor finishes (programmatic
+        # dependent launch, cuda/pdl.cuh; Hopper and newer); False captures plain launches (the
+        # bench's comparison).
         self.pdl = bool(pdl) and self.is_cuda and torch.cuda.get_device_capability(device)[0] >= 9
         hd = config.head_dim
         self._gqa_shapes_ok = (self.is_cuda and self.dtype in (torch.float16, torch.bfloat16) and hd <= 256
@@ -693,17 +693,7 @@ class Model:
         serves prefill, eager decode and graph capture (no Python ints depend on pos). A
         prompt that starts at position 0 (`from_start`) attends to the first T cache rows with
         is_causal instead, which lets SDPA pick its flash kernel for long prefills.
-
-        A pass over several tokens launches our kernels with programmatic dependent launch
-        where the decode graph does (self.pdl): each starts while its predecessor drains, as in
-        the graph. The same kernels and arguments, so the same bits; a 512-token prefill had ~2.6
-        ms of gaps between ~12 ms of q4_0 kernels (bench/NOTES.md, session 56). Eager decode
-        (T = 1) keeps plain launches: an unplanned launch under PDL packs its arguments anew
-        (cuda_launch.launch_tma), and eager decode is bound by exactly that host time.
         """
-        if self.pdl and ids.shape[0] > 1 and not pdl_enabled():
-            with programmatic_launches():
-                return self._forward(ids, pos, all_logits, from_start)
         if self.fused_ops:
             return self._forward_fused(ids, pos, all_logits, from_start)
         cfg = self.config
@@ -919,8 +909,8 @@ def build_model(config: ModelConfig, weights: dict, tokenizer=None, device: str 
     ("cached" | "dequant" | "emulate", CPU only), cuda_graph (default True on CUDA), fuse
     (q/k/v and gate/up as one linear each; default on CUDA), fused_ops (norms, RoPE + cache
     write, SiLU and decode attention as fused CUDA kernels; default on CUDA when the shapes
-    allow, False = the torch ops), pdl (the decode graph's kernels, and a prefill's, launched
-    with programmatic dependent launch, default True), persistent (one-token steps of a GGUF model through the
+    allow, False = the torch ops), pdl (the decode graph's kernels launched with programmatic
+    dependent launch, default True), persistent (one-token steps of a GGUF model through the
     experimental persistent decode kernel, Model.use_persistent; default False), dtype
     (activation dtype: None or the device's own, float32 on the CPU, float16 on CUDA; any other
     is refused), progress (tqdm while placing layers). matmul_mode is not used on CUDA.
