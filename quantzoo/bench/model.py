@@ -103,9 +103,8 @@ def random_weight(fmt: str, n: int, k: int, device, gen, group_size: int = 128, 
     raw = torch.randint(0, 256, (n, nb, B), device=device, generator=gen, dtype=torch.int32).to(torch.uint8)
     scale = std / (127 if f.bits == 8 else 8)
     raw[..., 0:2] = torch.full((n, nb, 1), scale, dtype=torch.float16, device=device).view(torch.uint8)
-    if f.has_min:   # m = -2^(bits-1) d centres q d + m as Q4_0 / Q5_0's offsets do (q5_1 had -8 d: mean 7.5 d)
-        raw[..., 2:4] = torch.full((n, nb, 1), -(2 ** (f.bits - 1)) * scale, dtype=torch.float16,
-                                   device=device).view(torch.uint8)
+    if f.has_min:
+        raw[..., 2:4] = torch.full((n, nb, 1), -8 * scale, dtype=torch.float16, device=device).view(torch.uint8)
     data = raw.reshape(n, nb * B)
     return QuantizedTensor(fmt, (n, k), data if device != "cpu" else data.numpy())
 
