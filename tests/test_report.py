@@ -485,7 +485,7 @@ def test_model_bench_section(errors):
 
 def test_model_bench_against_fp16(errors):
     """The model section's comparison with the fp16 runner: decode, prefill by wall clock and by
-    GPU time (prefill_breakdown), and their quotient (host-bound when well above 1)."""
+    GPU time (prefill_breakdown), and their quotient (time outside kernels: launch gaps, or the host)."""
     def rec(fmt, dec, tps512, gpu_us, tps2048):
         return {"format": fmt, "decode_tok_s_graph": dec, "prefill_tok_s_512": tps512,
                 "prefill_tok_s_2048": tps2048,

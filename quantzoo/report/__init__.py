@@ -171,8 +171,10 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
     tok/s, and prefill both by the wall clock (tok/s, what a user waits; from the round-robin
     `prefill_side_by_side` where the bench has it) and by the GPU time of the profiled
     prefill of the shortest prompt (`prefill_breakdown`), the longest prompt by the wall clock
-    (prefill_short_long: 512 and 2048 tokens in the default run). wall / GPU > 1 means the host's
-    Python, not the GPU, set the short prompt's wall time. None without an fp16 record."""
+    (prefill_short_long: 512 and 2048 tokens in the default run). wall / GPU > 1 is time the GPU
+    spent outside kernels: the gaps between dependent launches (1.1-1.2x at 512 tokens on the H100,
+    where the host finishes in half the wall time: bench/NOTES.md, session 56), more where the
+    host's Python is the bound. None without an fp16 record."""
     recs = [r for r in (mb.get("results") if isinstance(mb, dict) else mb) or []
             if isinstance(r, dict) and not r.get("error")]
     base = next((r for r in recs if r.get("format") == "fp16"), None)
@@ -611,9 +613,11 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                          f" (the table above's prefill_tok_s_{short}, each format timed after the other: the "
                          "bench's round-robin run is not in this file"
                          + (f", it was skipped: {sbs['skipped'][:200]}" if sbs.get("skipped") else "") + ")") +
-                        " and by the GPU time of its profiled run; wall / GPU well above 1 means the "
-                        "host's Python, not the GPU, set that time (it moves up to 2x between runs on "
-                        "the lent machine)")
+                        " and by the GPU time of its profiled run (the sum of its kernels' times); wall / "
+                        "GPU above 1 is time outside kernels: the gaps between dependent launches (1.1-1.2 on "
+                        "the H100 at 512 tokens, where the host is done in half the wall time), and well "
+                        "above that where the host's Python sets the time (it moves up to 2x between runs "
+                        "on the lent machine)")
             if long:
                 txt += (f". The {long}-token columns are "
                         + (f"the same round-robin wall figures (not the table above's prefill_tok_s_{long}, "
