@@ -172,7 +172,7 @@ def model_vs_fp16_rows(mb: dict) -> tuple[list[str], list[list]] | None:
     `prefill_side_by_side` where the bench has it) and by the GPU time of the profiled
     prefill of the shortest prompt (`prefill_breakdown`), the longest prompt by the wall clock
     (prefill_short_long: 512 and 2048 tokens in the default run). wall / GPU > 1 is time the GPU
-    spent outside kernels: the gaps between dependent launches (1.1-1.2x at 512 tokens on the H100,
+    spent outside kernels: the gaps between dependent launches (1.1-1.3x at 512 tokens on the H100,
     where the host finishes in half the wall time: bench/NOTES.md, session 56), more where the
     host's Python is the bound. None without an fp16 record."""
     recs = [r for r in (mb.get("results") if isinstance(mb, dict) else mb) or []
@@ -614,7 +614,7 @@ def render(rep: dict, plots: list[str] | None = None, md_dir: str | None = None)
                          "bench's round-robin run is not in this file"
                          + (f", it was skipped: {sbs['skipped'][:200]}" if sbs.get("skipped") else "") + ")") +
                         " and by the GPU time of its profiled run (the sum of its kernels' times); wall / "
-                        "GPU above 1 is time outside kernels: the gaps between dependent launches (1.1-1.2 on "
+                        "GPU above 1 is time outside kernels: the gaps between dependent launches (1.1-1.3 on "
                         "the H100 at 512 tokens, where the host is done in half the wall time), and well "
                         "above that where the host's Python sets the time (it moves up to 2x between runs "
                         "on the lent machine)")
