@@ -168,6 +168,12 @@ def model_bytes(fmt: str, cfg, device: str, positions: int) -> tuple[int, int]:
     return int(w), cfg.kv_cache_bytes(positions, fl)
 
 
+def prompt_lens(args) -> list[int]:
+    """--prompt-lens as token counts ('' for none; ValueError where one is not a number: run()
+    says which flag)."""
+    return [int(x) for x in args.prompt_lens.split(",") if x]
+
+
 def make_config(layers: int, tiny: bool):
     from ..model.config import ModelConfig
 
@@ -419,19 +425,19 @@ def profile_formats(results, cfg, args, device) -> None:
 
     from .. import ops
 
-    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    lens = prompt_lens(args)
     for r in results:
         if "error" in r:
             continue
         m = synthetic_model(r["format"], cfg, device, group_size=args.awq_group_size)
-        for key in ("decode_breakdown", "prefill_breakdown") if prompt_lens else ("decode_breakdown",):
+        for key in ("decode_breakdown", "prefill_breakdown") if lens else ("decode_breakdown",):
             try:
                 if key == "decode_breakdown":
                     m.setup_cache(decode_cache_positions(args))
                     r[key] = decode_breakdown(m)
                 else:
-                    m.setup_cache(cache_positions(max(prompt_lens)))
-                    r[key] = prefill_breakdown(m, min(prompt_lens))
+                    m.setup_cache(cache_positions(max(lens)))
+                    r[key] = prefill_breakdown(m, min(lens))
             except Exception as e:  # noqa: BLE001 - the profile is a nicety; never lose the numbers for it
                 r[key] = [{"error": f"{type(e).__name__}: {e}"}]
         del m
@@ -524,13 +530,13 @@ def persistent_decode(m, steps: int) -> dict:
 def bench_format(fmt, cfg, args, device, bw) -> dict:
     import torch
 
-    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    lens = prompt_lens(args)
     t0 = time.perf_counter()
     m = synthetic_model(fmt, cfg, device, group_size=args.awq_group_size)
     _sync(device)
     setup_s = time.perf_counter() - t0
     dec_seq = decode_cache_positions(args)
-    pre_seq = cache_positions(max(prompt_lens, default=0))
+    pre_seq = cache_positions(max(lens, default=0))
     m.setup_cache(dec_seq)   # decode attends over the whole cache: keep it as short as the run
     if device.startswith("cuda"):   # peak from here: the random-init transients do not count
         torch.cuda.empty_cache()
@@ -579,11 +585,11 @@ def bench_format(fmt, cfg, args, device, bw) -> dict:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    if not prompt_lens:   # decode only (--prompt-lens ''): no prefill phase
+    if not lens:   # decode only (--prompt-lens ''): no prefill phase
         return r
     m.setup_cache(pre_seq)
     r["kv_cache_bytes"] = m.kv_cache_bytes()
-    for n in prompt_lens:
+    for n in lens:
         r[f"prefill_tok_s_{n}"] = time_prefill(m, n)
     if device.startswith("cuda"):   # prefill phase: cache of pre_seq positions, T=2048 activations
         peak = torch.cuda.max_memory_allocated(device)
@@ -624,7 +630,7 @@ def run(args) -> int:
     if args.prompt_lens is None:
         args.prompt_lens = "64,256" if args.tiny else "512,2048"
     try:
-        lens = [int(x) for x in args.prompt_lens.split(",") if x]
+        lens = prompt_lens(args)
     except ValueError:
         raise ValueError(f"--prompt-lens {args.prompt_lens!r}: comma-separated token counts") from None
     cfg = make_config(args.layers, args.tiny)
@@ -730,7 +736,7 @@ def render(out: dict, args) -> str:
 
     res = out["results"]
     fp16 = next((r for r in res if r["format"] == "fp16" and "error" not in r), None)
-    lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    lens = prompt_lens(args)
     lc_n = getattr(args, "long_context", None) or 0
     c = out["config"]
     # llama.cpp's figures are of the whole Qwen3-8B on an H100: beside nothing else
