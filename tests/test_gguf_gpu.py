@@ -45,6 +45,16 @@ def _weight(fmt, n, k, rng, scale=0.02):
     return w, qz.formats.get(fmt).quantize(w)
 
 
+def _wgmma_weight(fmt, n, k, rng):
+    """(w, the quantized weight on the CPU, the same on DEV) for a wgmma test (_weight's draws);
+    the test is skipped where the wgmma path does not run (off Hopper)."""
+    w, qt_cpu = _weight(fmt, n, k, rng)
+    qt = qt_cpu.to(DEV)
+    if not G.wgmma_ok(qt):
+        pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+    return w, qt_cpu, qt
+
+
 def _poisoned(shape, dtype=torch.float16, fill=float("nan")):
     return torch.full(shape, fill, dtype=dtype, device=DEV)
 
@@ -480,10 +490,7 @@ def test_wgmma_tails_splits_graph(fmt):
     split sum's order is fixed), and a graph replay equal to the eager call."""
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k in ((202, 4096), (8704, 2048), (72, 2816)):   # N % 4 != 0: the 1-wide reduce
-        w, qt_cpu = _weight(fmt, n, k, rng)
-        qt = qt_cpu.to(DEV)
-        if not G.wgmma_ok(qt):
-            pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+        w, qt_cpu, qt = _wgmma_weight(fmt, n, k, rng)
         w16 = qt_cpu.fmt.dequantize(qt_cpu).astype(np.float16).astype(np.float64)
         for m in (1, 7, 20, 33, 65, 130, 300):
             x16 = rng.standard_normal((m, k)).astype(np.float16)
@@ -567,10 +574,7 @@ def test_wgmma_glu_epilogue(fmt, monkeypatch):
     reduces = set()
     rng = np.random.default_rng(RNG.integers(1 << 32))
     for n, k in ((200, 4096), (204, 4096), (8704, 2048), (72, 2816)):
-        _, qt_cpu = _weight(fmt, n, k, rng)
-        qt = qt_cpu.to(DEV)
-        if not G.wgmma_ok(qt):
-            pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+        _, qt_cpu, qt = _wgmma_weight(fmt, n, k, rng)
         f = n // 2
         for m in (1, 7, 20, 33, 130, 300):
             cfg = G.wgmma_config(m, n, k, sm_count(torch.device(DEV)), glu=True)
@@ -692,10 +696,7 @@ def test_wgmma_128k_forced_schedules(fmt, monkeypatch):
     launches = _spy_wgmma(monkeypatch, lambda grid, a: tuple(int(v) for v in a[8:11]))
     rng = np.random.default_rng(RNG.integers(1 << 32))
     n, k = 1000, 2816
-    _, qt_cpu = _weight(fmt, n, k, rng)
-    qt = qt_cpu.to(DEV)
-    if not G.wgmma_ok(qt):
-        pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+    _, qt_cpu, qt = _wgmma_weight(fmt, n, k, rng)
     w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
     f = n // 2
     cfgs = [(c, False) for c in G.WGMMA_CFGS if G._wgmma_bps_bk(c)[1] == 128]
@@ -740,10 +741,7 @@ def test_wgmma_fp32_accumulation_bound(fmt, monkeypatch):
     sms = sm_count(torch.device(DEV))
     schedules = set()
     for n, k in ((202, 4096), (8704, 2048), (72, 2816), (1000, 512)):
-        _, qt_cpu = _weight(fmt, n, k, rng)
-        qt = qt_cpu.to(DEV)
-        if not G.wgmma_ok(qt):
-            pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+        _, qt_cpu, qt = _wgmma_weight(fmt, n, k, rng)
         w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
         worst = 0.0
         for m in (1, 7, 20, 33, 65, 100, 130, 200, 300):
@@ -784,10 +782,7 @@ def test_wgmma_whole_and_split_tiles_one_launch(fmt, monkeypatch):
     rng = np.random.default_rng(RNG.integers(1 << 32))
     sms = sm_count(torch.device(DEV))
     for n, k, ms in ((16904, 1024, (129,)), (11272, 2048, (257, 300))):
-        _, qt_cpu = _weight(fmt, n, k, rng)
-        qt = qt_cpu.to(DEV)
-        if not G.wgmma_ok(qt):
-            pytest.skip("the wgmma path runs on Hopper (compute capability 9.0) only")
+        _, qt_cpu, qt = _wgmma_weight(fmt, n, k, rng)
         w16 = torch.from_numpy(_wgmma_w16(qt_cpu)).to(DEV)
         f = n // 2
         for m in ms:
